@@ -1,0 +1,175 @@
+//! The `#[distributed_lock]` attribute of **dlock**.
+//!
+//! Use it through the runtime crate, which re-exports it and provides everything the
+//! generated code calls: depend on `dlock-runtime` and write
+//! `use dlock_runtime::distributed_lock;`. This crate only parses and validates the
+//! attribute at compile time and rewrites the function; it has no runtime code.
+//!
+//! # What it does
+//!
+//! `#[distributed_lock(key = "...")]` on an `async fn` makes "only one instance of
+//! this function runs at a time for this key, across every process and machine" a
+//! one-line annotation. Before the body runs the function acquires the lock named by
+//! the key (formatted from the arguments) on the configured backend; while the body
+//! runs a watchdog renews the lease; when the body ends — normal return, `?`, panic,
+//! or the caller dropping the future — the lock is released.
+//!
+//! ```ignore
+//! use dlock_runtime::distributed_lock;
+//!
+//! #[distributed_lock(key = "order:{order.id}", wait = "3s", lease = "10s")]
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> {
+//!     // runs while holding the lock "order:42" (for order.id == 42)
+//! #   todo!()
+//! }
+//! ```
+//!
+//! It works on free functions, inherent and trait-impl methods (`self`, `&self`,
+//! `&mut self`), generic functions (with `where` clauses), and functions with
+//! `impl Trait` arguments and returns. The attributes, visibility and signature of the
+//! function are kept exactly as written; only the body is replaced.
+//!
+//! # Arguments
+//!
+//! | argument | value | meaning | default |
+//! |---|---|---|---|
+//! | `key` (required) | string template | the lock's name; `{name}` or `{name.field.field}` interpolates a parameter with `Display` (`{self.id}` in methods, `{pair.0}` for tuple fields); `{{` and `}}` are literal braces | — |
+//! | `wait` | duration string | how long to wait for a busy lock before the busy policy applies; `"0s"` tries once | `"0s"` |
+//! | `lease` | duration string, > 0 | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
+//! | `on_busy` | `"fail"` or `"skip"` | `"fail"`: return the busy error; `"skip"`: do not run the body, return the skip value | `"fail"` |
+//! | `on_lost` | `"cancel"` or `"continue"` | `"cancel"`: when the lease is lost, stop the body at its next `.await` and return the lost error; `"continue"`: let it finish (logged) | `"cancel"` |
+//! | `watchdog` | `true` or `false` | `false`: no renewal, `lease` is a hard cap on how long the lock is held | `true` |
+//! | `hold_at_least` | duration string | keep the lock at least this long after the body ends (as a lease that expires, never a sleep in the caller) | none |
+//! | `backend` | non-empty string | name of a registered backend | the default backend |
+//! | `crate` | string holding a path | path of the runtime crate, for renamed dependencies | `"::dlock_runtime"` |
+//!
+//! Durations are humantime-style strings, parsed at compile time: one or more
+//! `<integer><unit>` groups, optionally separated by spaces — `"250ms"`, `"3s"`,
+//! `"1m 30s"`, `"1h30m"`. Units: `ns`, `us`/`µs`, `ms`, `s`/`sec`/`secs`/`second`/`seconds`,
+//! `m`/`min`/`mins`/`minute`/`minutes`, `h`/`hr`/`hrs`/`hour`/`hours`, `d`/`day`/`days`.
+//!
+//! # Return types
+//!
+//! What the function returns when it cannot run its body (the lock is busy, the lease
+//! was lost with `on_lost = "cancel"`, the backend failed, or the runtime was not
+//! initialised) depends on its return type:
+//!
+//! | return type | busy (`fail`), lost (`cancel`), backend error | `on_busy = "skip"` |
+//! |---|---|---|
+//! | `Result<T, E>` with `E: From<dlock_runtime::LockError>` | `Err(LockError::… .into())` | only for `T = ()` → `Ok(())` or `T = Option<U>` → `Ok(None)` |
+//! | `Option<T>` | `None` (and a `warn` event) | `None` |
+//! | `()` | returns `()` (and a `warn` event) | returns `()` |
+//! | anything else | compile error saying which return types work | compile error |
+//!
+//! This is decided by traits of the runtime, not by reading the return type's
+//! tokens, so aliases such as `anyhow::Result<T>`, `std::io::Result<T>` or a crate's
+//! own `Result<T>` work. `impl Trait` in the return type is fine as long as the
+//! concrete type fits, e.g. `-> Option<impl Display>`.
+//!
+//! Inside the body, `return` and `?` behave as in the original function: the body
+//! becomes an `async move` block whose output is the declared return type.
+//!
+//! # Compile-time errors
+//!
+//! An unknown or duplicate argument, a missing `key`, a bad duration, a zero `lease`,
+//! an unknown policy, a malformed key template, a `{placeholder}` that names no
+//! parameter, an empty `backend`, a `crate` string that is not a path, a non-`async`
+//! or `const` function, and a return type the busy policy cannot express are all
+//! compile errors pointing at the offending token. All errors of one attribute are
+//! reported together, and the function is still emitted unchanged next to them so
+//! that the rest of the crate (and your IDE) keeps working.
+//!
+//! # Equivalent code without the attribute
+//!
+//! The `pay` function above behaves like this hand-written version, using the
+//! runtime's programmatic API:
+//!
+//! ```ignore
+//! use std::time::Duration;
+//!
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> {
+//!     let key = format!("order:{}", order.id);
+//!     let guard = dlock_runtime::lock(key)
+//!         .wait(Duration::from_secs(3))
+//!         .lease(Duration::from_secs(10))
+//!         .acquire()
+//!         .await?; // Err(LockError::Busy) after 3 s, converted into AppError
+//!
+//!     let result = async {
+//!         // ... the original body ...
+//! #       todo!()
+//!     }
+//!     .await;
+//!
+//!     guard.release().await?;
+//!     result
+//! }
+//! ```
+//!
+//! The attribute does more than this sketch: it also stops the body when the lease is
+//! lost (`on_lost = "cancel"`, racing the body against `guard.lost()`), releases the
+//! lock from the guard's `Drop` on panic or cancellation, implements `on_busy =
+//! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns.
+//!
+//! The generated code calls only hidden items of the runtime
+//! (`dlock_runtime::__private::…`), which are not a stable API:
+//!
+//! ```text
+//! pub async fn pay(order: &Order) -> Result<Receipt, AppError> {
+//!     const __DLOCK_SPEC: ::dlock_runtime::__private::Spec = ::dlock_runtime::__private::Spec {
+//!         function: ::core::concat!(::core::module_path!(), "::", "pay"),
+//!         wait: ::dlock_runtime::__private::Duration::new(3, 0),
+//!         lease: ::dlock_runtime::__private::Duration::new(10, 0),
+//!         on_busy: ::dlock_runtime::__private::BusyPolicy::Fail,
+//!         on_lost: ::dlock_runtime::__private::LostPolicy::Cancel,
+//!         watchdog: true,
+//!         hold_at_least: ::core::option::Option::None,
+//!         backend: ::core::option::Option::None,
+//!     };
+//!     let __dlock_key: ::dlock_runtime::__private::String =
+//!         ::dlock_runtime::__private::format!("order:{}", &order.id);
+//!     ::dlock_runtime::__private::run_fail::<Result<Receipt, AppError>, _>(
+//!         &__DLOCK_SPEC, __dlock_key, async move { /* the original body */ },
+//!     ).await
+//! }
+//! ```
+//!
+//! # Limitations
+//!
+//! - The key is formatted with `Display` only (no format specs such as `{id:?}`).
+//! - Under `#[async_trait]` the attribute sees the already-desugared, non-`async`
+//!   method and rejects it; use native `async fn` in traits instead.
+
+mod duration;
+mod expand;
+mod parse;
+mod template;
+mod validate;
+
+use proc_macro::TokenStream;
+
+/// Runs an `async fn` under a distributed lock.
+///
+/// ```ignore
+/// use dlock_runtime::distributed_lock;
+///
+/// #[distributed_lock(key = "order:{order.id}", wait = "3s", lease = "10s")]
+/// async fn pay(order: &Order) -> Result<Receipt, AppError> {
+///     // ...
+/// #   todo!()
+/// }
+///
+/// #[distributed_lock(key = "report:nightly", on_busy = "skip", hold_at_least = "5m")]
+/// async fn nightly_report() {
+///     // runs on at most one machine; the others skip it
+/// }
+/// ```
+///
+/// Arguments: `key` (required template), `wait`, `lease`, `on_busy` (`"fail"` |
+/// `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`, `hold_at_least`,
+/// `backend` and `crate`. See the [crate documentation](crate) for what each does, the
+/// supported return types, and the code this expands to.
+#[proc_macro_attribute]
+pub fn distributed_lock(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::expand(attr.into(), item.into()).into()
+}

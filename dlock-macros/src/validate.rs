@@ -1,0 +1,386 @@
+//! Turns the parsed [`Args`] and the annotated function into a validated [`Model`],
+//! collecting every error (not just the first) into one [`syn::Error`].
+
+use std::time::Duration;
+
+use proc_macro2::Span;
+use syn::{ItemFn, LitStr, Path};
+
+use crate::duration;
+use crate::parse::Args;
+use crate::template::{self, Piece};
+
+/// Everything the expansion needs, all checked.
+pub(crate) struct Model {
+    /// The user's function, unchanged.
+    pub(crate) func: ItemFn,
+    /// The runtime crate path (`crate = "…"`), or `None` for `::dlock_runtime`.
+    pub(crate) krate: Option<Path>,
+    /// The key literal (for spans) and its parsed pieces.
+    pub(crate) key: LitStr,
+    pub(crate) key_pieces: Vec<Piece>,
+    pub(crate) wait: Spanned<Duration>,
+    pub(crate) lease: Spanned<Duration>,
+    pub(crate) on_busy: Spanned<BusyPolicy>,
+    pub(crate) on_lost: Spanned<LostPolicy>,
+    pub(crate) watchdog: Spanned<bool>,
+    pub(crate) hold_at_least: Option<Spanned<Duration>>,
+    pub(crate) backend: Option<LitStr>,
+}
+
+/// A value and the span of the token it came from (the call site for defaults).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Spanned<T> {
+    pub(crate) value: T,
+    pub(crate) span: Span,
+}
+
+impl<T> Spanned<T> {
+    fn new(value: T, span: Span) -> Self {
+        Spanned { value, span }
+    }
+}
+
+/// `on_busy`
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BusyPolicy {
+    Fail,
+    Skip,
+}
+
+/// `on_lost`
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LostPolicy {
+    Cancel,
+    Continue,
+}
+
+/// Accumulates errors with [`syn::Error::combine`].
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(errors) => errors.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    fn at(&mut self, span: Span, message: impl std::fmt::Display) {
+        self.push(syn::Error::new(span, message));
+    }
+}
+
+/// Validates the arguments against the function. Every problem found is reported.
+pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
+    let mut errors = Errors::default();
+    if let Some(parse_errors) = args.errors {
+        errors.push(parse_errors);
+    }
+    let sig = &func.sig;
+
+    // key
+    let mut key_pieces = Vec::new();
+    match &args.key {
+        None if args.key_written => {}
+        None => errors.at(
+            Span::call_site(),
+            "missing required argument `key`, e.g. \
+             #[distributed_lock(key = \"order:{order.id}\")]",
+        ),
+        Some(key) => {
+            let text = key.value();
+            if text.is_empty() {
+                errors.at(
+                    key.span(),
+                    "`key` must not be empty, e.g. key = \"order:{order.id}\"",
+                );
+            }
+            let (pieces, messages) = template::parse_lenient(&text);
+            for message in messages {
+                errors.at(key.span(), message);
+            }
+            let params = template::param_names(sig);
+            for piece in &pieces {
+                if let Piece::Placeholder(p) = piece
+                    && !params.contains(&p.root)
+                {
+                    errors.at(key.span(), unknown_param(&p.raw, &p.root, sig, &params));
+                }
+            }
+            key_pieces = pieces;
+        }
+    }
+
+    // Durations.
+    let mut duration = |lit: Option<&LitStr>, default: Duration| match lit {
+        None => Some(Spanned::new(default, Span::call_site())),
+        Some(lit) => match duration::parse(&lit.value()) {
+            Ok(d) => Some(Spanned::new(d, lit.span())),
+            Err(message) => {
+                errors.at(lit.span(), message);
+                None
+            }
+        },
+    };
+    let wait = duration(args.wait.as_ref(), Duration::ZERO);
+    let lease = duration(args.lease.as_ref(), Duration::from_secs(30));
+    let hold_at_least = args
+        .hold_at_least
+        .as_ref()
+        .map(|lit| duration(Some(lit), Duration::ZERO));
+    if let Some(lease) = &lease
+        && lease.value.is_zero()
+    {
+        errors.at(
+            lease.span,
+            "`lease` must be greater than zero, e.g. lease = \"30s\"",
+        );
+    }
+
+    // Policies.
+    let on_busy = match &args.on_busy {
+        None => Some(Spanned::new(BusyPolicy::Fail, Span::call_site())),
+        Some(lit) => match lit.value().as_str() {
+            "fail" => Some(Spanned::new(BusyPolicy::Fail, lit.span())),
+            "skip" => Some(Spanned::new(BusyPolicy::Skip, lit.span())),
+            other => {
+                errors.at(
+                    lit.span(),
+                    format!("unknown `on_busy` policy `{other}`: expected \"fail\" or \"skip\""),
+                );
+                None
+            }
+        },
+    };
+    let on_lost = match &args.on_lost {
+        None => Some(Spanned::new(LostPolicy::Cancel, Span::call_site())),
+        Some(lit) => match lit.value().as_str() {
+            "cancel" => Some(Spanned::new(LostPolicy::Cancel, lit.span())),
+            "continue" => Some(Spanned::new(LostPolicy::Continue, lit.span())),
+            other => {
+                errors.at(
+                    lit.span(),
+                    format!(
+                        "unknown `on_lost` policy `{other}`: expected \"cancel\" or \"continue\""
+                    ),
+                );
+                None
+            }
+        },
+    };
+    let watchdog = args.watchdog.as_ref().map_or_else(
+        || Spanned::new(true, Span::call_site()),
+        |b| Spanned::new(b.value, b.span),
+    );
+
+    // backend
+    if let Some(backend) = &args.backend
+        && backend.value().is_empty()
+    {
+        errors.at(
+            backend.span(),
+            "`backend` must not be empty: name a registered backend, e.g. backend = \"redis\", \
+             or leave `backend` out to use the default backend",
+        );
+    }
+
+    // crate
+    let krate = args
+        .krate
+        .as_ref()
+        .and_then(|lit| match lit.parse::<Path>() {
+            Ok(path) => Some(path),
+            Err(_) => {
+                errors.at(
+                    lit.span(),
+                    format!(
+                        "invalid `crate` path `{}`: expected a path to the runtime crate, \
+                     e.g. crate = \"::dlock_runtime\"",
+                        lit.value()
+                    ),
+                );
+                None
+            }
+        });
+
+    // The function itself.
+    if let Some(constness) = &sig.constness {
+        errors.at(
+            constness.span,
+            "#[distributed_lock] cannot be used on a `const fn`: it needs an `async fn`",
+        );
+    } else if sig.asyncness.is_none() {
+        errors.at(
+            sig.fn_token.span,
+            "#[distributed_lock] can only be used on an `async fn`: \
+             acquiring the lock awaits the backend (write `async fn`)",
+        );
+    }
+
+    if let Some(errors) = errors.0 {
+        return Err(errors);
+    }
+    match (args.key, wait, lease, on_busy, on_lost, hold_at_least) {
+        (Some(key), Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least) => {
+            Ok(Model {
+                func,
+                krate,
+                key,
+                key_pieces,
+                wait,
+                lease,
+                on_busy,
+                on_lost,
+                watchdog,
+                hold_at_least: hold_at_least.flatten(),
+                backend: args.backend,
+            })
+        }
+        // Every `None` above pushed an error, so this is unreachable in practice.
+        _ => Err(syn::Error::new(
+            Span::call_site(),
+            "invalid #[distributed_lock] attribute",
+        )),
+    }
+}
+
+/// The message for a placeholder whose root names no parameter.
+fn unknown_param(raw: &str, root: &str, sig: &syn::Signature, params: &[String]) -> String {
+    let function = &sig.ident;
+    let listed = if params.is_empty() {
+        format!("`{function}` has no parameters")
+    } else {
+        let names: Vec<String> = params.iter().map(|p| format!("`{p}`")).collect();
+        format!("the parameters of `{function}` are {}", names.join(", "))
+    };
+    let hint = if root == "self" {
+        " (`self` is only available in methods that take `self`, `&self` or `&mut self`)"
+    } else {
+        ""
+    };
+    format!("placeholder `{raw}` names no parameter: {listed}{hint}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(attr: &str, func: &str) -> syn::Result<Model> {
+        let args: Args = syn::parse_str(attr).expect("Args parsing never fails outright");
+        validate(args, syn::parse_str(func).expect("a function"))
+    }
+
+    fn messages(attr: &str, func: &str) -> Vec<String> {
+        match check(attr, func) {
+            Ok(_) => panic!("{attr} on {func} should be rejected"),
+            Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let model = check(r#"key = "k""#, "async fn f() {}").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(model.wait.value, Duration::ZERO);
+        assert_eq!(model.lease.value, Duration::from_secs(30));
+        assert_eq!(model.on_busy.value, BusyPolicy::Fail);
+        assert_eq!(model.on_lost.value, LostPolicy::Cancel);
+        assert!(model.watchdog.value);
+        assert!(model.hold_at_least.is_none());
+        assert!(model.backend.is_none());
+        assert!(model.krate.is_none());
+    }
+
+    #[test]
+    fn every_argument() {
+        let model = check(
+            r#"key = "o:{o.id}", wait = "1m 30s", lease = "10s", on_busy = "skip",
+               on_lost = "continue", watchdog = false, hold_at_least = "250ms",
+               backend = "zk", crate = "::renamed""#,
+            "async fn f(o: &Order) -> Option<()> { None }",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(model.wait.value, Duration::from_secs(90));
+        assert_eq!(model.lease.value, Duration::from_secs(10));
+        assert_eq!(model.on_busy.value, BusyPolicy::Skip);
+        assert_eq!(model.on_lost.value, LostPolicy::Continue);
+        assert!(!model.watchdog.value);
+        assert_eq!(
+            model.hold_at_least.map(|d| d.value),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(model.backend.map(|b| b.value()).as_deref(), Some("zk"));
+        assert!(model.krate.is_some());
+    }
+
+    #[test]
+    fn function_shape() {
+        assert_eq!(
+            messages(r#"key = "k""#, "fn f() {}"),
+            [
+                "#[distributed_lock] can only be used on an `async fn`: acquiring the lock \
+              awaits the backend (write `async fn`)"
+            ]
+        );
+        assert_eq!(
+            messages(r#"key = "k""#, "const fn f() {}"),
+            ["#[distributed_lock] cannot be used on a `const fn`: it needs an `async fn`"]
+        );
+    }
+
+    #[test]
+    fn placeholders_must_name_parameters() {
+        assert_eq!(
+            messages(r#"key = "{x}""#, "async fn pay(&self, order: u8) {}"),
+            ["placeholder `{x}` names no parameter: the parameters of `pay` are `self`, `order`"]
+        );
+        assert_eq!(
+            messages(r#"key = "{x}""#, "async fn pay() {}"),
+            ["placeholder `{x}` names no parameter: `pay` has no parameters"]
+        );
+        assert!(
+            check(
+                r#"key = "{self.id}:{a}""#,
+                "async fn m(&self, (a, _b): (u8, u8)) {}"
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn collects_every_error() {
+        let errors = messages(
+            r#"key = "{nope}:{", wait = "soon", lease = "0s", on_busy = "maybe",
+               on_lost = "ignore", backend = "", crate = "not a path", bogus = 1"#,
+            "fn f() {}",
+        );
+        assert_eq!(errors.len(), 10, "{errors:#?}");
+        assert!(errors[0].starts_with("unknown argument `bogus`"));
+        assert!(errors[1].starts_with("unclosed `{`"));
+        assert!(errors[2].starts_with("placeholder `{nope}` names no parameter"));
+        assert!(errors[3].starts_with("invalid duration `soon`"));
+        assert!(errors[4].starts_with("`lease` must be greater than zero"));
+        assert!(errors[5].starts_with("unknown `on_busy` policy `maybe`"));
+        assert!(errors[6].starts_with("unknown `on_lost` policy `ignore`"));
+        assert!(errors[7].starts_with("`backend` must not be empty"));
+        assert!(errors[8].starts_with("invalid `crate` path `not a path`"));
+        assert!(errors[9].contains("can only be used on an `async fn`"));
+    }
+
+    #[test]
+    fn missing_key() {
+        assert_eq!(
+            messages("", "async fn f() {}"),
+            [
+                "missing required argument `key`, e.g. #[distributed_lock(key = \"order:{order.id}\")]"
+            ]
+        );
+        // A key with a bad value is reported once, not also as missing.
+        assert_eq!(messages("key = 42", "async fn f() {}").len(), 1);
+        assert_eq!(
+            messages(r#"key = """#, "async fn f() {}"),
+            ["`key` must not be empty, e.g. key = \"order:{order.id}\""]
+        );
+    }
+}

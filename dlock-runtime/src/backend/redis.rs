@@ -1,0 +1,715 @@
+//! Redis (`redis://`, `rediss://`, `redis+cluster://`).
+//!
+//! One round trip per operation, each a script that checks the owner:
+//!
+//! - **acquire**: `SET lock owner NX PX lease`, and on success `INCR` of the
+//!   key's fence counter — the fencing token. When the counter is missing (first
+//!   use, or a server restarted without persistence), it is seeded from the
+//!   server's clock in microseconds, so tokens keep growing across such a
+//!   restart instead of starting again at 1. When busy, the script answers the
+//!   holder's remaining TTL.
+//! - **release**: compare-and-delete, then `PUBLISH` on the key's release channel.
+//! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
+//!   pipeline per backend (one round trip for every lease due).
+//!
+//! Waiters are woken by the release message. A busy waiter subscribes to the
+//! key's channel and then tries again before it waits, so a release between its
+//! first try and its subscription is never missed (the uncontended path does
+//! not pay for a subscription). Waiters also try again when the holder's TTL
+//! runs out, so a crashed holder or a lost message costs at most the rest of
+//! its lease, never the whole `wait`.
+//!
+//! A lock `K` (the registry's prefix included) is stored as `{K}`, its counter
+//! as `{K}:fence`, its channel is `{K}:released`: the hash tag puts both keys in
+//! one slot, so the same code runs on **Redis Cluster**. Keys are passed as
+//! `KEYS[]`, so ACL key patterns apply (`~{dlock:*`, channels `&{dlock:*`).
+//!
+//! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
+//! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`. Option
+//! `timeout` (default 2 s) bounds every command; the connection reconnects in
+//! the background, and while it is down renewals fail until the watchdog
+//! declares the lease lost, before it ends on the server.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Client, RedisError, Script};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use crate::error::{BackendError, LockError, redact_url};
+use crate::token::FencingToken;
+
+/// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
+/// Answers `{1, token}` or `{0, holder's remaining ms}`.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local token = redis.call('INCR', KEYS[2])
+  if token == 1 then
+    local now = redis.call('TIME')
+    token = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    redis.call('SET', KEYS[2], token)
+  end
+  return {1, token}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+",
+    )
+});
+
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if deleted.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], '1')
+  return 1
+end
+return 0
+",
+    )
+});
+
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The Redis backend. See the [module docs](self).
+#[derive(Clone)]
+pub struct RedisBackend {
+    conn: Conn,
+    listener: Listener,
+    shown_url: String,
+    timeout: Duration,
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("url", &self.shown_url)
+            .field("cluster", &matches!(self.conn, Conn::Cluster(_)))
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn redis_error(err: RedisError) -> BackendError {
+    if err.is_timeout()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_io_error()
+        || matches!(
+            err.code(),
+            Some("TRYAGAIN" | "LOADING" | "CLUSTERDOWN" | "MASTERDOWN")
+        )
+    {
+        BackendError::transient(err)
+    } else {
+        BackendError::permanent(err)
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn lock_key(stored: &str) -> String {
+    format!("{{{stored}}}")
+}
+
+/// What the URL says, with dlock's own options taken out.
+struct Target {
+    cluster: bool,
+    /// URLs for the redis crate, one per node (one for a single instance).
+    nodes: Vec<String>,
+    timeout: Duration,
+    tls_ca: Option<Vec<u8>>,
+}
+
+fn parse_url(url: &str) -> Result<Target, LockError> {
+    let shown = redact_url(url);
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| LockError::config(format!("`{shown}` is not a Redis URL")))?;
+    let (cluster, node_scheme) = match scheme.to_ascii_lowercase().as_str() {
+        "redis" => (false, "redis"),
+        "rediss" => (false, "rediss"),
+        "redis+cluster" => (true, "redis"),
+        "rediss+cluster" => (true, "rediss"),
+        other => {
+            return Err(LockError::config(format!(
+                "`{other}://` is not a Redis scheme (redis://, rediss://, redis+cluster://)"
+            )));
+        }
+    };
+    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let mut timeout = DEFAULT_TIMEOUT;
+    let mut tls_ca = None;
+    let mut passed_on = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("timeout", value)) => {
+                timeout = humantime::parse_duration(value)
+                    .ok()
+                    .filter(|t| !t.is_zero())
+                    .ok_or_else(|| {
+                        LockError::config(format!("bad `timeout={value}` in `{shown}`"))
+                    })?;
+            }
+            Some(("tls_ca", path)) => {
+                tls_ca =
+                    Some(std::fs::read(path).map_err(|e| {
+                        LockError::config(format!("cannot read tls_ca `{path}`: {e}"))
+                    })?);
+            }
+            _ => passed_on.push(pair),
+        }
+    }
+    let query = if passed_on.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", passed_on.join("&"))
+    };
+    let (userinfo, hosts_and_path) = match rest.rfind('@') {
+        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+        None => (None, rest),
+    };
+    let (hosts, path) = match hosts_and_path.find('/') {
+        Some(i) => hosts_and_path.split_at(i),
+        None => (hosts_and_path, ""),
+    };
+    let auth = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+    let hosts: Vec<&str> = hosts.split(',').filter(|h| !h.is_empty()).collect();
+    if hosts.is_empty() {
+        return Err(LockError::config(format!("no host in `{shown}`")));
+    }
+    if !cluster && hosts.len() > 1 {
+        return Err(LockError::config(format!(
+            "`{shown}` names several hosts: use redis+cluster:// for a cluster, or \
+             redlock:// for independent masters"
+        )));
+    }
+    let nodes = hosts
+        .iter()
+        .map(|h| format!("{node_scheme}://{auth}{h}{path}{query}"))
+        .collect();
+    Ok(Target {
+        cluster,
+        nodes,
+        timeout,
+        tls_ca,
+    })
+}
+
+fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
+    match tls_ca {
+        Some(ca) => Client::build_with_tls(
+            node,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca.clone()),
+            },
+        ),
+        None => Client::open(node),
+    }
+}
+
+/// rustls needs one process-wide crypto provider; dlock installs ring's unless
+/// the application installed one first.
+fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+impl RedisBackend {
+    /// Connects to the server (or cluster) a URL names. See the [module docs](self).
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        let shown_url = redact_url(url);
+        let target = parse_url(url)?;
+        if target.nodes.iter().any(|n| n.starts_with("rediss")) {
+            install_crypto_provider();
+        }
+        let timeout = target.timeout;
+        let fail = |e: RedisError| LockError::Backend {
+            backend: "redis",
+            source: BackendError::transient(format!("cannot connect to {shown_url}: {e}")),
+        };
+        let pubsub_client = client(&target.nodes[0], &target.tls_ca)
+            .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?;
+        // Connections run their driver tasks on the runtime that opens them:
+        // open them on dlock's own, which outlives any caller's.
+        let conn = crate::driver::run(async move {
+            if target.cluster {
+                let mut builder = redis::cluster::ClusterClient::builder(target.nodes.clone())
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(1);
+                if let Some(ca) = &target.tls_ca {
+                    builder = builder.certs(redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(ca.clone()),
+                    });
+                }
+                let cluster = builder.build()?.get_async_connection().await?;
+                Ok(Conn::Cluster(cluster))
+            } else {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                let manager = client(&target.nodes[0], &target.tls_ca)?
+                    .get_connection_manager_with_config(config)
+                    .await?;
+                Ok::<_, RedisError>(Conn::Single(manager))
+            }
+        })
+        .await
+        .map_err(fail)?;
+        let backend = RedisBackend {
+            conn,
+            listener: Listener::start(pubsub_client, timeout),
+            shown_url,
+            timeout,
+        };
+        // One round trip now: a wrong password or a missing ACL permission is
+        // an error of `connect`, not of the first lock.
+        backend.ping().await.map_err(|e| LockError::Backend {
+            backend: "redis",
+            source: e,
+        })?;
+        Ok(backend)
+    }
+
+    async fn ping(&self) -> Result<(), BackendError> {
+        let ping = redis::cmd("PING");
+        let _: String = match self.conn.clone() {
+            Conn::Single(mut c) => ping.query_async(&mut c).await,
+            Conn::Cluster(mut c) => ping.query_async(&mut c).await,
+        }
+        .map_err(redis_error)?;
+        Ok(())
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, BackendError> {
+        match self.conn.clone() {
+            Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+            Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+        }
+        .map_err(redis_error)
+    }
+
+    /// One attempt: the lease, or how long the holder's lease has left.
+    async fn try_once(
+        &self,
+        request: &AcquireRequest,
+    ) -> Result<Result<Lease, Duration>, BackendError> {
+        let key = lock_key(&request.key);
+        let started = Instant::now();
+        let (taken, value): (i64, i64) = self
+            .invoke(
+                ACQUIRE
+                    .key(&key)
+                    .key(format!("{key}:fence"))
+                    .arg(&request.owner)
+                    .arg(millis(request.lease)),
+            )
+            .await?;
+        if taken == 1 {
+            Ok(Ok(Lease {
+                key: request.key.clone(),
+                owner: request.owner.clone(),
+                token: Some(FencingToken::new(value as u64)),
+                valid_until: started + request.lease,
+                extra: None,
+            }))
+        } else {
+            // -1: no expiry (never set by dlock), -2: gone since; look again soon.
+            Ok(Err(Duration::from_millis(value.max(1) as u64)))
+        }
+    }
+
+    async fn renew_one(&self, lease: &Lease, ttl: Duration) -> Result<Renewal, BackendError> {
+        let started = Instant::now();
+        let extended: i64 = self
+            .invoke(
+                RENEW
+                    .key(lock_key(&lease.key))
+                    .arg(&lease.owner)
+                    .arg(millis(ttl)),
+            )
+            .await?;
+        Ok(renewal(extended, started, ttl))
+    }
+}
+
+fn renewal(extended: i64, started: Instant, ttl: Duration) -> Renewal {
+    if extended == 1 {
+        Renewal::Renewed {
+            valid_until: started + ttl,
+        }
+    } else {
+        Renewal::Lost
+    }
+}
+
+impl LockBackend for RedisBackend {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn check_key(&self, key: &str) -> Result<(), String> {
+        if matches!(self.conn, Conn::Cluster(_)) && key.starts_with('}') {
+            // `{}…}` would be an empty hash tag: the lock and its counter
+            // would land in different slots.
+            return Err("on Redis Cluster a stored key cannot start with `}`".into());
+        }
+        Ok(())
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        request: &'a AcquireRequest,
+    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+        Box::pin(async move {
+            let deadline = Instant::now() + request.wait;
+            if let Ok(lease) = self.try_once(request).await? {
+                return Ok(Acquired::Held(lease));
+            }
+            if request.wait.is_zero() {
+                return Ok(Acquired::Busy);
+            }
+            let channel = format!("{}:released", lock_key(&request.key));
+            let subscription =
+                tokio::time::timeout_at(deadline.into(), self.listener.join(channel))
+                    .await
+                    .ok()
+                    .flatten();
+            loop {
+                // Registered before the try: a release after it wakes us.
+                let released = subscription
+                    .as_ref()
+                    .map(|s| s.notify.clone().notified_owned());
+                let released = async move {
+                    match released {
+                        Some(n) => n.await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::pin!(released);
+                let ttl = match self.try_once(request).await? {
+                    Ok(lease) => return Ok(Acquired::Held(lease)),
+                    Err(ttl) => ttl,
+                };
+                let now = Instant::now();
+                if now >= deadline {
+                    return Ok(Acquired::Busy);
+                }
+                let wake_at = deadline.min(now + ttl + Duration::from_millis(1));
+                tokio::select! {
+                    () = &mut released => {}
+                    () = tokio::time::sleep_until(wake_at.into()) => {}
+                }
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
+        Box::pin(self.renew_one(lease, ttl))
+    }
+
+    fn renew_all<'a>(
+        &'a self,
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        Box::pin(async move {
+            let Conn::Single(mut conn) = self.conn.clone() else {
+                // A cluster routes each key to its node; the commands still
+                // share each node's connection.
+                return futures_util::future::join_all(
+                    batch.iter().map(|(lease, ttl)| self.renew_one(lease, *ttl)),
+                )
+                .await;
+            };
+            let started = Instant::now();
+            let mut pipe = redis::pipe();
+            pipe.load_script(&RENEW).ignore();
+            for (lease, ttl) in batch {
+                pipe.invoke_script(
+                    RENEW
+                        .key(lock_key(&lease.key))
+                        .arg(&lease.owner)
+                        .arg(millis(*ttl)),
+                );
+            }
+            match pipe.query_async::<Vec<i64>>(&mut conn).await {
+                Ok(answers) if answers.len() == batch.len() => answers
+                    .into_iter()
+                    .zip(batch)
+                    .map(|(extended, (_, ttl))| Ok(renewal(extended, started, *ttl)))
+                    .collect(),
+                Ok(_) => batch
+                    .iter()
+                    .map(|_| Err(BackendError::permanent("redis: short pipeline answer")))
+                    .collect(),
+                Err(err) => {
+                    let err = redis_error(err);
+                    let (transient, message) = (err.is_retryable(), err.to_string());
+                    batch
+                        .iter()
+                        .map(|_| {
+                            let message = format!("redis: renewal pipeline failed: {message}");
+                            Err(if transient {
+                                BackendError::transient(message)
+                            } else {
+                                BackendError::permanent(message)
+                            })
+                        })
+                        .collect()
+                }
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            let key = lock_key(&lease.key);
+            let _: i64 = self
+                .invoke(
+                    RELEASE
+                        .key(&key)
+                        .arg(&lease.owner)
+                        .arg(format!("{key}:released")),
+                )
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // The connections' driver tasks already live on dlock's I/O runtime and
+        // keep the order of commands, so calls go straight from the caller.
+        false
+    }
+}
+
+/// The release channels this process waits on, over one pub/sub connection.
+///
+/// One task owns the connection and does every SUBSCRIBE and UNSUBSCRIBE in
+/// order, so a channel never ends up unsubscribed while someone waits on it.
+#[derive(Clone)]
+struct Listener {
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+enum Command {
+    Join {
+        channel: String,
+        reply: oneshot::Sender<Arc<Notify>>,
+    },
+    Leave {
+        channel: String,
+    },
+}
+
+/// A waiter's interest in a channel; leaving is automatic on drop.
+struct Subscription {
+    channel: String,
+    notify: Arc<Notify>,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Leave {
+            channel: std::mem::take(&mut self.channel),
+        });
+    }
+}
+
+struct Channel {
+    waiters: usize,
+    notify: Arc<Notify>,
+}
+
+impl Listener {
+    fn start(client: Client, timeout: Duration) -> Listener {
+        let (commands, receiver) = mpsc::unbounded_channel();
+        crate::driver::handle().spawn(listen(client, timeout, receiver));
+        Listener { commands }
+    }
+
+    /// Subscribes (once per channel for the whole process) and answers when the
+    /// server confirmed, or `None` if the listener is gone.
+    async fn join(&self, channel: String) -> Option<Subscription> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Join {
+                channel: channel.clone(),
+                reply,
+            })
+            .ok()?;
+        let notify = answer.await.ok()?;
+        Some(Subscription {
+            channel,
+            notify,
+            commands: self.commands.clone(),
+        })
+    }
+}
+
+async fn listen(client: Client, timeout: Duration, mut commands: mpsc::UnboundedReceiver<Command>) {
+    let mut channels: HashMap<String, Channel> = HashMap::new();
+    let mut connection: Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> = None;
+    let mut reconnect_at = tokio::time::Instant::now();
+    loop {
+        if connection.is_none() && tokio::time::Instant::now() >= reconnect_at {
+            connection = connect_pubsub(&client, timeout, channels.keys()).await;
+            if connection.is_some() {
+                // Releases during the outage were not heard: let everyone look again.
+                for channel in channels.values() {
+                    channel.notify.notify_waiters();
+                }
+            } else {
+                reconnect_at = tokio::time::Instant::now() + Duration::from_millis(500);
+            }
+        }
+        // select! drops every branch's future before running a handler, so the
+        // handlers may change `connection` that the message future borrows.
+        tokio::select! {
+            command = commands.recv() => match command {
+                None => return,
+                Some(Command::Join { channel, reply }) => {
+                    let entry = channels.entry(channel.clone()).or_insert_with(|| Channel {
+                        waiters: 0,
+                        notify: Arc::new(Notify::new()),
+                    });
+                    entry.waiters += 1;
+                    let notify = entry.notify.clone();
+                    if entry.waiters == 1
+                        && let Some((sink, _)) = connection.as_mut()
+                        && !matches!(
+                            tokio::time::timeout(timeout, sink.subscribe(&channel)).await,
+                            Ok(Ok(()))
+                        )
+                    {
+                        connection = None;
+                    }
+                    let _ = reply.send(notify);
+                }
+                Some(Command::Leave { channel }) => {
+                    if let Some(entry) = channels.get_mut(&channel) {
+                        entry.waiters -= 1;
+                        if entry.waiters == 0 {
+                            channels.remove(&channel);
+                            if let Some((sink, _)) = connection.as_mut()
+                                && !matches!(
+                                    tokio::time::timeout(timeout, sink.unsubscribe(&channel)).await,
+                                    Ok(Ok(()))
+                                )
+                            {
+                                connection = None;
+                            }
+                        }
+                    }
+                }
+            },
+            message = async {
+                match connection.as_mut() {
+                    Some((_, stream)) => stream.next().await,
+                    None => std::future::pending().await,
+                }
+            } => match message {
+                Some(message) => {
+                    if let Some(channel) = channels.get(message.get_channel_name()) {
+                        channel.notify.notify_waiters();
+                    }
+                }
+                None => {
+                    connection = None;
+                    for channel in channels.values() {
+                        channel.notify.notify_waiters();
+                    }
+                }
+            },
+            () = tokio::time::sleep_until(reconnect_at), if connection.is_none() => {}
+        }
+    }
+}
+
+async fn connect_pubsub<'a>(
+    client: &Client,
+    timeout: Duration,
+    channels: impl Iterator<Item = &'a String>,
+) -> Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
+    let pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
+        .await
+        .ok()?
+        .ok()?;
+    let (mut sink, stream) = pubsub.split();
+    let channels: Vec<&String> = channels.collect();
+    if !channels.is_empty() {
+        tokio::time::timeout(timeout, sink.subscribe(channels))
+            .await
+            .ok()?
+            .ok()?;
+    }
+    Some((sink, stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let t = parse_url("redis://u:p@127.0.0.1:6379/2?timeout=250ms").unwrap();
+        assert!(!t.cluster);
+        assert_eq!(t.nodes, ["redis://u:p@127.0.0.1:6379/2"]);
+        assert_eq!(t.timeout, Duration::from_millis(250));
+        let t = parse_url("redis+cluster://:pw@a:1,b:2,c:3").unwrap();
+        assert!(t.cluster);
+        assert_eq!(
+            t.nodes,
+            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]
+        );
+        assert!(parse_url("redis://a:1,b:2").is_err());
+        assert!(parse_url("redis://h?timeout=soon").is_err());
+        // `Target` holds credentials and has no `Debug` on purpose.
+        let Err(err) = parse_url("redis://u:hunter2@a:1,b:2") else {
+            panic!("two hosts without +cluster must be refused")
+        };
+        assert!(!err.to_string().contains("hunter2"));
+    }
+}

@@ -1,0 +1,226 @@
+//! The error type of every dlock operation.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Why a lock operation did not succeed.
+///
+/// Match with `{ .. }` patterns (`LockError::Busy { .. }`): the enum is
+/// `#[non_exhaustive]` and variants may gain fields.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Another holder kept the lock for the whole wait budget.
+    #[error("lock `{key}` is busy (held elsewhere; waited {})", humantime::format_duration(*.waited))]
+    Busy {
+        /// The lock key, without the backend prefix.
+        key: String,
+        /// How long the caller waited before giving up.
+        waited: Duration,
+    },
+    /// The lease ended before the holder released it (expired, deleted on the
+    /// server, connection or session lost). Another process may hold it now.
+    #[error("lease on lock `{key}` was lost before release")]
+    Lost {
+        /// The lock key, without the backend prefix.
+        key: String,
+    },
+    /// A lock was requested before [`init`](crate::init) installed a registry.
+    #[error(
+        "dlock is not initialized: call dlock_runtime::init(...) at startup before taking locks"
+    )]
+    NotInitialized,
+    /// The key cannot be stored by the backend without ambiguity.
+    #[error("invalid lock key {key:?}: {reason}")]
+    InvalidKey {
+        /// The rejected key (escaped by `Debug` formatting when displayed).
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No backend of this name is registered.
+    #[error("no lock backend named `{name}` is registered (known: {known})")]
+    UnknownBackend {
+        /// The requested name.
+        name: String,
+        /// The registered names, comma separated.
+        known: String,
+    },
+    /// The backend failed (network, server, protocol). See [`LockError::is_retryable`].
+    #[error("lock backend `{backend}` failed: {source}")]
+    Backend {
+        /// The backend's kind (`"sqlite"`, `"redis"`, …).
+        backend: &'static str,
+        /// What went wrong.
+        #[source]
+        source: BackendError,
+    },
+    /// The registry or a backend was configured wrongly (bad URL, second `init`, …).
+    #[error("dlock configuration error: {message}")]
+    Config {
+        /// A description that never contains secrets.
+        message: String,
+    },
+}
+
+impl LockError {
+    /// Whether trying the same operation again later may succeed: a busy lock,
+    /// or a backend failure that is transient (timeout, lost connection).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            LockError::Busy { .. } => true,
+            LockError::Backend { source, .. } => source.is_retryable(),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn config(message: impl Into<String>) -> Self {
+        LockError::Config {
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn invalid_key(key: &str, reason: impl Into<String>) -> Self {
+        LockError::InvalidKey {
+            key: key.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl From<LockError> for std::io::Error {
+    fn from(err: LockError) -> Self {
+        let kind = match &err {
+            LockError::Busy { .. } => std::io::ErrorKind::WouldBlock,
+            LockError::Lost { .. } => std::io::ErrorKind::ConnectionAborted,
+            LockError::InvalidKey { .. } | LockError::Config { .. } => {
+                std::io::ErrorKind::InvalidInput
+            }
+            LockError::UnknownBackend { .. } | LockError::NotInitialized => {
+                std::io::ErrorKind::NotFound
+            }
+            LockError::Backend { .. } => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, err)
+    }
+}
+
+/// A failure inside a backend, with whether it is worth retrying.
+pub struct BackendError {
+    retryable: bool,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl BackendError {
+    /// A transient failure (timeout, connection reset, server restarting).
+    pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        BackendError {
+            retryable: true,
+            source: source.into(),
+        }
+    }
+
+    /// A failure that will happen again (permission denied, bad schema, protocol error).
+    pub fn permanent(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        BackendError {
+            retryable: false,
+            source: source.into(),
+        }
+    }
+
+    /// Whether the same call may succeed later.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// Wraps it into [`LockError::Backend`].
+    pub(crate) fn into_lock_error(self, backend: &'static str) -> LockError {
+        LockError::Backend {
+            backend,
+            source: self,
+        }
+    }
+}
+
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendError")
+            .field("retryable", &self.retryable)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+/// Removes the password from a URL-like string before it goes into an error or a log.
+pub(crate) fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, tail) = match rest.find(['/', '?', '#']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rfind('@') {
+        Some(at) => {
+            let userinfo = &authority[..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            let host = &authority[at + 1..];
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                format!("{scheme}://{user}@{host}{tail}")
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("postgres://dlock:s3cret@127.0.0.1:5432/db?x=1"),
+            "postgres://dlock:***@127.0.0.1:5432/db?x=1"
+        );
+        assert_eq!(redact_url("redis://:pw@h/"), "redis://:***@h/");
+        assert_eq!(redact_url("sqlite://a/b.db"), "sqlite://a/b.db");
+        assert_eq!(redact_url("memory://"), "memory://");
+    }
+
+    #[test]
+    fn retryable() {
+        assert!(
+            LockError::Busy {
+                key: "k".into(),
+                waited: Duration::ZERO
+            }
+            .is_retryable()
+        );
+        assert!(
+            BackendError::transient("x")
+                .into_lock_error("t")
+                .is_retryable()
+        );
+        assert!(
+            !BackendError::permanent("x")
+                .into_lock_error("t")
+                .is_retryable()
+        );
+        assert!(!LockError::NotInitialized.is_retryable());
+    }
+}

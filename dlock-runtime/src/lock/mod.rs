@@ -1,0 +1,383 @@
+//! Taking a lock: the builder, the acquisition, the guard.
+
+pub(crate) mod held;
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tracing::Instrument;
+
+use crate::backend::{AcquireRequest, Acquired, LockBackend};
+use crate::error::LockError;
+use crate::registry::Registry;
+use crate::token::FencingToken;
+use held::{HeldLease, NewLease};
+
+/// The lease length when none is given.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// How a lock is taken: the same knobs as the attribute's arguments.
+#[derive(Debug, Clone)]
+pub(crate) struct LockOptions {
+    pub(crate) wait: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) watchdog: bool,
+    pub(crate) hold_at_least: Option<Duration>,
+    pub(crate) backend: Option<Cow<'static, str>>,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        LockOptions {
+            wait: Duration::ZERO,
+            lease: DEFAULT_LEASE,
+            watchdog: true,
+            hold_at_least: None,
+            backend: None,
+        }
+    }
+}
+
+/// Starts a lock on `key` through the registry installed with [`init`](crate::init).
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use std::time::Duration;
+/// let guard = dlock_runtime::lock("order:42")
+///     .wait(Duration::from_secs(3))
+///     .lease(Duration::from_secs(10))
+///     .acquire()
+///     .await?;
+/// let token = guard.fencing_token();
+/// // … work, passing `token` to the storage …
+/// # let _ = token;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub fn lock(key: impl Into<String>) -> LockBuilder {
+    let registry = crate::registry::global()
+        .cloned()
+        .ok_or(LockError::NotInitialized);
+    LockBuilder::new(registry, key.into())
+}
+
+/// Configures and takes a lock; made by [`lock`](crate::lock()) or [`Registry::lock`].
+#[must_use = "a LockBuilder does nothing until `.acquire().await`"]
+pub struct LockBuilder {
+    registry: Result<Registry, LockError>,
+    key: String,
+    options: LockOptions,
+}
+
+impl fmt::Debug for LockBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockBuilder")
+            .field("key", &self.key)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LockBuilder {
+    pub(crate) fn new(registry: Result<Registry, LockError>, key: String) -> Self {
+        LockBuilder {
+            registry,
+            key,
+            options: LockOptions::default(),
+        }
+    }
+
+    /// How long to wait for a busy lock (default zero: try once).
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.options.wait = wait;
+        self
+    }
+
+    /// The lease length (default 30 s). The watchdog renews it every third of it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.options.lease = lease;
+        self
+    }
+
+    /// `false`: never renew; the lease is a hard cap, and the lock counts as
+    /// lost when it runs out.
+    pub fn watchdog(mut self, renew: bool) -> Self {
+        self.options.watchdog = renew;
+        self
+    }
+
+    /// On release, keep the key held for this long (as a lease that expires)
+    /// instead of freeing it at once.
+    pub fn hold_at_least(mut self, hold: Duration) -> Self {
+        self.options.hold_at_least = Some(hold);
+        self
+    }
+
+    /// Takes the lock on the backend registered under `name` instead of the default.
+    pub fn backend(mut self, name: impl Into<String>) -> Self {
+        self.options.backend = Some(Cow::Owned(name.into()));
+        self
+    }
+
+    /// Acquires the lock, waiting up to the wait budget.
+    ///
+    /// Errors: [`LockError::Busy`] when the budget ran out,
+    /// [`LockError::NotInitialized`], [`LockError::UnknownBackend`],
+    /// [`LockError::InvalidKey`], [`LockError::Config`], [`LockError::Backend`].
+    pub async fn acquire(self) -> Result<LockGuard, LockError> {
+        let registry = self.registry?;
+        acquire(&registry, &self.options, self.key).await
+    }
+}
+
+static NEXT_LEASE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A random owner token: 128 bits, hex.
+fn owner_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// The acquisition shared by the builder and the attribute.
+pub(crate) async fn acquire(
+    registry: &Registry,
+    options: &LockOptions,
+    key: String,
+) -> Result<LockGuard, LockError> {
+    if options.lease.is_zero() {
+        return Err(LockError::config("the lease must be longer than zero"));
+    }
+    let entry = registry.backend(options.backend.as_deref())?.clone();
+    let prefix = registry.key_prefix();
+    crate::key::check(&key, prefix)?;
+    let stored_key = format!("{prefix}{key}");
+    entry
+        .backend
+        .check_key(&stored_key)
+        .map_err(|reason| LockError::invalid_key(&key, reason))?;
+
+    if let Some(held) = crate::context::find(registry.inner.id, &entry.name, &stored_key)
+        && !held.is_lost()
+        && held.add_hold()
+    {
+        tracing::trace!(key = %key, "dlock reentrant hold");
+        return Ok(LockGuard { held: Some(held) });
+    }
+
+    let span = tracing::debug_span!(
+        "dlock.lock",
+        key = %key,
+        backend = %entry.name,
+        kind = entry.backend.kind(),
+        waited_ms = tracing::field::Empty,
+        held_ms = tracing::field::Empty,
+        token = tracing::field::Empty,
+    );
+    let lost = CancellationToken::new();
+    let request = AcquireRequest {
+        key: stored_key,
+        owner: owner_token(),
+        lease: options.lease,
+        wait: options.wait,
+        lost: lost.clone(),
+    };
+    let started = Instant::now();
+    let backend = entry.backend.clone();
+    let answer = if backend.needs_io_runtime() {
+        acquire_on_io_runtime(backend.clone(), request)
+            .instrument(span.clone())
+            .await
+    } else {
+        let abandoned = ReleaseIfAbandoned {
+            backend: &backend,
+            request: &request,
+            armed: true,
+        };
+        let answer = backend.acquire(&request).instrument(span.clone()).await;
+        abandoned.disarm();
+        answer.map(|a| (a, request))
+    };
+    let waited = started.elapsed();
+    span.record("waited_ms", waited.as_secs_f64() * 1000.0);
+    let (acquired, request) = answer.map_err(|e| {
+        tracing::debug!(parent: &span, error = %e, "dlock acquisition failed");
+        e.into_lock_error(backend.kind())
+    })?;
+    let lease = match acquired {
+        Acquired::Held(lease) => lease,
+        Acquired::Busy => {
+            tracing::debug!(parent: &span, waited_ms = waited.as_secs_f64() * 1000.0, "dlock busy");
+            return Err(LockError::Busy { key, waited });
+        }
+    };
+    if let Some(token) = lease.token {
+        span.record("token", token.get());
+    }
+    tracing::debug!(parent: &span, token = lease.token.map(FencingToken::get), "dlock acquired");
+    drop(request);
+    let held = HeldLease::new(NewLease {
+        id: NEXT_LEASE_ID.fetch_add(1, Ordering::Relaxed),
+        registry_id: registry.inner.id,
+        backend_name: entry.name.clone(),
+        backend,
+        user_key: key,
+        lease,
+        lease_len: options.lease,
+        renew: options.watchdog,
+        hold_at_least: options.hold_at_least,
+        lost,
+        span,
+        watchdog: registry.inner.watchdog.clone(),
+    });
+    registry.inner.watchdog.register(&held);
+    Ok(LockGuard { held: Some(held) })
+}
+
+/// Runs the acquisition on the I/O runtime. If the caller stops waiting (its
+/// future is dropped) after the backend granted the lease, the task releases
+/// it at once instead of leaving it to expire.
+async fn acquire_on_io_runtime(
+    backend: Arc<dyn LockBackend>,
+    request: AcquireRequest,
+) -> Result<(Acquired, AcquireRequest), crate::error::BackendError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    crate::driver::handle().spawn(async move {
+        let answer = backend.acquire(&request).await;
+        if let Err(Ok((Acquired::Held(lease), _))) = tx.send(answer.map(|a| (a, request))) {
+            let _ = backend.release(&lease).await;
+        }
+    });
+    match rx.await {
+        Ok(answer) => answer,
+        Err(_) => Err(crate::error::BackendError::permanent(
+            "the acquisition task on dlock's I/O runtime panicked",
+        )),
+    }
+}
+
+/// For backends called inline: if the caller drops the acquisition while a
+/// request may be on the wire, an owner-checked release is sent after it. The
+/// owner token is unique to this acquisition, so the release frees the key only
+/// if the abandoned request did take it, and a client that keeps the order of
+/// commands on a connection (Redis) sends it after the acquisition.
+struct ReleaseIfAbandoned<'a> {
+    backend: &'a Arc<dyn LockBackend>,
+    request: &'a AcquireRequest,
+    armed: bool,
+}
+
+impl ReleaseIfAbandoned<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ReleaseIfAbandoned<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let backend = self.backend.clone();
+        let lease = crate::backend::Lease {
+            key: self.request.key.clone(),
+            owner: self.request.owner.clone(),
+            token: None,
+            valid_until: Instant::now(),
+            extra: None,
+        };
+        crate::driver::handle().spawn(async move {
+            let _ = backend.release(&lease).await;
+        });
+    }
+}
+
+/// A held lock. Dropping it releases the lock in the background; prefer
+/// [`release`](LockGuard::release) where you can await, to see errors.
+#[must_use = "the lock is released as soon as the guard is dropped"]
+pub struct LockGuard {
+    held: Option<Arc<HeldLease>>,
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("LockGuard");
+        if let Some(held) = &self.held {
+            d.field("key", &held.user_key)
+                .field("backend", &held.backend_name)
+                .field("fencing_token", &held.fencing_token())
+                .field("lost", &held.is_lost());
+        }
+        d.finish()
+    }
+}
+
+impl LockGuard {
+    fn held(&self) -> &Arc<HeldLease> {
+        self.held
+            .as_ref()
+            .expect("LockGuard is only emptied by release or drop")
+    }
+
+    /// The key as given to [`lock`](crate::lock()) (without the registry's prefix).
+    pub fn key(&self) -> &str {
+        &self.held().user_key
+    }
+
+    /// The fencing token of this acquisition: strictly greater than every token
+    /// handed out for this key before. `None` on backends without a safe token (Redlock).
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        self.held().fencing_token()
+    }
+
+    /// Whether the lease is known to be lost.
+    pub fn is_lost(&self) -> bool {
+        self.held().is_lost()
+    }
+
+    /// Resolves when the lease is lost: it expired, the watchdog could not renew
+    /// it in time, or the backend reported it gone. Never resolves if the lock is
+    /// released first. The future owns what it needs (`'static`).
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.held().lost.clone().cancelled_owned()
+    }
+
+    /// Runs `future` with this lock visible to [`current()`](crate::current())
+    /// and reentrant for nested acquisitions of the same key in this task.
+    pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
+        let held = self.held().clone();
+        let span = held.span.clone();
+        crate::context::scope(held, future.instrument(span))
+    }
+
+    /// Releases the lock now (or, with `hold_at_least`, lets it expire then) and
+    /// reports how it went: `Err(LockError::Lost)` if the lease had been lost
+    /// while held — the protected work may have overlapped with another holder's.
+    /// Releasing a reentrant hold only drops the hold.
+    pub async fn release(mut self) -> Result<(), LockError> {
+        let held = self.held.take().expect("not yet released");
+        if !held.drop_hold() {
+            return Ok(());
+        }
+        held.release().await
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take()
+            && held.drop_hold()
+        {
+            {
+                // Cannot await here (a panic unwinds, a future is cancelled):
+                // hand the release to the I/O runtime, without blocking.
+                crate::driver::handle().spawn(async move {
+                    let _ = held.release().await;
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! What `#[distributed_lock]` expands to calls. **Not a stable API**: names and
+//! signatures here change without notice; use the attribute, or
+//! [`lock`](crate::lock()) and [`LockGuard`](crate::LockGuard).
+
+use std::borrow::Cow;
+use std::future::Future;
+
+pub use crate::outcome::{LockOutcome, SkipOutcome};
+pub use std::format;
+pub use std::string::String;
+pub use std::time::Duration;
+
+use crate::error::LockError;
+use crate::lock::{LockOptions, acquire};
+
+/// What to do when the lock is busy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BusyPolicy {
+    /// Return the busy error.
+    Fail,
+    /// Do not run the body; return the skip value.
+    Skip,
+}
+
+/// What to do when the lease is lost while the body runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostPolicy {
+    /// Stop the body at its next `.await` and return the lost error.
+    Cancel,
+    /// Let the body finish (a `warn` event is logged).
+    Continue,
+}
+
+/// The attribute's arguments, checked at compile time.
+#[derive(Debug)]
+pub struct Spec {
+    /// `module::function`, for traces.
+    pub function: &'static str,
+    /// `wait`.
+    pub wait: Duration,
+    /// `lease`.
+    pub lease: Duration,
+    /// `on_busy`.
+    pub on_busy: BusyPolicy,
+    /// `on_lost`.
+    pub on_lost: LostPolicy,
+    /// `watchdog`.
+    pub watchdog: bool,
+    /// `hold_at_least`.
+    pub hold_at_least: Option<Duration>,
+    /// `backend`.
+    pub backend: Option<&'static str>,
+}
+
+/// Runs `body` under the lock, with `on_busy = "fail"`.
+pub async fn run_fail<R: LockOutcome, F: Future<Output = R>>(
+    spec: &'static Spec,
+    key: String,
+    body: F,
+) -> R {
+    run(spec, key, body, None).await
+}
+
+/// Runs `body` under the lock, with `on_busy = "skip"`.
+pub async fn run_skip<R: SkipOutcome, F: Future<Output = R>>(
+    spec: &'static Spec,
+    key: String,
+    body: F,
+) -> R {
+    run(spec, key, body, Some(R::skipped)).await
+}
+
+async fn run<R: LockOutcome, F: Future<Output = R>>(
+    spec: &'static Spec,
+    key: String,
+    body: F,
+    skipped: Option<fn() -> R>,
+) -> R {
+    let Some(registry) = crate::registry::global() else {
+        return R::from_lock_error(LockError::NotInitialized);
+    };
+    let options = LockOptions {
+        wait: spec.wait,
+        lease: spec.lease,
+        watchdog: spec.watchdog,
+        hold_at_least: spec.hold_at_least,
+        backend: spec.backend.map(Cow::Borrowed),
+    };
+    let guard = match acquire(registry, &options, key).await {
+        Ok(guard) => guard,
+        Err(err) => {
+            return match (err, skipped) {
+                (LockError::Busy { key, waited }, Some(skipped)) => {
+                    tracing::debug!(
+                        function = spec.function,
+                        key = %key,
+                        waited_ms = waited.as_secs_f64() * 1000.0,
+                        "dlock: busy, body skipped"
+                    );
+                    skipped()
+                }
+                (err, _) => R::from_lock_error(err),
+            };
+        }
+    };
+    let body = guard.scope(body);
+    let finished = match spec.on_lost {
+        LostPolicy::Cancel => {
+            let lost = guard.lost();
+            tokio::select! {
+                biased;
+                out = body => Some(out),
+                () = lost => None,
+            }
+        }
+        LostPolicy::Continue => Some(body.await),
+    };
+    let key = guard.key().to_owned();
+    let released = guard.release().await;
+    match finished {
+        Some(out) => {
+            match released {
+                Ok(()) => {}
+                Err(LockError::Lost { .. }) => tracing::warn!(
+                    function = spec.function,
+                    key = %key,
+                    "dlock: the lease was lost while the body ran to completion (on_lost = \"continue\")"
+                ),
+                Err(err) => {
+                    tracing::warn!(function = spec.function, key = %key, error = %err, "dlock: release failed")
+                }
+            }
+            out
+        }
+        None => {
+            tracing::warn!(function = spec.function, key = %key, "dlock: lease lost, body cancelled");
+            R::from_lock_error(LockError::Lost { key })
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! dlock's shared test support: the conformance suite every backend's tests run.
+//!
+//! A backend's test file does:
+//!
+//! ```ignore
+//! async fn harness() -> &'static dlock_tests::Harness { /* init once */ }
+//! dlock_tests::conformance_suite!(harness);
+//! ```
+//!
+//! and gets one `#[tokio::test]` per invariant of DESIGN.md §5 that a single
+//! process can show. Every test runs on its own tokio runtime, so the suite
+//! also shows that a registry keeps working across runtimes.
+
+pub mod conformance;
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+
+/// Server-side access a backend's tests give the suite, to cause and observe
+/// what a lock holder cannot: an operator deleting the key, a check that the
+/// key is really gone.
+pub trait Faults: Send + Sync + 'static {
+    /// Ends the lease on `stored_key` behind the holder's back (`DEL`, `DELETE`,
+    /// expire now): the holder must learn that it lost the lock.
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()>;
+
+    /// Whether `stored_key` is held (unexpired, with an owner) on the server now.
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool>;
+}
+
+/// What the suite needs: the backend under test installed as the default
+/// backend of the global registry (so `#[distributed_lock]` functions use it),
+/// and its server-side controls.
+pub struct Harness {
+    /// Server-side controls of the backend under test.
+    pub faults: Arc<dyn Faults>,
+    /// Whether the backend hands out fencing tokens (all but Redlock).
+    pub fences: bool,
+}
+
+impl Harness {
+    /// The registry installed with `dlock_runtime::init`.
+    pub fn registry(&self) -> &'static dlock_runtime::Registry {
+        dlock_runtime::global().expect("the harness installs the global registry")
+    }
+
+    /// The stored form of a user key (with the registry's prefix).
+    pub fn stored(&self, key: &str) -> String {
+        format!("{}{key}", self.registry().key_prefix())
+    }
+}
+
+/// A key unique to this test run, so that runs against a persistent server
+/// never see each other's leases.
+pub fn unique_key(case: &str) -> String {
+    static RUN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let run = RUN.get_or_init(rand::random::<u64>);
+    format!("conformance:{case}:{run:016x}")
+}
+
+/// Expands to one `#[tokio::test]` per conformance case, each calling
+/// `$harness().await` (an `async fn() -> &'static Harness`) first.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($harness:path) => {
+        $crate::conformance_suite!(@cases $harness;
+            mutual_exclusion,
+            mutual_exclusion_through_the_attribute,
+            fencing_tokens_strictly_increase,
+            release_after_return,
+            release_after_question_mark,
+            release_after_panic,
+            release_after_cancellation,
+            expiry_when_the_holder_vanishes,
+            watchdog_keeps_a_long_body_locked,
+            lost_lease_cancels_the_body,
+            lost_lease_with_on_lost_continue_lets_the_body_finish,
+            lost_lease_reaches_a_guard_holder,
+            reentrancy_within_a_task,
+            skip_policy,
+            fail_policy_and_wait_budget,
+            hold_at_least_keeps_the_key_after_the_body,
+            watchdog_false_is_a_hard_cap,
+            release_wakes_a_waiter_quickly,
+            current_inside_and_outside,
+            invalid_keys_are_rejected,
+            unknown_backend_is_an_error
+        );
+    };
+    (@cases $harness:path; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let harness = $harness().await;
+                $crate::conformance::$case(harness).await;
+            }
+        )*
+    };
+}
+
+#[cfg(feature = "redis")]
+pub mod redis_support;
+
+/// The URL of a test server from `scripts/servers.sh` (`urls.env`), or its
+/// default. Test servers are never optional: a test that cannot reach its
+/// server fails with a message saying how to start it.
+pub fn server_url(var: &str, default: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| default.to_owned())
+}
+
+/// Panics with the way to start the test servers.
+pub fn servers_missing(url: &str, err: impl std::fmt::Display) -> ! {
+    panic!(
+        "cannot reach the test server at {url}: {err}\n\
+         start the test servers first: scripts/servers.sh up (scripts/test.sh does it)"
+    )
+}

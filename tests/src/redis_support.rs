@@ -1,0 +1,136 @@
+//! Server-side access to Redis for the Redis backends' tests.
+
+use futures_util::future::BoxFuture;
+use redis::AsyncCommands;
+
+use crate::Faults;
+
+/// Admin access to the Redis servers under a backend. Connections are opened
+/// per call, on the caller's runtime: every `#[tokio::test]` has its own, and a
+/// connection kept from a finished test's runtime would be dead.
+pub enum RedisFaults {
+    /// Independent servers (a single instance, or Redlock's masters); the key is
+    /// held if it is held on a majority of them.
+    Nodes(Vec<String>),
+    /// A Redis Cluster, by its seed nodes.
+    Cluster(Vec<String>),
+}
+
+/// How the backend names a stored key on the server.
+pub type KeyMapper = fn(&str) -> String;
+
+/// The Redis backend's layout: `{K}`.
+pub fn hash_tagged(stored: &str) -> String {
+    format!("{{{stored}}}")
+}
+
+/// Redlock's layout: the stored key as is.
+pub fn verbatim(stored: &str) -> String {
+    stored.to_owned()
+}
+
+async fn node(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap_or_else(|e| crate::servers_missing(url, e))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| crate::servers_missing(url, e))
+}
+
+impl RedisFaults {
+    /// Independent nodes (plain `redis://host:port` URLs); checks that they answer.
+    pub async fn nodes(urls: &[String]) -> Self {
+        for url in urls {
+            node(url).await;
+        }
+        RedisFaults::Nodes(urls.to_vec())
+    }
+
+    /// A cluster through its seed nodes; checks that it answers.
+    pub async fn cluster(urls: &[String]) -> Self {
+        let faults = RedisFaults::Cluster(urls.to_vec());
+        faults.cluster_connection().await;
+        faults
+    }
+
+    async fn cluster_connection(&self) -> redis::cluster_async::ClusterConnection {
+        let RedisFaults::Cluster(urls) = self else {
+            unreachable!("not a cluster")
+        };
+        redis::cluster::ClusterClient::new(urls.clone())
+            .unwrap_or_else(|e| crate::servers_missing(&urls.join(","), e))
+            .get_async_connection()
+            .await
+            .unwrap_or_else(|e| crate::servers_missing(&urls.join(","), e))
+    }
+
+    /// A connection to the first node (for commands of a test's own).
+    pub async fn first_node(&self) -> redis::aio::MultiplexedConnection {
+        match self {
+            RedisFaults::Nodes(urls) | RedisFaults::Cluster(urls) => node(&urls[0]).await,
+        }
+    }
+
+    /// Deletes `key` everywhere (nodes that do not answer are skipped).
+    pub async fn delete(&self, key: &str) {
+        match self {
+            RedisFaults::Nodes(urls) => {
+                for url in urls {
+                    if let Ok(client) = redis::Client::open(url.as_str())
+                        && let Ok(mut c) = client.get_multiplexed_async_connection().await
+                    {
+                        let _: Result<i64, _> = c.del(key).await;
+                    }
+                }
+            }
+            RedisFaults::Cluster(_) => {
+                let _: i64 = self.cluster_connection().await.del(key).await.expect("DEL");
+            }
+        }
+    }
+
+    /// Whether `key` exists with a TTL on a majority of the nodes.
+    pub async fn exists(&self, key: &str) -> bool {
+        match self {
+            RedisFaults::Nodes(urls) => {
+                let mut held = 0;
+                for url in urls {
+                    if let Ok(client) = redis::Client::open(url.as_str())
+                        && let Ok(mut c) = client.get_multiplexed_async_connection().await
+                        && matches!(c.pttl::<_, i64>(key).await, Ok(t) if t > 0)
+                    {
+                        held += 1;
+                    }
+                }
+                held > urls.len() / 2
+            }
+            RedisFaults::Cluster(_) => {
+                let ttl: i64 = self
+                    .cluster_connection()
+                    .await
+                    .pttl(key)
+                    .await
+                    .expect("PTTL");
+                ttl > 0
+            }
+        }
+    }
+}
+
+/// [`Faults`] over [`RedisFaults`], with the backend's key layout.
+pub struct RedisKeyFaults {
+    /// The admin connections.
+    pub redis: RedisFaults,
+    /// Stored key → Redis key.
+    pub layout: KeyMapper,
+}
+
+impl Faults for RedisKeyFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move { self.redis.delete(&(self.layout)(stored_key)).await })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.redis.exists(&(self.layout)(stored_key)).await })
+    }
+}

@@ -1,0 +1,215 @@
+//! The conformance suite on a single Redis server, and what only Redis has:
+//! ACL users, TLS, pub/sub wake-ups between processes, fence counters that
+//! survive data loss, clear errors for bad credentials and dead servers.
+#![cfg(feature = "redis")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, RedisBackend, Registry};
+use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults, hash_tagged};
+use dlock_tests::{Harness, server_url, servers_missing, unique_key};
+use tokio::sync::OnceCell;
+
+fn url() -> String {
+    server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
+}
+
+async fn harness() -> &'static Harness {
+    static HARNESS: OnceCell<Harness> = OnceCell::const_new();
+    HARNESS
+        .get_or_init(|| async {
+            let url = url();
+            let backend = RedisBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e));
+            dlock_runtime::init(Registry::builder().default_backend(backend).build())
+                .expect("first init");
+            Harness {
+                faults: Arc::new(RedisKeyFaults {
+                    redis: RedisFaults::nodes(&[url]).await,
+                    layout: hash_tagged,
+                }),
+                fences: true,
+            }
+        })
+        .await
+}
+
+dlock_tests::conformance_suite!(harness);
+
+/// A second backend on its own connections: what another process would have.
+async fn other_process() -> Registry {
+    Registry::builder()
+        .default_backend(RedisBackend::connect(&url()).await.expect("connect"))
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_of_another_connection_at_once() {
+    harness().await;
+    let (holder, waiter) = (other_process().await, other_process().await);
+    let key = unique_key("pubsub-handoff");
+    let mut handoffs = Vec::new();
+    for _ in 0..5 {
+        let guard = holder
+            .lock(&key)
+            .lease(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("acquire");
+        let waiting = tokio::spawn({
+            let (waiter, key) = (waiter.clone(), key.clone());
+            async move {
+                let g = waiter
+                    .lock(&key)
+                    .wait(Duration::from_secs(20))
+                    .acquire()
+                    .await;
+                (g, Instant::now())
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let released = Instant::now();
+        guard.release().await.expect("release");
+        let (next, acquired) = waiting.await.expect("task");
+        next.expect("handed over").release().await.expect("release");
+        handoffs.push(acquired - released);
+    }
+    handoffs.sort();
+    // The holder's lease was 30 s: only the release message can explain this.
+    assert!(
+        handoffs[2] < Duration::from_millis(100),
+        "median handoff {:?} (all: {handoffs:?})",
+        handoffs[2]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_growing_when_the_counter_is_lost() {
+    let h = harness().await;
+    let key = unique_key("fence-loss");
+    let registry = h.registry();
+    let first = registry.lock(&key).acquire().await.expect("acquire");
+    let before = first.fencing_token().expect("token");
+    first.release().await.expect("release");
+    // A restart without persistence, or an operator's FLUSHALL, loses the counter.
+    let fence = format!("{}:fence", hash_tagged(&h.stored(&key)));
+    RedisFaults::nodes(&[url()]).await.delete(&fence).await;
+    let second = registry.lock(&key).acquire().await.expect("acquire");
+    assert!(second.fencing_token().expect("token") > before);
+    second.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn acl_user_limited_to_the_lock_keys() {
+    harness().await;
+    let url = server_url(
+        "DLOCK_TEST_REDIS_ACL_URL",
+        "redis://dlock:dlock-secret@127.0.0.1:46379/",
+    );
+    let registry = Registry::builder()
+        .default_backend(
+            RedisBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        )
+        .build();
+    let key = unique_key("acl");
+    let guard = registry
+        .lock(&key)
+        .lease(Duration::from_millis(600))
+        .acquire()
+        .await
+        .expect("acquire as the ACL user");
+    // Held past a renewal, then released: every command of the backend is allowed.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!guard.is_lost());
+    guard.release().await.expect("release as the ACL user");
+    // A prefix outside the user's key pattern is refused by the server, clearly.
+    let outside = Registry::builder()
+        .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+        .key_prefix("other:")
+        .build();
+    let refused = outside.lock(&key).acquire().await;
+    match refused {
+        Err(LockError::Backend { source, .. }) => {
+            let message = source.to_string().to_lowercase();
+            assert!(
+                message.contains("noperm") || message.contains("permission"),
+                "{source}"
+            );
+        }
+        other => panic!("expected a permission error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn wrong_password_is_a_clear_error_without_the_password() {
+    let result = RedisBackend::connect("redis://dlock:not-the-password@127.0.0.1:46379/").await;
+    let err = result.expect_err("must not connect");
+    let shown = format!("{err} {err:?}");
+    assert!(!shown.contains("not-the-password"), "{shown}");
+    assert!(matches!(err, LockError::Backend { .. }), "{shown}");
+}
+
+#[tokio::test]
+async fn unreachable_server_fails_within_the_timeout() {
+    let started = Instant::now();
+    let result = RedisBackend::connect("redis://127.0.0.1:1/?timeout=500ms").await;
+    assert!(
+        matches!(result, Err(LockError::Backend { .. })),
+        "{result:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn tls_with_a_private_ca() {
+    harness().await;
+    let url = server_url("DLOCK_TEST_REDIS_TLS_URL", "rediss://127.0.0.1:46390/");
+    let ca = std::env::var("DLOCK_TEST_REDIS_TLS_CA").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../target/servers/tls/ca.crt").to_owned()
+    });
+    let url = format!("{url}?tls_ca={ca}");
+    let registry = Registry::builder()
+        .default_backend(
+            RedisBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        )
+        .build();
+    let guard = registry
+        .lock(unique_key("tls"))
+        .acquire()
+        .await
+        .expect("acquire over TLS");
+    assert!(guard.fencing_token().is_some());
+    guard.release().await.expect("release over TLS");
+    // Without the CA the server's certificate is not trusted.
+    let plain = RedisBackend::connect(&server_url(
+        "DLOCK_TEST_REDIS_TLS_URL",
+        "rediss://127.0.0.1:46390/",
+    ))
+    .await;
+    assert!(plain.is_err());
+}
+
+#[tokio::test]
+async fn bad_redis_urls_are_config_errors() {
+    for url in [
+        "redis://a:1,b:2/",
+        "redis://127.0.0.1:46379/?timeout=never",
+        "rediss://127.0.0.1:46390/?tls_ca=/no/such/file",
+    ] {
+        let result = RedisBackend::connect(url).await;
+        assert!(
+            matches!(result, Err(LockError::Config { .. })),
+            "{url}: {result:?}"
+        );
+    }
+}
