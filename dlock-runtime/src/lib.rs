@@ -63,6 +63,8 @@ pub mod __private;
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::RedisBackend;
+#[cfg(feature = "redis")]
+pub use backend::redlock::RedlockBackend;
 
 #[cfg(feature = "sqlite")]
 pub use backend::sql::SqliteBackend;

@@ -134,3 +134,52 @@ impl Faults for RedisKeyFaults {
         Box::pin(async move { self.redis.exists(&(self.layout)(stored_key)).await })
     }
 }
+
+/// `scripts/servers.sh`, which starts and stops the test servers.
+fn servers_script() -> std::path::PathBuf {
+    std::path::PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/servers.sh"
+    ))
+}
+
+fn servers_sh(args: &[&str]) {
+    let status = std::process::Command::new(servers_script())
+        .args(args)
+        .status()
+        .expect("run scripts/servers.sh");
+    assert!(status.success(), "scripts/servers.sh {args:?} failed");
+}
+
+/// Kills the Redis instance on `port` with SIGKILL (no shutdown, no save).
+pub fn sigkill_redis(port: u16) {
+    let state = std::env::var_os("DLOCK_SERVERS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/servers"))
+        });
+    let pid = std::fs::read_to_string(state.join(format!("redis/{port}/redis.pid")))
+        .expect("the server's pid file");
+    let status = std::process::Command::new("kill")
+        .args(["-9", pid.trim()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -9 redis:{port}");
+}
+
+/// Stops the Redis instance on `port` (SIGTERM; the test servers keep no data).
+pub fn stop_redis(port: u16) {
+    servers_sh(&["stop-redis", &port.to_string()]);
+}
+
+/// Starts the Redis instances on `ports` again when dropped, so that a failed
+/// assertion does not leave the servers down for the next tests.
+pub struct RestartRedisOnDrop(pub Vec<u16>);
+
+impl Drop for RestartRedisOnDrop {
+    fn drop(&mut self) {
+        for port in &self.0 {
+            servers_sh(&["start-redis", &port.to_string()]);
+        }
+    }
+}

@@ -6,54 +6,15 @@
 //! One test, alone in its binary: nothing else uses this server meanwhile.
 #![cfg(feature = "redis")]
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, RedisBackend, Registry, distributed_lock, lock};
+use dlock_tests::redis_support::{RestartRedisOnDrop, sigkill_redis};
 use dlock_tests::{servers_missing, unique_key};
 
 /// The fifth Redis instance of `scripts/servers.sh`, which this test may kill.
 const PORT: u16 = 46383;
-
-fn servers_script() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/servers.sh"
-    ))
-}
-
-fn pid_file() -> PathBuf {
-    let state = std::env::var_os("DLOCK_SERVERS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/servers"))
-        });
-    state.join(format!("redis/{PORT}/redis.pid"))
-}
-
-fn sigkill_redis() {
-    let pid = std::fs::read_to_string(pid_file()).expect("the server's pid file");
-    let status = Command::new("kill")
-        .args(["-9", pid.trim()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-}
-
-/// Restarts the server even when an assertion failed.
-struct RestartOnDrop;
-
-impl Drop for RestartOnDrop {
-    fn drop(&mut self) {
-        let status = Command::new(servers_script())
-            .args(["start-redis", &PORT.to_string()])
-            .status()
-            .expect("servers.sh");
-        assert!(status.success(), "could not restart redis on {PORT}");
-    }
-}
 
 #[derive(Debug)]
 enum AppError {
@@ -103,8 +64,8 @@ async fn server_killed_while_held() {
     });
     entered.recv().await.expect("the body started");
 
-    let restart = RestartOnDrop;
-    sigkill_redis();
+    let restart = RestartRedisOnDrop(vec![PORT]);
+    sigkill_redis(PORT);
     let killed = Instant::now();
 
     tokio::time::timeout(lease, guard.lost())

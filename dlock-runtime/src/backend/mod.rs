@@ -10,6 +10,8 @@
 //! |---|---|---|
 //! | [`memory`] | `memory://` | always |
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
+//! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
+//! | [`redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
 
 use std::any::Any;
 use std::fmt;
@@ -175,10 +177,11 @@ const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+clus
 
 /// Opens the backend a URL names.
 ///
-/// `memory://` and `sqlite://path` (feature `sqlite`) are available in this
-/// release; the other schemes of the design (`redis://`, `rediss://`,
-/// `redlock://`, `zk://`, `postgres://`, `mysql://`) are recognised and answer a
-/// [`LockError::Config`] that says they are not built yet.
+/// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
+/// `redis+cluster://` and `redlock://` (feature `redis`) are available in this
+/// release; the other schemes of the design (`zk://`, `postgres://`,
+/// `mysql://`) are recognised and answer a [`LockError::Config`] that says they
+/// are not built yet.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     let scheme = url
         .split_once(':')
@@ -197,12 +200,23 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
         "sqlite" => Err(LockError::config(
             "the `sqlite` backend is disabled: enable the `sqlite` feature of dlock-runtime",
         )),
-        "redis" | "rediss" | "redlock" | "zk" | "postgres" | "postgresql" | "mysql" | "mariadb" => {
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
+            Ok(Arc::new(redis::RedisBackend::connect(url).await?))
+        }
+        #[cfg(feature = "redis")]
+        "redlock" | "redlocks" => Ok(Arc::new(redlock::RedlockBackend::connect(url).await?)),
+        #[cfg(not(feature = "redis"))]
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
             Err(LockError::config(format!(
-                "the `{scheme}` backend is not available in this release of dlock-runtime \
-             (available: memory://, sqlite://path, redis://, rediss://, redis+cluster://, redlock://)"
+                "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
             )))
         }
+        "zk" | "postgres" | "postgresql" | "mysql" | "mariadb" => Err(LockError::config(format!(
+            "the `{scheme}` backend is not built yet in this release of dlock-runtime \
+             (available: memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
+             redlock://)"
+        ))),
         _ => Err(LockError::config(format!(
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
             redact_url(url)

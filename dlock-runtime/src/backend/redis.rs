@@ -66,7 +66,7 @@ return {0, redis.call('PTTL', KEYS[1])}
 });
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
+pub(super) static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -78,7 +78,7 @@ return 0
 });
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if deleted.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -118,7 +118,7 @@ impl fmt::Debug for RedisBackend {
     }
 }
 
-fn redis_error(err: RedisError) -> BackendError {
+pub(super) fn redis_error(err: RedisError) -> BackendError {
     if err.is_timeout()
         || err.is_connection_dropped()
         || err.is_connection_refusal()
@@ -134,7 +134,7 @@ fn redis_error(err: RedisError) -> BackendError {
     }
 }
 
-fn millis(d: Duration) -> u64 {
+pub(super) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
@@ -142,44 +142,62 @@ fn lock_key(stored: &str) -> String {
     format!("{{{stored}}}")
 }
 
-/// What the URL says, with dlock's own options taken out.
-struct Target {
-    cluster: bool,
-    /// URLs for the redis crate, one per node (one for a single instance).
-    nodes: Vec<String>,
-    timeout: Duration,
-    tls_ca: Option<Vec<u8>>,
+/// How the nodes of a URL relate.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Topology {
+    /// One server (`redis://`, `rediss://`).
+    Single,
+    /// A Redis Cluster through its seed nodes (`redis+cluster://`).
+    Cluster,
+    /// Independent masters (`redlock://`, `redlocks://`).
+    Redlock,
 }
 
-fn parse_url(url: &str) -> Result<Target, LockError> {
+/// What the URL says, with dlock's own options taken out. It holds the
+/// credentials, so it has no `Debug`.
+pub(super) struct Target {
+    pub(super) topology: Topology,
+    /// URLs for the redis crate, one per node (one for a single instance).
+    pub(super) nodes: Vec<String>,
+    /// The URL's `timeout` option, if given.
+    pub(super) timeout: Option<Duration>,
+    pub(super) tls_ca: Option<Vec<u8>>,
+}
+
+pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
     let shown = redact_url(url);
     let (scheme, rest) = url
         .split_once("://")
         .ok_or_else(|| LockError::config(format!("`{shown}` is not a Redis URL")))?;
-    let (cluster, node_scheme) = match scheme.to_ascii_lowercase().as_str() {
-        "redis" => (false, "redis"),
-        "rediss" => (false, "rediss"),
-        "redis+cluster" => (true, "redis"),
-        "rediss+cluster" => (true, "rediss"),
+    let (topology, node_scheme) = match scheme.to_ascii_lowercase().as_str() {
+        "redis" => (Topology::Single, "redis"),
+        "rediss" => (Topology::Single, "rediss"),
+        "redis+cluster" => (Topology::Cluster, "redis"),
+        "rediss+cluster" => (Topology::Cluster, "rediss"),
+        "redlock" => (Topology::Redlock, "redis"),
+        "redlocks" => (Topology::Redlock, "rediss"),
         other => {
             return Err(LockError::config(format!(
-                "`{other}://` is not a Redis scheme (redis://, rediss://, redis+cluster://)"
+                "`{other}://` is not a Redis scheme (redis://, rediss://, redis+cluster://, \
+                 redlock://)"
             )));
         }
     };
     let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let mut timeout = DEFAULT_TIMEOUT;
+    let mut timeout = None;
     let mut tls_ca = None;
     let mut passed_on = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
             Some(("timeout", value)) => {
-                timeout = humantime::parse_duration(value)
-                    .ok()
-                    .filter(|t| !t.is_zero())
-                    .ok_or_else(|| {
-                        LockError::config(format!("bad `timeout={value}` in `{shown}`"))
-                    })?;
+                timeout = Some(
+                    humantime::parse_duration(value)
+                        .ok()
+                        .filter(|t| !t.is_zero())
+                        .ok_or_else(|| {
+                            LockError::config(format!("bad `timeout={value}` in `{shown}`"))
+                        })?,
+                );
             }
             Some(("tls_ca", path)) => {
                 tls_ca =
@@ -208,7 +226,7 @@ fn parse_url(url: &str) -> Result<Target, LockError> {
     if hosts.is_empty() {
         return Err(LockError::config(format!("no host in `{shown}`")));
     }
-    if !cluster && hosts.len() > 1 {
+    if topology == Topology::Single && hosts.len() > 1 {
         return Err(LockError::config(format!(
             "`{shown}` names several hosts: use redis+cluster:// for a cluster, or \
              redlock:// for independent masters"
@@ -219,14 +237,14 @@ fn parse_url(url: &str) -> Result<Target, LockError> {
         .map(|h| format!("{node_scheme}://{auth}{h}{path}{query}"))
         .collect();
     Ok(Target {
-        cluster,
+        topology,
         nodes,
         timeout,
         tls_ca,
     })
 }
 
-fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
+pub(super) fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
     match tls_ca {
         Some(ca) => Client::build_with_tls(
             node,
@@ -241,7 +259,7 @@ fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
 
 /// rustls needs one process-wide crypto provider; dlock installs ring's unless
 /// the application installed one first.
-fn install_crypto_provider() {
+pub(super) fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
@@ -250,10 +268,15 @@ impl RedisBackend {
     pub async fn connect(url: &str) -> Result<Self, LockError> {
         let shown_url = redact_url(url);
         let target = parse_url(url)?;
+        if target.topology == Topology::Redlock {
+            return Err(LockError::config(format!(
+                "`{shown_url}` is a Redlock URL: open it with RedlockBackend::connect"
+            )));
+        }
         if target.nodes.iter().any(|n| n.starts_with("rediss")) {
             install_crypto_provider();
         }
-        let timeout = target.timeout;
+        let timeout = target.timeout.unwrap_or(DEFAULT_TIMEOUT);
         let fail = |e: RedisError| LockError::Backend {
             backend: "redis",
             source: BackendError::transient(format!("cannot connect to {shown_url}: {e}")),
@@ -263,7 +286,7 @@ impl RedisBackend {
         // Connections run their driver tasks on the runtime that opens them:
         // open them on dlock's own, which outlives any caller's.
         let conn = crate::driver::run(async move {
-            if target.cluster {
+            if target.topology == Topology::Cluster {
                 let mut builder = redis::cluster::ClusterClient::builder(target.nodes.clone())
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
@@ -529,7 +552,7 @@ impl LockBackend for RedisBackend {
 /// One task owns the connection and does every SUBSCRIBE and UNSUBSCRIBE in
 /// order, so a channel never ends up unsubscribed while someone waits on it.
 #[derive(Clone)]
-struct Listener {
+pub(super) struct Listener {
     commands: mpsc::UnboundedSender<Command>,
 }
 
@@ -544,9 +567,9 @@ enum Command {
 }
 
 /// A waiter's interest in a channel; leaving is automatic on drop.
-struct Subscription {
+pub(super) struct Subscription {
     channel: String,
-    notify: Arc<Notify>,
+    pub(super) notify: Arc<Notify>,
     commands: mpsc::UnboundedSender<Command>,
 }
 
@@ -564,7 +587,7 @@ struct Channel {
 }
 
 impl Listener {
-    fn start(client: Client, timeout: Duration) -> Listener {
+    pub(super) fn start(client: Client, timeout: Duration) -> Listener {
         let (commands, receiver) = mpsc::unbounded_channel();
         crate::driver::handle().spawn(listen(client, timeout, receiver));
         Listener { commands }
@@ -572,7 +595,7 @@ impl Listener {
 
     /// Subscribes (once per channel for the whole process) and answers when the
     /// server confirmed, or `None` if the listener is gone.
-    async fn join(&self, channel: String) -> Option<Subscription> {
+    pub(super) async fn join(&self, channel: String) -> Option<Subscription> {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(Command::Join {
@@ -695,11 +718,11 @@ mod tests {
     #[test]
     fn urls() {
         let t = parse_url("redis://u:p@127.0.0.1:6379/2?timeout=250ms").unwrap();
-        assert!(!t.cluster);
+        assert!(t.topology == Topology::Single);
         assert_eq!(t.nodes, ["redis://u:p@127.0.0.1:6379/2"]);
-        assert_eq!(t.timeout, Duration::from_millis(250));
+        assert_eq!(t.timeout, Some(Duration::from_millis(250)));
         let t = parse_url("redis+cluster://:pw@a:1,b:2,c:3").unwrap();
-        assert!(t.cluster);
+        assert!(t.topology == Topology::Cluster);
         assert_eq!(
             t.nodes,
             ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]

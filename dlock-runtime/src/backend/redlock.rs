@@ -1,1 +1,531 @@
 //! Redlock over several independent Redis masters (`redlock://h1:p1,h2:p2,…`).
+//!
+//! The published algorithm (<https://redis.io/docs/latest/develop/use/patterns/distributed-locks/>):
+//!
+//! - **acquire**: `SET key owner NX PX lease` on every node at once, each call
+//!   bounded by a per-node timeout far below the lease (the URL's `timeout`,
+//!   at most a tenth of the lease). The lock is ours only if a majority
+//!   (`N/2 + 1`) said yes and the validity `lease − elapsed − drift` (drift =
+//!   1% of the lease + 2 ms) is still positive; the lease's local end is then
+//!   `start + lease − drift`. Otherwise the attempt is undone on **every** node
+//!   (a node that timed out may have said yes) and retried after a random
+//!   back-off, so that clients that split the votes between them do not split
+//!   them again.
+//! - **renew**: owner-checked `PEXPIRE` on every node; the renewal counts only
+//!   with a majority. The watchdog's batches go out as one pipeline per node.
+//! - **release**: owner-checked delete on every node, which also `PUBLISH`es on
+//!   the key's release channel.
+//!
+//! Waiters subscribe to the release channel on every node (any one message
+//! wakes them) and also try again when the holders' TTL runs out.
+//!
+//! **No fencing token.** A token must grow strictly with every grant, but the
+//! nodes are independent: a counter on each would disagree after a node
+//! restarts or misses a grant, and no majority of counters orders two grants
+//! safely. [`Lease::token`] is therefore `None`, and
+//! [`CurrentLock::fencing_token`](crate::CurrentLock::fencing_token) returns
+//! `None` on this backend: use `redis://` or a SQL or ZooKeeper backend when
+//! the protected resource must reject stale writers.
+//!
+//! URLs: `redlock://[user:pass@]h1:p1,h2:p2,h3:p3[/db]` (`redlocks://` for TLS,
+//! `?tls_ca=/path/ca.pem` to trust a private CA); at least three nodes.
+//! Option `timeout` (default 200 ms) bounds each node's answer. `connect`
+//! needs a majority of the nodes to answer; the others are connected when they
+//! come back.
+
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use futures_util::future::{BoxFuture, join_all};
+use rand::Rng;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, Script};
+use tokio::sync::OnceCell;
+
+use super::redis::{
+    Listener, RELEASE, RENEW, Subscription, Topology, client, install_crypto_provider, millis,
+    parse_url, redis_error,
+};
+use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use crate::error::{BackendError, LockError, redact_url};
+
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` lease (ms).
+/// Answers `{1, 0}` or `{0, holder's remaining ms}`.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, 0}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// The default bound on one node's answer (the URL's `timeout` overrides it).
+const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(200);
+/// The floor of the per-node timeout for very short leases.
+const MIN_NODE_TIMEOUT: Duration = Duration::from_millis(10);
+/// The range of the random back-off after an attempt that did not reach a majority.
+const BACKOFF: std::ops::RangeInclusive<u64> = 5..=50;
+
+/// The Redlock backend. See the [module docs](self).
+pub struct RedlockBackend {
+    nodes: Vec<Node>,
+    quorum: usize,
+    timeout: Duration,
+    shown_url: String,
+}
+
+impl fmt::Debug for RedlockBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("url", &self.shown_url)
+            .field("nodes", &self.nodes.len())
+            .field("quorum", &self.quorum)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One master: its connection, opened when it first answers, and its pub/sub listener.
+struct Node {
+    client: Client,
+    conn: Arc<OnceCell<ConnectionManager>>,
+    listener: Listener,
+    timeout: Duration,
+}
+
+impl Node {
+    /// The node's managed connection, opened on dlock's I/O runtime on first
+    /// use (it then reconnects by itself); an error if the node does not answer.
+    async fn connection(&self) -> Result<ConnectionManager, BackendError> {
+        if let Some(conn) = self.conn.get() {
+            return Ok(conn.clone());
+        }
+        let (cell, client, timeout) = (self.conn.clone(), self.client.clone(), self.timeout);
+        crate::driver::run(async move {
+            cell.get_or_try_init(|| async {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(200));
+                client.get_connection_manager_with_config(config).await
+            })
+            .await
+            .cloned()
+        })
+        .await
+        .map_err(redis_error)
+    }
+
+    /// One call of `script` on `key`, bounded by `timeout`.
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout(timeout, async {
+            let mut conn = self.connection().await?;
+            let mut invocation = script.key(key);
+            for arg in args {
+                invocation.arg(*arg);
+            }
+            invocation
+                .invoke_async(&mut conn)
+                .await
+                .map_err(redis_error)
+        })
+        .await
+        .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+    }
+}
+
+fn node_timeout_error(timeout: Duration) -> BackendError {
+    BackendError::transient(format!(
+        "redlock: a node did not answer within {}",
+        humantime::format_duration(timeout)
+    ))
+}
+
+/// What one attempt on all nodes came to.
+enum Attempt {
+    Held(Lease),
+    /// No majority. `holders_left` is how long the current holder's lease has
+    /// left on the nodes that refused (`None`: no node knew a holder, e.g. a
+    /// split vote or unreachable nodes).
+    Refused {
+        holders_left: Option<Duration>,
+        answered: usize,
+        last_error: Option<BackendError>,
+    },
+}
+
+impl RedlockBackend {
+    /// Connects to the masters a `redlock://` URL names. See the [module docs](self).
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        let shown_url = redact_url(url);
+        let target = parse_url(url)?;
+        if target.topology != Topology::Redlock {
+            return Err(LockError::config(format!(
+                "`{shown_url}` is not a Redlock URL (redlock://h1:p1,h2:p2,h3:p3)"
+            )));
+        }
+        if target.nodes.len() < 3 {
+            return Err(LockError::config(format!(
+                "`{shown_url}` names {} node(s); Redlock needs at least 3 independent masters \
+                 (use redis:// for one server)",
+                target.nodes.len()
+            )));
+        }
+        if target.nodes.iter().any(|n| n.starts_with("rediss")) {
+            install_crypto_provider();
+        }
+        // `timeout` defaults lower than for one server: a slow node only costs
+        // its vote.
+        let timeout = target.timeout.unwrap_or(DEFAULT_NODE_TIMEOUT);
+        let mut nodes = Vec::with_capacity(target.nodes.len());
+        for node in &target.nodes {
+            let client = client(node, &target.tls_ca)
+                .map_err(|e| LockError::config(format!("bad Redlock URL `{shown_url}`: {e}")))?;
+            nodes.push(Node {
+                listener: Listener::start(client.clone(), timeout),
+                client,
+                conn: Arc::new(OnceCell::new()),
+                timeout,
+            });
+        }
+        let backend = RedlockBackend {
+            quorum: nodes.len() / 2 + 1,
+            nodes,
+            timeout,
+            shown_url,
+        };
+        // A wrong password, a missing ACL permission or too few live nodes is
+        // an error of `connect`, not of the first lock.
+        let pings = join_all(backend.nodes.iter().map(|node| async move {
+            tokio::time::timeout(timeout, async {
+                let mut conn = node.connection().await?;
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map_err(redis_error)
+            })
+            .await
+            .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+        }))
+        .await;
+        let answered = pings.iter().filter(|p| p.is_ok()).count();
+        if answered < backend.quorum {
+            let why = pings
+                .into_iter()
+                .find_map(Result::err)
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            return Err(LockError::Backend {
+                backend: "redlock",
+                source: BackendError::transient(format!(
+                    "cannot connect to {}: only {answered} of {} nodes answered, {} needed ({why})",
+                    backend.shown_url,
+                    backend.nodes.len(),
+                    backend.quorum
+                )),
+            });
+        }
+        Ok(backend)
+    }
+
+    /// The bound on one node's answer for a lease this long.
+    fn node_timeout(&self, lease: Duration) -> Duration {
+        self.timeout.min((lease / 10).max(MIN_NODE_TIMEOUT))
+    }
+
+    fn drift(lease: Duration) -> Duration {
+        lease / 100 + Duration::from_millis(2)
+    }
+
+    async fn attempt(&self, request: &AcquireRequest) -> Attempt {
+        let timeout = self.node_timeout(request.lease);
+        let started = Instant::now();
+        let lease_ms = millis(request.lease).to_string();
+        let args = [request.owner.as_str(), lease_ms.as_str()];
+        let answers: Vec<Result<(i64, i64), BackendError>> = join_all(
+            self.nodes
+                .iter()
+                .map(|node| node.invoke(&ACQUIRE, &request.key, &args, timeout)),
+        )
+        .await;
+        let granted = answers.iter().filter(|a| matches!(a, Ok((1, _)))).count();
+        let validity = request
+            .lease
+            .checked_sub(started.elapsed() + Self::drift(request.lease));
+        if granted >= self.quorum && validity.is_some_and(|v| !v.is_zero()) {
+            return Attempt::Held(Lease {
+                key: request.key.clone(),
+                owner: request.owner.clone(),
+                token: None,
+                valid_until: started + request.lease - Self::drift(request.lease),
+                extra: None,
+            });
+        }
+        if granted > 0 || answers.iter().any(Result::is_err) {
+            // A node that timed out may have granted: undo everywhere.
+            self.release_everywhere(&request.key, &request.owner, timeout)
+                .await;
+        }
+        let mut answered = 0;
+        let mut last_error = None;
+        let mut left: Vec<Duration> = Vec::new();
+        for answer in answers {
+            match answer {
+                Ok((taken, ttl)) => {
+                    answered += 1;
+                    if taken == 0 && ttl > 0 {
+                        left.push(Duration::from_millis(ttl as u64));
+                    }
+                }
+                Err(err) => last_error = Some(err),
+            }
+        }
+        // The holder keeps its majority until all but a minority of its
+        // copies have expired.
+        left.sort_unstable();
+        let holders_left = (left.len() >= self.quorum).then(|| left[left.len() - self.quorum]);
+        Attempt::Refused {
+            holders_left,
+            answered,
+            last_error,
+        }
+    }
+
+    /// Owner-checked delete (and release message) on every node; answers how
+    /// many nodes answered.
+    async fn release_everywhere(&self, key: &str, owner: &str, timeout: Duration) -> usize {
+        let channel = format!("{key}:released");
+        let args = [owner, channel.as_str()];
+        join_all(
+            self.nodes
+                .iter()
+                .map(|node| node.invoke::<i64>(&RELEASE, key, &args, timeout)),
+        )
+        .await
+        .iter()
+        .filter(|answer| answer.is_ok())
+        .count()
+    }
+
+    /// Subscribes to the key's release channel on every node that answers in time.
+    async fn subscribe(&self, key: &str, deadline: Instant) -> Vec<Subscription> {
+        let channel = format!("{key}:released");
+        join_all(self.nodes.iter().map(|node| {
+            tokio::time::timeout_at(deadline.into(), node.listener.join(channel.clone()))
+        }))
+        .await
+        .into_iter()
+        .filter_map(|joined| joined.ok().flatten())
+        .collect()
+    }
+}
+
+/// Resolves when any of the subscriptions hears a release (never, if there are none).
+fn any_release(subscriptions: &[Subscription]) -> BoxFuture<'static, ()> {
+    let waits: Vec<_> = subscriptions
+        .iter()
+        .map(|s| Box::pin(s.notify.clone().notified_owned()))
+        .collect();
+    if waits.is_empty() {
+        return Box::pin(std::future::pending());
+    }
+    Box::pin(async move {
+        futures_util::future::select_all(waits).await;
+    })
+}
+
+impl LockBackend for RedlockBackend {
+    fn kind(&self) -> &'static str {
+        "redlock"
+    }
+
+    fn acquire<'a>(
+        &'a self,
+        request: &'a AcquireRequest,
+    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+        Box::pin(async move {
+            let deadline = Instant::now() + request.wait;
+            let mut subscriptions: Option<Vec<Subscription>> = None;
+            loop {
+                // Registered before the attempt: a release after it wakes us.
+                let released = subscriptions.as_deref().map(any_release);
+                let (holders_left, answered, last_error) = match self.attempt(request).await {
+                    Attempt::Held(lease) => return Ok(Acquired::Held(lease)),
+                    Attempt::Refused {
+                        holders_left,
+                        answered,
+                        last_error,
+                    } => (holders_left, answered, last_error),
+                };
+                let now = Instant::now();
+                if now >= deadline {
+                    if answered < self.quorum {
+                        let why = last_error.map(|e| e.to_string()).unwrap_or_default();
+                        return Err(BackendError::transient(format!(
+                            "redlock: only {answered} of {} nodes answered, {} needed ({why})",
+                            self.nodes.len(),
+                            self.quorum
+                        )));
+                    }
+                    return Ok(Acquired::Busy);
+                }
+                let Some(released) = released else {
+                    // First refusal: subscribe, then try again at once, so a
+                    // release between the attempt and the subscription counts.
+                    subscriptions = Some(self.subscribe(&request.key, deadline).await);
+                    continue;
+                };
+                let backoff = Duration::from_millis(rand::rng().random_range(BACKOFF));
+                let retry_in = match holders_left {
+                    // A holder with a majority: its release or its expiry.
+                    Some(left) => left + Duration::from_millis(1),
+                    // A split vote or unreachable nodes: random back-off.
+                    None => backoff,
+                };
+                tokio::select! {
+                    () = released => {}
+                    () = tokio::time::sleep_until(deadline.min(now + retry_in).into()) => {}
+                }
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
+        Box::pin(async move {
+            self.renew_all(&[(lease, ttl)])
+                .await
+                .pop()
+                .unwrap_or_else(|| Err(BackendError::permanent("redlock: empty renewal answer")))
+        })
+    }
+
+    fn renew_all<'a>(
+        &'a self,
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        Box::pin(async move {
+            let shortest = batch.iter().map(|(_, ttl)| *ttl).min().unwrap_or_default();
+            let timeout = self.node_timeout(shortest);
+            let started = Instant::now();
+            // One pipeline per node: every lease due, one round trip.
+            let per_node: Vec<Result<Vec<i64>, BackendError>> =
+                join_all(self.nodes.iter().map(|node| async move {
+                    tokio::time::timeout(timeout, async {
+                        let mut conn = node.connection().await?;
+                        let mut pipe = redis::pipe();
+                        pipe.load_script(&RENEW).ignore();
+                        for (lease, ttl) in batch {
+                            pipe.invoke_script(
+                                RENEW.key(&lease.key).arg(&lease.owner).arg(millis(*ttl)),
+                            );
+                        }
+                        let answers: Vec<i64> =
+                            pipe.query_async(&mut conn).await.map_err(redis_error)?;
+                        if answers.len() == batch.len() {
+                            Ok(answers)
+                        } else {
+                            Err(BackendError::permanent("redlock: short pipeline answer"))
+                        }
+                    })
+                    .await
+                    .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+                }))
+                .await;
+            let elapsed = started.elapsed();
+            let unanswered = per_node.iter().filter(|n| n.is_err()).count();
+            batch
+                .iter()
+                .enumerate()
+                .map(|(i, (_, ttl))| {
+                    let extended = per_node
+                        .iter()
+                        .filter(|n| matches!(n, Ok(answers) if answers[i] == 1))
+                        .count();
+                    let refused = per_node.len() - unanswered - extended;
+                    let drift = Self::drift(*ttl);
+                    if extended >= self.quorum && elapsed + drift < *ttl {
+                        Ok(Renewal::Renewed {
+                            valid_until: started + *ttl - drift,
+                        })
+                    } else if refused > self.nodes.len() - self.quorum {
+                        // A majority says the key is not ours.
+                        Ok(Renewal::Lost)
+                    } else {
+                        Err(BackendError::transient(format!(
+                            "redlock: renewal reached {extended} of {} nodes, {} needed",
+                            self.nodes.len(),
+                            self.quorum
+                        )))
+                    }
+                })
+                .collect()
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            let answered = self
+                .release_everywhere(&lease.key, &lease.owner, self.timeout)
+                .await;
+            if answered == 0 {
+                // The copies expire with the lease.
+                return Err(BackendError::transient(
+                    "redlock: no node answered the release",
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // The connections' driver tasks live on dlock's I/O runtime already.
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn urls() {
+        let err = RedlockBackend::connect("redlock://127.0.0.1:1,127.0.0.1:2")
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("at least 3"), "{err}");
+        let err = RedlockBackend::connect("redis://127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not a Redlock URL"), "{err}");
+        // Nothing listens on these ports: an error naming the count, no password.
+        let err = RedlockBackend::connect("redlock://:hunter2@127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
+            .await
+            .unwrap_err();
+        let shown = err.to_string();
+        assert!(shown.contains("only 0 of 3 nodes answered"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    #[test]
+    fn drift_and_timeouts() {
+        assert_eq!(
+            RedlockBackend::drift(Duration::from_secs(10)),
+            Duration::from_millis(102)
+        );
+    }
+}

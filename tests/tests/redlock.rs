@@ -1,0 +1,196 @@
+//! The conformance suite on Redlock over the five Redis masters of
+//! `scripts/servers.sh`, and what only Redlock has: majority votes, split
+//! votes undone on every node, no fencing token.
+#![cfg(feature = "redis")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, RedlockBackend, Registry};
+use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults, verbatim};
+use dlock_tests::{Harness, server_url, servers_missing, unique_key};
+use redis::AsyncCommands;
+use tokio::sync::OnceCell;
+
+fn url() -> String {
+    server_url(
+        "DLOCK_TEST_REDLOCK_URL",
+        "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+    )
+}
+
+/// `redis://host:port` for each node of the Redlock URL.
+fn node_urls() -> Vec<String> {
+    let url = url();
+    let hosts = url.trim_start_matches("redlock://");
+    hosts
+        .split(',')
+        .map(|h| format!("redis://{}/", h.trim_end_matches('/')))
+        .collect()
+}
+
+async fn harness() -> &'static Harness {
+    static HARNESS: OnceCell<Harness> = OnceCell::const_new();
+    HARNESS
+        .get_or_init(|| async {
+            let url = url();
+            let backend = RedlockBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e));
+            dlock_runtime::init(Registry::builder().default_backend(backend).build())
+                .expect("first init");
+            Harness {
+                faults: Arc::new(RedisKeyFaults {
+                    redis: RedisFaults::nodes(&node_urls()).await,
+                    layout: verbatim,
+                }),
+                fences: false,
+            }
+        })
+        .await
+}
+
+dlock_tests::conformance_suite!(harness);
+
+async fn node(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("node url")
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| servers_missing(url, e))
+}
+
+/// How many nodes hold `key` right now.
+async fn copies(key: &str) -> usize {
+    let mut held = 0;
+    for url in node_urls() {
+        let ttl: i64 = node(&url).await.pttl(key).await.expect("PTTL");
+        if ttl > 0 {
+            held += 1;
+        }
+    }
+    held
+}
+
+#[tokio::test]
+async fn a_lock_is_written_to_every_node_and_released_from_every_node() {
+    let h = harness().await;
+    let key = unique_key("every-node");
+    let guard = h.registry().lock(&key).acquire().await.expect("acquire");
+    assert_eq!(guard.fencing_token(), None, "Redlock has no safe token");
+    assert_eq!(copies(&h.stored(&key)).await, 5);
+    guard.release().await.expect("release");
+    assert_eq!(copies(&h.stored(&key)).await, 0);
+}
+
+#[tokio::test]
+async fn a_minority_of_foreign_copies_does_not_block_the_majority() {
+    let h = harness().await;
+    let key = unique_key("minority");
+    let stored = h.stored(&key);
+    let urls = node_urls();
+    // Another client holds the key on two nodes only (a split vote it lost).
+    for url in &urls[..2] {
+        let _: () = node(url)
+            .await
+            .set_ex(&stored, "someone-else", 30)
+            .await
+            .expect("SET");
+    }
+    let guard = h
+        .registry()
+        .lock(&key)
+        .acquire()
+        .await
+        .expect("three of five is a majority");
+    assert_eq!(copies(&stored).await, 5);
+    guard.release().await.expect("release");
+    // Our release is owner-checked: the foreign copies stay.
+    assert_eq!(copies(&stored).await, 2);
+    for url in &urls[..2] {
+        let _: i64 = node(url).await.del(&stored).await.expect("DEL");
+    }
+}
+
+#[tokio::test]
+async fn a_majority_of_foreign_copies_is_busy_and_our_votes_are_undone() {
+    let h = harness().await;
+    let key = unique_key("majority");
+    let stored = h.stored(&key);
+    let urls = node_urls();
+    for url in &urls[..3] {
+        let _: () = node(url)
+            .await
+            .set_ex(&stored, "someone-else", 30)
+            .await
+            .expect("SET");
+    }
+    let started = Instant::now();
+    let result = h
+        .registry()
+        .lock(&key)
+        .wait(Duration::from_millis(300))
+        .acquire()
+        .await;
+    assert!(matches!(result, Err(LockError::Busy { .. })), "{result:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // The two nodes that said yes were released again.
+    for url in &urls[3..] {
+        let exists: bool = node(url).await.exists(&stored).await.expect("EXISTS");
+        assert!(!exists, "a vote of the failed attempt was left on {url}");
+    }
+    for url in &urls[..3] {
+        let _: i64 = node(url).await.del(&stored).await.expect("DEL");
+    }
+}
+
+#[tokio::test]
+async fn deleting_the_key_from_a_majority_is_a_loss() {
+    let h = harness().await;
+    let key = unique_key("majority-del");
+    let stored = h.stored(&key);
+    let guard = h
+        .registry()
+        .lock(&key)
+        .lease(Duration::from_millis(900))
+        .acquire()
+        .await
+        .expect("acquire");
+    let urls = node_urls();
+    // Two nodes forgetting is survivable…
+    for url in &urls[..2] {
+        let _: i64 = node(url).await.del(&stored).await.expect("DEL");
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!guard.is_lost(), "three copies are still a majority");
+    // …three are not.
+    let _: i64 = node(&urls[2]).await.del(&stored).await.expect("DEL");
+    tokio::time::timeout(Duration::from_millis(900), guard.lost())
+        .await
+        .expect("the loss reaches the holder within one lease");
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+}
+
+#[tokio::test]
+async fn bad_redlock_urls_are_config_errors() {
+    for url in [
+        "redlock://127.0.0.1:46379,127.0.0.1:46380",
+        "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381?timeout=soon",
+        "redis://127.0.0.1:46379/",
+    ] {
+        let result = RedlockBackend::connect(url).await;
+        assert!(
+            matches!(result, Err(LockError::Config { .. })),
+            "{url}: {result:?}"
+        );
+    }
+    // Through the registry, the scheme picks the backend.
+    let registry = Registry::from_url(&url()).await.expect("redlock:// opens");
+    let guard = registry
+        .lock(unique_key("from-url"))
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(guard.fencing_token(), None);
+    guard.release().await.expect("release");
+}

@@ -1,0 +1,102 @@
+//! Redlock with masters down: with 2 of 5 nodes down it still acquires, holds
+//! and releases; with 3 down it fails within the wait budget with an error
+//! that says how many nodes answered; once they are back, it works again
+//! without a new backend.
+//!
+//! One test, alone in its binary: it stops servers other tests use.
+#![cfg(feature = "redis")]
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, RedlockBackend, Registry};
+use dlock_tests::redis_support::{RestartRedisOnDrop, stop_redis};
+use dlock_tests::{server_url, servers_missing, unique_key};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minority_down_still_locks_majority_down_fails_in_time() {
+    let url = server_url(
+        "DLOCK_TEST_REDLOCK_URL",
+        "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+    );
+    let registry = Registry::builder()
+        .default_backend(
+            RedlockBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        )
+        .build();
+    let lease = Duration::from_millis(900);
+
+    let restart = RestartRedisOnDrop(vec![46381, 46382, 46383]);
+    stop_redis(46381);
+    stop_redis(46382);
+
+    // Two of five down: three votes are a majority.
+    let guard = registry
+        .lock(unique_key("minority-down"))
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire with 3 of 5 nodes");
+    assert_eq!(guard.fencing_token(), None);
+    // Held across several renewals on the three live nodes.
+    tokio::time::sleep(lease * 2).await;
+    assert!(!guard.is_lost(), "renewals on a majority keep the lease");
+    guard.release().await.expect("release");
+
+    // A lock held when a third node dies can no longer be renewed on a
+    // majority: its holder learns of the loss before the lease ends.
+    let held = registry
+        .lock(unique_key("third-node-dies"))
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    stop_redis(46383);
+    let stopped = Instant::now();
+    tokio::time::timeout(lease, held.lost())
+        .await
+        .expect("the loss reaches the holder within the lease");
+    assert!(stopped.elapsed() < lease, "{:?}", stopped.elapsed());
+    let _ = held.release().await;
+
+    // Three of five down: no majority, an error within the wait budget.
+    let wait = Duration::from_millis(500);
+    let started = Instant::now();
+    let result = registry
+        .lock(unique_key("majority-down"))
+        .wait(wait)
+        .lease(lease)
+        .acquire()
+        .await;
+    let took = started.elapsed();
+    match &result {
+        Err(err @ LockError::Backend { source, .. }) => {
+            assert!(err.is_retryable(), "{err}");
+            let message = source.to_string();
+            assert!(
+                message.contains("only 2 of 5 nodes answered, 3 needed"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    assert!(took < wait + Duration::from_millis(500), "took {took:?}");
+
+    drop(restart);
+    // The same backend reconnects to the restarted nodes by itself.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match registry.lock(unique_key("after-restart")).acquire().await {
+            Ok(guard) => {
+                guard.release().await.expect("release");
+                break;
+            }
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("no acquisition after the restart: {e}"),
+        }
+    }
+}
