@@ -7,6 +7,7 @@
 //! backends that ask for it run on this small runtime, which lives as long as
 //! the process.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::sync::OnceLock;
 
@@ -18,10 +19,20 @@ fn runtime() -> &'static Runtime {
         Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("dlock-io")
+            .on_thread_start(|| ON_IO_RUNTIME.set(true))
             .enable_all()
             .build()
             .expect("dlock: cannot start its I/O runtime (out of threads?)")
     })
+}
+
+thread_local! {
+    static ON_IO_RUNTIME: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the current thread is one of the I/O runtime's.
+pub(crate) fn on_io_runtime() -> bool {
+    ON_IO_RUNTIME.get()
 }
 
 /// The handle of the I/O runtime.

@@ -22,6 +22,13 @@ use crate::lock::held::{HeldLease, Phase};
 /// Leases due within this window of the earliest are renewed in the same batch.
 const BATCH_WINDOW: Duration = Duration::from_millis(10);
 
+/// The task looks at its schedule at least this often, even with nothing due.
+/// A lease due later than the next look is scheduled without waking the task:
+/// then acquiring a lock of a few seconds or more never costs a cross-thread
+/// wake-up, even when it is the only one held. An idle look also notices that
+/// every handle is gone.
+const IDLE_LOOK: Duration = Duration::from_secs(1);
+
 /// How often a held lease is renewed: a third of its length.
 pub(crate) fn renew_period(lease: Duration) -> Duration {
     lease / 3
@@ -54,8 +61,7 @@ struct Shared {
 struct Schedule {
     leases: BTreeMap<(Instant, u64), Arc<HeldLease>>,
     /// When the task will look next (`None`: not before it is woken). A lease
-    /// due later than this needs no wake-up: acquiring does not cost a
-    /// cross-thread wake-up of the task each time.
+    /// due later than this needs no wake-up.
     wakes_at: Option<Instant>,
 }
 
@@ -135,7 +141,11 @@ async fn run(shared: Weak<Shared>) {
             let next = schedule.leases.keys().next().map(|(at, _)| *at);
             // Set under the lock that `insert` reads it under; a wake-up sent
             // between here and the wait below is kept by `Notify` as a permit.
-            schedule.wakes_at = if due.is_empty() { next } else { Some(now) };
+            schedule.wakes_at = if due.is_empty() {
+                Some(next.map_or(now + IDLE_LOOK, |at| at.min(now + IDLE_LOOK)))
+            } else {
+                Some(now)
+            };
             (due, next)
         };
         if !due.is_empty() {
@@ -154,20 +164,10 @@ async fn run(shared: Weak<Shared>) {
         if idle && strong_count_before_sleep == 1 {
             return;
         }
-        match next {
-            Some(at) => {
-                tokio::select! {
-                    () = tokio::time::sleep_until(at.into()) => {}
-                    () = &mut wake => {}
-                }
-            }
-            None => {
-                // Wake up now and then to notice that every handle is gone.
-                tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                    () = &mut wake => {}
-                }
-            }
+        let at = next.map_or(now + IDLE_LOOK, |at| at.min(now + IDLE_LOOK));
+        tokio::select! {
+            () = tokio::time::sleep_until(at.into()) => {}
+            () = &mut wake => {}
         }
     }
 }

@@ -15,44 +15,13 @@
 //! Throughput varies run to run on a shared machine: read the ratios.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dlock_runtime::backend::{AcquireRequest, Acquired, LockBackend};
-use dlock_runtime::{LockError, MemoryBackend, Registry, distributed_lock, lock};
+use dlock_runtime::{MemoryBackend, Registry};
 
-const ROUNDS: usize = 5;
-
-#[distributed_lock(key = "bench:{i}", lease = "30s")]
-async fn annotated(i: u64) -> Result<u64, LockError> {
-    Ok(i)
-}
-
-async fn hand_written(i: u64) -> Result<u64, LockError> {
-    let guard = lock(format!("bench:{i}"))
-        .lease(Duration::from_secs(30))
-        .acquire()
-        .await?;
-    guard.release().await?;
-    Ok(i)
-}
-
-/// Operations per second of `op` over `n` distinct keys.
-async fn rate<F, Fut>(n: u64, mut op: F) -> f64
-where
-    F: FnMut(u64) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let started = Instant::now();
-    for i in 0..n {
-        op(i).await;
-    }
-    n as f64 / started.elapsed().as_secs_f64()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+mod common;
+use common::{ROUNDS, hand_written, macro_overhead, median, rate};
 
 fn row(name: &str, baseline: &str, ours: f64, base: f64) {
     println!(
@@ -74,26 +43,12 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|");
 
     // 1. attribute vs guard
-    let (mut ours, mut base) = (Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        base.push(
-            rate(n, |i| async move {
-                hand_written(i).await.map(drop).expect("guard")
-            })
-            .await,
-        );
-        ours.push(
-            rate(n, |i| async move {
-                annotated(i).await.map(drop).expect("attribute")
-            })
-            .await,
-        );
-    }
+    let (ours, base) = macro_overhead(n).await;
     row(
         "attribute, memory, acquire+release",
         "hand-written guard",
-        median(ours),
-        median(base),
+        ours,
+        base,
     );
 
     // 2. runtime vs backend called directly

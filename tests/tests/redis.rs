@@ -213,3 +213,30 @@ async fn bad_redis_urls_are_config_errors() {
         );
     }
 }
+
+/// Acquisitions dropped at every point of their flight (before sending, on
+/// the wire, after the grant) leave no key behind, and not only after the
+/// lease: the release follows the abandoned command on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_acquisitions_leave_no_key() {
+    let h = harness().await;
+    let mut keys = Vec::new();
+    for i in 0..200u64 {
+        let key = unique_key(&format!("abandoned-{i}"));
+        let attempt = h
+            .registry()
+            .lock(&key)
+            .lease(Duration::from_secs(30))
+            .acquire();
+        // Granted guards are dropped here too (released in the background).
+        let _ = tokio::time::timeout(Duration::from_micros(25 * (i % 12)), attempt).await;
+        keys.push(key);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for key in keys {
+        assert!(
+            !h.faults.is_held(&h.stored(&key)).await,
+            "{key} is still held"
+        );
+    }
+}

@@ -262,8 +262,7 @@ async fn acquire_on_io_runtime(
 /// For backends called inline: if the caller drops the acquisition while a
 /// request may be on the wire, an owner-checked release is sent after it. The
 /// owner token is unique to this acquisition, so the release frees the key only
-/// if the abandoned request did take it, and a client that keeps the order of
-/// commands on a connection (Redis) sends it after the acquisition.
+/// if the abandoned request did take it.
 struct ReleaseIfAbandoned<'a> {
     backend: &'a Arc<dyn LockBackend>,
     request: &'a AcquireRequest,
@@ -289,11 +288,33 @@ impl Drop for ReleaseIfAbandoned<'_> {
             valid_until: Instant::now(),
             extra: None,
         };
+        let lease = Arc::new(lease);
+        let release = {
+            let (backend, lease) = (backend.clone(), lease.clone());
+            async move {
+                let _ = backend.release(&lease).await;
+            }
+        };
+        // From the caller's runtime, so that a backend that sends from there
+        // (Redis over its local connection) sends the release after the
+        // abandoned command, on the same connection.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !crate::driver::on_io_runtime() => drop(runtime.spawn(release)),
+            _ => drop(crate::driver::handle().spawn(release)),
+        }
+        // If that runtime is shutting down the task above never runs: once
+        // the abandoned command has been answered or has timed out, release
+        // again from dlock's runtime (owner-checked: a no-op if already free).
         crate::driver::handle().spawn(async move {
+            tokio::time::sleep(ABANDONED_BACKSTOP).await;
             let _ = backend.release(&lease).await;
         });
     }
 }
+
+/// How long after an abandoned acquisition the backstop release goes out:
+/// longer than the backends' default command timeout.
+const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 
 /// A held lock. Dropping it releases the lock in the background; prefer
 /// [`release`](LockGuard::release) where you can await, to see errors.

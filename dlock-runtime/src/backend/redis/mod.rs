@@ -30,89 +30,51 @@
 //! the background, and while it is down renewals fail until the watchdog
 //! declares the lease lost, before it ends on the server.
 
-use std::collections::HashMap;
+mod connections;
+mod listener;
+
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_async::ClusterConnection;
 use redis::{Client, RedisError, Script};
-use tokio::sync::{Notify, mpsc, oneshot};
+
+use connections::{Conn, Connections};
+pub(super) use listener::{Listener, Subscription};
 
 use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
 /// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
-/// Answers `{1, token}` or `{0, holder's remaining ms}`.
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local token = redis.call('INCR', KEYS[2])
-  if token == 1 then
-    local now = redis.call('TIME')
-    token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    redis.call('SET', KEYS[2], token)
-  end
-  return {1, token}
-end
-return {0, redis.call('PTTL', KEYS[1])}
-",
-    )
-});
+/// Answers `{1, token}` or `{0, holder's remaining ms}`. Sent twice for one
+/// owner (a retry), it answers the same grant.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
-pub(super) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-",
-    )
-});
+pub(super) static RENEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("renew.lua")));
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if deleted.
-pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], '1')
-  return 1
-end
-return 0
-",
-    )
-});
+pub(super) static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("release.lua")));
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The Redis backend. See the [module docs](self).
-#[derive(Clone)]
 pub struct RedisBackend {
-    conn: Conn,
+    conns: Connections,
     listener: Listener,
     shown_url: String,
     timeout: Duration,
-}
-
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
 }
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
             .field("url", &self.shown_url)
-            .field("cluster", &matches!(self.conn, Conn::Cluster(_)))
+            .field("cluster", &self.conns.is_cluster())
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
@@ -283,38 +245,9 @@ impl RedisBackend {
         };
         let pubsub_client = client(&target.nodes[0], &target.tls_ca)
             .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?;
-        // Connections run their driver tasks on the runtime that opens them:
-        // open them on dlock's own, which outlives any caller's.
-        let conn = crate::driver::run(async move {
-            if target.topology == Topology::Cluster {
-                let mut builder = redis::cluster::ClusterClient::builder(target.nodes.clone())
-                    .connection_timeout(timeout)
-                    .response_timeout(timeout)
-                    .retries(1);
-                if let Some(ca) = &target.tls_ca {
-                    builder = builder.certs(redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(ca.clone()),
-                    });
-                }
-                let cluster = builder.build()?.get_async_connection().await?;
-                Ok(Conn::Cluster(cluster))
-            } else {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                let manager = client(&target.nodes[0], &target.tls_ca)?
-                    .get_connection_manager_with_config(config)
-                    .await?;
-                Ok::<_, RedisError>(Conn::Single(manager))
-            }
-        })
-        .await
-        .map_err(fail)?;
+        let conns = Connections::open(&target, timeout).await.map_err(fail)?;
         let backend = RedisBackend {
-            conn,
+            conns,
             listener: Listener::start(pubsub_client, timeout),
             shown_url,
             timeout,
@@ -330,7 +263,7 @@ impl RedisBackend {
 
     async fn ping(&self) -> Result<(), BackendError> {
         let ping = redis::cmd("PING");
-        let _: String = match self.conn.clone() {
+        let _: String = match self.conns.home() {
             Conn::Single(mut c) => ping.query_async(&mut c).await,
             Conn::Cluster(mut c) => ping.query_async(&mut c).await,
         }
@@ -338,13 +271,26 @@ impl RedisBackend {
         Ok(())
     }
 
+    /// One script call, over the local connection when there is one. The
+    /// scripts may run twice (see [`connections`]): each is idempotent for
+    /// its owner.
     async fn invoke<T: redis::FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
-        match self.conn.clone() {
-            Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-            Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+        async fn call<T: redis::FromRedisValue>(
+            conn: Conn,
+            invocation: &redis::ScriptInvocation<'_>,
+        ) -> Result<T, RedisError> {
+            match conn {
+                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+            }
+        }
+        let route = self.conns.route();
+        match call(route.conn.clone(), invocation).await {
+            Err(_) if route.died() => call(self.conns.home(), invocation).await,
+            answer => answer,
         }
         .map_err(redis_error)
     }
@@ -409,7 +355,7 @@ impl LockBackend for RedisBackend {
     }
 
     fn check_key(&self, key: &str) -> Result<(), String> {
-        if matches!(self.conn, Conn::Cluster(_)) && key.starts_with('}') {
+        if self.conns.is_cluster() && key.starts_with('}') {
             // `{}…}` would be an empty hash tag: the lock and its counter
             // would land in different slots.
             return Err("on Redis Cluster a stored key cannot start with `}`".into());
@@ -477,7 +423,8 @@ impl LockBackend for RedisBackend {
         batch: &'a [(&'a Lease, Duration)],
     ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
         Box::pin(async move {
-            let Conn::Single(mut conn) = self.conn.clone() else {
+            // The watchdog calls from dlock's I/O runtime: this is the home connection.
+            let Conn::Single(mut conn) = self.conns.route().conn else {
                 // A cluster routes each key to its node; the commands still
                 // share each node's connection.
                 return futures_util::future::join_all(
@@ -545,170 +492,6 @@ impl LockBackend for RedisBackend {
         // keep the order of commands, so calls go straight from the caller.
         false
     }
-}
-
-/// The release channels this process waits on, over one pub/sub connection.
-///
-/// One task owns the connection and does every SUBSCRIBE and UNSUBSCRIBE in
-/// order, so a channel never ends up unsubscribed while someone waits on it.
-#[derive(Clone)]
-pub(super) struct Listener {
-    commands: mpsc::UnboundedSender<Command>,
-}
-
-enum Command {
-    Join {
-        channel: String,
-        reply: oneshot::Sender<Arc<Notify>>,
-    },
-    Leave {
-        channel: String,
-    },
-}
-
-/// A waiter's interest in a channel; leaving is automatic on drop.
-pub(super) struct Subscription {
-    channel: String,
-    pub(super) notify: Arc<Notify>,
-    commands: mpsc::UnboundedSender<Command>,
-}
-
-impl Drop for Subscription {
-    fn drop(&mut self) {
-        let _ = self.commands.send(Command::Leave {
-            channel: std::mem::take(&mut self.channel),
-        });
-    }
-}
-
-struct Channel {
-    waiters: usize,
-    notify: Arc<Notify>,
-}
-
-impl Listener {
-    pub(super) fn start(client: Client, timeout: Duration) -> Listener {
-        let (commands, receiver) = mpsc::unbounded_channel();
-        crate::driver::handle().spawn(listen(client, timeout, receiver));
-        Listener { commands }
-    }
-
-    /// Subscribes (once per channel for the whole process) and answers when the
-    /// server confirmed, or `None` if the listener is gone.
-    pub(super) async fn join(&self, channel: String) -> Option<Subscription> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(Command::Join {
-                channel: channel.clone(),
-                reply,
-            })
-            .ok()?;
-        let notify = answer.await.ok()?;
-        Some(Subscription {
-            channel,
-            notify,
-            commands: self.commands.clone(),
-        })
-    }
-}
-
-async fn listen(client: Client, timeout: Duration, mut commands: mpsc::UnboundedReceiver<Command>) {
-    let mut channels: HashMap<String, Channel> = HashMap::new();
-    let mut connection: Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> = None;
-    let mut reconnect_at = tokio::time::Instant::now();
-    loop {
-        if connection.is_none() && tokio::time::Instant::now() >= reconnect_at {
-            connection = connect_pubsub(&client, timeout, channels.keys()).await;
-            if connection.is_some() {
-                // Releases during the outage were not heard: let everyone look again.
-                for channel in channels.values() {
-                    channel.notify.notify_waiters();
-                }
-            } else {
-                reconnect_at = tokio::time::Instant::now() + Duration::from_millis(500);
-            }
-        }
-        // select! drops every branch's future before running a handler, so the
-        // handlers may change `connection` that the message future borrows.
-        tokio::select! {
-            command = commands.recv() => match command {
-                None => return,
-                Some(Command::Join { channel, reply }) => {
-                    let entry = channels.entry(channel.clone()).or_insert_with(|| Channel {
-                        waiters: 0,
-                        notify: Arc::new(Notify::new()),
-                    });
-                    entry.waiters += 1;
-                    let notify = entry.notify.clone();
-                    if entry.waiters == 1
-                        && let Some((sink, _)) = connection.as_mut()
-                        && !matches!(
-                            tokio::time::timeout(timeout, sink.subscribe(&channel)).await,
-                            Ok(Ok(()))
-                        )
-                    {
-                        connection = None;
-                    }
-                    let _ = reply.send(notify);
-                }
-                Some(Command::Leave { channel }) => {
-                    if let Some(entry) = channels.get_mut(&channel) {
-                        entry.waiters -= 1;
-                        if entry.waiters == 0 {
-                            channels.remove(&channel);
-                            if let Some((sink, _)) = connection.as_mut()
-                                && !matches!(
-                                    tokio::time::timeout(timeout, sink.unsubscribe(&channel)).await,
-                                    Ok(Ok(()))
-                                )
-                            {
-                                connection = None;
-                            }
-                        }
-                    }
-                }
-            },
-            message = async {
-                match connection.as_mut() {
-                    Some((_, stream)) => stream.next().await,
-                    None => std::future::pending().await,
-                }
-            } => match message {
-                Some(message) => {
-                    if let Some(channel) = channels.get(message.get_channel_name()) {
-                        channel.notify.notify_waiters();
-                    }
-                }
-                None => {
-                    connection = None;
-                    for channel in channels.values() {
-                        channel.notify.notify_waiters();
-                    }
-                }
-            },
-            () = tokio::time::sleep_until(reconnect_at), if connection.is_none() => {}
-        }
-    }
-}
-
-async fn connect_pubsub<'a>(
-    client: &Client,
-    timeout: Duration,
-    channels: impl Iterator<Item = &'a String>,
-) -> Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
-    let pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
-        .await
-        .ok()?
-        .ok()?;
-    let (mut sink, stream) = pubsub.split();
-    let channels: Vec<&String> = channels.collect();
-    if !channels.is_empty() {
-        tokio::time::timeout(timeout, sink.subscribe(channels))
-            .await
-            .ok()?
-            .ok()?;
-    }
-    Some((sink, stream))
 }
 
 #[cfg(test)]
