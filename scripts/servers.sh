@@ -49,7 +49,7 @@ ACL_RULES=(
     +ping +hello +auth '+client|setname' +select +pttl +info
     # Redis checks every redis.call() of a script against the caller's ACL
     # too, so the commands the backend's Lua scripts run must be allowed as
-    # well (dlock-runtime/src/backend/redis.rs; PTTL and PUBLISH are above).
+    # well (dlock-runtime/src/backend/redis/*.lua; PTTL and PUBLISH are above).
     +get +set +del +incr +pexpire +time
     # Topology discovery, which a cluster client does on connect.
     '+cluster|slots' '+cluster|shards'

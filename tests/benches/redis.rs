@@ -644,7 +644,7 @@ impl Chart {
         const BAR: f64 = 18.0;
         let plot = W - LABEL - 110.0;
         let colour = |name: &str| {
-            if name.starts_with("dlock") {
+            if name.starts_with("dlock") && !name.contains("by hand") {
                 "#2b6cb0"
             } else if name.starts_with("rslock") {
                 "#c05621"
