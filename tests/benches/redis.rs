@@ -62,6 +62,36 @@ fn unlock_script() -> Script {
     )
 }
 
+/// The hand-written acquire: `SET key owner NX PX 30000`; whether it took the key.
+async fn floor_try(conn: &mut redis::aio::MultiplexedConnection, key: &str, owner: &str) -> bool {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg(owner)
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(conn)
+        .await
+        .expect("SET");
+    set.is_some()
+}
+
+/// The hand-written release: the compare-and-delete script.
+async fn floor_unlock(
+    c: &Contenders,
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    owner: &str,
+) {
+    let _: i64 = c
+        .unlock
+        .key(key)
+        .arg(owner)
+        .invoke_async(conn)
+        .await
+        .expect("unlock");
+}
+
 fn owner() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
@@ -137,23 +167,8 @@ async fn bench() -> anyhow::Result<()> {
                         async move {
                             let mut conn = c.floor.clone();
                             let owner = owner();
-                            let set: Option<String> = redis::cmd("SET")
-                                .arg(&key)
-                                .arg(&owner)
-                                .arg("NX")
-                                .arg("PX")
-                                .arg(30_000)
-                                .query_async(&mut conn)
-                                .await
-                                .expect("SET");
-                            assert!(set.is_some());
-                            let _: i64 = c
-                                .unlock
-                                .key(&key)
-                                .arg(&owner)
-                                .invoke_async(&mut conn)
-                                .await
-                                .expect("unlock");
+                            assert!(floor_try(&mut conn, &key, &owner).await);
+                            floor_unlock(&c, &mut conn, &key, &owner).await;
                         }
                     }
                 })
@@ -306,29 +321,11 @@ async fn bench() -> anyhow::Result<()> {
             async move {
                 let mut conn = c.floor.clone();
                 let owner = owner();
-                loop {
-                    let set: Option<String> = redis::cmd("SET")
-                        .arg(&key)
-                        .arg(&owner)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(30_000)
-                        .query_async(&mut conn)
-                        .await
-                        .expect("SET");
-                    if set.is_some() {
-                        break;
-                    }
+                while !floor_try(&mut conn, &key, &owner).await {
                     tokio::time::sleep(POLL).await;
                 }
                 let held = hold().await;
-                let _: i64 = c
-                    .unlock
-                    .key(&key)
-                    .arg(&owner)
-                    .invoke_async(&mut conn)
-                    .await
-                    .expect("unlock");
+                floor_unlock(&c, &mut conn, &key, &owner).await;
                 held
             }
         })

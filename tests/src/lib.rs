@@ -116,3 +116,22 @@ pub fn servers_missing(url: &str, err: impl std::fmt::Display) -> ! {
          start the test servers first: scripts/servers.sh up (scripts/test.sh does it)"
     )
 }
+
+/// Acquires `key` on `registry`, trying again every 200 ms for up to 15 s (a
+/// restarted server coming back), and answers the guard.
+pub async fn acquire_eventually(
+    registry: &dlock_runtime::Registry,
+    key: &str,
+) -> dlock_runtime::LockGuard {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        match registry.lock(key).acquire().await {
+            Ok(guard) => return guard,
+            Err(e) if std::time::Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("no acquisition of {key} after the restart: {e}"),
+        }
+    }
+}

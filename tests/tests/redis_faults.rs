@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, RedisBackend, Registry, distributed_lock, lock};
 use dlock_tests::redis_support::{RestartRedisOnDrop, sigkill_redis};
-use dlock_tests::{servers_missing, unique_key};
+use dlock_tests::{acquire_eventually, servers_missing, unique_key};
 
 /// The fifth Redis instance of `scripts/servers.sh`, which this test may kill.
 const PORT: u16 = 46383;
@@ -104,19 +104,11 @@ async fn server_killed_while_held() {
 
     drop(restart);
     // Same process, same backend: it reconnects by itself.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        match lock(unique_key("after-restart")).acquire().await {
-            Ok(guard) => {
-                assert!(guard.fencing_token().is_some());
-                guard.release().await.expect("release");
-                break;
-            }
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("no acquisition after the restart: {e}"),
-        }
-    }
+    let guard = acquire_eventually(
+        dlock_runtime::global().expect("initialised"),
+        &unique_key("after-restart"),
+    )
+    .await;
+    assert!(guard.fencing_token().is_some());
+    guard.release().await.expect("release");
 }

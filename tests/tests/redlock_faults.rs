@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, RedlockBackend, Registry};
 use dlock_tests::redis_support::{RestartRedisOnDrop, stop_redis};
-use dlock_tests::{server_url, servers_missing, unique_key};
+use dlock_tests::{acquire_eventually, server_url, servers_missing, unique_key};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn minority_down_still_locks_majority_down_fails_in_time() {
@@ -85,18 +85,6 @@ async fn minority_down_still_locks_majority_down_fails_in_time() {
 
     drop(restart);
     // The same backend reconnects to the restarted nodes by itself.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        match registry.lock(unique_key("after-restart")).acquire().await {
-            Ok(guard) => {
-                guard.release().await.expect("release");
-                break;
-            }
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("no acquisition after the restart: {e}"),
-        }
-    }
+    let guard = acquire_eventually(&registry, &unique_key("after-restart")).await;
+    guard.release().await.expect("release");
 }
