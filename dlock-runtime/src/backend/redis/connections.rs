@@ -6,10 +6,11 @@
 //! - the **home** connection, opened on dlock's own I/O runtime, which lives
 //!   as long as the process: always usable, from any runtime;
 //! - a **local** connection, opened in the background on the application's
-//!   runtime the first time a command comes from there. Commands from the
-//!   application then reach the socket without a hop between runtimes (a
-//!   thread wake-up each way, which costs about a third of the throughput of
-//!   a lock at concurrency 1 on loopback).
+//!   runtime the first time a command comes from there, and used only by
+//!   commands from that runtime. They then reach the socket without a hop
+//!   between runtimes (a thread wake-up each way, which costs about a third
+//!   of the throughput of a lock at concurrency 1 on loopback). Commands from
+//!   any other runtime go home.
 //!
 //! A sentinel task on the local connection's runtime marks it dead when that
 //! runtime shuts down (each `#[tokio::test]` has its own runtime): commands go
@@ -84,6 +85,8 @@ enum Local {
     Open {
         conn: Conn,
         alive: CancellationToken,
+        /// The runtime that drives it.
+        runtime: tokio::runtime::Id,
     },
 }
 
@@ -152,7 +155,17 @@ impl Connections {
         };
         let mut local = lock(&self.local);
         match &*local {
-            Local::Open { conn, alive } if !alive.is_cancelled() => {
+            // Only from its own runtime: another runtime's connection is
+            // driven only while that runtime runs (a current-thread runtime
+            // blocked in a synchronous call would stall our command).
+            Local::Open {
+                conn,
+                alive,
+                runtime: opened_on,
+            } if !alive.is_cancelled() => {
+                if *opened_on != runtime.id() {
+                    return home;
+                }
                 return Route {
                     conn: conn.clone(),
                     alive: Some(alive.clone()),
@@ -171,12 +184,14 @@ impl Connections {
             alive: CancellationToken::new(),
         };
         let opener = self.opener.clone();
+        let runtime_id = runtime.id();
         runtime.spawn(async move {
             match tokio::time::timeout(opener.timeout, opener.open()).await {
                 Ok(Ok(conn)) => {
                     *lock(&sentinel.local) = Local::Open {
                         conn,
                         alive: sentinel.alive.clone(),
+                        runtime: runtime_id,
                     };
                     // Lives as long as the runtime; dropped when it shuts down.
                     std::future::pending::<()>().await;
