@@ -20,7 +20,6 @@
 //! #[distributed_lock(key = "order:{order.id}", wait = "3s", lease = "10s")]
 //! async fn pay(order: &Order) -> Result<Receipt, AppError> {
 //!     // runs while holding the lock "order:42" (for order.id == 42)
-//! #   todo!()
 //! }
 //! ```
 //!
@@ -97,7 +96,6 @@
 //!
 //!     let result = async {
 //!         // ... the original body ...
-//! #       todo!()
 //!     }
 //!     .await;
 //!
@@ -156,7 +154,6 @@ use proc_macro::TokenStream;
 /// #[distributed_lock(key = "order:{order.id}", wait = "3s", lease = "10s")]
 /// async fn pay(order: &Order) -> Result<Receipt, AppError> {
 ///     // ...
-/// #   todo!()
 /// }
 ///
 /// #[distributed_lock(key = "report:nightly", on_busy = "skip", hold_at_least = "5m")]
