@@ -1,0 +1,340 @@
+//! Reads a run's histories and says what happened and what went wrong.
+//!
+//! The checker does not trust the store's decisions: it replays the store's log
+//! in order and recomputes, per key, the newest token seen and the current version,
+//! so a store (or lock) that let a stale write through shows up here.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::history::{self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, WorkerEvent};
+use crate::store::Mode;
+
+/// What the orchestrator measured at the end of a run, saved as `meta.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct RunMeta {
+    /// Backend name as given (`sqlite`, `redis`, `redlock`, or the URL's scheme).
+    pub(crate) backend: String,
+    /// Seed of the nemesis and the workers.
+    pub(crate) seed: u64,
+    /// Worker processes at a time.
+    pub(crate) workers: usize,
+    /// How the store decided.
+    pub(crate) mode: Mode,
+    /// Lease of the workers' locks, in ms.
+    pub(crate) lease_ms: u64,
+    /// Lock keys (not fence counters) still on the server(s) once idle; `None`
+    /// when the backend could not be inspected (a plain URL).
+    pub(crate) keys_left: Option<usize>,
+    /// Workers that did not stop within 20 s of being told to.
+    pub(crate) hung_workers: usize,
+    /// Whether the run reached its acquisitions and faults before `--max-duration`.
+    pub(crate) finished: bool,
+    /// The store's final state: key → (value, version).
+    pub(crate) dump: BTreeMap<String, (u64, u64)>,
+}
+
+/// p50 / p99 / max of a set of durations, in milliseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct Spread {
+    /// How many.
+    pub(crate) n: usize,
+    /// Median.
+    pub(crate) p50: f64,
+    /// 99th percentile.
+    pub(crate) p99: f64,
+    /// Largest.
+    pub(crate) max: f64,
+}
+
+impl Spread {
+    fn of(mut ms: Vec<f64>) -> Self {
+        if ms.is_empty() {
+            return Self::default();
+        }
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| ms[((q * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
+        Self { n: ms.len(), p50: at(0.5), p99: at(0.99), max: ms[ms.len() - 1] }
+    }
+}
+
+impl std::fmt::Display for Spread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.n == 0 {
+            return f.write_str("none");
+        }
+        write!(f, "p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (n={})", self.p50, self.p99, self.max, self.n)
+    }
+}
+
+/// The one summary of a run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct Summary {
+    /// Backend.
+    pub(crate) backend: String,
+    /// Seed.
+    pub(crate) seed: u64,
+    /// Wall time from the first to the last record, in seconds.
+    pub(crate) seconds: f64,
+    /// Entries into the lock.
+    pub(crate) acquisitions: u64,
+    /// Attempts that found the lock busy for the whole wait.
+    pub(crate) busy: u64,
+    /// Attempts that ended in another error (server down, …).
+    pub(crate) errors: u64,
+    /// Faults injected, by kind.
+    pub(crate) faults: BTreeMap<String, u32>,
+    /// Pairs of workers that both believed they held one key at once.
+    pub(crate) belief_overlaps: u64,
+    /// Writes the store took.
+    pub(crate) writes_accepted: u64,
+    /// Stale reads and writes the store refused.
+    pub(crate) stale_refused: u64,
+    /// Writes the store took although a newer holder had been there. Must be 0.
+    pub(crate) stale_writes_accepted: u64,
+    /// Reads the store answered although a newer holder had been there. Must be 0.
+    pub(crate) stale_reads_accepted: u64,
+    /// Writes based on a version that was no longer current. Must be 0.
+    pub(crate) lost_updates: u64,
+    /// Lost-lease signals the workers got (body stopped, or noticed at its end).
+    pub(crate) lost_signals: u64,
+    /// Time from the fault (or the paused worker's resumption) to the signal.
+    pub(crate) lost_latency: Spread,
+    /// Signals later than one lease after their fault.
+    pub(crate) lost_late: u64,
+    /// Signals with no fault touching that worker before them.
+    pub(crate) lost_unattributed: u64,
+    /// Time from each fault's heal to the next entry into the lock.
+    pub(crate) handoff_after_heal: Spread,
+    /// Lock keys left on the server once idle (must be 0).
+    pub(crate) keys_left: Option<usize>,
+    /// What must not have happened, and did.
+    pub(crate) violations: Vec<String>,
+}
+
+/// Reads `dir` (history.jsonl, store.jsonl, meta.json) and checks it.
+pub(crate) fn check_dir(dir: &Path) -> anyhow::Result<Summary> {
+    let records: Vec<Record> = history::read_lines(&dir.join("history.jsonl"))?;
+    let ops: Vec<StoreOp> = history::read_lines(&dir.join("store.jsonl"))?;
+    let meta: RunMeta = serde_json::from_slice(&std::fs::read(dir.join("meta.json"))?)?;
+    Ok(check(&records, &ops, &meta))
+}
+
+/// The checks themselves.
+pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summary {
+    let lease = Duration::from_millis(meta.lease_ms);
+    let mut s = Summary {
+        backend: meta.backend.clone(),
+        seed: meta.seed,
+        keys_left: meta.keys_left,
+        ..Summary::default()
+    };
+    let mut events: Vec<&WorkerEvent> = Vec::new();
+    let mut faults: Vec<&FaultEvent> = Vec::new();
+    for r in records {
+        match r {
+            Record::Worker(e) => events.push(e),
+            Record::Fault(f) => faults.push(f),
+        }
+    }
+    events.sort_by_key(|e| e.t);
+    faults.sort_by_key(|f| f.t);
+    let (first, last) = records.iter().map(|r| match r {
+        Record::Worker(e) => e.t,
+        Record::Fault(f) => f.t,
+    }).fold((u64::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
+    s.seconds = last.saturating_sub(first) as f64 / 1e9;
+    for f in faults.iter().filter(|f| f.phase == Phase::Start) {
+        *s.faults.entry(f.fault.clone()).or_default() += 1;
+    }
+
+    // Counts, belief intervals and lost signals, from the workers' own records.
+    let mut open: HashMap<(usize, u32), (String, u64)> = HashMap::new();
+    let mut intervals: Vec<(String, u64, u64, (usize, u32))> = Vec::new();
+    let mut latencies = Vec::new();
+    let mut acked_writes = 0u64;
+    for e in &events {
+        let who = (e.w, e.inc);
+        match &e.ev {
+            Step::Acquired { .. } => {
+                s.acquisitions += 1;
+                open.insert(who, (e.key.clone(), e.t));
+            }
+            Step::Busy => s.busy += 1,
+            Step::Error { .. } => s.errors += 1,
+            Step::Wrote { accepted: true } => acked_writes += 1,
+            Step::Lost { .. } => {
+                s.lost_signals += 1;
+                match lost_reference(&faults, e) {
+                    Some(reference) => {
+                        let ms = e.t.saturating_sub(reference) as f64 / 1e6;
+                        if ms > lease.as_secs_f64() * 1e3 {
+                            s.lost_late += 1;
+                        }
+                        latencies.push(ms);
+                    }
+                    None => s.lost_unattributed += 1,
+                }
+            }
+            _ => {}
+        }
+        if matches!(e.ev, Step::Leaving | Step::Lost { .. } | Step::Error { .. })
+            && let Some((key, start)) = open.remove(&who)
+        {
+            intervals.push((key, start, e.t, who));
+        }
+    }
+    // A worker killed inside the lock believed it held until the kill.
+    for (who, (key, start)) in open {
+        let end = faults
+            .iter()
+            .find(|f| f.t >= start && f.fault == "sigkill_worker" && f.workers.contains(&who.0))
+            .map_or(last, |f| f.t);
+        intervals.push((key, start, end, who));
+    }
+    intervals.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    for (i, a) in intervals.iter().enumerate() {
+        for b in &intervals[i + 1..] {
+            if b.0 != a.0 || b.1 >= a.2 {
+                break;
+            }
+            if b.3 != a.3 {
+                s.belief_overlaps += 1;
+            }
+        }
+    }
+    s.lost_latency = Spread::of(latencies);
+
+    // Time from each heal to the next entry into the lock.
+    let acquired: Vec<u64> = events.iter().filter(|e| matches!(e.ev, Step::Acquired { .. })).map(|e| e.t).collect();
+    let handoffs = faults
+        .iter()
+        .filter(|f| f.phase == Phase::Heal)
+        .filter_map(|f| {
+            let i = acquired.partition_point(|&t| t < f.t);
+            acquired.get(i).map(|&t| (t - f.t) as f64 / 1e6)
+        })
+        .collect();
+    s.handoff_after_heal = Spread::of(handoffs);
+
+    // Replay the store's log.
+    let mut ops: Vec<&StoreOp> = ops.iter().collect();
+    ops.sort_by_key(|o| o.seq);
+    #[derive(Default)]
+    struct Cell {
+        value: u64,
+        version: u64,
+        newest: u64,
+    }
+    let mut cells: BTreeMap<&str, Cell> = BTreeMap::new();
+    let mut wrong_refusals = 0u64;
+    for op in ops {
+        let cell = cells.entry(op.key.as_str()).or_default();
+        let stale = match (meta.mode, op.op, op.token) {
+            (Mode::Fence, _, Some(t)) => t < cell.newest,
+            (Mode::Version, OpKind::Write, _) => op.base_version != Some(cell.version),
+            _ => false,
+        };
+        match (op.op, op.accepted) {
+            (OpKind::Read, true) => {
+                s.stale_reads_accepted += u64::from(stale);
+                cell.newest = cell.newest.max(op.token.unwrap_or(0));
+            }
+            (OpKind::Write, true) => {
+                s.writes_accepted += 1;
+                s.stale_writes_accepted += u64::from(stale);
+                if op.base_version != Some(cell.version) {
+                    s.lost_updates += 1;
+                }
+                cell.newest = cell.newest.max(op.token.unwrap_or(0));
+                cell.version += 1;
+                cell.value = op.value.unwrap_or(0);
+            }
+            (_, false) => {
+                s.stale_refused += 1;
+                wrong_refusals += u64::from(!stale);
+            }
+        }
+    }
+
+    let v = &mut s.violations;
+    if s.stale_writes_accepted > 0 {
+        v.push(format!("{} stale writes accepted", s.stale_writes_accepted));
+    }
+    if s.stale_reads_accepted > 0 {
+        v.push(format!("{} stale reads answered", s.stale_reads_accepted));
+    }
+    if s.lost_updates > 0 {
+        v.push(format!("{} lost updates", s.lost_updates));
+    }
+    if wrong_refusals > 0 {
+        v.push(format!("the store refused {wrong_refusals} current operations"));
+    }
+    let replayed: BTreeMap<String, (u64, u64)> =
+        cells.iter().map(|(k, c)| ((*k).to_owned(), (c.value, c.version))).collect();
+    if replayed != meta.dump {
+        v.push(format!("the store's state {:?} is not its log replayed {replayed:?}", meta.dump));
+    }
+    if acked_writes > s.writes_accepted {
+        v.push(format!("workers saw {acked_writes} writes taken, the store's log has {}", s.writes_accepted));
+    }
+    if let Some(left) = meta.keys_left.filter(|&n| n > 0) {
+        v.push(format!("{left} lock keys left on the server once idle"));
+    }
+    if meta.hung_workers > 0 {
+        v.push(format!("{} workers did not stop when told to", meta.hung_workers));
+    }
+    if !meta.finished {
+        v.push("the run did not reach its acquisitions and faults within --max-duration".to_owned());
+    }
+    if s.acquisitions == 0 {
+        v.push("no acquisitions at all".to_owned());
+    }
+    s
+}
+
+/// The moment a lost signal is measured from: the latest fault touching that
+/// worker before the signal — or, for a pause of that worker, the moment it resumed
+/// (a stopped process hears nothing).
+fn lost_reference(faults: &[&FaultEvent], e: &WorkerEvent) -> Option<u64> {
+    let start = faults
+        .iter()
+        .rev()
+        .find(|f| f.phase == Phase::Start && f.t <= e.t && (f.workers.is_empty() || f.workers.contains(&e.w)))?;
+    if start.fault == "sigstop" {
+        let resumed = faults.iter().find(|f| f.id == start.id && f.phase == Phase::Heal && f.t <= e.t);
+        return Some(resumed.map_or(start.t, |f| f.t));
+    }
+    Some(start.t)
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let faults: Vec<String> = self.faults.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        writeln!(f, "chaos summary — {} (seed {}, {:.0} s)", self.backend, self.seed, self.seconds)?;
+        writeln!(f, "  acquisitions               {}", self.acquisitions)?;
+        writeln!(f, "  busy / errors              {} / {}", self.busy, self.errors)?;
+        writeln!(f, "  faults                     {}", faults.join(", "))?;
+        writeln!(f, "  belief overlaps            {}  (two holders' beliefs; expected under pauses)", self.belief_overlaps)?;
+        writeln!(f, "  writes accepted            {}", self.writes_accepted)?;
+        writeln!(f, "  stale ops refused          {}", self.stale_refused)?;
+        writeln!(f, "  stale writes accepted      {}  (must be 0)", self.stale_writes_accepted)?;
+        writeln!(f, "  stale reads answered       {}  (must be 0)", self.stale_reads_accepted)?;
+        writeln!(f, "  lost updates               {}  (must be 0)", self.lost_updates)?;
+        writeln!(f, "  lost-lease signals         {} ({} later than a lease after the fault, {} with no fault)", self.lost_signals, self.lost_late, self.lost_unattributed)?;
+        writeln!(f, "  lost-signal latency        {}", self.lost_latency)?;
+        writeln!(f, "  handoff after heal         {}", self.handoff_after_heal)?;
+        match self.keys_left {
+            Some(n) => writeln!(f, "  keys left once idle        {n}  (must be 0)")?,
+            None => writeln!(f, "  keys left once idle        not inspected (plain URL)")?,
+        }
+        if self.violations.is_empty() {
+            write!(f, "  verdict                    OK")
+        } else {
+            write!(f, "  verdict                    FAILED: {}", self.violations.join("; "))
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! What every process of a run records: one JSON object per line, stamped with
+//! [`now_ns`](crate::clock::now_ns).
+//!
+//! Workers write [`WorkerEvent`]s to their standard output and the orchestrator
+//! appends them, with the nemesis' [`FaultEvent`]s, to `history.jsonl`; the fenced
+//! store writes its [`StoreOp`]s to `store.jsonl`. The checker reads both.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// A line of `history.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "src", rename_all = "snake_case")]
+pub(crate) enum Record {
+    /// From a worker process.
+    Worker(WorkerEvent),
+    /// From the nemesis.
+    Fault(FaultEvent),
+}
+
+/// One step of a worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct WorkerEvent {
+    /// When, on the shared clock.
+    pub(crate) t: u64,
+    /// Worker slot (stays the same across restarts).
+    pub(crate) w: usize,
+    /// Which process of that slot (0, then 1 after the first restart, …).
+    pub(crate) inc: u32,
+    /// The user key.
+    pub(crate) key: String,
+    /// What happened.
+    pub(crate) ev: Step,
+}
+
+/// What a worker did or saw.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "snake_case")]
+pub(crate) enum Step {
+    /// About to call the annotated function.
+    Attempt,
+    /// Inside the lock.
+    Acquired {
+        /// The fencing token, where the backend has one.
+        token: Option<u64>,
+    },
+    /// The fenced read went through.
+    Read {
+        /// Value read.
+        value: u64,
+        /// Version read.
+        version: u64,
+    },
+    /// The store answered the write.
+    Wrote {
+        /// Whether the store took it.
+        accepted: bool,
+    },
+    /// The store refused the read or the write: a newer holder had been there.
+    Fenced,
+    /// The body's last step: from here on the worker no longer believes it holds.
+    Leaving,
+    /// The function returned normally and released the lock.
+    Released,
+    /// The lease was lost: the body was stopped (`on_lost = "cancel"`), or it
+    /// noticed at its end (`on_lost = "continue"`).
+    Lost {
+        /// Whether the runtime stopped the body.
+        cancelled: bool,
+    },
+    /// The lock was busy for the whole wait.
+    Busy,
+    /// Any other error (backend unreachable, store unreachable, …).
+    Error {
+        /// The error's text.
+        message: String,
+    },
+}
+
+/// A fault the nemesis injected or healed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct FaultEvent {
+    /// When, on the shared clock.
+    pub(crate) t: u64,
+    /// Number of the fault in the run; its start and heal share it.
+    pub(crate) id: u32,
+    /// Which fault (`sigstop`, `sigkill_worker`, `kill_server`, `proxy_delay`, …).
+    pub(crate) fault: String,
+    /// `start` or `heal`.
+    pub(crate) phase: Phase,
+    /// The worker slots it touches; empty = all of them (a server fault).
+    pub(crate) workers: Vec<usize>,
+    /// Free text: which node, how long, with or without persistence.
+    pub(crate) detail: String,
+}
+
+/// Start or end of a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Phase {
+    /// The fault begins.
+    Start,
+    /// The fault is over (process continued, server back, proxy passing again).
+    Heal,
+}
+
+/// One operation the fenced store decided, in the store's order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct StoreOp {
+    /// The store's sequence number.
+    pub(crate) seq: u64,
+    /// When, on the shared clock.
+    pub(crate) t: u64,
+    /// `read` or `write`.
+    pub(crate) op: OpKind,
+    /// Store key (the lock's user key).
+    pub(crate) key: String,
+    /// Token presented (fenced mode) or none (version mode).
+    pub(crate) token: Option<u64>,
+    /// Writes: the version the writer had read.
+    pub(crate) base_version: Option<u64>,
+    /// Writes: the value written.
+    pub(crate) value: Option<u64>,
+    /// Whether the store took it.
+    pub(crate) accepted: bool,
+    /// Worker slot.
+    pub(crate) w: usize,
+}
+
+/// Kind of a store operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum OpKind {
+    /// A (fenced) read.
+    Read,
+    /// A (fenced or version-checked) write.
+    Write,
+}
+
+/// Reads a JSON-lines file; a torn last line (a process killed mid-write) is skipped.
+pub(crate) fn read_lines<T: for<'de> Deserialize<'de>>(path: &Path) -> anyhow::Result<Vec<T>> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for line in BufReader::new(file).lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(&line) {
+            Ok(v) => out.push(v),
+            Err(e) if e.is_eof() => {}
+            Err(e) => anyhow::bail!("{}: bad line {line:?}: {e}", path.display()),
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,84 @@
+//! `dlock-chaos`: dlock under faults.
+//!
+//! ```sh
+//! cargo run -p dlock-chaos -- run --backend redis                 # short run
+//! cargo run --release -p dlock-chaos -- run --backend redis \
+//!     --acquisitions 100000 --faults 200                          # long run
+//! cargo run -p dlock-chaos -- check target/chaos/redis-1         # re-check a run
+//! ```
+//!
+//! `run` starts N worker processes (this binary, `worker`) against one lock
+//! backend; each loops through a `#[distributed_lock]` function that reads and
+//! writes a counter in a fenced store (this binary, `store`) with its fencing
+//! token. A nemesis pauses, kills and cuts off workers and servers on a seeded
+//! schedule. The checker then reads every history and prints one summary; the
+//! exit status is 1 when an invariant was broken.
+
+mod checker;
+mod clock;
+mod history;
+mod nemesis;
+mod proxy;
+mod run;
+mod servers;
+mod store;
+mod worker;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "dlock-chaos", about = "dlock under faults: workers, a fenced store, a nemesis, a checker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One chaos run against a backend, then the checker's summary.
+    Run(run::RunArgs),
+    /// Checks the histories of an earlier run again.
+    Check {
+        /// The run's directory (history.jsonl, store.jsonl, meta.json).
+        dir: PathBuf,
+    },
+    /// (internal) A worker process.
+    #[command(hide = true)]
+    Worker(worker::WorkerArgs),
+    /// (internal) The fenced store.
+    #[command(hide = true)]
+    Store {
+        /// Fencing tokens or versions.
+        #[arg(long, value_enum)]
+        mode: store::Mode,
+        /// Where to log every decision.
+        #[arg(long)]
+        log: PathBuf,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let result = match Cli::parse().command {
+        Command::Run(args) => run::run(args).await.and_then(|summary| {
+            println!("{summary}");
+            run::verdict(&summary)
+        }),
+        Command::Check { dir } => checker::check_dir(&dir).and_then(|summary| {
+            println!("{summary}");
+            run::verdict(&summary)
+        }),
+        Command::Worker(args) => worker::run(args).await,
+        Command::Store { mode, log } => store::serve(mode, &log).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dlock-chaos: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The nemesis: a seeded schedule of faults, one at a time, each logged when it
+//! starts and when it heals.
+//!
+//! The seed fixes the order of fault kinds, their durations and the choices among
+//! candidates; which worker holds a lock when a fault strikes depends on timing,
+//! so two runs with one seed are alike, not identical.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rand::seq::{IndexedRandom as _, SliceRandom as _};
+use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
+
+use crate::history::Phase;
+use crate::proxy::Fault;
+use crate::run::{Backend, Cluster};
+use crate::worker::LEASE;
+
+/// The faults the nemesis knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// SIGSTOP a worker inside the lock (after its read) for 1.5–3 leases.
+    PauseHolder,
+    /// SIGKILL a worker (a holder when there is one) and start it again.
+    KillWorker,
+    /// SIGKILL the Redis server, restart it with or without its data.
+    KillServer,
+    /// Delay one to three workers' traffic by 20–200 ms for 1–2 s.
+    ProxyDelay,
+    /// Black-hole a worker's traffic (a holder's, when there is one) for 1.5–3 leases.
+    ProxyBlackhole,
+    /// Reset the connections of some workers.
+    ProxyReset,
+    /// Redlock: two of five nodes down for 1–2.5 s.
+    RedlockMinority,
+    /// Redlock: two nodes down, a holder acquires on the other three, one of those
+    /// dies and comes back empty.
+    RedlockHolderMajority,
+}
+
+fn kinds(backend: Backend) -> &'static [Kind] {
+    use Kind::*;
+    match backend {
+        Backend::Sqlite | Backend::Url => &[PauseHolder, KillWorker],
+        Backend::Redis => &[PauseHolder, KillWorker, KillServer, ProxyDelay, ProxyBlackhole, ProxyReset],
+        Backend::Redlock => &[PauseHolder, KillWorker, RedlockMinority, RedlockHolderMajority],
+    }
+}
+
+fn name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::PauseHolder => "sigstop",
+        Kind::KillWorker => "sigkill_worker",
+        Kind::KillServer => "kill_server",
+        Kind::ProxyDelay => "proxy_delay",
+        Kind::ProxyBlackhole => "proxy_blackhole",
+        Kind::ProxyReset => "proxy_reset",
+        Kind::RedlockMinority => "redlock_minority_down",
+        Kind::RedlockHolderMajority => "redlock_holder_majority_node",
+    }
+}
+
+fn leases(rng: &mut StdRng, lo: f64, hi: f64) -> Duration {
+    LEASE.mul_f64(rng.random_range(lo..hi))
+}
+
+/// Injects `--faults` faults, every kind of the backend in turn (shuffled per round).
+pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(cluster.args.seed);
+    let all = kinds(cluster.args.backend);
+    let mut round = Vec::new();
+    let mut server_kills = 0u32;
+    for id in 1..=cluster.args.faults {
+        if round.is_empty() {
+            round = all.to_vec();
+            round.shuffle(&mut rng);
+        }
+        let kind = round.pop().expect("refilled above");
+        tokio::time::sleep(Duration::from_millis(rng.random_range(200..800))).await;
+        let fault = name(kind);
+        match kind {
+            Kind::PauseHolder => {
+                let w = holder(&cluster, &mut rng, true).await;
+                let pause = leases(&mut rng, 1.5, 3.0);
+                let Some(pid) = pid(&cluster, w).await else { continue };
+                let _ = kill(pid, Signal::SIGSTOP);
+                cluster.fault(id, fault, Phase::Start, vec![w], format!("for {pause:?}"));
+                tokio::time::sleep(pause).await;
+                let _ = kill(pid, Signal::SIGCONT);
+                cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
+            }
+            Kind::KillWorker => {
+                let w = holder(&cluster, &mut rng, false).await;
+                let mut workers = cluster.workers.lock().await;
+                let _ = workers[w].child.kill().await;
+                cluster.fault(id, fault, Phase::Start, vec![w], String::new());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let inc = workers[w].inc + 1;
+                workers[w] = cluster.spawn_worker(w, inc)?;
+                cluster.fault(id, fault, Phase::Heal, vec![w], format!("restarted as incarnation {inc}"));
+            }
+            Kind::KillServer => {
+                server_kills += 1;
+                let keep = server_kills % 2 == 1;
+                let mut servers = cluster.servers.lock().await;
+                servers[0].kill().await?;
+                let what = if keep { "restart from its append-only file" } else { "restart empty (no persistence)" };
+                cluster.fault(id, fault, Phase::Start, vec![], what.to_owned());
+                tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
+                servers[0].restart(keep).await?;
+                cluster.fault(id, fault, Phase::Heal, vec![], String::new());
+            }
+            Kind::ProxyDelay => {
+                let n = rng.random_range(1..=3.min(cluster.proxies.len()));
+                let ws: Vec<usize> = (0..cluster.proxies.len()).collect::<Vec<_>>().choose_multiple(&mut rng, n).copied().collect();
+                let delay = Duration::from_millis(rng.random_range(20..200));
+                for &w in &ws {
+                    cluster.proxies[w].set(Fault::Delay(delay));
+                }
+                cluster.fault(id, fault, Phase::Start, ws.clone(), format!("{delay:?} each way"));
+                tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2000))).await;
+                for &w in &ws {
+                    cluster.proxies[w].set(Fault::Pass);
+                }
+                cluster.fault(id, fault, Phase::Heal, ws, String::new());
+            }
+            Kind::ProxyBlackhole => {
+                let w = holder(&cluster, &mut rng, false).await;
+                let span = leases(&mut rng, 1.5, 3.0);
+                cluster.proxies[w].set(Fault::Blackhole);
+                cluster.fault(id, fault, Phase::Start, vec![w], format!("for {span:?}"));
+                tokio::time::sleep(span).await;
+                cluster.proxies[w].set(Fault::Pass);
+                cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
+            }
+            Kind::ProxyReset => {
+                let n = rng.random_range(1..=cluster.proxies.len());
+                let ws: Vec<usize> = (0..cluster.proxies.len()).collect::<Vec<_>>().choose_multiple(&mut rng, n).copied().collect();
+                cluster.fault(id, fault, Phase::Start, ws.clone(), String::new());
+                for &w in &ws {
+                    cluster.proxies[w].reset();
+                }
+                cluster.fault(id, fault, Phase::Heal, ws, String::new());
+            }
+            Kind::RedlockMinority => {
+                let mut servers = cluster.servers.lock().await;
+                let down: Vec<usize> = (0..servers.len()).collect::<Vec<_>>().choose_multiple(&mut rng, 2).copied().collect();
+                for &i in &down {
+                    servers[i].kill().await?;
+                }
+                let ports: Vec<u16> = down.iter().map(|&i| servers[i].port()).collect();
+                cluster.fault(id, fault, Phase::Start, vec![], format!("nodes {ports:?} down"));
+                tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2500))).await;
+                let mut how = Vec::new();
+                for &i in &down {
+                    let keep = rng.random_bool(0.5);
+                    servers[i].restart(keep).await?;
+                    how.push(format!("{} {}", servers[i].port(), if keep { "with its data" } else { "empty" }));
+                }
+                cluster.fault(id, fault, Phase::Heal, vec![], how.join(", "));
+            }
+            Kind::RedlockHolderMajority => {
+                let mut servers = cluster.servers.lock().await;
+                let mut order: Vec<usize> = (0..servers.len()).collect();
+                order.shuffle(&mut rng);
+                let (down, third) = ([order[0], order[1]], order[2]);
+                for &i in &down {
+                    servers[i].kill().await?;
+                }
+                let before = cluster.tracker.lock().expect("tracker").acquisitions;
+                // Wait for someone to acquire on the three nodes left.
+                for _ in 0..300 {
+                    if cluster.tracker.lock().expect("tracker").acquisitions > before {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                let w = holder(&cluster, &mut rng, false).await;
+                servers[third].kill().await?;
+                cluster.fault(id, fault, Phase::Start, vec![], format!(
+                    "nodes {} {} down, then {} of worker {w}'s majority",
+                    servers[down[0]].port(), servers[down[1]].port(), servers[third].port()));
+                tokio::time::sleep(LEASE).await;
+                servers[third].restart(false).await?;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+                for &i in &down {
+                    servers[i].restart(true).await?;
+                }
+                cluster.fault(id, fault, Phase::Heal, vec![], format!("{} came back empty", servers[third].port()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A worker inside the lock — after its read when `after_read`, preferring
+/// odd-numbered ones (`on_lost = "continue"`, whose stale write then reaches the
+/// store) — waiting up to 2 s for one; else any worker.
+async fn holder(cluster: &Cluster, rng: &mut StdRng, after_read: bool) -> usize {
+    for attempt in 0..1000 {
+        {
+            let tracker = cluster.tracker.lock().expect("tracker");
+            let mut candidates: Vec<usize> = tracker
+                .inside
+                .iter()
+                .filter(|(w, (_, read))| (!after_read || *read) && (attempt > 500 || !after_read || *w % 2 == 1))
+                .map(|(w, _)| *w)
+                .collect();
+            candidates.sort_unstable();
+            if let Some(&w) = candidates.choose(rng) {
+                return w;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    rng.random_range(0..cluster.args.workers)
+}
+
+async fn pid(cluster: &Cluster, w: usize) -> Option<Pid> {
+    let workers = cluster.workers.lock().await;
+    workers[w].child.id().and_then(|id| i32::try_from(id).ok()).map(Pid::from_raw)
+}
+
+/// Ends whatever fault an aborted nemesis left: continues every worker, brings
+/// every server back, lets every proxy pass.
+pub(crate) async fn heal_all(cluster: &Cluster) -> anyhow::Result<()> {
+    for w in 0..cluster.args.workers {
+        if let Some(pid) = pid(cluster, w).await {
+            let _ = kill(pid, Signal::SIGCONT);
+        }
+    }
+    for server in cluster.servers.lock().await.iter_mut() {
+        if !server.is_up() {
+            server.restart(true).await?;
+        }
+    }
+    for proxy in &cluster.proxies {
+        proxy.set(Fault::Pass);
+    }
+    Ok(())
+}

@@ -1,0 +1,369 @@
+//! The orchestrator: starts the fenced store, the servers it owns, one proxy per
+//! worker, the worker processes and the nemesis; stops everything; inspects the
+//! server for keys left behind; hands the histories to the checker.
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex as SyncMutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::Mutex;
+
+use crate::checker::{self, RunMeta, Summary};
+use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent};
+use crate::proxy::Proxy;
+use crate::servers::RedisServer;
+use crate::store::Mode;
+use crate::worker::LEASE;
+
+/// Which lock service a run exercises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Backend {
+    /// A SQLite file shared by the workers (faults: pauses and kills of workers).
+    Sqlite,
+    /// One Redis the harness runs, behind a fault proxy per worker (adds server
+    /// kills with and without persistence, delays, black holes and resets).
+    Redis,
+    /// Five Redis masters the harness runs (adds minority outages and the loss of
+    /// a node of the holder's majority). Redlock has no fencing token: the store
+    /// compares versions instead.
+    Redlock,
+    /// `--url`: any backend the workers can reach (faults: pauses and kills of workers).
+    Url,
+}
+
+/// `dlock-chaos run`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RunArgs {
+    /// Lock service to run against.
+    #[arg(long, value_enum)]
+    pub(crate) backend: Backend,
+    /// Backend URL, with `--backend url`.
+    #[arg(long, required_if_eq("backend", "url"))]
+    pub(crate) url: Option<String>,
+    /// Worker processes.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) workers: usize,
+    /// Keys the workers share.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) keys: usize,
+    /// Run until this many entries into the lock …
+    #[arg(long, default_value_t = 2_000)]
+    pub(crate) acquisitions: u64,
+    /// … and this many faults.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) faults: u32,
+    /// Seed of the nemesis and the workers.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Longest time inside the lock between read and write.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) hold_max_ms: u64,
+    /// First loopback port of the Redis servers the harness runs.
+    #[arg(long, default_value_t = 48379)]
+    pub(crate) port_base: u16,
+    /// Give up (and fail) after this long.
+    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    pub(crate) max_duration: Duration,
+    /// Where histories go (default: target/chaos/<backend>-<seed>).
+    #[arg(long)]
+    pub(crate) out: Option<PathBuf>,
+}
+
+/// Where each worker stands, as far as its records say.
+#[derive(Default)]
+pub(crate) struct Tracker {
+    /// Entries into the lock so far.
+    pub(crate) acquisitions: u64,
+    /// Worker slot → (key, whether it has read the store) while inside the lock.
+    pub(crate) inside: HashMap<usize, (String, bool)>,
+}
+
+/// A running worker process.
+pub(crate) struct WorkerProc {
+    pub(crate) child: Child,
+    /// Closing it tells the worker to stop.
+    pub(crate) stdin: Option<ChildStdin>,
+    pub(crate) inc: u32,
+}
+
+/// Everything the nemesis acts on.
+pub(crate) struct Cluster {
+    pub(crate) args: RunArgs,
+    pub(crate) run_id: String,
+    pub(crate) out: PathBuf,
+    pub(crate) store_port: u16,
+    pub(crate) workers: Mutex<Vec<WorkerProc>>,
+    pub(crate) tracker: Arc<SyncMutex<Tracker>>,
+    pub(crate) history: Arc<SyncMutex<std::io::BufWriter<std::fs::File>>>,
+    pub(crate) servers: Mutex<Vec<RedisServer>>,
+    pub(crate) proxies: Vec<Proxy>,
+}
+
+impl Cluster {
+    fn worker_url(&self, id: usize) -> String {
+        match self.args.backend {
+            Backend::Sqlite => format!("sqlite://{}", self.out.join("locks.db").display()),
+            Backend::Redis => {
+                format!("redis://127.0.0.1:{}/?timeout=250ms", self.proxies[id].port())
+            }
+            Backend::Redlock => {
+                let nodes: Vec<String> = (1..=5).map(|i| format!("127.0.0.1:{}", self.args.port_base + i)).collect();
+                format!("redlock://{}", nodes.join(","))
+            }
+            Backend::Url => self.args.url.clone().unwrap_or_default(),
+        }
+    }
+
+    /// Starts worker `id` (incarnation `inc`) and a task copying its records.
+    pub(crate) fn spawn_worker(&self, id: usize, inc: u32) -> anyhow::Result<WorkerProc> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.out.join(format!("worker-{id}.log")))?;
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("worker")
+            .args(["--id", &id.to_string(), "--inc", &inc.to_string()])
+            .args(["--url", &self.worker_url(id), "--store-port", &self.store_port.to_string()])
+            .args(["--run", &self.run_id, "--keys", &self.args.keys.to_string()])
+            .args(["--hold-max-ms", &self.args.hold_max_ms.to_string()])
+            .args(["--seed", &self.args.seed.to_string()])
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let (tracker, history) = (self.tracker.clone(), self.history.clone());
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let Ok(event) = serde_json::from_str::<WorkerEvent>(&line) else {
+                    eprintln!("worker {id}: not a record: {line}");
+                    continue;
+                };
+                track(&mut tracker.lock().expect("tracker"), &event);
+                append(&history, &Record::Worker(event));
+            }
+        });
+        Ok(WorkerProc { stdin: child.stdin.take(), child, inc })
+    }
+
+    /// Records a fault's start or heal.
+    pub(crate) fn fault(&self, id: u32, fault: &str, phase: Phase, workers: Vec<usize>, detail: String) {
+        let event = FaultEvent { t: crate::clock::now_ns(), id, fault: fault.to_owned(), phase, workers, detail };
+        println!("  [{:>3}] {:<6} {fault} {:?} {}", id, format!("{phase:?}").to_lowercase(), event.workers, event.detail);
+        append(&self.history, &Record::Fault(event));
+    }
+}
+
+fn track(tracker: &mut Tracker, event: &WorkerEvent) {
+    match &event.ev {
+        Step::Acquired { .. } => {
+            tracker.acquisitions += 1;
+            tracker.inside.insert(event.w, (event.key.clone(), false));
+        }
+        Step::Read { .. } => {
+            if let Some(inside) = tracker.inside.get_mut(&event.w) {
+                inside.1 = true;
+            }
+        }
+        Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::Fenced => {
+            tracker.inside.remove(&event.w);
+        }
+        _ => {}
+    }
+}
+
+fn append(history: &SyncMutex<std::io::BufWriter<std::fs::File>>, record: &Record) {
+    let mut out = history.lock().expect("history");
+    let _ = serde_json::to_writer(&mut *out, record);
+    let _ = out.write_all(b"\n");
+}
+
+/// Runs one chaos run and checks it.
+pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
+    let backend_name = match args.backend {
+        Backend::Url => args.url.as_deref().and_then(|u| u.split("://").next()).unwrap_or("url").to_owned(),
+        other => format!("{other:?}").to_lowercase(),
+    };
+    let out = match &args.out {
+        Some(dir) => dir.clone(),
+        None => target_dir().join("chaos").join(format!("{backend_name}-{}", args.seed)),
+    };
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
+    }
+    std::fs::create_dir_all(&out)?;
+    let out = out.canonicalize()?;
+    let mode = if args.backend == Backend::Redlock { Mode::Version } else { Mode::Fence };
+    println!("chaos run: {backend_name}, {} workers, {} acquisitions, {} faults, seed {} → {}",
+        args.workers, args.acquisitions, args.faults, args.seed, out.display());
+
+    // The fenced store, a process of its own.
+    let mut store = Command::new(std::env::current_exe()?)
+        .args(["store", "--mode", if mode == Mode::Fence { "fence" } else { "version" }])
+        .arg("--log")
+        .arg(out.join("store.jsonl"))
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut first = String::new();
+    BufReader::new(store.stdout.take().context("store stdout")?).read_line(&mut first).await?;
+    let store_port: u16 = first.trim().strip_prefix("LISTENING ").context("store did not start")?.parse()?;
+
+    // The servers and proxies the nemesis controls.
+    let mut servers = Vec::new();
+    match args.backend {
+        Backend::Redis => servers.push(RedisServer::start(args.port_base, &out.join("redis")).await?),
+        Backend::Redlock => {
+            for i in 1..=5 {
+                servers.push(RedisServer::start(args.port_base + i, &out.join(format!("redlock-{i}"))).await?);
+            }
+        }
+        Backend::Sqlite | Backend::Url => {}
+    }
+    let mut proxies = Vec::new();
+    if args.backend == Backend::Redis {
+        for _ in 0..args.workers {
+            proxies.push(Proxy::start(servers[0].port()).await?);
+        }
+    }
+    let history = std::fs::File::create(out.join("history.jsonl"))?;
+    let cluster = Arc::new(Cluster {
+        run_id: format!("{}-{}", args.seed, std::process::id()),
+        out: out.clone(),
+        store_port,
+        workers: Mutex::new(Vec::new()),
+        tracker: Arc::default(),
+        history: Arc::new(SyncMutex::new(std::io::BufWriter::new(history))),
+        servers: Mutex::new(servers),
+        proxies,
+        args: args.clone(),
+    });
+    if args.backend == Backend::Sqlite {
+        // Create the table once, so that eight processes do not race to.
+        drop(dlock_runtime::connect(&cluster.worker_url(0)).await?);
+    }
+    {
+        let mut workers = cluster.workers.lock().await;
+        for id in 0..args.workers {
+            workers.push(cluster.spawn_worker(id, 0)?);
+        }
+    }
+
+    // Faults while the workers work, until both targets are met.
+    let started = Instant::now();
+    let nemesis = tokio::spawn(crate::nemesis::run(cluster.clone()));
+    let mut finished = false;
+    while started.elapsed() < args.max_duration {
+        let done = cluster.tracker.lock().expect("tracker").acquisitions >= args.acquisitions;
+        if done && nemesis.is_finished() {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nemesis.abort();
+    let _ = nemesis.await;
+    crate::nemesis::heal_all(&cluster).await?;
+
+    // Stop the workers: closing stdin ends their loop after the current step.
+    let mut hung_workers = 0;
+    let mut workers = std::mem::take(&mut *cluster.workers.lock().await);
+    for w in &mut workers {
+        w.stdin.take();
+    }
+    for w in &mut workers {
+        if tokio::time::timeout(Duration::from_secs(20), w.child.wait()).await.is_err() {
+            hung_workers += 1;
+            let _ = w.child.kill().await;
+        }
+    }
+    // A worker killed while holding leaves its key until its lease ends.
+    tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+    let keys_left = keys_left(&cluster).await?;
+
+    let dump = crate::store::StoreClient::connect(store_port).await?.dump().await?;
+    let _ = store.kill().await;
+    cluster.history.lock().expect("history").flush()?;
+    for server in cluster.servers.lock().await.iter_mut() {
+        server.kill().await?;
+    }
+
+    let meta = RunMeta {
+        backend: backend_name,
+        seed: args.seed,
+        workers: args.workers,
+        mode,
+        lease_ms: LEASE.as_millis() as u64,
+        keys_left,
+        hung_workers,
+        finished,
+        dump,
+    };
+    std::fs::write(out.join("meta.json"), serde_json::to_vec_pretty(&meta)?)?;
+    let summary = checker::check_dir(&out)?;
+    std::fs::write(out.join("summary.json"), serde_json::to_vec_pretty(&summary)?)?;
+    Ok(summary)
+}
+
+/// Lock keys of this run still held on the server(s) once everything is idle.
+async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
+    let pattern = format!("*chaos:{}:*", cluster.run_id);
+    match cluster.args.backend {
+        Backend::Redis | Backend::Redlock => {
+            let mut left = 0;
+            for server in cluster.servers.lock().await.iter() {
+                let client = redis::Client::open(format!("redis://127.0.0.1:{}/", server.port()))?;
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                let keys: Vec<String> = redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await?;
+                // Fence counters stay by design (they make tokens increase).
+                left += keys.iter().filter(|k| !k.ends_with(":fence")).count();
+            }
+            Ok(Some(left))
+        }
+        Backend::Sqlite => {
+            let url = format!("{}?mode=ro", cluster.worker_url(0));
+            let pool = sqlx::SqlitePool::connect(&url).await?;
+            let like = format!("dlock:chaos:{}:%", cluster.run_id);
+            let (left,): (i64,) = sqlx::query_as(
+                "SELECT COUNT(*) FROM dlock_leases WHERE key LIKE ?1 AND owner IS NOT NULL
+                 AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+            )
+            .bind(like)
+            .fetch_one(&pool)
+            .await?;
+            pool.close().await;
+            Ok(Some(usize::try_from(left)?))
+        }
+        Backend::Url => Ok(None),
+    }
+}
+
+/// `target/` of the workspace (or `CARGO_TARGET_DIR`).
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return dir.into();
+    }
+    // The binary lives in target/<profile>/.
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent()?.parent().map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
+/// Fails unless `summary` has no violations.
+pub(crate) fn verdict(summary: &Summary) -> anyhow::Result<()> {
+    if summary.violations.is_empty() {
+        Ok(())
+    } else {
+        bail!("chaos run failed: {}", summary.violations.join("; "))
+    }
+}
