@@ -52,6 +52,8 @@ pub(crate) enum Step {
         value: u64,
         /// Version read.
         version: u64,
+        /// How long the worker will stay before writing.
+        hold_ms: u64,
     },
     /// The store answered the write.
     Wrote {

@@ -30,7 +30,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "dlock-chaos", about = "dlock under faults: workers, a fenced store, a nemesis, a checker")]
+#[command(
+    name = "dlock-chaos",
+    about = "dlock under faults: workers, a fenced store, a nemesis, a checker"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -16,7 +16,8 @@ use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use crate::history::Phase;
 use crate::proxy::Fault;
 use crate::run::{Backend, Cluster};
-use crate::worker::LEASE;
+use crate::worker::{LEASE, LONG_HOLD};
+use tokio::io::AsyncWriteExt as _;
 
 /// The faults the nemesis knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +45,20 @@ fn kinds(backend: Backend) -> &'static [Kind] {
     use Kind::*;
     match backend {
         Backend::Sqlite | Backend::Url => &[PauseHolder, KillWorker],
-        Backend::Redis => &[PauseHolder, KillWorker, KillServer, ProxyDelay, ProxyBlackhole, ProxyReset],
-        Backend::Redlock => &[PauseHolder, KillWorker, RedlockMinority, RedlockHolderMajority],
+        Backend::Redis => &[
+            PauseHolder,
+            KillWorker,
+            KillServer,
+            ProxyDelay,
+            ProxyBlackhole,
+            ProxyReset,
+        ],
+        Backend::Redlock => &[
+            PauseHolder,
+            KillWorker,
+            RedlockMinority,
+            RedlockHolderMajority,
+        ],
     }
 }
 
@@ -62,6 +75,14 @@ fn name(kind: Kind) -> &'static str {
     }
 }
 
+/// `k` distinct indices below `n`.
+fn pick(rng: &mut StdRng, n: usize, k: usize) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..n).collect();
+    all.shuffle(rng);
+    all.truncate(k);
+    all
+}
+
 fn leases(rng: &mut StdRng, lo: f64, hi: f64) -> Duration {
     LEASE.mul_f64(rng.random_range(lo..hi))
 }
@@ -72,6 +93,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
     let all = kinds(cluster.args.backend);
     let mut round = Vec::new();
     let mut server_kills = 0u32;
+    let mut pauses = 0usize;
     for id in 1..=cluster.args.faults {
         if round.is_empty() {
             round = all.to_vec();
@@ -82,9 +104,14 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
         let fault = name(kind);
         match kind {
             Kind::PauseHolder => {
-                let w = holder(&cluster, &mut rng, true).await;
+                // Odd workers (`on_lost = "continue"`) then send a stale write the
+                // store must refuse; even ones get their body stopped.
+                pauses += 1;
+                let w = long_holder(&cluster, &mut rng, Some(pauses % 2)).await;
                 let pause = leases(&mut rng, 1.5, 3.0);
-                let Some(pid) = pid(&cluster, w).await else { continue };
+                let Some(pid) = pid(&cluster, w).await else {
+                    continue;
+                };
                 let _ = kill(pid, Signal::SIGSTOP);
                 cluster.fault(id, fault, Phase::Start, vec![w], format!("for {pause:?}"));
                 tokio::time::sleep(pause).await;
@@ -92,34 +119,57 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
             }
             Kind::KillWorker => {
-                let w = holder(&cluster, &mut rng, false).await;
+                let w = long_holder(&cluster, &mut rng, None).await;
                 let mut workers = cluster.workers.lock().await;
                 let _ = workers[w].child.kill().await;
                 cluster.fault(id, fault, Phase::Start, vec![w], String::new());
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let inc = workers[w].inc + 1;
                 workers[w] = cluster.spawn_worker(w, inc)?;
-                cluster.fault(id, fault, Phase::Heal, vec![w], format!("restarted as incarnation {inc}"));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Heal,
+                    vec![w],
+                    format!("restarted as incarnation {inc}"),
+                );
             }
             Kind::KillServer => {
                 server_kills += 1;
                 let keep = server_kills % 2 == 1;
+                let w = long_holder(&cluster, &mut rng, Some(0)).await;
                 let mut servers = cluster.servers.lock().await;
                 servers[0].kill().await?;
-                let what = if keep { "restart from its append-only file" } else { "restart empty (no persistence)" };
-                cluster.fault(id, fault, Phase::Start, vec![], what.to_owned());
+                let what = if keep {
+                    "restart from its append-only file"
+                } else {
+                    "restart empty (no persistence)"
+                };
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    vec![],
+                    format!("while worker {w} holds; {what}"),
+                );
                 tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
                 servers[0].restart(keep).await?;
                 cluster.fault(id, fault, Phase::Heal, vec![], String::new());
             }
             Kind::ProxyDelay => {
                 let n = rng.random_range(1..=3.min(cluster.proxies.len()));
-                let ws: Vec<usize> = (0..cluster.proxies.len()).collect::<Vec<_>>().choose_multiple(&mut rng, n).copied().collect();
+                let ws: Vec<usize> = pick(&mut rng, cluster.proxies.len(), n);
                 let delay = Duration::from_millis(rng.random_range(20..200));
                 for &w in &ws {
                     cluster.proxies[w].set(Fault::Delay(delay));
                 }
-                cluster.fault(id, fault, Phase::Start, ws.clone(), format!("{delay:?} each way"));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    ws.clone(),
+                    format!("{delay:?} each way"),
+                );
                 tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2000))).await;
                 for &w in &ws {
                     cluster.proxies[w].set(Fault::Pass);
@@ -127,7 +177,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 cluster.fault(id, fault, Phase::Heal, ws, String::new());
             }
             Kind::ProxyBlackhole => {
-                let w = holder(&cluster, &mut rng, false).await;
+                let w = long_holder(&cluster, &mut rng, Some(0)).await;
                 let span = leases(&mut rng, 1.5, 3.0);
                 cluster.proxies[w].set(Fault::Blackhole);
                 cluster.fault(id, fault, Phase::Start, vec![w], format!("for {span:?}"));
@@ -137,7 +187,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             }
             Kind::ProxyReset => {
                 let n = rng.random_range(1..=cluster.proxies.len());
-                let ws: Vec<usize> = (0..cluster.proxies.len()).collect::<Vec<_>>().choose_multiple(&mut rng, n).copied().collect();
+                let ws: Vec<usize> = pick(&mut rng, cluster.proxies.len(), n);
                 cluster.fault(id, fault, Phase::Start, ws.clone(), String::new());
                 for &w in &ws {
                     cluster.proxies[w].reset();
@@ -146,18 +196,28 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             }
             Kind::RedlockMinority => {
                 let mut servers = cluster.servers.lock().await;
-                let down: Vec<usize> = (0..servers.len()).collect::<Vec<_>>().choose_multiple(&mut rng, 2).copied().collect();
+                let down: Vec<usize> = pick(&mut rng, servers.len(), 2);
                 for &i in &down {
                     servers[i].kill().await?;
                 }
                 let ports: Vec<u16> = down.iter().map(|&i| servers[i].port()).collect();
-                cluster.fault(id, fault, Phase::Start, vec![], format!("nodes {ports:?} down"));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    vec![],
+                    format!("nodes {ports:?} down"),
+                );
                 tokio::time::sleep(Duration::from_millis(rng.random_range(1000..2500))).await;
                 let mut how = Vec::new();
                 for &i in &down {
                     let keep = rng.random_bool(0.5);
                     servers[i].restart(keep).await?;
-                    how.push(format!("{} {}", servers[i].port(), if keep { "with its data" } else { "empty" }));
+                    how.push(format!(
+                        "{} {}",
+                        servers[i].port(),
+                        if keep { "with its data" } else { "empty" }
+                    ));
                 }
                 cluster.fault(id, fault, Phase::Heal, vec![], how.join(", "));
             }
@@ -169,58 +229,69 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 for &i in &down {
                     servers[i].kill().await?;
                 }
-                let before = cluster.tracker.lock().expect("tracker").acquisitions;
-                // Wait for someone to acquire on the three nodes left.
-                for _ in 0..300 {
-                    if cluster.tracker.lock().expect("tracker").acquisitions > before {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                let w = holder(&cluster, &mut rng, false).await;
+                // A holder that acquires on the three nodes left.
+                let w = long_holder(&cluster, &mut rng, Some(0)).await;
                 servers[third].kill().await?;
-                cluster.fault(id, fault, Phase::Start, vec![], format!(
-                    "nodes {} {} down, then {} of worker {w}'s majority",
-                    servers[down[0]].port(), servers[down[1]].port(), servers[third].port()));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    vec![],
+                    format!(
+                        "nodes {} {} down, then {} of worker {w}'s majority",
+                        servers[down[0]].port(),
+                        servers[down[1]].port(),
+                        servers[third].port()
+                    ),
+                );
                 tokio::time::sleep(LEASE).await;
                 servers[third].restart(false).await?;
                 tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
                 for &i in &down {
                     servers[i].restart(true).await?;
                 }
-                cluster.fault(id, fault, Phase::Heal, vec![], format!("{} came back empty", servers[third].port()));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Heal,
+                    vec![],
+                    format!("{} came back empty", servers[third].port()),
+                );
             }
         }
     }
     Ok(())
 }
 
-/// A worker inside the lock — after its read when `after_read`, preferring
-/// odd-numbered ones (`on_lost = "continue"`, whose stale write then reaches the
-/// store) — waiting up to 2 s for one; else any worker.
-async fn holder(cluster: &Cluster, rng: &mut StdRng, after_read: bool) -> usize {
-    for attempt in 0..1000 {
-        {
-            let tracker = cluster.tracker.lock().expect("tracker");
-            let mut candidates: Vec<usize> = tracker
-                .inside
-                .iter()
-                .filter(|(w, (_, read))| (!after_read || *read) && (attempt > 500 || !after_read || *w % 2 == 1))
-                .map(|(w, _)| *w)
-                .collect();
-            candidates.sort_unstable();
-            if let Some(&w) = candidates.choose(rng) {
-                return w;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+/// Asks a worker (of the given parity: 1 = `on_lost = "continue"`, 0 = `"cancel"`)
+/// to stay [`LONG_HOLD`] inside the lock next time, and waits up to 5 s for it to
+/// be there, so that the fault strikes while its body runs.
+async fn long_holder(cluster: &Cluster, rng: &mut StdRng, parity: Option<usize>) -> usize {
+    let candidates: Vec<usize> = (0..cluster.args.workers)
+        .filter(|w| parity.is_none_or(|p| w % 2 == p))
+        .collect();
+    let w = candidates.choose(rng).copied().unwrap_or(0);
+    if let Some(stdin) = cluster.workers.lock().await[w].stdin.as_mut() {
+        let _ = stdin.write_all(b"long\n").await;
     }
-    rng.random_range(0..cluster.args.workers)
+    let long = LONG_HOLD.as_millis() as u64;
+    for _ in 0..500 {
+        if matches!(cluster.tracker.lock().expect("tracker").inside.get(&w), Some(Some(ms)) if *ms >= long)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    w
 }
 
 async fn pid(cluster: &Cluster, w: usize) -> Option<Pid> {
     let workers = cluster.workers.lock().await;
-    workers[w].child.id().and_then(|id| i32::try_from(id).ok()).map(Pid::from_raw)
+    workers[w]
+        .child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .map(Pid::from_raw)
 }
 
 /// Ends whatever fault an aborted nemesis left: continues every worker, brings

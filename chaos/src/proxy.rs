@@ -51,12 +51,21 @@ impl Proxy {
                     let _ = server.set_nodelay(true);
                     let (client_read, client_write) = client.into_split();
                     let (server_read, server_write) = server.into_split();
-                    tokio::spawn(pump(client_read, server_write, fault.clone(), resets.clone()));
+                    tokio::spawn(pump(
+                        client_read,
+                        server_write,
+                        fault.clone(),
+                        resets.clone(),
+                    ));
                     tokio::spawn(pump(server_read, client_write, fault, resets));
                 });
             }
         });
-        Ok(Self { port, fault, resets })
+        Ok(Self {
+            port,
+            fault,
+            resets,
+        })
     }
 
     /// The port workers connect to.
@@ -158,13 +167,19 @@ mod tests {
     #[tokio::test]
     async fn passes_delays_holds_and_resets() {
         let proxy = Proxy::start(echo_server().await).await.unwrap();
-        let mut s = TcpStream::connect(("127.0.0.1", proxy.port())).await.unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", proxy.port()))
+            .await
+            .unwrap();
         round_trip(&mut s).await.unwrap();
 
         proxy.set(Fault::Delay(Duration::from_millis(100)));
         let t = std::time::Instant::now();
         round_trip(&mut s).await.unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(200), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(200),
+            "{:?}",
+            t.elapsed()
+        );
 
         proxy.set(Fault::Blackhole);
         let held = tokio::time::timeout(Duration::from_millis(300), round_trip(&mut s)).await;
@@ -176,9 +191,16 @@ mod tests {
 
         proxy.reset();
         let mut buf = [0u8; 4];
-        let after = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await.unwrap();
-        assert!(matches!(after, Err(_) | Ok(0)), "connection survived a reset: {after:?}");
-        let mut again = TcpStream::connect(("127.0.0.1", proxy.port())).await.unwrap();
+        let after = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+            .await
+            .unwrap();
+        assert!(
+            matches!(after, Err(_) | Ok(0)),
+            "connection survived a reset: {after:?}"
+        );
+        let mut again = TcpStream::connect(("127.0.0.1", proxy.port()))
+            .await
+            .unwrap();
         round_trip(&mut again).await.unwrap();
     }
 }

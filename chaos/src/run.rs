@@ -80,8 +80,9 @@ pub(crate) struct RunArgs {
 pub(crate) struct Tracker {
     /// Entries into the lock so far.
     pub(crate) acquisitions: u64,
-    /// Worker slot → (key, whether it has read the store) while inside the lock.
-    pub(crate) inside: HashMap<usize, (String, bool)>,
+    /// Worker slot → how long it stays after its read (`None` before the read),
+    /// while inside the lock.
+    pub(crate) inside: HashMap<usize, Option<u64>>,
 }
 
 /// A running worker process.
@@ -110,10 +111,15 @@ impl Cluster {
         match self.args.backend {
             Backend::Sqlite => format!("sqlite://{}", self.out.join("locks.db").display()),
             Backend::Redis => {
-                format!("redis://127.0.0.1:{}/?timeout=250ms", self.proxies[id].port())
+                format!(
+                    "redis://127.0.0.1:{}/?timeout=250ms",
+                    self.proxies[id].port()
+                )
             }
             Backend::Redlock => {
-                let nodes: Vec<String> = (1..=5).map(|i| format!("127.0.0.1:{}", self.args.port_base + i)).collect();
+                let nodes: Vec<String> = (1..=5)
+                    .map(|i| format!("127.0.0.1:{}", self.args.port_base + i))
+                    .collect();
                 format!("redlock://{}", nodes.join(","))
             }
             Backend::Url => self.args.url.clone().unwrap_or_default(),
@@ -129,7 +135,12 @@ impl Cluster {
         let mut child = Command::new(std::env::current_exe()?)
             .arg("worker")
             .args(["--id", &id.to_string(), "--inc", &inc.to_string()])
-            .args(["--url", &self.worker_url(id), "--store-port", &self.store_port.to_string()])
+            .args([
+                "--url",
+                &self.worker_url(id),
+                "--store-port",
+                &self.store_port.to_string(),
+            ])
             .args(["--run", &self.run_id, "--keys", &self.args.keys.to_string()])
             .args(["--hold-max-ms", &self.args.hold_max_ms.to_string()])
             .args(["--seed", &self.args.seed.to_string()])
@@ -152,13 +163,37 @@ impl Cluster {
                 append(&history, &Record::Worker(event));
             }
         });
-        Ok(WorkerProc { stdin: child.stdin.take(), child, inc })
+        Ok(WorkerProc {
+            stdin: child.stdin.take(),
+            child,
+            inc,
+        })
     }
 
     /// Records a fault's start or heal.
-    pub(crate) fn fault(&self, id: u32, fault: &str, phase: Phase, workers: Vec<usize>, detail: String) {
-        let event = FaultEvent { t: crate::clock::now_ns(), id, fault: fault.to_owned(), phase, workers, detail };
-        println!("  [{:>3}] {:<6} {fault} {:?} {}", id, format!("{phase:?}").to_lowercase(), event.workers, event.detail);
+    pub(crate) fn fault(
+        &self,
+        id: u32,
+        fault: &str,
+        phase: Phase,
+        workers: Vec<usize>,
+        detail: String,
+    ) {
+        let event = FaultEvent {
+            t: crate::clock::now_ns(),
+            id,
+            fault: fault.to_owned(),
+            phase,
+            workers,
+            detail,
+        };
+        println!(
+            "  [{:>3}] {:<6} {fault} {:?} {}",
+            id,
+            format!("{phase:?}").to_lowercase(),
+            event.workers,
+            event.detail
+        );
         append(&self.history, &Record::Fault(event));
     }
 }
@@ -167,11 +202,11 @@ fn track(tracker: &mut Tracker, event: &WorkerEvent) {
     match &event.ev {
         Step::Acquired { .. } => {
             tracker.acquisitions += 1;
-            tracker.inside.insert(event.w, (event.key.clone(), false));
+            tracker.inside.insert(event.w, None);
         }
-        Step::Read { .. } => {
+        Step::Read { hold_ms, .. } => {
             if let Some(inside) = tracker.inside.get_mut(&event.w) {
-                inside.1 = true;
+                *inside = Some(*hold_ms);
             }
         }
         Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::Fenced => {
@@ -190,41 +225,77 @@ fn append(history: &SyncMutex<std::io::BufWriter<std::fs::File>>, record: &Recor
 /// Runs one chaos run and checks it.
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     let backend_name = match args.backend {
-        Backend::Url => args.url.as_deref().and_then(|u| u.split("://").next()).unwrap_or("url").to_owned(),
+        Backend::Url => args
+            .url
+            .as_deref()
+            .and_then(|u| u.split("://").next())
+            .unwrap_or("url")
+            .to_owned(),
         other => format!("{other:?}").to_lowercase(),
     };
     let out = match &args.out {
         Some(dir) => dir.clone(),
-        None => target_dir().join("chaos").join(format!("{backend_name}-{}", args.seed)),
+        None => target_dir()
+            .join("chaos")
+            .join(format!("{backend_name}-{}", args.seed)),
     };
     if out.exists() {
         std::fs::remove_dir_all(&out)?;
     }
     std::fs::create_dir_all(&out)?;
     let out = out.canonicalize()?;
-    let mode = if args.backend == Backend::Redlock { Mode::Version } else { Mode::Fence };
-    println!("chaos run: {backend_name}, {} workers, {} acquisitions, {} faults, seed {} → {}",
-        args.workers, args.acquisitions, args.faults, args.seed, out.display());
+    let mode = if args.backend == Backend::Redlock {
+        Mode::Version
+    } else {
+        Mode::Fence
+    };
+    println!(
+        "chaos run: {backend_name}, {} workers, {} acquisitions, {} faults, seed {} → {}",
+        args.workers,
+        args.acquisitions,
+        args.faults,
+        args.seed,
+        out.display()
+    );
 
     // The fenced store, a process of its own.
     let mut store = Command::new(std::env::current_exe()?)
-        .args(["store", "--mode", if mode == Mode::Fence { "fence" } else { "version" }])
+        .args([
+            "store",
+            "--mode",
+            if mode == Mode::Fence {
+                "fence"
+            } else {
+                "version"
+            },
+        ])
         .arg("--log")
         .arg(out.join("store.jsonl"))
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
     let mut first = String::new();
-    BufReader::new(store.stdout.take().context("store stdout")?).read_line(&mut first).await?;
-    let store_port: u16 = first.trim().strip_prefix("LISTENING ").context("store did not start")?.parse()?;
+    BufReader::new(store.stdout.take().context("store stdout")?)
+        .read_line(&mut first)
+        .await?;
+    let store_port: u16 = first
+        .trim()
+        .strip_prefix("LISTENING ")
+        .context("store did not start")?
+        .parse()?;
 
     // The servers and proxies the nemesis controls.
     let mut servers = Vec::new();
     match args.backend {
-        Backend::Redis => servers.push(RedisServer::start(args.port_base, &out.join("redis")).await?),
+        Backend::Redis => {
+            servers.push(RedisServer::start(args.port_base, &out.join("redis")).await?)
+        }
         Backend::Redlock => {
             for i in 1..=5 {
-                servers.push(RedisServer::start(args.port_base + i, &out.join(format!("redlock-{i}"))).await?);
+                servers.push(
+                    RedisServer::start(args.port_base + i, &out.join(format!("redlock-{i}")))
+                        .await?,
+                );
             }
         }
         Backend::Sqlite | Backend::Url => {}
@@ -281,7 +352,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         w.stdin.take();
     }
     for w in &mut workers {
-        if tokio::time::timeout(Duration::from_secs(20), w.child.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(20), w.child.wait())
+            .await
+            .is_err()
+        {
             hung_workers += 1;
             let _ = w.child.kill().await;
         }
@@ -290,7 +364,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
     let keys_left = keys_left(&cluster).await?;
 
-    let dump = crate::store::StoreClient::connect(store_port).await?.dump().await?;
+    let dump = crate::store::StoreClient::connect(store_port)
+        .await?
+        .dump()
+        .await?;
     let _ = store.kill().await;
     cluster.history.lock().expect("history").flush()?;
     for server in cluster.servers.lock().await.iter_mut() {
@@ -310,7 +387,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     };
     std::fs::write(out.join("meta.json"), serde_json::to_vec_pretty(&meta)?)?;
     let summary = checker::check_dir(&out)?;
-    std::fs::write(out.join("summary.json"), serde_json::to_vec_pretty(&summary)?)?;
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_vec_pretty(&summary)?,
+    )?;
     Ok(summary)
 }
 
@@ -323,7 +403,10 @@ async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
             for server in cluster.servers.lock().await.iter() {
                 let client = redis::Client::open(format!("redis://127.0.0.1:{}/", server.port()))?;
                 let mut conn = client.get_multiplexed_async_connection().await?;
-                let keys: Vec<String> = redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await?;
+                let keys: Vec<String> = redis::cmd("KEYS")
+                    .arg(&pattern)
+                    .query_async(&mut conn)
+                    .await?;
                 // Fence counters stay by design (they make tokens increase).
                 left += keys.iter().filter(|k| !k.ends_with(":fence")).count();
             }

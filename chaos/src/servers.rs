@@ -20,7 +20,11 @@ impl RedisServer {
     /// Starts `redis-server` on `port`, keeping its files in `dir`.
     pub(crate) async fn start(port: u16, dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut server = Self { port, dir: dir.to_owned(), child: None };
+        let mut server = Self {
+            port,
+            dir: dir.to_owned(),
+            child: None,
+        };
         server.spawn().await?;
         Ok(server)
     }
@@ -34,15 +38,23 @@ impl RedisServer {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--dir", &self.dir.display().to_string()])
-            .args(["--appendonly", "yes", "--appendfsync", "always", "--save", ""])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
             .args(["--protected-mode", "no", "--daemonize", "no"])
-            .args(["--logfile", &self.dir.join("redis.log").display().to_string()])
+            .args([
+                "--logfile",
+                &self.dir.join("redis.log").display().to_string(),
+            ])
             .stdin(Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .context(
-                "cannot run redis-server (install the test servers: scripts/servers.sh up)",
-            )?;
+            .context("cannot run redis-server (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
@@ -51,7 +63,11 @@ impl RedisServer {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        bail!("redis-server on port {} did not answer within 10 s (see {}/redis.log)", self.port, self.dir.display())
+        bail!(
+            "redis-server on port {} did not answer within 10 s (see {}/redis.log)",
+            self.port,
+            self.dir.display()
+        )
     }
 
     /// SIGKILL: no shutdown, no last save.
@@ -93,5 +109,8 @@ async fn ping(port: u16) -> bool {
         s.read_exact(&mut buf).await?;
         std::io::Result::Ok(&buf == b"+PONG\r\n")
     };
-    matches!(tokio::time::timeout(Duration::from_millis(500), attempt).await, Ok(Ok(true)))
+    matches!(
+        tokio::time::timeout(Duration::from_millis(500), attempt).await,
+        Ok(Ok(true))
+    )
 }

@@ -27,7 +27,9 @@ use crate::clock::now_ns;
 use crate::history::{OpKind, StoreOp};
 
 /// How the store decides whether to take a write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Mode {
     /// Fencing tokens: refuse anything older than the newest token seen.
@@ -160,7 +162,11 @@ pub(crate) async fn serve(mode: Mode, log: &Path) -> anyhow::Result<()> {
                     Ok(r) => r,
                     Err(e) => format!("ERR {e}"),
                 };
-                if write.write_all(format!("{reply}\n").as_bytes()).await.is_err() {
+                if write
+                    .write_all(format!("{reply}\n").as_bytes())
+                    .await
+                    .is_err()
+                {
                     break;
                 }
             }
@@ -197,7 +203,9 @@ impl StoreClient {
     }
 
     async fn call(&mut self, request: String) -> anyhow::Result<String> {
-        self.write.write_all(format!("{request}\n").as_bytes()).await?;
+        self.write
+            .write_all(format!("{request}\n").as_bytes())
+            .await?;
         let line = self.lines.next_line().await?.context("the store hung up")?;
         if let Some(err) = line.strip_prefix("ERR ") {
             bail!("store: {err}");
@@ -206,7 +214,12 @@ impl StoreClient {
     }
 
     /// Fenced read.
-    pub(crate) async fn read(&mut self, w: usize, key: &str, token: Option<u64>) -> anyhow::Result<ReadReply> {
+    pub(crate) async fn read(
+        &mut self,
+        w: usize,
+        key: &str,
+        token: Option<u64>,
+    ) -> anyhow::Result<ReadReply> {
         let line = self.call(format!("R {w} {key} {}", tok(token))).await?;
         if line == "STALE" {
             return Ok(ReadReply::Stale);
@@ -227,7 +240,9 @@ impl StoreClient {
         base_version: u64,
         value: u64,
     ) -> anyhow::Result<bool> {
-        let line = self.call(format!("W {w} {key} {} {base_version} {value}", tok(token))).await?;
+        let line = self
+            .call(format!("W {w} {key} {} {base_version} {value}", tok(token)))
+            .await?;
         Ok(line == "OK")
     }
 

@@ -7,11 +7,13 @@
 //! store's fencing has to refuse it.
 
 use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use dlock_runtime::{LockError, Registry, distributed_lock};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
-use tokio::io::AsyncReadExt as _;
+use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::Mutex;
 
 use crate::clock::now_ns;
@@ -65,11 +67,22 @@ struct Worker {
     /// `None` after a call was cut short (its reply would be read by the next one).
     store: Mutex<Option<StoreClient>>,
     hold: Mutex<StdRng>,
+    /// Set by a `long` line on stdin: the next stay inside lasts [`LONG_HOLD`].
+    long_next: Arc<AtomicBool>,
 }
+
+/// A stay inside the lock the nemesis asks for, to strike while the body runs.
+pub(crate) const LONG_HOLD: Duration = Duration::from_millis(2500);
 
 impl Worker {
     fn emit(&self, key: &str, ev: Step) {
-        let event = WorkerEvent { t: now_ns(), w: self.args.id, inc: self.args.inc, key: key.to_owned(), ev };
+        let event = WorkerEvent {
+            t: now_ns(),
+            w: self.args.id,
+            inc: self.args.inc,
+            key: key.to_owned(),
+            ev,
+        };
         let mut line = serde_json::to_vec(&event).expect("events serialize");
         line.push(b'\n');
         // One write per line: a reader never sees half of one unless we are killed.
@@ -86,7 +99,9 @@ impl Worker {
         let mut slot = self.store.lock().await;
         let mut store = match slot.take() {
             Some(store) => store,
-            None => StoreClient::connect(self.args.store_port).await.map_err(StepError::Store)?,
+            None => StoreClient::connect(self.args.store_port)
+                .await
+                .map_err(StepError::Store)?,
         };
         let w = self.args.id;
         let (value, version) = match store.read(w, key, token).await.map_err(StepError::Store)? {
@@ -97,16 +112,50 @@ impl Worker {
                 return Ok(());
             }
         };
-        self.emit(key, Step::Read { value, version });
-        let hold = self.hold.lock().await.random_range(0..=self.args.hold_max_ms);
-        tokio::time::sleep(Duration::from_millis(hold)).await;
-        let accepted = store.write(w, key, token, version, value + 1).await.map_err(StepError::Store)?;
+        let hold = if self.long_next.swap(false, Ordering::SeqCst) {
+            LONG_HOLD
+        } else {
+            Duration::from_millis(
+                self.hold
+                    .lock()
+                    .await
+                    .random_range(0..=self.args.hold_max_ms),
+            )
+        };
+        self.emit(
+            key,
+            Step::Read {
+                value,
+                version,
+                hold_ms: hold.as_millis() as u64,
+            },
+        );
+        let mut noticed = false;
+        let stay = tokio::time::sleep(hold);
+        tokio::pin!(stay);
+        if self.args.id % 2 == 1 {
+            // `on_lost = "continue"`: record the signal when it comes, stay anyway.
+            tokio::select! {
+                () = &mut stay => {}
+                () = held.lost() => {
+                    self.emit(key, Step::Lost { cancelled: false });
+                    noticed = true;
+                    stay.await;
+                }
+            }
+        } else {
+            stay.await;
+        }
+        let accepted = store
+            .write(w, key, token, version, value + 1)
+            .await
+            .map_err(StepError::Store)?;
         *slot = Some(store);
         self.emit(key, Step::Wrote { accepted });
         if !accepted {
             self.emit(key, Step::Fenced);
         }
-        if held.is_lost() {
+        if held.is_lost() && !noticed {
             // Only reached with `on_lost = "continue"`.
             self.emit(key, Step::Lost { cancelled: false });
         }
@@ -115,13 +164,23 @@ impl Worker {
     }
 }
 
-#[distributed_lock(key = "chaos:{run}:{key}", wait = "2s", lease = "1s", on_lost = "cancel")]
+#[distributed_lock(
+    key = "chaos:{run}:{key}",
+    wait = "2s",
+    lease = "1s",
+    on_lost = "cancel"
+)]
 async fn step_cancel(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
     let _ = run;
     worker.read_modify_write(key).await
 }
 
-#[distributed_lock(key = "chaos:{run}:{key}", wait = "2s", lease = "1s", on_lost = "continue")]
+#[distributed_lock(
+    key = "chaos:{run}:{key}",
+    wait = "2s",
+    lease = "1s",
+    on_lost = "continue"
+)]
 async fn step_continue(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
     let _ = run;
     worker.read_modify_write(key).await
@@ -141,11 +200,13 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     };
     dlock_runtime::init(registry)?;
 
-    let stop = stop_on_stdin_eof();
+    let long_next = Arc::new(AtomicBool::new(false));
+    let stop = read_stdin(long_next.clone());
     let mut rng = StdRng::seed_from_u64(args.seed ^ ((args.id as u64) << 32) ^ u64::from(args.inc));
     let worker = Worker {
         store: Mutex::new(None),
         hold: Mutex::new(StdRng::seed_from_u64(rng.random())),
+        long_next,
         args,
     };
     let keys: Vec<String> = (0..worker.args.keys).map(|k| format!("k{k}")).collect();
@@ -163,9 +224,16 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             Err(StepError::Lock(LockError::Busy { .. })) => worker.emit(key, Step::Busy),
             // A store call cut short by the cancellation took its connection with it
             // (the slot stays empty), so no reply is ever read by the wrong call.
-            Err(StepError::Lock(LockError::Lost { .. })) => worker.emit(key, Step::Lost { cancelled: true }),
+            Err(StepError::Lock(LockError::Lost { .. })) => {
+                worker.emit(key, Step::Lost { cancelled: true })
+            }
             Err(e) => {
-                worker.emit(key, Step::Error { message: e.to_string() });
+                worker.emit(
+                    key,
+                    Step::Error {
+                        message: e.to_string(),
+                    },
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -173,13 +241,17 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Becomes `true` when standard input reaches its end (the orchestrator's "stop").
-fn stop_on_stdin_eof() -> tokio::sync::watch::Receiver<bool> {
+/// Reads the orchestrator's lines: `long` asks for a long stay next time; the end
+/// of input means stop (the returned flag becomes `true`).
+fn read_stdin(long_next: Arc<AtomicBool>) -> tokio::sync::watch::Receiver<bool> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        let mut stdin = tokio::io::stdin();
-        let mut buf = [0u8; 64];
-        while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+        let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.trim() == "long" {
+                long_next.store(true, Ordering::SeqCst);
+            }
+        }
         let _ = tx.send(true);
     });
     rx

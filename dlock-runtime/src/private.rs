@@ -116,25 +116,24 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         LostPolicy::Continue => Some(body.await),
     };
     let key = guard.key().to_owned();
-    let released = guard.release().await;
-    match finished {
-        Some(out) => {
-            match released {
-                Ok(()) => {}
-                Err(LockError::Lost { .. }) => tracing::warn!(
-                    function = spec.function,
-                    key = %key,
-                    "dlock: the lease was lost while the body ran to completion (on_lost = \"continue\")"
-                ),
-                Err(err) => {
-                    tracing::warn!(function = spec.function, key = %key, error = %err, "dlock: release failed")
-                }
-            }
-            out
-        }
-        None => {
-            tracing::warn!(function = spec.function, key = %key, "dlock: lease lost, body cancelled");
-            R::from_lock_error(LockError::Lost { key })
+    let Some(out) = finished else {
+        // Return the loss at once: dropping the guard hands the owner-checked
+        // release to dlock's runtime (it still frees the key when only our side
+        // gave up), instead of making the caller wait on a server that may be gone.
+        drop(guard);
+        tracing::warn!(function = spec.function, key = %key, "dlock: lease lost, body cancelled");
+        return R::from_lock_error(LockError::Lost { key });
+    };
+    match guard.release().await {
+        Ok(()) => {}
+        Err(LockError::Lost { .. }) => tracing::warn!(
+            function = spec.function,
+            key = %key,
+            "dlock: the lease was lost while the body ran to completion (on_lost = \"continue\")"
+        ),
+        Err(err) => {
+            tracing::warn!(function = spec.function, key = %key, error = %err, "dlock: release failed")
         }
     }
+    out
 }
