@@ -413,3 +413,144 @@ impl std::fmt::Display for Summary {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(mode: Mode, dump: &[(&str, u64, u64)]) -> RunMeta {
+        RunMeta {
+            backend: "test".into(),
+            seed: 0,
+            workers: 2,
+            mode,
+            lease_ms: 1000,
+            keys_left: Some(0),
+            hung_workers: 0,
+            finished: true,
+            dump: dump
+                .iter()
+                .map(|(k, v, ver)| ((*k).to_owned(), (*v, *ver)))
+                .collect(),
+        }
+    }
+
+    fn op(seq: u64, op: OpKind, token: Option<u64>, base: Option<u64>, accepted: bool) -> StoreOp {
+        StoreOp {
+            seq,
+            t: seq,
+            op,
+            key: "k".into(),
+            token,
+            base_version: base,
+            value: base.map(|b| b + 1),
+            accepted,
+            w: 0,
+        }
+    }
+
+    fn worker(t: u64, w: usize, ev: Step) -> Record {
+        Record::Worker(WorkerEvent {
+            t,
+            w,
+            inc: 0,
+            key: "k".into(),
+            ev,
+        })
+    }
+
+    #[test]
+    fn a_clean_fenced_history_passes() {
+        let records = [
+            worker(1, 0, Step::Acquired { token: Some(1) }),
+            worker(5, 0, Step::Leaving),
+        ];
+        let ops = [
+            op(1, OpKind::Read, Some(1), None, true),
+            op(2, OpKind::Write, Some(1), Some(0), true),
+            op(3, OpKind::Read, Some(2), None, true),
+            op(4, OpKind::Write, Some(1), Some(1), false),
+        ];
+        let s = check(&records, &ops, &meta(Mode::Fence, &[("k", 1, 1)]));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.writes_accepted, s.stale_refused), (1, 1));
+    }
+
+    #[test]
+    fn a_stale_write_taken_by_the_store_is_caught() {
+        // Token 1 writes after token 2 has read: the store should have refused it.
+        let ops = [
+            op(1, OpKind::Read, Some(1), None, true),
+            op(2, OpKind::Read, Some(2), None, true),
+            op(3, OpKind::Write, Some(1), Some(0), true),
+        ];
+        let s = check(
+            &[worker(1, 0, Step::Acquired { token: Some(1) })],
+            &ops,
+            &meta(Mode::Fence, &[("k", 1, 1)]),
+        );
+        assert_eq!(s.stale_writes_accepted, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("stale writes accepted")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn a_lost_update_is_caught() {
+        // Two writes based on version 0 both taken (no fencing would stop it here).
+        let ops = [
+            op(1, OpKind::Write, None, Some(0), true),
+            op(2, OpKind::Write, None, Some(0), true),
+        ];
+        let s = check(
+            &[worker(1, 0, Step::Acquired { token: None })],
+            &ops,
+            &meta(Mode::Version, &[("k", 1, 2)]),
+        );
+        assert_eq!(s.lost_updates, 1);
+        assert!(!s.violations.is_empty());
+    }
+
+    #[test]
+    fn state_that_disagrees_with_the_log_and_keys_left_are_caught() {
+        let ops = [op(1, OpKind::Write, None, Some(0), true)];
+        let mut m = meta(Mode::Version, &[("k", 5, 1)]);
+        m.keys_left = Some(2);
+        let s = check(&[worker(1, 0, Step::Acquired { token: None })], &ops, &m);
+        assert_eq!(s.violations.len(), 2, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn overlaps_latency_and_handoff_are_measured() {
+        let fault = |t, phase| {
+            Record::Fault(FaultEvent {
+                t,
+                id: 1,
+                fault: "sigstop".into(),
+                phase,
+                workers: vec![0],
+                detail: String::new(),
+            })
+        };
+        let ms = 1_000_000;
+        let records = [
+            worker(0, 0, Step::Acquired { token: Some(1) }),
+            fault(10 * ms, Phase::Start),
+            worker(1500 * ms, 1, Step::Acquired { token: Some(2) }),
+            worker(1510 * ms, 1, Step::Leaving),
+            fault(2000 * ms, Phase::Heal),
+            worker(2003 * ms, 0, Step::Lost { cancelled: true }),
+            worker(2020 * ms, 1, Step::Acquired { token: Some(3) }),
+            worker(2030 * ms, 1, Step::Leaving),
+        ];
+        let s = check(&records, &[], &meta(Mode::Fence, &[]));
+        assert_eq!((s.belief_overlaps, s.overlapped_acquisitions), (1, 1));
+        assert_eq!(s.lost_signals, 1);
+        assert_eq!(s.lost_latency.max, 3.0, "measured from the resumption");
+        assert_eq!(s.handoff_after_heal.max, 20.0);
+    }
+}

@@ -1,0 +1,84 @@
+//! The short chaos runs CI does: one per multi-process backend, each failing on
+//! any violation the checker finds (stale write accepted, lost update, key left
+//! behind, worker hung, targets not reached) and on a run that did not exercise
+//! the faults it claims (no stale write refused, no lost-lease signal).
+//!
+//! They need `redis-server` on the PATH (`scripts/servers.sh up` installs it).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+
+/// One run at a time: eight worker processes each already share two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn short_run(backend: &str, faults: u32) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
+        .args([
+            "run",
+            "--backend",
+            backend,
+            "--acquisitions",
+            "1000",
+            "--seed",
+            "1",
+        ])
+        .args(["--faults", &faults.to_string(), "--max-duration", "4m"])
+        .arg("--out")
+        .arg(out.path())
+        .status()
+        .unwrap();
+    let summary = read_summary(out.path());
+    assert!(
+        status.success(),
+        "the chaos run on {backend} failed: {summary}"
+    );
+    let field = |name: &str| {
+        summary[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{name} in {summary}"))
+    };
+    let faults_seen: u64 = summary["faults"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|v| v.as_u64())
+        .sum();
+    assert_eq!(faults_seen, u64::from(faults), "{summary}");
+    assert!(field("acquisitions") >= 1000, "{summary}");
+    assert!(
+        field("stale_refused") >= 1,
+        "no paused holder's stale write reached the store: {summary}"
+    );
+    assert!(
+        field("lost_signals") >= 1,
+        "no lost-lease signal: {summary}"
+    );
+    assert_eq!(field("stale_writes_accepted"), 0);
+    assert_eq!(field("lost_updates"), 0);
+    assert_eq!(summary["keys_left"].as_u64(), Some(0));
+}
+
+fn read_summary(dir: &Path) -> serde_json::Value {
+    std::fs::read(dir.join("summary.json"))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+#[test]
+fn sqlite_under_pauses_and_kills() {
+    short_run("sqlite", 6);
+}
+
+#[test]
+fn redis_under_server_kills_partitions_pauses_and_kills() {
+    short_run("redis", 12);
+}
+
+#[test]
+fn redlock_under_node_outages_pauses_and_kills() {
+    short_run("redlock", 8);
+}
