@@ -427,4 +427,33 @@ mod tests {
         let sig: Signature = syn::parse_quote!(fn none());
         assert!(param_names(&sig).is_empty());
     }
+
+    /// Random templates built from the characters the parser cares about: it never
+    /// panics, every error is a message, and brace-free text is one literal piece.
+    #[test]
+    fn fuzzed_templates_never_panic() {
+        use rand::{Rng as _, SeedableRng as _};
+        const PIECES: &[&str] = &[
+            "{", "}", "{{", "}}", ".", "a", "b_1", "0", " ", ":", "é", "日", "*", "/", "\\", "\n",
+            "r#",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x7e41);
+        for _ in 0..20_000 {
+            let n = rng.random_range(0..12);
+            let template: String = (0..n)
+                .map(|_| PIECES[rng.random_range(0..PIECES.len())])
+                .collect();
+            let (pieces, errors) = parse_lenient(&template);
+            assert!(errors.iter().all(|e| !e.is_empty()), "{template:?}");
+            if !template.contains(['{', '}']) {
+                assert!(errors.is_empty(), "{template:?}: {errors:?}");
+                let expected = if template.is_empty() {
+                    vec![]
+                } else {
+                    vec![text(&template)]
+                };
+                assert_eq!(pieces, expected, "{template:?}");
+            }
+        }
+    }
 }

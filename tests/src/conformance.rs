@@ -623,6 +623,126 @@ pub async fn invalid_keys_are_rejected(_h: &Harness) {
     }
 }
 
+/// The pieces fuzzed keys are made of: what backends are known to trip on
+/// (hash-tag braces, glob and path characters, quotes, escapes, non-ASCII,
+/// look-alikes that differ only in case, spacing or Unicode normalisation) and
+/// control characters, which every backend must refuse.
+const KEY_PIECES: &[&str] = &[
+    "{", "}", "{}", "}{", "*", "?", "[", "]", "/", "..", "../", ":", " ", "\\", "%", "%s", "_",
+    "'", "\"", "`", ";", "--", "#", "$", "a", "A", "0", "é", "e\u{301}", "ß", "日本", "ключ", "🔒",
+    "\u{200b}", "\u{7f}", "\n", "\0", "\t", "\u{85}",
+];
+
+fn fuzzed_key(rng: &mut impl rand::Rng) -> String {
+    let n = rng.random_range(1..10);
+    (0..n)
+        .map(|_| KEY_PIECES[rng.random_range(0..KEY_PIECES.len())])
+        .collect()
+}
+
+fn expect_invalid(key: &str, prefix: &str) -> bool {
+    key.is_empty()
+        || key.chars().any(char::is_control)
+        || prefix.len() + key.len() > dlock_runtime::MAX_KEY_LEN
+}
+
+/// Fuzzed key names: each is stored under a key of its own (all of them can be
+/// held at once, and each is then busy for another task) or refused with
+/// `InvalidKey` — never a collision, another error or a panic.
+pub async fn fuzzed_keys_never_collide(h: &Harness) {
+    use rand::SeedableRng as _;
+    let prefix = h.registry().key_prefix().to_owned();
+    let run = unique_key("fuzz");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xd10c);
+    let mut keys = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        keys.insert(format!("{run}:{}", fuzzed_key(&mut rng)));
+    }
+    // Exactly at the length limit, one byte over it, and nothing but the run id.
+    let room = dlock_runtime::MAX_KEY_LEN - prefix.len() - run.len() - 1;
+    keys.insert(format!("{run}:{}", "é".repeat(room / 2)));
+    keys.insert(format!("{run}:{}", "x".repeat(room + 1)));
+    keys.insert(run.clone());
+
+    let mut held = Vec::new();
+    for key in &keys {
+        match lock(key.clone()).acquire().await {
+            Ok(guard) => {
+                assert!(
+                    !expect_invalid(key, &prefix),
+                    "{key:?} should have been refused"
+                );
+                held.push(guard);
+            }
+            Err(LockError::InvalidKey { .. }) => {
+                assert!(expect_invalid(key, &prefix), "{key:?} refused")
+            }
+            Err(e) => panic!("{key:?}: {e}"),
+        }
+    }
+    assert!(
+        held.len() > keys.len() / 3,
+        "too few valid keys to mean anything"
+    );
+    let names: Vec<String> = held.iter().map(|g| g.key().to_owned()).collect();
+    let again = names.clone();
+    tokio::spawn(async move {
+        for key in again {
+            let other = lock(key.clone()).acquire().await;
+            assert!(
+                matches!(other, Err(LockError::Busy { .. })),
+                "{key:?} held, yet {other:?}"
+            );
+        }
+    })
+    .await
+    .expect("no panic");
+    for guard in held {
+        guard.release().await.expect("release");
+    }
+    tokio::spawn(async move {
+        for key in names {
+            let guard = lock(key.clone())
+                .acquire()
+                .await
+                .unwrap_or_else(|e| panic!("{key:?}: {e}"));
+            guard.release().await.expect("release");
+        }
+    })
+    .await
+    .expect("no panic");
+}
+
+#[distributed_lock(key = "{{fuzz}}:{run}:{a}/{b}")]
+async fn templated_key(run: &str, a: &str, b: &str) -> Result<String, LockError> {
+    let _ = (run, a, b);
+    Ok(dlock_runtime::current().expect("inside").key().to_owned())
+}
+
+/// Fuzzed values interpolated by a key template reach the backend as exactly the
+/// text the template says (`{{`/`}}` literal, `{a}` the value), or are refused
+/// with `InvalidKey`.
+pub async fn fuzzed_template_values_reach_the_backend_verbatim(h: &Harness) {
+    use rand::SeedableRng as _;
+    let prefix = h.registry().key_prefix().to_owned();
+    let run = unique_key("template");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x7e41);
+    for _ in 0..100 {
+        let (a, b) = (fuzzed_key(&mut rng), fuzzed_key(&mut rng));
+        let expected = format!("{{fuzz}}:{run}:{a}/{b}");
+        match templated_key(&run, &a, &b).await {
+            Ok(key) => {
+                assert_eq!(key, expected);
+                assert!(!expect_invalid(&expected, &prefix));
+            }
+            Err(LockError::InvalidKey { .. }) => {
+                assert!(expect_invalid(&expected, &prefix), "{expected:?}")
+            }
+            Err(e) => panic!("{expected:?}: {e}"),
+        }
+    }
+}
+
 /// Naming a backend that is not registered is `UnknownBackend`.
 pub async fn unknown_backend_is_an_error(_h: &Harness) {
     let result = lock(unique_key("unknown"))

@@ -85,6 +85,8 @@ macro_rules! conformance_suite {
             release_wakes_a_waiter_quickly,
             current_inside_and_outside,
             invalid_keys_are_rejected,
+            fuzzed_keys_never_collide,
+            fuzzed_template_values_reach_the_backend_verbatim,
             unknown_backend_is_an_error
         );
     };
