@@ -70,7 +70,7 @@ pub(crate) struct RunArgs {
     /// Give up (and fail) after this long.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub(crate) max_duration: Duration,
-    /// Where histories go (default: target/chaos/<backend>-<seed>).
+    /// Where histories go (default: target/chaos/BACKEND-SEED).
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
 }

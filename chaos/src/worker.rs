@@ -53,6 +53,11 @@ pub(crate) struct WorkerArgs {
     pub(crate) seed: u64,
 }
 
+/// Whether worker `id` runs with `on_lost = "cancel"` (even ids) or `"continue"`.
+pub(crate) fn cancels_on_loss(id: usize) -> bool {
+    id.is_multiple_of(2)
+}
+
 /// Why a step did not finish.
 #[derive(Debug, thiserror::Error)]
 enum StepError {
@@ -133,7 +138,7 @@ impl Worker {
         let mut noticed = false;
         let stay = tokio::time::sleep(hold);
         tokio::pin!(stay);
-        if self.args.id % 2 == 1 {
+        if !cancels_on_loss(self.args.id) {
             // `on_lost = "continue"`: record the signal when it comes, stay anyway.
             tokio::select! {
                 () = &mut stay => {}
@@ -210,7 +215,7 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args,
     };
     let keys: Vec<String> = (0..worker.args.keys).map(|k| format!("k{k}")).collect();
-    let cancel_on_lost = worker.args.id % 2 == 0;
+    let cancel_on_lost = cancels_on_loss(worker.args.id);
     while !*stop.borrow() {
         let key = &keys[rng.random_range(0..keys.len())];
         worker.emit(key, Step::Attempt);
