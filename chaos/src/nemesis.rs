@@ -22,15 +22,17 @@ use tokio::io::AsyncWriteExt as _;
 /// The faults the nemesis knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    /// SIGSTOP a worker inside the lock (after its read) for 1.5–3 leases.
+    /// SIGSTOP a worker in the middle of a long stay inside the lock for 1.5–3
+    /// leases (odd and even workers in turn).
     PauseHolder,
-    /// SIGKILL a worker (a holder when there is one) and start it again.
+    /// SIGKILL a worker inside the lock and start it again.
     KillWorker,
-    /// SIGKILL the Redis server, restart it with or without its data.
+    /// SIGKILL the Redis server while a body runs; restart it with its data, then
+    /// (next time) without.
     KillServer,
     /// Delay one to three workers' traffic by 20–200 ms for 1–2 s.
     ProxyDelay,
-    /// Black-hole a worker's traffic (a holder's, when there is one) for 1.5–3 leases.
+    /// Black-hole the traffic of a worker inside the lock for 1.5–3 leases.
     ProxyBlackhole,
     /// Reset the connections of some workers.
     ProxyReset,
