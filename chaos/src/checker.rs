@@ -120,6 +120,8 @@ pub(crate) struct Summary {
     pub(crate) lost_unattributed: u64,
     /// Time from each fault's heal to the next entry into the lock.
     pub(crate) handoff_after_heal: Spread,
+    /// Pauses during which the paused worker still recorded something (must be 0).
+    pub(crate) pause_breaches: u64,
     /// Lock keys left on the server once idle (must be 0).
     pub(crate) keys_left: Option<usize>,
     /// What must not have happened, and did.
@@ -223,6 +225,26 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
     s.lost_latency = Spread::of(latencies);
 
+    // A paused worker must be silent until it is continued; if not, the fault did
+    // not happen as logged and the figures above would lie.
+    for start in faults
+        .iter()
+        .filter(|f| f.fault == "sigstop" && f.phase == Phase::Start)
+    {
+        let Some(heal) = faults
+            .iter()
+            .find(|f| f.id == start.id && f.phase == Phase::Heal)
+        else {
+            continue;
+        };
+        if events
+            .iter()
+            .any(|e| start.workers.contains(&e.w) && e.t > start.t && e.t < heal.t)
+        {
+            s.pause_breaches += 1;
+        }
+    }
+
     // Time from each heal to the next entry into the lock.
     let acquired: Vec<u64> = events
         .iter()
@@ -312,6 +334,12 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
     if let Some(left) = meta.keys_left.filter(|&n| n > 0) {
         v.push(format!("{left} lock keys left on the server once idle"));
+    }
+    if s.pause_breaches > 0 {
+        v.push(format!(
+            "{} paused workers ran during their pause",
+            s.pause_breaches
+        ));
     }
     if meta.hung_workers > 0 {
         v.push(format!(
@@ -552,5 +580,34 @@ mod tests {
         assert_eq!(s.lost_signals, 1);
         assert_eq!(s.lost_latency.max, 3.0, "measured from the resumption");
         assert_eq!(s.handoff_after_heal.max, 20.0);
+    }
+
+    #[test]
+    fn a_worker_that_ran_during_its_pause_is_caught() {
+        let fault = |t, phase| {
+            Record::Fault(FaultEvent {
+                t,
+                id: 1,
+                fault: "sigstop".into(),
+                phase,
+                workers: vec![0],
+                detail: String::new(),
+            })
+        };
+        let records = [
+            worker(0, 0, Step::Acquired { token: Some(1) }),
+            fault(10, Phase::Start),
+            worker(20, 0, Step::Leaving),
+            fault(30, Phase::Heal),
+        ];
+        let s = check(&records, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.pause_breaches, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("during their pause")),
+            "{:?}",
+            s.violations
+        );
     }
 }

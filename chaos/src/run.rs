@@ -145,6 +145,10 @@ impl Cluster {
             .args(["--hold-max-ms", &self.args.hold_max_ms.to_string()])
             .args(["--seed", &self.args.seed.to_string()])
             .env("RUST_BACKTRACE", "1")
+            // A group of its own: when the orchestrator's group is orphaned (run
+            // under nohup, say), the kernel sends SIGCONT to every stopped member
+            // whenever a process of that group exits — ending a pause early.
+            .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log)
