@@ -105,7 +105,8 @@
 //! ```
 //!
 //! The attribute does more than this sketch: it also stops the body when the lease is
-//! lost (`on_lost = "cancel"`, racing the body against `guard.lost()`), releases the
+//! lost (`on_lost = "cancel"`, racing the body against `guard.lost()`, and then
+//! returning at once while the release goes out in the background), releases the
 //! lock from the guard's `Drop` on panic or cancellation, implements `on_busy =
 //! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns.
 //!
