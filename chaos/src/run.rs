@@ -346,8 +346,15 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     nemesis.abort();
-    let _ = nemesis.await;
+    let nemesis = match nemesis.await {
+        Ok(result) => result,
+        Err(e) if e.is_cancelled() => Ok(()),
+        Err(e) => Err(anyhow::anyhow!("the nemesis panicked: {e}")),
+    };
     crate::nemesis::heal_all(&cluster).await?;
+    // A fault that could not be injected or healed (a server that did not come
+    // back) makes the run meaningless.
+    nemesis.context("nemesis")?;
 
     // Stop the workers: closing stdin ends their loop after the current step.
     let mut hung_workers = 0;
