@@ -13,6 +13,12 @@ use serde::{Deserialize, Serialize};
 use crate::history::{self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, WorkerEvent};
 use crate::store::Mode;
 
+/// How far a signal's effect may be from the moment the nemesis logged it: a
+/// SIGSTOP lands a moment after `kill` returns, and a continued worker may write
+/// before the nemesis' own record of the SIGCONT (runs before that was logged
+/// first).
+const SIGNAL_GRACE: u64 = 2_000_000;
+
 /// What the orchestrator measured at the end of a run, saved as `meta.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct RunMeta {
@@ -237,9 +243,10 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         else {
             continue;
         };
+        let (from, to) = (start.t + SIGNAL_GRACE, heal.t.saturating_sub(SIGNAL_GRACE));
         if events
             .iter()
-            .any(|e| start.workers.contains(&e.w) && e.t > start.t && e.t < heal.t)
+            .any(|e| start.workers.contains(&e.w) && e.t > from && e.t < to)
         {
             s.pause_breaches += 1;
         }
@@ -368,7 +375,7 @@ fn lost_reference(faults: &[&FaultEvent], e: &WorkerEvent) -> Option<u64> {
     if start.fault == "sigstop" {
         let resumed = faults
             .iter()
-            .find(|f| f.id == start.id && f.phase == Phase::Heal && f.t <= e.t);
+            .find(|f| f.id == start.id && f.phase == Phase::Heal && f.t <= e.t + SIGNAL_GRACE);
         return Some(resumed.map_or(start.t, |f| f.t));
     }
     Some(start.t)
@@ -596,9 +603,9 @@ mod tests {
         };
         let records = [
             worker(0, 0, Step::Acquired { token: Some(1) }),
-            fault(10, Phase::Start),
-            worker(20, 0, Step::Leaving),
-            fault(30, Phase::Heal),
+            fault(10_000_000, Phase::Start),
+            worker(500_000_000, 0, Step::Leaving),
+            fault(1_000_000_000, Phase::Heal),
         ];
         let s = check(&records, &[], &meta(Mode::Fence, &[]));
         assert_eq!(s.pause_breaches, 1);

@@ -117,8 +117,8 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 let _ = kill(pid, Signal::SIGSTOP);
                 cluster.fault(id, fault, Phase::Start, vec![w], format!("for {pause:?}"));
                 tokio::time::sleep(pause).await;
-                let _ = kill(pid, Signal::SIGCONT);
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
+                let _ = kill(pid, Signal::SIGCONT);
             }
             Kind::KillWorker => {
                 let w = long_holder(&cluster, &mut rng, None).await;
