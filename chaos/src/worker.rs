@@ -176,7 +176,6 @@ impl Worker {
     on_lost = "cancel"
 )]
 async fn step_cancel(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
-    let _ = run;
     worker.read_modify_write(key).await
 }
 
@@ -187,7 +186,6 @@ async fn step_cancel(run: &str, key: &str, worker: &Worker) -> Result<(), StepEr
     on_lost = "continue"
 )]
 async fn step_continue(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
-    let _ = run;
     worker.read_modify_write(key).await
 }
 
