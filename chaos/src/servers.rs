@@ -35,6 +35,14 @@ impl RedisServer {
     }
 
     async fn spawn(&mut self) -> anyhow::Result<()> {
+        // A server left on the port by someone else would answer our pings and make
+        // every kill a no-op.
+        if let Err(e) = std::net::TcpListener::bind(("127.0.0.1", self.port)) {
+            bail!(
+                "port {} is taken ({e}); pass another --port-base",
+                self.port
+            );
+        }
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--dir", &self.dir.display().to_string()])
