@@ -124,6 +124,9 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 let w = long_holder(&cluster, &mut rng, None).await;
                 let mut workers = cluster.workers.lock().await;
                 let _ = workers[w].child.kill().await;
+                // The killed process is inside nothing any more; a stale entry would
+                // let the next fault aim at a worker that is not in the lock.
+                cluster.tracker.lock().expect("tracker").inside.remove(&w);
                 cluster.fault(id, fault, Phase::Start, vec![w], String::new());
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let inc = workers[w].inc + 1;
