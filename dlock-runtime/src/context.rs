@@ -1,13 +1,24 @@
 //! What the current task holds: [`current()`] and reentrancy.
 //!
-//! Held locks are kept in a task-local stack that `#[distributed_lock]` (and
-//! [`LockGuard::scope`](crate::LockGuard::scope)) push for the duration of the
-//! body. A nested acquisition of the same key on the same backend of the same
-//! registry finds it there and adds a hold instead of waiting for itself.
+//! Held locks are kept in a task-local stack of **frames** that
+//! `#[distributed_lock]` (and [`LockGuard::scope`](crate::LockGuard::scope))
+//! push for the duration of a body. Reentrancy is for a *call chain*: a
+//! nested acquisition of the same key (same registry, backend and stored key)
+//! finds the innermost frame holding it and takes that frame's **gate**, a
+//! one-permit semaphore. The first nested holder enters at once; the code it
+//! runs in its own scope pushes a new frame (with a gate of its own), so its
+//! own nested calls enter at once too. Sibling futures polled inside one
+//! scope — `join!`, `select!`, `FuturesUnordered`, a future built elsewhere
+//! and awaited inside — all see the same frame, so they take turns at its
+//! gate, each within its own `wait`: they never share the hold.
+//!
+//! A task spawned inside a body starts with an empty stack: it does not
+//! inherit the hold.
 
 use std::future::Future;
 use std::sync::Arc;
 
+use tokio::sync::Semaphore;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::lock::held::HeldLease;
@@ -18,7 +29,14 @@ tokio::task_local! {
 }
 
 #[derive(Clone, Default)]
-struct Stack(Vec<Arc<HeldLease>>);
+struct Stack(Vec<Frame>);
+
+/// One scope in which a lease is held, and the gate its nested holders pass one at a time.
+#[derive(Clone)]
+pub(crate) struct Frame {
+    pub(crate) lease: Arc<HeldLease>,
+    pub(crate) gate: Arc<Semaphore>,
+}
 
 /// Runs `future` with `lease` on top of this task's stack of held locks.
 pub(crate) fn scope<F: Future>(
@@ -26,18 +44,22 @@ pub(crate) fn scope<F: Future>(
     future: F,
 ) -> impl Future<Output = F::Output> {
     let mut stack = HELD.try_with(Stack::clone).unwrap_or_default();
-    stack.0.push(lease);
+    stack.0.push(Frame {
+        lease,
+        gate: Arc::new(Semaphore::new(1)),
+    });
     HELD.scope(stack, future)
 }
 
-/// The held lease of this task for this registry, backend and stored key.
-pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Arc<HeldLease>> {
+/// The innermost frame of this task holding this registry's backend's stored key.
+pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Frame> {
     HELD.try_with(|stack| {
         stack
             .0
             .iter()
             .rev()
-            .find(|l| {
+            .find(|f| {
+                let l = &f.lease;
                 l.registry_id == registry_id && &*l.backend_name == backend && l.lease.key == key
             })
             .cloned()
@@ -63,7 +85,7 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Arc<Hel
 /// }
 /// ```
 pub fn current() -> Option<CurrentLock> {
-    HELD.try_with(|stack| stack.0.last().cloned())
+    HELD.try_with(|stack| stack.0.last().map(|f| f.lease.clone()))
         .ok()
         .flatten()
         .map(|held| CurrentLock { held })
@@ -103,7 +125,8 @@ impl CurrentLock {
         self.held.fencing_token()
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is known to be lost (also once its local give-up
+    /// instant has passed, before the watchdog has looked).
     pub fn is_lost(&self) -> bool {
         self.held.is_lost()
     }

@@ -55,6 +55,10 @@ pub enum LockError {
         #[source]
         source: BackendError,
     },
+    /// The registry is shutting down ([`Registry::shutdown`](crate::Registry::shutdown)):
+    /// no new locks are taken.
+    #[error("dlock is shutting down: no new locks are taken")]
+    ShutDown,
     /// The registry or a backend was configured wrongly (bad URL, second `init`, …).
     #[error("dlock configuration error: {message}")]
     Config {
@@ -99,6 +103,7 @@ impl From<LockError> for std::io::Error {
             LockError::UnknownBackend { .. } | LockError::NotInitialized => {
                 std::io::ErrorKind::NotFound
             }
+            LockError::ShutDown => std::io::ErrorKind::Interrupted,
             LockError::Backend { .. } => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, err)
@@ -131,6 +136,22 @@ impl BackendError {
     /// Whether the same call may succeed later.
     pub fn is_retryable(&self) -> bool {
         self.retryable
+    }
+
+    /// The client's own error (a `redis::RedisError`, an `sqlx::Error`, …) or
+    /// the message the backend wrote.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// The client's own error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.source.downcast_ref::<E>()
+    }
+
+    /// Takes the client's own error out.
+    pub fn into_inner(self) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self.source
     }
 
     /// Wraps it into [`LockError::Backend`].
@@ -222,5 +243,17 @@ mod tests {
                 .is_retryable()
         );
         assert!(!LockError::NotInitialized.is_retryable());
+    }
+
+    #[test]
+    fn the_clients_error_is_reachable() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "slow");
+        let err = BackendError::transient(io);
+        assert_eq!(
+            err.downcast_ref::<std::io::Error>().map(std::io::Error::kind),
+            Some(std::io::ErrorKind::TimedOut)
+        );
+        assert_eq!(err.get_ref().to_string(), "slow");
+        assert!(err.into_inner().downcast::<std::io::Error>().is_ok());
     }
 }

@@ -53,6 +53,7 @@ mod key;
 mod lock;
 mod outcome;
 mod registry;
+mod time;
 mod token;
 mod watchdog;
 
@@ -64,7 +65,7 @@ pub use backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
-pub use backend::redlock::RedlockBackend;
+pub use backend::redis::redlock::RedlockBackend;
 
 #[cfg(feature = "sqlite")]
 pub use backend::sql::SqliteBackend;
@@ -75,5 +76,6 @@ pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};
 pub use lock::{DEFAULT_LEASE, LockBuilder, LockGuard, lock};
 pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
-pub use registry::{IntoBackend, Registry, RegistryBuilder, global, init};
+pub use registry::{IntoBackend, Registry, RegistryBuilder, ShutdownReport, global, init, shutdown};
+pub use time::MIN_LEASE;
 pub use token::FencingToken;

@@ -1,14 +1,18 @@
 //! The registry: the backends an application locks through, set once at startup.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
 
 use crate::backend::{self, LockBackend};
 use crate::error::LockError;
 use crate::key::DEFAULT_PREFIX;
 use crate::lock::LockBuilder;
+use crate::lock::held::HeldLease;
 use crate::watchdog::Watchdog;
 
 static GLOBAL: OnceLock<Registry> = OnceLock::new();
@@ -29,6 +33,73 @@ pub fn global() -> Option<&'static Registry> {
     GLOBAL.get()
 }
 
+/// Shuts the global registry down for a graceful restart: see
+/// [`Registry::shutdown`]. Without a registry there is nothing to release.
+pub async fn shutdown(deadline: Duration) -> ShutdownReport {
+    match GLOBAL.get() {
+        Some(registry) => registry.shutdown(deadline).await,
+        None => ShutdownReport::default(),
+    }
+}
+
+/// What [`Registry::shutdown`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Held leases whose release shutdown asked for.
+    pub released: usize,
+    /// Releases still unfinished when the deadline passed (their keys expire
+    /// with their leases).
+    pub unfinished: usize,
+}
+
+/// Every live lease of a registry and its releases in progress: what
+/// shutdown releases and waits for.
+#[derive(Debug, Default)]
+pub(crate) struct Leases {
+    state: Mutex<LeasesState>,
+    settled: Notify,
+    closing: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct LeasesState {
+    live: HashMap<u64, Weak<HeldLease>>,
+    releasing: usize,
+}
+
+impl Leases {
+    fn state(&self) -> MutexGuard<'_, LeasesState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn track(&self, lease: &Arc<HeldLease>) {
+        self.state().live.insert(lease.id, Arc::downgrade(lease));
+    }
+
+    pub(crate) fn release_started(&self) {
+        self.state().releasing += 1;
+    }
+
+    pub(crate) fn release_finished(&self, id: u64) {
+        let mut state = self.state();
+        state.live.remove(&id);
+        state.releasing -= 1;
+        drop(state);
+        self.settled.notify_waiters();
+    }
+
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    fn live(&self) -> usize {
+        let mut state = self.state();
+        state.live.retain(|_, l| l.strong_count() > 0);
+        state.live.len()
+    }
+}
+
 /// A set of named backends, a default one, a key prefix, and one watchdog.
 ///
 /// Cheap to clone. Usually installed once with [`init`]; a registry can also
@@ -44,6 +115,7 @@ pub(crate) struct RegistryInner {
     pub(crate) named: BTreeMap<String, BackendEntry>,
     pub(crate) prefix: String,
     pub(crate) watchdog: Watchdog,
+    pub(crate) leases: Arc<Leases>,
 }
 
 #[derive(Clone)]
@@ -67,7 +139,7 @@ impl fmt::Debug for Registry {
                     .collect::<BTreeMap<_, _>>(),
             )
             .field("prefix", &self.inner.prefix)
-            .field("held", &self.inner.watchdog.len())
+            .field("held", &self.held_leases())
             .finish()
     }
 }
@@ -96,9 +168,55 @@ impl Registry {
         &self.inner.prefix
     }
 
-    /// How many leases this registry currently holds (renewed or waiting for their cap).
+    /// How many leases this registry currently holds (including those whose
+    /// release is on its way).
     pub fn held_leases(&self) -> usize {
-        self.inner.watchdog.len()
+        self.inner.leases.live()
+    }
+
+    /// Releases every lease for a graceful restart (a rolling deploy), so the
+    /// next replica need not wait for them to expire: new acquisitions fail
+    /// with [`LockError::ShutDown`] from now on, every held lease is marked
+    /// lost (bodies with `on_lost = "cancel"` stop at their next `.await`)
+    /// and released, and the releases in flight — also those handed to the
+    /// background by guards' `Drop` — are waited for, up to `deadline`.
+    ///
+    /// ```no_run
+    /// # async fn f() {
+    /// // after the HTTP server has drained its requests:
+    /// let report = dlock_runtime::shutdown(std::time::Duration::from_secs(5)).await;
+    /// assert_eq!(report.unfinished, 0);
+    /// # }
+    /// ```
+    pub async fn shutdown(&self, deadline: Duration) -> ShutdownReport {
+        let leases = &self.inner.leases;
+        leases.closing.store(true, Ordering::Release);
+        let held: Vec<Arc<HeldLease>> = leases
+            .state()
+            .live
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let released = held.len();
+        for lease in held {
+            lease.signal_lost("the registry is shutting down");
+            lease.release_in_background();
+        }
+        let until = crate::time::saturating_add(Instant::now(), deadline);
+        loop {
+            let settled = leases.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            let unfinished = leases.state().releasing;
+            if unfinished == 0 || Instant::now() >= until {
+                tracing::info!(released, unfinished, "dlock registry shut down");
+                return ShutdownReport {
+                    released,
+                    unfinished,
+                };
+            }
+            let _ = tokio::time::timeout_at(until.into(), settled).await;
+        }
     }
 
     pub(crate) fn backend(&self, name: Option<&str>) -> Result<&BackendEntry, LockError> {
@@ -206,6 +324,7 @@ impl RegistryBuilder {
                     .collect(),
                 prefix: self.prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
                 watchdog: Watchdog::start(),
+                leases: Arc::default(),
             }),
         }
     }

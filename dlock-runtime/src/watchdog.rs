@@ -1,13 +1,21 @@
-//! One renewal task per registry.
+//! One renewal scheduler per registry. It only schedules: it never awaits a backend.
 //!
-//! Every held lease sits in one ordered schedule. The task sleeps until the
-//! earliest due lease, takes every lease due within a short window, and renews
-//! them per backend with one [`renew_all`](crate::backend::LockBackend::renew_all)
-//! call (a pipeline or one statement where the backend can), instead of a timer
-//! task per lock. A renewal that fails is retried until the lease is about to
-//! end; then the lease is declared lost *before* it ends on the server, so the
-//! holder hears of it in time. Leases with `watchdog = false` are never renewed;
-//! the schedule only declares them lost when their hard cap arrives.
+//! Every held lease sits in one ordered schedule under the instant the
+//! [state machine](crate::lock::state) says it is next due: a renewal, or its
+//! give-up instant. The task sleeps until the earliest entry, then
+//!
+//! - declares lost, **at their give-up instant**, the leases not renewed by
+//!   then — whether a renewal is still on the wire or not (time-driven loss:
+//!   the holder hears of it before the server's expiry, even when the server
+//!   hangs instead of answering);
+//! - takes every renewal due within a short window and sends them, one
+//!   [`renew_all`](crate::backend::LockBackend::renew_all) batch per backend,
+//!   each batch in a task of its own: a stalled backend (or batch) delays no
+//!   other lease's renewal or loss.
+//!
+//! A batch that does not answer by the latest give-up instant among its leases
+//! is abandoned (its leases are lost by then anyway). Leases with
+//! `watchdog = false` are never renewed; only their hard cap is scheduled.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -16,34 +24,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use crate::backend::Renewal;
-use crate::error::BackendError;
-use crate::lock::held::{HeldLease, Phase};
+use crate::lock::held::HeldLease;
+use crate::lock::state::{Due, Finished, RenewalAnswer, RenewalTicket};
 
-/// Leases due within this window of the earliest are renewed in the same batch.
+/// Renewals due within this window of now are sent in the same batch.
 const BATCH_WINDOW: Duration = Duration::from_millis(10);
 
 /// The task looks at its schedule at least this often, even with nothing due.
-/// A lease due later than the next look is scheduled without waking the task:
+/// An entry due later than the next look is scheduled without waking the task:
 /// then acquiring a lock of a few seconds or more never costs a cross-thread
 /// wake-up, even when it is the only one held. An idle look also notices that
 /// every handle is gone.
 const IDLE_LOOK: Duration = Duration::from_secs(1);
-
-/// How often a held lease is renewed: a third of its length.
-pub(crate) fn renew_period(lease: Duration) -> Duration {
-    lease / 3
-}
-
-/// How long before the local bound of a lease it is declared lost when it could
-/// not be renewed: a tenth of the lease, at most one second.
-pub(crate) fn safety_margin(lease: Duration) -> Duration {
-    (lease / 10).min(Duration::from_secs(1))
-}
-
-/// How soon a failed renewal is tried again.
-fn retry_after(lease: Duration) -> Duration {
-    (lease / 15).max(Duration::from_millis(5))
-}
 
 /// The handle held by a registry and by each lease.
 #[derive(Debug, Clone)]
@@ -59,10 +51,16 @@ struct Shared {
 
 #[derive(Debug, Default)]
 struct Schedule {
-    leases: BTreeMap<(Instant, u64), Arc<HeldLease>>,
-    /// When the task will look next (`None`: not before it is woken). A lease
+    entries: BTreeMap<(Instant, u64), Entry>,
+    /// When the task will look next (`None`: not before it is woken). An entry
     /// due later than this needs no wake-up.
     wakes_at: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    lease: Arc<HeldLease>,
+    due: Due,
 }
 
 impl Shared {
@@ -79,47 +77,47 @@ impl Watchdog {
         Watchdog { shared }
     }
 
-    /// Puts a freshly acquired lease on the schedule.
-    pub(crate) fn register(&self, lease: &Arc<HeldLease>) {
-        let due = {
-            let mut state = lease.state();
-            let due = if lease.renew {
-                lease.acquired_at + renew_period(lease.lease_len)
-            } else {
-                state
-                    .valid_until
-                    .checked_sub(safety_margin(lease.lease_len))
-                    .unwrap_or(state.valid_until)
-            };
-            state.slot = Some(due);
-            due
-        };
-        self.insert(due, lease.clone());
-    }
-
-    fn insert(&self, due: Instant, lease: Arc<HeldLease>) {
+    /// Puts `lease` on the schedule where its state machine says it is due
+    /// (moving it if it was elsewhere), or takes it off. Lock order: the
+    /// lease's state, then the schedule — never the other way round.
+    pub(crate) fn reschedule(&self, lease: &Arc<HeldLease>) {
+        let mut sched = lease.sched();
+        let due = sched.machine.due();
+        if sched.slot == due.map(Due::at) {
+            return;
+        }
         let wake = {
             let mut schedule = self.shared.schedule();
-            schedule.leases.insert((due, lease.id), lease);
-            let wake = schedule.wakes_at.is_none_or(|at| due < at);
+            if let Some(old) = sched.slot.take() {
+                schedule.entries.remove(&(old, lease.id));
+            }
+            let Some(due) = due else {
+                return;
+            };
+            let at = due.at();
+            schedule.entries.insert(
+                (at, lease.id),
+                Entry {
+                    lease: lease.clone(),
+                    due,
+                },
+            );
+            sched.slot = Some(at);
+            let wake = schedule.wakes_at.is_none_or(|next| at < next);
             if wake {
-                schedule.wakes_at = Some(due);
+                schedule.wakes_at = Some(at);
             }
             wake
         };
+        drop(sched);
         if wake {
             self.shared.wake.notify_one();
         }
     }
 
-    /// Takes a released lease off the schedule.
+    /// Takes a lease off the schedule (its release was asked for).
     pub(crate) fn unschedule(&self, slot: Instant, id: u64) {
-        self.shared.schedule().leases.remove(&(slot, id));
-    }
-
-    /// How many leases the watchdog looks after.
-    pub(crate) fn len(&self) -> usize {
-        self.shared.schedule().leases.len()
+        self.shared.schedule().entries.remove(&(slot, id));
     }
 }
 
@@ -132,15 +130,20 @@ async fn run(shared: Weak<Shared>) {
         let (due, next) = {
             let mut schedule = strong.schedule();
             let mut due = Vec::new();
-            while let Some(entry) = schedule.leases.first_entry() {
-                if entry.key().0 > now + BATCH_WINDOW {
+            while let Some(entry) = schedule.entries.first_entry() {
+                let ready = match entry.get().due {
+                    Due::Renew(at) => at <= now + BATCH_WINDOW,
+                    // Never early: a loss is declared at its instant, not before.
+                    Due::GiveUp(at) => at <= now,
+                };
+                if !ready {
                     break;
                 }
                 due.push(entry.remove());
             }
-            let next = schedule.leases.keys().next().map(|(at, _)| *at);
-            // Set under the lock that `insert` reads it under; a wake-up sent
-            // between here and the wait below is kept by `Notify` as a permit.
+            let next = schedule.entries.keys().next().map(|(at, _)| *at);
+            // Set under the lock that `reschedule` reads it under; a wake-up
+            // sent between here and the wait below is kept by `Notify`.
             schedule.wakes_at = if due.is_empty() {
                 Some(next.map_or(now + IDLE_LOOK, |at| at.min(now + IDLE_LOOK)))
             } else {
@@ -149,7 +152,7 @@ async fn run(shared: Weak<Shared>) {
             (due, next)
         };
         if !due.is_empty() {
-            renew_due(&Watchdog { shared: strong }, due).await;
+            look_at(&Watchdog { shared: strong }, due, now);
             continue;
         }
         let wake_handle = strong.wake.clone();
@@ -159,9 +162,9 @@ async fn run(shared: Weak<Shared>) {
         // Hold only a weak reference while asleep, so that a dropped registry
         // with nothing scheduled lets this task end.
         let idle = next.is_none();
-        let strong_count_before_sleep = Arc::strong_count(&strong);
+        let last_handle = Arc::strong_count(&strong) == 1;
         drop(strong);
-        if idle && strong_count_before_sleep == 1 {
+        if idle && last_handle {
             return;
         }
         let at = next.map_or(now + IDLE_LOOK, |at| at.min(now + IDLE_LOOK));
@@ -172,132 +175,103 @@ async fn run(shared: Weak<Shared>) {
     }
 }
 
-/// Renews (or expires) every due lease, one batch per backend, backends in parallel.
-async fn renew_due(watchdog: &Watchdog, due: Vec<Arc<HeldLease>>) {
-    let now = Instant::now();
-    // Grouped by the backend object's address: one batch per backend.
-    let mut by_backend: HashMap<usize, Vec<Arc<HeldLease>>> = HashMap::new();
-    for lease in due {
-        let mut state = lease.state();
-        if state.phase != Phase::Held {
-            continue;
-        }
-        state.slot = None;
-        if !lease.renew {
-            lease.mark_lost(
-                &mut state,
-                "the lease reached its hard cap (watchdog = false)",
-            );
-            drop(state);
-            lease.notify_state_changed();
-            continue;
-        }
-        if lease.is_lost() {
-            // The backend reported the loss on its own (session expiry, dead connection).
-            lease.mark_lost(&mut state, "the backend reported the lease lost");
-            drop(state);
-            lease.notify_state_changed();
-            continue;
-        }
-        state.phase = Phase::Renewing;
-        drop(state);
-        by_backend
-            .entry(Arc::as_ptr(&lease.backend) as *const () as usize)
-            .or_default()
-            .push(lease);
-    }
-    let batches = by_backend
-        .into_values()
-        .map(|leases| renew_batch(watchdog, leases, now));
-    futures_util::future::join_all(batches).await;
-}
-
-async fn renew_batch(watchdog: &Watchdog, leases: Vec<Arc<HeldLease>>, started: Instant) {
-    let backend = leases[0].backend.clone();
-    // Give up on an answer once the first lease of the batch would have to be
-    // declared lost anyway.
-    let budget = leases
-        .iter()
-        .map(|l| {
-            let deadline = l.state().valid_until;
-            deadline
-                .checked_sub(safety_margin(l.lease_len))
-                .unwrap_or(deadline)
-                .saturating_duration_since(started)
-        })
-        .min()
-        .unwrap_or_default()
-        .max(Duration::from_millis(5));
-    let batch: Vec<_> = leases.iter().map(|l| (&l.lease, l.lease_len)).collect();
-    let results = match tokio::time::timeout(budget, backend.renew_all(&batch)).await {
-        Ok(results) if results.len() == leases.len() => results,
-        Ok(_) => leases
-            .iter()
-            .map(|_| {
-                Err(BackendError::permanent(
-                    "backend answered a renewal batch with the wrong number of results",
-                ))
-            })
-            .collect(),
-        Err(_) => leases
-            .iter()
-            .map(|_| {
-                Err(BackendError::transient(format!(
-                    "renewal timed out after {budget:?}"
-                )))
-            })
-            .collect(),
-    };
-    let now = Instant::now();
-    for (lease, result) in leases.into_iter().zip(results) {
-        let reschedule = {
-            let mut state = lease.state();
-            match result {
-                Ok(Renewal::Renewed { valid_until }) => {
-                    state.valid_until = valid_until;
-                    state.phase = Phase::Held;
-                    tracing::trace!(
-                        parent: &lease.span,
-                        key = %lease.user_key,
-                        "dlock lease renewed"
-                    );
-                    let due = now + renew_period(lease.lease_len);
-                    state.slot = Some(due);
-                    Some(due)
-                }
-                Ok(Renewal::Lost) => {
-                    lease.mark_lost(&mut state, "the key is no longer ours on the server");
-                    None
-                }
-                Err(err) => {
-                    let give_up_at = state
-                        .valid_until
-                        .checked_sub(safety_margin(lease.lease_len))
-                        .unwrap_or(state.valid_until);
-                    if now >= give_up_at {
-                        lease.mark_lost(
-                            &mut state,
-                            &format!("renewals failed until the lease ran out: {err}"),
-                        );
-                        None
-                    } else {
-                        tracing::warn!(
-                            parent: &lease.span,
-                            key = %lease.user_key,
-                            error = %err,
-                            "dlock renewal failed; retrying"
-                        );
-                        state.phase = Phase::Held;
-                        let due = (now + retry_after(lease.lease_len)).min(give_up_at);
-                        state.slot = Some(due);
-                        Some(due)
-                    }
-                }
+/// Loses the leases past their give-up instant, starts the due renewals (one
+/// spawned batch per backend), and puts everything back where it is due next.
+fn look_at(watchdog: &Watchdog, due: Vec<Entry>, now: Instant) {
+    let mut batches: HashMap<usize, Vec<(Arc<HeldLease>, RenewalTicket)>> = HashMap::new();
+    for Entry { lease, due } in due {
+        let ticket = {
+            let mut sched = lease.sched();
+            if sched.slot == Some(due.at()) {
+                sched.slot = None;
+            }
+            if sched.machine.expire(now) {
+                drop(sched);
+                lease.signal_lost(if lease.renew {
+                    "not renewed by its give-up instant (before the server's expiry)"
+                } else {
+                    "the lease reached its hard cap (watchdog = false)"
+                });
+                lease.renewal_settled();
+                continue;
+            }
+            if lease.lost.is_cancelled() {
+                // The backend reported the loss on its own (session expiry, dead connection).
+                sched.machine.mark_lost();
+                None
+            } else {
+                sched.machine.begin_renewal(now, now + BATCH_WINDOW)
             }
         };
-        if let Some(due) = reschedule {
-            watchdog.insert(due, lease.clone());
+        watchdog.reschedule(&lease);
+        if let Some(ticket) = ticket {
+            batches
+                .entry(Arc::as_ptr(&lease.backend) as *const () as usize)
+                .or_default()
+                .push((lease, ticket));
         }
-        lease.notify_state_changed();
+    }
+    for batch in batches.into_values() {
+        tokio::spawn(renew_batch(watchdog.clone(), batch));
+    }
+}
+
+/// One backend's due renewals, in one call; the answers go through the state machine.
+async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTicket)>) {
+    let backend = leases[0].0.backend.clone();
+    let sent = leases[0].1.sent;
+    // Past the latest give-up instant every lease of the batch is lost anyway.
+    let give_up = leases
+        .iter()
+        .map(|(l, _)| l.sched().machine.give_up_at())
+        .max()
+        .unwrap_or(sent);
+    let batch: Vec<_> = leases.iter().map(|(l, _)| (&l.lease, l.lease_len)).collect();
+    let answers = tokio::time::timeout_at(give_up.into(), backend.renew_all(&batch)).await;
+    let answers: Vec<RenewalAnswer> = match answers {
+        Ok(answers) if answers.len() == leases.len() => answers
+            .into_iter()
+            .zip(&leases)
+            .map(|(answer, (lease, _))| match answer {
+                Ok(Renewal::Renewed) => RenewalAnswer::Renewed {
+                    drift: backend.drift(lease.lease_len),
+                },
+                Ok(_) => RenewalAnswer::Lost,
+                Err(err) => {
+                    tracing::warn!(
+                        parent: &lease.span,
+                        key = %lease.user_key,
+                        error = %err,
+                        "dlock renewal failed; retrying until the give-up instant"
+                    );
+                    RenewalAnswer::Failed
+                }
+            })
+            .collect(),
+        Ok(_) => {
+            tracing::error!(
+                backend = backend.kind(),
+                "dlock backend answered a renewal batch with the wrong number of results"
+            );
+            vec![RenewalAnswer::Failed; leases.len()]
+        }
+        Err(_) => vec![RenewalAnswer::Failed; leases.len()],
+    };
+    drop(batch);
+    let now = Instant::now();
+    for ((lease, ticket), answer) in leases.into_iter().zip(answers) {
+        let finished = lease.sched().machine.finish_renewal(ticket, answer, now);
+        match finished {
+            Finished::Renewed => {
+                tracing::trace!(parent: &lease.span, key = %lease.user_key, "dlock lease renewed");
+            }
+            Finished::Lost => lease.signal_lost(match answer {
+                RenewalAnswer::Lost => "the key is no longer ours on the server",
+                _ => "not renewed by its give-up instant (before the server's expiry)",
+            }),
+            Finished::Retry | Finished::Ignored => {}
+        }
+        watchdog.reschedule(&lease);
+        lease.renewal_settled();
     }
 }

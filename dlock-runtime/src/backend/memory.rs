@@ -1,50 +1,85 @@
 //! The in-process backend (`memory://`), with fault controls for tests.
 //!
 //! Same semantics as the networked backends — owner-checked leases that
-//! expire, a fencing token per key that only grows, waiters woken on release —
-//! within one process. Clone it before registering to keep a handle on the
+//! expire, fencing tokens that only grow, waiters woken on release — within
+//! one process. Clone it before registering to keep a handle on the
 //! controls: [`expire_now`](MemoryBackend::expire_now),
-//! [`fail_renewals`](MemoryBackend::fail_renewals) and
+//! [`fail_renewals`](MemoryBackend::fail_renewals),
+//! [`stall_renewals`](MemoryBackend::stall_renewals) and
 //! [`advance`](MemoryBackend::advance) make the lost path testable without a server.
+//!
+//! State is bounded: a key's entry is removed when it is released, expired
+//! entries are collected as new keys come in, and waiter entries live only
+//! while someone waits. Tokens come from one counter for all keys, so they
+//! keep growing per key although per-key entries are forgotten.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
-use tokio::sync::Notify;
+use tokio::sync::watch;
 
-use super::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use super::wait::Waiters;
+use super::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::BackendError;
+use crate::time::saturating_add;
 use crate::token::FencingToken;
 
+/// How many recent releases are remembered to catch a renewal sent after one.
+const RELEASES_REMEMBERED: usize = 4096;
+
 /// The in-process backend. Cheap to clone; clones share their state.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct MemoryBackend {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug, Default)]
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        MemoryBackend {
+            inner: Arc::new(Inner {
+                keys: Mutex::default(),
+                skew: Mutex::default(),
+                tokens: AtomicU64::new(0),
+                fail_renewals: AtomicBool::new(false),
+                stall_renewals: watch::channel(false).0,
+                renewals: AtomicU64::new(0),
+                renewals_after_release: AtomicU64::new(0),
+                waiters: Arc::default(),
+            }),
+        }
+    }
+}
+
+#[derive(Debug)]
 struct Inner {
-    keys: Mutex<HashMap<String, Entry>>,
+    keys: Mutex<Keys>,
     /// Added to the real clock: [`MemoryBackend::advance`] moves time forward.
     skew: Mutex<Duration>,
+    /// One counter for every key: the fencing tokens.
+    tokens: AtomicU64,
     fail_renewals: AtomicBool,
+    stall_renewals: watch::Sender<bool>,
     renewals: AtomicU64,
     renewals_after_release: AtomicU64,
-    /// Wakes every waiter when time jumps.
-    clock_moved: Notify,
+    waiters: Arc<Waiters>,
+}
+
+#[derive(Debug, Default)]
+struct Keys {
+    held: HashMap<String, Entry>,
+    /// Recent releases `(key, owner)`, oldest first, to catch a renewal after release.
+    released: VecDeque<(String, String)>,
+    /// Inserts since expired entries were last collected.
+    inserts: usize,
 }
 
 #[derive(Debug)]
 struct Entry {
-    owner: Option<String>,
-    /// Owners that released this key, to catch a renewal after release.
-    released_owners: Vec<String>,
-    token: u64,
+    owner: String,
     expires_at: Instant,
-    released: Arc<Notify>,
 }
 
 impl MemoryBackend {
@@ -53,7 +88,7 @@ impl MemoryBackend {
         Self::default()
     }
 
-    fn keys(&self) -> MutexGuard<'_, HashMap<String, Entry>> {
+    fn keys(&self) -> MutexGuard<'_, Keys> {
         self.inner.keys.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -65,12 +100,8 @@ impl MemoryBackend {
     /// `dlock:` by default) as if it had expired or an operator had deleted it.
     /// Returns whether it was held. The holder learns at its next renewal.
     pub fn expire_now(&self, key: &str) -> bool {
-        let mut keys = self.keys();
-        let Some(entry) = keys.get_mut(key) else {
-            return false;
-        };
-        let was_held = entry.owner.take().is_some();
-        entry.released.notify_waiters();
+        let was_held = self.keys().held.remove(key).is_some();
+        self.inner.waiters.wake(key);
         was_held
     }
 
@@ -80,20 +111,36 @@ impl MemoryBackend {
         self.inner.fail_renewals.store(fail, Ordering::SeqCst);
     }
 
+    /// While `true`, renewals hang without an answer (a stalled server, a held
+    /// database write lock): the watchdog must declare the leases lost at
+    /// their give-up instant anyway, and other backends' leases must not wait.
+    /// Renewals stalled so far answer when it is set back to `false`.
+    pub fn stall_renewals(&self, stall: bool) {
+        self.inner.stall_renewals.send_replace(stall);
+    }
+
     /// Moves this store's clock forward: leases whose end falls within `by` expire.
     pub fn advance(&self, by: Duration) {
         *self.inner.skew.lock().unwrap_or_else(|p| p.into_inner()) += by;
-        self.inner.clock_moved.notify_waiters();
+        self.inner.waiters.wake_all();
     }
 
     /// Keys held right now (unexpired), stored form.
     pub fn held_keys(&self) -> Vec<String> {
         let now = self.now();
         self.keys()
+            .held
             .iter()
-            .filter(|(_, e)| e.owner.is_some() && e.expires_at > now)
+            .filter(|(_, e)| e.expires_at > now)
             .map(|(k, _)| k.clone())
             .collect()
+    }
+
+    /// Entries the store keeps right now: held keys (expired ones not yet
+    /// collected included) and keys with waiters. Bounded by what is in use,
+    /// not by every key ever locked.
+    pub fn entries(&self) -> usize {
+        self.keys().held.len() + self.inner.waiters.len()
     }
 
     /// Renewals received so far (successful or not).
@@ -102,35 +149,24 @@ impl MemoryBackend {
     }
 
     /// Renewals that arrived for an owner after that owner had released the
-    /// key. The runtime promises this stays zero.
+    /// key (among the last 4,096 releases). The runtime promises this stays zero.
     pub fn renewals_after_release(&self) -> u64 {
         self.inner.renewals_after_release.load(Ordering::SeqCst)
     }
 
-    fn try_take(&self, request: &AcquireRequest) -> Result<Lease, (Arc<Notify>, Instant)> {
-        let now = self.now();
-        let real_start = Instant::now();
-        let mut keys = self.keys();
-        let entry = keys.entry(request.key.clone()).or_insert_with(|| Entry {
-            owner: None,
-            released_owners: Vec::new(),
-            token: 0,
-            expires_at: now,
-            released: Arc::new(Notify::new()),
-        });
-        if entry.owner.is_some() && entry.expires_at > now {
-            return Err((entry.released.clone(), entry.expires_at));
+    /// Drops expired entries, now and then (every 1,024 new keys): expired
+    /// leases of holders that never released must not pile up.
+    fn collect_expired(keys: &mut Keys, now: Instant) {
+        keys.inserts += 1;
+        if keys.inserts >= 1024 || keys.held.len() > 2 * keys.inserts.max(1024) {
+            keys.inserts = 0;
+            keys.held.retain(|_, e| e.expires_at > now);
         }
-        entry.owner = Some(request.owner.clone());
-        entry.token += 1;
-        entry.expires_at = now + request.lease;
-        Ok(Lease {
-            key: request.key.clone(),
-            owner: request.owner.clone(),
-            token: Some(FencingToken::new(entry.token)),
-            valid_until: real_start + request.lease,
-            extra: None,
-        })
+    }
+
+    async fn stalled(&self) {
+        let mut stall = self.inner.stall_renewals.subscribe();
+        let _ = stall.wait_for(|stalled| !*stalled).await;
     }
 }
 
@@ -139,45 +175,44 @@ impl LockBackend for MemoryBackend {
         "memory"
     }
 
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(async move {
-            let deadline = Instant::now() + request.wait;
-            loop {
-                // Register for the wake-ups before looking, so that a release
-                // between the look and the wait is not missed.
-                let clock_moved = self.inner.clock_moved.notified();
-                tokio::pin!(clock_moved);
-                clock_moved.as_mut().enable();
-                let (released, expires_at) = match self.try_take(request) {
-                    Ok(lease) => return Ok(Acquired::Held(lease)),
-                    Err(busy) => busy,
-                };
-                let released = released.notified_owned();
-                tokio::pin!(released);
-                released.as_mut().enable();
-                // `try_take` looked under the lock; a release after it notifies
-                // `released`, which is registered now. Re-check once to close
-                // the window between the unlock and the registration.
-                if let Ok(lease) = self.try_take(request) {
-                    return Ok(Acquired::Held(lease));
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(Acquired::Busy);
-                }
-                // The holder's lease ends at `expires_at` on the skewed clock.
-                let until_expiry = expires_at.saturating_duration_since(self.now());
-                let wake_at = deadline.min(now + until_expiry);
-                tokio::select! {
-                    () = released => {}
-                    () = clock_moved => {}
-                    () = tokio::time::sleep_until(wake_at.into()) => {}
-                }
+            let now = self.now();
+            let mut keys = self.keys();
+            if let Some(entry) = keys.held.get(&request.key)
+                && entry.expires_at > now
+                && entry.owner != request.owner
+            {
+                return Ok(Attempt::Busy {
+                    retry_in: Some(entry.expires_at - now),
+                });
             }
+            let token = self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1;
+            let fresh = keys
+                .held
+                .insert(
+                    request.key.clone(),
+                    Entry {
+                        owner: request.owner.clone(),
+                        expires_at: saturating_add(now, request.lease),
+                    },
+                )
+                .is_none();
+            if fresh {
+                Self::collect_expired(&mut keys, now);
+            }
+            Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token)),
+            )))
         })
+    }
+
+    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+        Box::pin(std::future::ready(self.inner.waiters.source(key)))
     }
 
     fn renew<'a>(
@@ -187,44 +222,56 @@ impl LockBackend for MemoryBackend {
     ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
         Box::pin(async move {
             self.inner.renewals.fetch_add(1, Ordering::SeqCst);
-            let real_start = Instant::now();
-            let now = self.now();
-            let mut keys = self.keys();
-            let Some(entry) = keys.get_mut(&lease.key) else {
-                return Ok(Renewal::Lost);
-            };
-            if entry.released_owners.contains(&lease.owner) {
-                self.inner
-                    .renewals_after_release
-                    .fetch_add(1, Ordering::SeqCst);
+            {
+                let keys = self.keys();
+                if keys
+                    .released
+                    .iter()
+                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
+                {
+                    self.inner
+                        .renewals_after_release
+                        .fetch_add(1, Ordering::SeqCst);
+                }
             }
+            self.stalled().await;
             if self.inner.fail_renewals.load(Ordering::SeqCst) {
                 return Err(BackendError::transient(
                     "memory backend: renewals are failing (fault injected)",
                 ));
             }
-            if entry.owner.as_deref() != Some(&lease.owner) || entry.expires_at <= now {
-                return Ok(Renewal::Lost);
+            let now = self.now();
+            let mut keys = self.keys();
+            match keys.held.get_mut(&lease.key) {
+                Some(entry) if entry.owner == lease.owner && entry.expires_at > now => {
+                    entry.expires_at = saturating_add(now, ttl);
+                    Ok(Renewal::Renewed)
+                }
+                _ => Ok(Renewal::Lost),
             }
-            entry.expires_at = now + ttl;
-            Ok(Renewal::Renewed {
-                valid_until: real_start + ttl,
-            })
         })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            let mut keys = self.keys();
-            if let Some(entry) = keys.get_mut(&lease.key) {
-                if entry.owner.as_deref() == Some(&lease.owner) {
-                    entry.owner = None;
-                    entry.released.notify_waiters();
+            let freed = {
+                let mut keys = self.keys();
+                let ours = keys
+                    .held
+                    .get(&lease.key)
+                    .is_some_and(|e| e.owner == lease.owner);
+                if ours {
+                    keys.held.remove(&lease.key);
                 }
-                if entry.released_owners.len() >= 16 {
-                    entry.released_owners.remove(0);
+                if keys.released.len() >= RELEASES_REMEMBERED {
+                    keys.released.pop_front();
                 }
-                entry.released_owners.push(lease.owner.clone());
+                keys.released
+                    .push_back((lease.key.clone(), lease.owner.clone()));
+                ours
+            };
+            if freed {
+                self.inner.waiters.wake(&lease.key);
             }
             Ok(())
         })

@@ -11,7 +11,9 @@
 //! | [`memory`] | `memory://` | always |
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
 //! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
-//! | [`redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
+//! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
+//!
+//! The wait loop every backend shares is in [`wait`].
 
 use std::any::Any;
 use std::fmt;
@@ -27,10 +29,11 @@ use crate::token::FencingToken;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
-#[cfg(feature = "redis")]
-pub mod redlock;
 #[cfg(feature = "sqlite")]
 pub mod sql;
+pub mod wait;
+
+pub use wait::WakeSource;
 
 /// What the runtime asks a backend for when it acquires a lock.
 #[derive(Debug)]
@@ -41,10 +44,10 @@ pub struct AcquireRequest {
     /// A random token unique to this acquisition; only its holder may extend or
     /// release the lease.
     pub owner: String,
-    /// How long the lease lasts unless renewed.
+    /// How long the lease lasts unless renewed. At least [`MIN_LEASE`](crate::MIN_LEASE).
     pub lease: Duration,
-    /// How long the backend may wait for a busy key before answering
-    /// [`Acquired::Busy`]; zero means try once.
+    /// How long the runtime's wait loop waits for a busy key; zero means try
+    /// once. A backend's [`try_acquire`](LockBackend::try_acquire) never waits.
     pub wait: Duration,
     /// Cancelled by the backend when it learns on its own that the lease is gone
     /// (a session expired, a connection died). The runtime watches it.
@@ -72,6 +75,11 @@ impl AcquireRequest {
 }
 
 /// A lease granted by a backend.
+///
+/// Backends build it with [`Lease::new`]; the runtime sets
+/// [`valid_until`](Lease::valid_until) from the instant *before* the request
+/// was sent, so rounding and safety margins are the same for every backend.
+#[non_exhaustive]
 pub struct Lease {
     /// The stored key.
     pub key: String,
@@ -79,11 +87,32 @@ pub struct Lease {
     pub owner: String,
     /// The fencing token, if the backend has a safe one.
     pub token: Option<FencingToken>,
-    /// A conservative local bound on the lease's end: the instant *before* the
-    /// request was sent, plus the lease length.
+    /// A conservative local bound on the lease's end, set by the runtime: the
+    /// instant before the request was sent, plus the lease, minus the
+    /// backend's [`drift`](LockBackend::drift).
     pub valid_until: Instant,
     /// Backend-specific state kept with the lease (a node path, a dedicated connection).
     pub extra: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl Lease {
+    /// The lease `request` asked for, with the fencing token the backend issued
+    /// (`None` only where the backend has no safe token).
+    pub fn new(request: &AcquireRequest, token: Option<FencingToken>) -> Self {
+        Lease {
+            key: request.key.clone(),
+            owner: request.owner.clone(),
+            token,
+            valid_until: Instant::now(),
+            extra: None,
+        }
+    }
+
+    /// Keeps backend-specific state with the lease.
+    pub fn with_extra(mut self, extra: Arc<dyn Any + Send + Sync>) -> Self {
+        self.extra = Some(extra);
+        self
+    }
 }
 
 impl fmt::Debug for Lease {
@@ -96,33 +125,68 @@ impl fmt::Debug for Lease {
     }
 }
 
-/// The answer to an acquisition.
+/// The answer to one attempt ([`LockBackend::try_acquire`]).
 #[derive(Debug)]
-pub enum Acquired {
+#[non_exhaustive]
+pub enum Attempt {
     /// The key is ours.
     Held(Lease),
-    /// The key stayed busy for the whole wait budget.
-    Busy,
+    /// Someone else holds the key.
+    Busy {
+        /// When it is worth trying again without a wake-up: the holder's
+        /// remaining lease, or a back-off. `None`: only when woken (or polled).
+        retry_in: Option<Duration>,
+    },
+    /// The backend could not decide now (too few Redlock nodes answered).
+    /// The wait loop tries again after `retry_in`; if the wait budget runs
+    /// out first, `error` is the answer instead of [`LockError::Busy`].
+    Unavailable {
+        /// Why.
+        error: BackendError,
+        /// When to try again.
+        retry_in: Duration,
+    },
 }
 
 /// The answer to a renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Renewal {
-    /// The lease was extended; it is valid at least until this instant.
-    Renewed {
-        /// The new conservative local bound.
-        valid_until: Instant,
-    },
+    /// The lease was extended by the requested time, measured from the
+    /// server's receipt of the request (the runtime measures it from before
+    /// the request was sent, minus the backend's [`drift`](LockBackend::drift)).
+    Renewed,
     /// The key is no longer ours (expired, deleted, taken over).
     Lost,
 }
 
 /// A lock store. Object safe: the registry holds `Arc<dyn LockBackend>`.
 ///
-/// Implementations must make [`acquire`](LockBackend::acquire),
-/// [`renew`](LockBackend::renew) and [`release`](LockBackend::release) atomic on
-/// the server and owner-checked, and must answer within the request's wait
-/// budget plus one network timeout — never hang.
+/// A backend implements **one attempt** ([`try_acquire`](Self::try_acquire)),
+/// its **wake-up source** ([`wake_source`](Self::wake_source)), renewal
+/// ([`renew`](Self::renew), batched with [`renew_all`](Self::renew_all)) and
+/// [`release`](Self::release). The runtime owns the rest, once for every
+/// backend: the wait loop ([`wait::acquire`]), the lease's local validity,
+/// the watchdog, time-driven loss, reentrancy, release on drop.
+///
+/// Rules every backend follows:
+///
+/// - **Atomic and owner-checked**: acquire, renew and release each decide on
+///   the server in one step, and renew and release act only for
+///   [`Lease::owner`]. Sent twice (a retry, or an abandoned request followed
+///   by the runtime's clean-up release), each is harmless.
+/// - **Bounded**: every call answers within one network timeout — never hangs.
+/// - **Fencing tokens strictly increase per key, even when per-key state is
+///   lost** (a row deleted, a counter evicted or lost in a restart, a replica
+///   promoted behind its master). Where the backend keeps a counter, issue the
+///   larger of the counter + 1 and the server's clock in microseconds (a
+///   *hybrid* token), or one counter for all keys. A backend that cannot
+///   promise this returns no token (`None`), never a wrong one.
+/// - **Bounded state**: what the backend keeps per key (rows, counters, waiter
+///   entries) is collected after a bounded retention once the key is free, so
+///   `order:{id}`-style keys never grow the server or the process without bound.
+/// - **Durations are rounded up** when sent to a server ([`ceil_millis`]), so
+///   the server's lease is never shorter than the holder assumes.
 pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// The backend's kind, used in errors and traces (`"memory"`, `"sqlite"`, …).
     fn kind(&self) -> &'static str;
@@ -135,11 +199,22 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Ok(())
     }
 
-    /// Takes the key for `request.owner`, waiting up to `request.wait` for it.
-    fn acquire<'a>(
+    /// One attempt to take the key for `request.owner`, for `request.lease`.
+    /// Never waits for a busy key: the runtime's wait loop does.
+    fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Acquired, BackendError>>;
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>>;
+
+    /// What wakes a waiter of `key` when the holder releases it (a release
+    /// message, a local notification, a polling interval). Called once per
+    /// waiting acquisition, after its first busy answer and *before* it tries
+    /// again, so that a release in between is not missed. The default has no
+    /// wake-up: waiters try again when [`Attempt::Busy::retry_in`] says.
+    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+        let _ = key;
+        Box::pin(std::future::ready(WakeSource::none()))
+    }
 
     /// Extends the lease to `ttl` from now, if `lease.owner` still holds it.
     fn renew<'a>(
@@ -162,6 +237,14 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// Frees the key if `lease.owner` still holds it, and wakes its waiters.
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>>;
 
+    /// How much shorter than the lease the holder must assume it to be, beyond
+    /// the time before the request: clock drift between independent servers
+    /// (Redlock: 1% of the lease + 2 ms). Zero for a single server.
+    fn drift(&self, lease: Duration) -> Duration {
+        let _ = lease;
+        Duration::ZERO
+    }
+
     /// Whether the runtime must run this backend's calls on dlock's own I/O
     /// runtime. True for clients that tie a connection to the runtime that
     /// opened it (sqlx pools), so that a registry keeps working after the
@@ -169,6 +252,14 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     fn needs_io_runtime(&self) -> bool {
         true
     }
+}
+
+/// A duration in whole milliseconds, rounded **up** (at least 1): what a
+/// backend sends a server as a lease, so the server's lease is never shorter
+/// than the holder assumes. Saturates.
+pub fn ceil_millis(d: Duration) -> u64 {
+    let whole = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 != 0);
+    u64::try_from(whole).unwrap_or(u64::MAX).max(1)
 }
 
 /// The URL schemes dlock knows, for error messages.
@@ -205,7 +296,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
             Ok(Arc::new(redis::RedisBackend::connect(url).await?))
         }
         #[cfg(feature = "redis")]
-        "redlock" | "redlocks" => Ok(Arc::new(redlock::RedlockBackend::connect(url).await?)),
+        "redlock" | "redlocks" => Ok(Arc::new(redis::redlock::RedlockBackend::connect(url).await?)),
         #[cfg(not(feature = "redis"))]
         "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
             Err(LockError::config(format!(

@@ -1,4 +1,5 @@
-//! The state of one held lease, shared by its guards and the watchdog.
+//! One held lease, shared by its guards and the watchdog: the I/O around the
+//! [state machine](super::state).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -7,30 +8,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::state::{LeaseState, ReleaseStart};
 use crate::backend::{Lease, LockBackend, Renewal};
 use crate::error::{BackendError, LockError};
+use crate::registry::Leases;
 use crate::token::FencingToken;
 use crate::watchdog::Watchdog;
 
-/// Where a lease is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
-    /// Held and scheduled with the watchdog.
-    Held,
-    /// A renewal is on the wire; release waits for it to come back.
-    Renewing,
-    /// Lost (expired, taken over, renewal impossible); the key may be held elsewhere.
-    Lost,
-    /// Released (or handed to `hold_at_least`): no call about it will follow.
-    Released,
-}
-
+/// The state machine and the watchdog slot the lease occupies.
 #[derive(Debug)]
-pub(crate) struct LeaseState {
-    pub(crate) phase: Phase,
-    /// Conservative local bound on the lease's end.
-    pub(crate) valid_until: Instant,
-    /// The watchdog slot this lease occupies, if any.
+pub(crate) struct Sched {
+    pub(crate) machine: LeaseState,
+    /// The schedule entry of this lease, if it has one.
     pub(crate) slot: Option<Instant>,
 }
 
@@ -48,15 +37,17 @@ pub(crate) struct HeldLease {
     /// Whether the watchdog renews it (`watchdog = false` makes the lease a hard cap).
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
-    /// Cancelled when the lease is lost.
+    /// Cancelled when the lease is lost (by the watchdog, or by the backend on its own).
     pub(crate) lost: CancellationToken,
     /// Guards alive for this acquisition; the last one releases.
-    pub(crate) holds: AtomicUsize,
+    holds: AtomicUsize,
     pub(crate) acquired_at: Instant,
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
-    state: Mutex<LeaseState>,
-    state_changed: Notify,
+    leases: Arc<Leases>,
+    sched: Mutex<Sched>,
+    /// Notified when a renewal's answer has been taken (a release may wait for it).
+    renewal_settled: Notify,
 }
 
 pub(crate) struct NewLease {
@@ -72,12 +63,15 @@ pub(crate) struct NewLease {
     pub(crate) lost: CancellationToken,
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
+    pub(crate) leases: Arc<Leases>,
 }
 
 impl HeldLease {
+    /// The lease, registered with its registry (for shutdown) but not yet scheduled.
     pub(crate) fn new(n: NewLease) -> Arc<Self> {
-        let valid_until = n.lease.valid_until;
-        Arc::new(HeldLease {
+        let now = Instant::now();
+        let machine = LeaseState::new(n.lease.valid_until, n.lease_len, n.renew, now);
+        let held = Arc::new(HeldLease {
             id: n.id,
             registry_id: n.registry_id,
             backend_name: n.backend_name,
@@ -89,41 +83,38 @@ impl HeldLease {
             hold_at_least: n.hold_at_least,
             lost: n.lost,
             holds: AtomicUsize::new(1),
-            acquired_at: Instant::now(),
+            acquired_at: now,
             span: n.span,
             watchdog: n.watchdog,
-            state: Mutex::new(LeaseState {
-                phase: Phase::Held,
-                valid_until,
+            leases: n.leases,
+            sched: Mutex::new(Sched {
+                machine,
                 slot: None,
             }),
-            state_changed: Notify::new(),
-        })
+            renewal_settled: Notify::new(),
+        });
+        held.leases.track(&held);
+        held
     }
 
-    pub(crate) fn state(&self) -> MutexGuard<'_, LeaseState> {
-        // A panic while holding this lock cannot leave the state half-written
-        // (every update is a few field stores), so poisoning is ignored.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn notify_state_changed(&self) {
-        self.state_changed.notify_waiters();
+    pub(crate) fn sched(&self) -> MutexGuard<'_, Sched> {
+        // Every update is a few field stores: a panic cannot leave it half
+        // written, so poisoning is ignored.
+        self.sched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn fencing_token(&self) -> Option<FencingToken> {
         self.lease.token
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is known to be lost: reported, or past its give-up
+    /// instant (even before the watchdog has looked).
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        self.lost.is_cancelled() || self.sched().machine.is_lost(Instant::now())
     }
 
-    /// Marks the lease lost and tells the holder.
-    pub(crate) fn mark_lost(&self, state: &mut LeaseState, why: &str) {
-        state.phase = Phase::Lost;
-        state.slot = None;
+    /// Tells the holder that the lease is lost (once), with the reason.
+    pub(crate) fn signal_lost(&self, why: &str) {
         if !self.lost.is_cancelled() {
             tracing::warn!(
                 parent: &self.span,
@@ -136,21 +127,18 @@ impl HeldLease {
         }
     }
 
+    /// Wakes a release waiting for the renewal on the wire.
+    pub(crate) fn renewal_settled(&self) {
+        self.renewal_settled.notify_waiters();
+    }
+
     /// Adds a reentrant hold; false if the lease is already on its way out.
     pub(crate) fn add_hold(&self) -> bool {
-        let mut n = self.holds.load(Ordering::Acquire);
-        loop {
-            if n == 0 {
-                return false;
-            }
-            match self
-                .holds
-                .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(current) => n = current,
-            }
-        }
+        self.holds
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n > 0).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// Drops one hold; true if it was the last (the caller must release).
@@ -158,54 +146,95 @@ impl HeldLease {
         self.holds.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
-    /// Stops renewals (waiting for one on the wire), then frees the key — or,
-    /// with `hold_at_least`, lets it expire that long from now.
-    ///
-    /// Runs the backend call on the I/O runtime when the backend needs it.
+    /// Asks for the release: final, synchronous, before any `.await`. Takes
+    /// the lease off the schedule, so no renewal is begun again. `None` if it
+    /// was asked for already.
+    fn request_release(&self) -> Option<ReleaseStart> {
+        let (start, slot) = {
+            let mut sched = self.sched();
+            let start = sched.machine.request_release(Instant::now())?;
+            (start, sched.slot.take())
+        };
+        if start.was_lost {
+            self.signal_lost("the lease ran out before its release");
+        }
+        if let Some(slot) = slot {
+            self.watchdog.unschedule(slot, self.id);
+        }
+        self.leases.release_started();
+        tracing::trace!(parent: &self.span, key = %self.user_key, "dlock release requested");
+        Some(start)
+    }
+
+    /// Releases the lease and says how it went. Cancel-safe: once called, the
+    /// release is carried out even if the caller's future is dropped at any
+    /// `.await` (it then finishes on dlock's I/O runtime).
     pub(crate) async fn release(self: Arc<Self>) -> Result<(), LockError> {
+        let Some(start) = self.request_release() else {
+            return self.release_outcome_when_asked_already();
+        };
         if self.backend.needs_io_runtime() {
-            crate::driver::run(self.release_here()).await
-        } else {
-            self.release_here().await
+            // A spawned task goes on when the caller stops waiting.
+            return crate::driver::run(self.send_release(start)).await;
+        }
+        let mut fallback = FinishInBackground {
+            held: Some((self.clone(), start)),
+        };
+        let outcome = self.send_release(start).await;
+        fallback.held = None;
+        outcome
+    }
+
+    /// Releases the lease without waiting (from `Drop`, from shutdown).
+    pub(crate) fn release_in_background(self: Arc<Self>) {
+        if let Some(start) = self.request_release() {
+            crate::driver::handle().spawn(self.send_release(start));
         }
     }
 
-    async fn release_here(self: Arc<Self>) -> Result<(), LockError> {
-        let slot = loop {
-            let notified = self.state_changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let mut state = self.state();
-                match state.phase {
-                    Phase::Renewing => {}
-                    Phase::Held | Phase::Lost => {
-                        state.phase = Phase::Released;
-                        break state.slot.take();
-                    }
-                    Phase::Released => return Ok(()),
-                }
+    fn release_outcome_when_asked_already(&self) -> Result<(), LockError> {
+        if self.is_lost() {
+            Err(LockError::Lost {
+                key: self.user_key.clone(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Waits for a renewal still on the wire (bounded by its batch's time
+    /// limit), then frees the key — or, with `hold_at_least`, lets it expire
+    /// that long from now.
+    async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
+        loop {
+            let settled = self.renewal_settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if !self.sched().machine.renewal_in_flight() {
+                break;
             }
-            notified.await;
-        };
-        if let Some(slot) = slot {
-            self.watchdog.unschedule(slot, self.id);
+            settled.await;
         }
         let held_for = self.acquired_at.elapsed();
         self.span.record("held_ms", held_for.as_secs_f64() * 1000.0);
         let outcome: Result<(), BackendError> = match self.hold_at_least {
             Some(at_least) => match self.backend.renew(&self.lease, at_least).await {
-                Ok(Renewal::Renewed { .. }) => Ok(()),
-                Ok(Renewal::Lost) => {
-                    self.lost.cancel();
+                Ok(Renewal::Renewed) => Ok(()),
+                Ok(_) => {
+                    self.sched().machine.mark_lost();
+                    self.signal_lost("the key was no longer ours when hold_at_least began");
                     Ok(())
                 }
                 Err(err) => Err(err),
             },
             None => self.backend.release(&self.lease).await,
         };
+        if self.sched().machine.finish_release() {
+            self.leases.release_finished(self.id);
+        }
+        let lost = start.was_lost || self.lost.is_cancelled();
         match outcome {
-            Ok(()) if self.lost.is_cancelled() => {
+            Ok(()) if lost => {
                 tracing::debug!(parent: &self.span, key = %self.user_key, "dlock released a lost lease");
                 Err(LockError::Lost {
                     key: self.user_key.clone(),
@@ -230,6 +259,23 @@ impl HeldLease {
                 );
                 Err(err.into_lock_error(self.backend.kind()))
             }
+        }
+    }
+}
+
+/// If the caller drops an inline release before it has finished, the release
+/// is sent again from dlock's I/O runtime (owner-checked, so a release that
+/// did reach the server makes the second one a no-op).
+struct FinishInBackground {
+    held: Option<(Arc<HeldLease>, ReleaseStart)>,
+}
+
+impl Drop for FinishInBackground {
+    fn drop(&mut self) {
+        if let Some((held, start)) = self.held.take() {
+            crate::driver::handle().spawn(async move {
+                let _ = held.send_release(start).await;
+            });
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Taking a lock: the builder, the acquisition, the guard.
 
 pub(crate) mod held;
+pub(crate) mod state;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -12,11 +13,14 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tracing::Instrument;
 
-use crate::backend::{AcquireRequest, Acquired, LockBackend};
+use crate::backend::wait::{self, Acquired};
+use crate::backend::{AcquireRequest, Lease, LockBackend};
 use crate::error::LockError;
 use crate::registry::Registry;
+use crate::time::MIN_LEASE;
 use crate::token::FencingToken;
 use held::{HeldLease, NewLease};
+use tokio::sync::OwnedSemaphorePermit;
 
 /// The lease length when none is given.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -93,12 +97,15 @@ impl LockBuilder {
     }
 
     /// How long to wait for a busy lock (default zero: try once).
+    /// `Duration::MAX` waits for ever.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.options.wait = wait;
         self
     }
 
-    /// The lease length (default 30 s). The watchdog renews it every third of it.
+    /// The lease length (default 30 s), at least [`MIN_LEASE`] (else
+    /// `acquire` answers [`LockError::Config`]). The watchdog renews it every
+    /// third of it.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.options.lease = lease;
         self
@@ -148,8 +155,14 @@ pub(crate) async fn acquire(
     options: &LockOptions,
     key: String,
 ) -> Result<LockGuard, LockError> {
-    if options.lease.is_zero() {
-        return Err(LockError::config("the lease must be longer than zero"));
+    if options.lease < MIN_LEASE {
+        return Err(LockError::config(format!(
+            "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
+            options.lease
+        )));
+    }
+    if registry.inner.leases.is_closing() {
+        return Err(LockError::ShutDown);
     }
     let entry = registry.backend(options.backend.as_deref())?.clone();
     let prefix = registry.key_prefix();
@@ -160,12 +173,8 @@ pub(crate) async fn acquire(
         .check_key(&stored_key)
         .map_err(|reason| LockError::invalid_key(&key, reason))?;
 
-    if let Some(held) = crate::context::find(registry.inner.id, &entry.name, &stored_key)
-        && !held.is_lost()
-        && held.add_hold()
-    {
-        tracing::trace!(key = %key, "dlock reentrant hold");
-        return Ok(LockGuard { held: Some(held) });
+    if let Some(frame) = crate::context::find(registry.inner.id, &entry.name, &stored_key) {
+        return enter_nested(frame, options, key).await;
     }
 
     let span = tracing::debug_span!(
@@ -197,9 +206,21 @@ pub(crate) async fn acquire(
             request: &request,
             armed: true,
         };
-        let answer = backend.acquire(&request).instrument(span.clone()).await;
-        abandoned.disarm();
-        answer.map(|a| (a, request))
+        let answer = wait::acquire(&*backend, &request)
+            .instrument(span.clone())
+            .await;
+        match answer {
+            Ok(acquired) => {
+                abandoned.disarm();
+                Ok((acquired, request))
+            }
+            Err(err) => {
+                // The guard's drop sends the owner-checked release: the
+                // server may have run the attempt whose answer was lost.
+                drop(abandoned);
+                Err(err)
+            }
+        }
     };
     let waited = started.elapsed();
     span.record("waited_ms", waited.as_secs_f64() * 1000.0);
@@ -232,33 +253,118 @@ pub(crate) async fn acquire(
         lost,
         span,
         watchdog: registry.inner.watchdog.clone(),
+        leases: registry.inner.leases.clone(),
     });
-    registry.inner.watchdog.register(&held);
-    Ok(LockGuard { held: Some(held) })
+    registry.inner.watchdog.reschedule(&held);
+    Ok(LockGuard {
+        held: Some(held),
+        nested: None,
+    })
 }
 
-/// Runs the acquisition on the I/O runtime. If the caller stops waiting (its
-/// future is dropped) after the backend granted the lease, the task releases
-/// it at once instead of leaving it to expire.
+/// A nested acquisition of a key held further up this call chain: it
+/// shares the outer lease, passing the frame's gate one holder at a time
+/// (siblings take turns, each within its own `wait`).
+async fn enter_nested(
+    frame: crate::context::Frame,
+    options: &LockOptions,
+    key: String,
+) -> Result<LockGuard, LockError> {
+    let held = frame.lease;
+    if held.is_lost() {
+        return Err(LockError::Lost { key });
+    }
+    let started = Instant::now();
+    let permit = match frame.gate.clone().try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) if options.wait.is_zero() => {
+            return Err(LockError::Busy {
+                key,
+                waited: Duration::ZERO,
+            });
+        }
+        Err(_) => {
+            let until = crate::time::saturating_add(started, options.wait);
+            let lost = held.lost.clone();
+            tokio::select! {
+                permit = tokio::time::timeout_at(until.into(), frame.gate.clone().acquire_owned()) => match permit {
+                    Ok(Ok(permit)) => permit,
+                    _ => return Err(LockError::Busy { key, waited: started.elapsed() }),
+                },
+                () = lost.cancelled() => return Err(LockError::Lost { key }),
+            }
+        }
+    };
+    if !held.add_hold() {
+        return Err(LockError::Lost { key });
+    }
+    if options.lease != held.lease_len
+        || options.watchdog != held.renew
+        || options.hold_at_least != held.hold_at_least
+    {
+        tracing::debug!(
+            parent: &held.span,
+            key = %key,
+            lease_ms = options.lease.as_secs_f64() * 1000.0,
+            outer_lease_ms = held.lease_len.as_secs_f64() * 1000.0,
+            watchdog = options.watchdog,
+            outer_watchdog = held.renew,
+            "dlock nested hold: the outer lease's lease, watchdog and hold_at_least apply, not this call's"
+        );
+    }
+    tracing::trace!(parent: &held.span, key = %key, "dlock reentrant hold");
+    Ok(LockGuard {
+        held: Some(held),
+        nested: Some(permit),
+    })
+}
+
+/// Runs the acquisition on the I/O runtime. A caller that stops waiting (its
+/// future is dropped) stops the acquisition; whatever the task may have been
+/// granted on the wire, or was granted for a caller that is gone, is released
+/// at once with an owner-checked release.
 async fn acquire_on_io_runtime(
     backend: Arc<dyn LockBackend>,
     request: AcquireRequest,
 ) -> Result<(Acquired, AcquireRequest), crate::error::BackendError> {
+    let caller_gone = CancellationToken::new();
+    let _stop_when_dropped = caller_gone.clone().drop_guard();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    crate::driver::handle().spawn(async move {
-        let answer = backend.acquire(&request).await;
-        if let Err(Ok((Acquired::Held(lease), _))) = tx.send(answer.map(|a| (a, request))) {
-            let _ = backend.release(&lease).await;
+    crate::driver::handle().spawn(
+        async move {
+            let answer = tokio::select! {
+                biased;
+                () = caller_gone.cancelled() => None,
+                answer = wait::acquire(&*backend, &request) => Some(answer),
+            };
+            match answer {
+                Some(Ok(acquired)) => {
+                    if let Err(Ok((Acquired::Held(lease), _))) = tx.send(Ok((acquired, request))) {
+                        // Granted to a caller that is gone.
+                        let _ = backend.release(&lease).await;
+                    }
+                }
+                Some(Err(err)) => {
+                    let _ = tx.send(Err(err));
+                    // The server may have run the attempt whose answer was lost.
+                    let _ = backend.release(&Lease::new(&request, None)).await;
+                }
+                None => {
+                    // The caller went away mid-wait: undo whatever an attempt
+                    // on the wire may have been granted.
+                    let _ = backend.release(&Lease::new(&request, None)).await;
+                }
+            }
         }
-    });
+        .in_current_span(),
+    );
     match rx.await {
         Ok(answer) => answer,
         Err(_) => Err(crate::error::BackendError::permanent(
-            "the acquisition task on dlock's I/O runtime panicked",
+            "the acquisition task on dlock's I/O runtime ended without an answer",
         )),
     }
 }
-
 /// For backends called inline: if the caller drops the acquisition while a
 /// request may be on the wire, an owner-checked release is sent after it. The
 /// owner token is unique to this acquisition, so the release frees the key only
@@ -281,14 +387,7 @@ impl Drop for ReleaseIfAbandoned<'_> {
             return;
         }
         let backend = self.backend.clone();
-        let lease = crate::backend::Lease {
-            key: self.request.key.clone(),
-            owner: self.request.owner.clone(),
-            token: None,
-            valid_until: Instant::now(),
-            extra: None,
-        };
-        let lease = Arc::new(lease);
+        let lease = Arc::new(Lease::new(self.request, None));
         let release = {
             let (backend, lease) = (backend.clone(), lease.clone());
             async move {
@@ -318,9 +417,17 @@ const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 
 /// A held lock. Dropping it releases the lock in the background; prefer
 /// [`release`](LockGuard::release) where you can await, to see errors.
+///
+/// A guard taken inside a scope that already holds the same key (see
+/// [`scope`](LockGuard::scope)) is a **nested** hold: it shares the outer
+/// lease — its watchdog, its fencing token and its `hold_at_least` — and the
+/// `lease`, `watchdog` and `hold_at_least` it was asked with do not apply (a
+/// `debug` event says so when they differ).
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     held: Option<Arc<HeldLease>>,
+    /// For a nested hold: its turn at the scope's gate.
+    nested: Option<OwnedSemaphorePermit>,
 }
 
 impl fmt::Debug for LockGuard {
@@ -330,6 +437,7 @@ impl fmt::Debug for LockGuard {
             d.field("key", &held.user_key)
                 .field("backend", &held.backend_name)
                 .field("fencing_token", &held.fencing_token())
+                .field("nested", &self.nested.is_some())
                 .field("lost", &held.is_lost());
         }
         d.finish()
@@ -354,7 +462,9 @@ impl LockGuard {
         self.held().fencing_token()
     }
 
-    /// Whether the lease is known to be lost.
+    /// Whether the lease is known to be lost: reported lost, or past the
+    /// instant at which its holder must give it up (before the server's
+    /// expiry) without a renewal — even before the watchdog has looked.
     pub fn is_lost(&self) -> bool {
         self.held().is_lost()
     }
@@ -367,7 +477,9 @@ impl LockGuard {
     }
 
     /// Runs `future` with this lock visible to [`current()`](crate::current())
-    /// and reentrant for nested acquisitions of the same key in this task.
+    /// and reentrant for the call chain it runs: a function it calls that locks
+    /// the same key enters at once. Futures polled concurrently inside it
+    /// (`join!`, `select!`) are not one call chain: they take turns.
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
         let held = self.held().clone();
         let span = held.span.clone();
@@ -377,11 +489,23 @@ impl LockGuard {
     /// Releases the lock now (or, with `hold_at_least`, lets it expire then) and
     /// reports how it went: `Err(LockError::Lost)` if the lease had been lost
     /// while held — the protected work may have overlapped with another holder's.
-    /// Releasing a reentrant hold only drops the hold.
+    /// Releasing a nested hold only ends that hold (and reports `Lost` if the
+    /// shared lease was lost).
+    ///
+    /// Cancel-safe: once called, the release happens even if this future is
+    /// dropped before it completes (a timeout around it, a disconnected
+    /// client) — no renewal is sent for the lease again.
     pub async fn release(mut self) -> Result<(), LockError> {
         let held = self.held.take().expect("not yet released");
+        let was_nested = self.nested.take().is_some();
         if !held.drop_hold() {
-            return Ok(());
+            return if was_nested && held.is_lost() {
+                Err(LockError::Lost {
+                    key: held.user_key.clone(),
+                })
+            } else {
+                Ok(())
+            };
         }
         held.release().await
     }
@@ -389,16 +513,13 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        self.nested.take();
         if let Some(held) = self.held.take()
             && held.drop_hold()
         {
-            {
-                // Cannot await here (a panic unwinds, a future is cancelled):
-                // hand the release to the I/O runtime, without blocking.
-                crate::driver::handle().spawn(async move {
-                    let _ = held.release().await;
-                });
-            }
+            // Cannot await here (a panic unwinds, a future is cancelled):
+            // hand the release to the I/O runtime, without blocking.
+            held.release_in_background();
         }
     }
 }

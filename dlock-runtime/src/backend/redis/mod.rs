@@ -32,18 +32,21 @@
 
 mod connections;
 mod listener;
+pub mod redlock;
 
 use std::fmt;
 use std::sync::LazyLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use redis::{Client, RedisError, Script};
 
 use connections::{Conn, Connections};
-pub(super) use listener::{Listener, Subscription};
+pub(super) use listener::Listener;
 
-use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use crate::backend::{
+    AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
+};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
@@ -96,8 +99,10 @@ pub(super) fn redis_error(err: RedisError) -> BackendError {
     }
 }
 
+/// A lease as milliseconds for `PX`/`PEXPIRE`: rounded up, and capped where
+/// Redis still accepts it.
 pub(super) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    ceil_millis(d).min(i64::MAX as u64 / 2)
 }
 
 fn lock_key(stored: &str) -> String {
@@ -258,6 +263,7 @@ impl RedisBackend {
             backend: "redis",
             source: e,
         })?;
+        backend.warn_if_keys_can_be_evicted().await;
         Ok(backend)
     }
 
@@ -296,12 +302,8 @@ impl RedisBackend {
     }
 
     /// One attempt: the lease, or how long the holder's lease has left.
-    async fn try_once(
-        &self,
-        request: &AcquireRequest,
-    ) -> Result<Result<Lease, Duration>, BackendError> {
+    async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let key = lock_key(&request.key);
-        let started = Instant::now();
         let (taken, value): (i64, i64) = self
             .invoke(
                 ACQUIRE
@@ -312,21 +314,49 @@ impl RedisBackend {
             )
             .await?;
         if taken == 1 {
-            Ok(Ok(Lease {
-                key: request.key.clone(),
-                owner: request.owner.clone(),
-                token: Some(FencingToken::new(value as u64)),
-                valid_until: started + request.lease,
-                extra: None,
-            }))
+            Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(value as u64)),
+            )))
         } else {
             // -1: no expiry (never set by dlock), -2: gone since; look again soon.
-            Ok(Err(Duration::from_millis(value.max(1) as u64)))
+            Ok(Attempt::Busy {
+                retry_in: Some(Duration::from_millis(value.max(1) as u64)),
+            })
+        }
+    }
+
+    /// Warns when the server may evict lock keys to make room: a lock key
+    /// evicted is a lock silently lost. Errors (an ACL user without `CONFIG`)
+    /// are ignored: the check is advice, not a requirement.
+    async fn warn_if_keys_can_be_evicted(&self) {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory*");
+        let answer: Result<Vec<String>, RedisError> = match self.conns.home() {
+            Conn::Single(mut c) => cmd.query_async(&mut c).await,
+            Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+        };
+        let Ok(pairs) = answer else { return };
+        let get = |name: &str| {
+            pairs
+                .chunks(2)
+                .find(|kv| kv[0] == name)
+                .and_then(|kv| kv.get(1).cloned())
+        };
+        let limited = get("maxmemory").is_some_and(|m| m != "0");
+        let policy = get("maxmemory-policy").unwrap_or_default();
+        if limited && policy != "noeviction" {
+            tracing::warn!(
+                url = %self.shown_url,
+                policy = %policy,
+                "dlock: this Redis server may evict keys (maxmemory is set and \
+                 maxmemory-policy is not `noeviction`): an evicted lock key is a lock lost \
+                 without notice. Use `noeviction` (or a server of its own) for locks"
+            );
         }
     }
 
     async fn renew_one(&self, lease: &Lease, ttl: Duration) -> Result<Renewal, BackendError> {
-        let started = Instant::now();
         let extended: i64 = self
             .invoke(
                 RENEW
@@ -335,15 +365,13 @@ impl RedisBackend {
                     .arg(millis(ttl)),
             )
             .await?;
-        Ok(renewal(extended, started, ttl))
+        Ok(renewal(extended))
     }
 }
 
-fn renewal(extended: i64, started: Instant, ttl: Duration) -> Renewal {
+fn renewal(extended: i64) -> Renewal {
     if extended == 1 {
-        Renewal::Renewed {
-            valid_until: started + ttl,
-        }
+        Renewal::Renewed
     } else {
         Renewal::Lost
     }
@@ -363,49 +391,21 @@ impl LockBackend for RedisBackend {
         Ok(())
     }
 
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
+        Box::pin(self.try_once(request))
+    }
+
+    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
         Box::pin(async move {
-            let deadline = Instant::now() + request.wait;
-            if let Ok(lease) = self.try_once(request).await? {
-                return Ok(Acquired::Held(lease));
-            }
-            if request.wait.is_zero() {
-                return Ok(Acquired::Busy);
-            }
-            let channel = format!("{}:released", lock_key(&request.key));
-            let subscription =
-                tokio::time::timeout_at(deadline.into(), self.listener.join(channel))
-                    .await
-                    .ok()
-                    .flatten();
-            loop {
-                // Registered before the try: a release after it wakes us.
-                let released = subscription
-                    .as_ref()
-                    .map(|s| s.notify.clone().notified_owned());
-                let released = async move {
-                    match released {
-                        Some(n) => n.await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::pin!(released);
-                let ttl = match self.try_once(request).await? {
-                    Ok(lease) => return Ok(Acquired::Held(lease)),
-                    Err(ttl) => ttl,
-                };
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(Acquired::Busy);
+            let channel = format!("{}:released", lock_key(key));
+            match self.listener.join(channel).await {
+                Some(subscription) => {
+                    WakeSource::notify(subscription.notify.clone()).keep_alive(subscription)
                 }
-                let wake_at = deadline.min(now + ttl + Duration::from_millis(1));
-                tokio::select! {
-                    () = &mut released => {}
-                    () = tokio::time::sleep_until(wake_at.into()) => {}
-                }
+                None => WakeSource::none(),
             }
         })
     }
@@ -432,7 +432,6 @@ impl LockBackend for RedisBackend {
                 )
                 .await;
             };
-            let started = Instant::now();
             let mut pipe = redis::pipe();
             pipe.load_script(&RENEW).ignore();
             for (lease, ttl) in batch {
@@ -446,8 +445,7 @@ impl LockBackend for RedisBackend {
             match pipe.query_async::<Vec<i64>>(&mut conn).await {
                 Ok(answers) if answers.len() == batch.len() => answers
                     .into_iter()
-                    .zip(batch)
-                    .map(|(extended, (_, ttl))| Ok(renewal(extended, started, *ttl)))
+                    .map(|extended| Ok(renewal(extended)))
                     .collect(),
                 Ok(_) => batch
                     .iter()

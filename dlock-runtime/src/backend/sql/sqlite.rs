@@ -5,21 +5,25 @@
 //! other processes, so waiters in *this* process are woken at once by the
 //! releasing call, and waiters elsewhere look again every `poll` (25 ms by
 //! default, `sqlite://path?poll=10ms`) and when the holder's lease runs out.
+//!
+//! Tokens are hybrid — the larger of the row's token + 1 and the database
+//! clock in microseconds — so they keep growing when a row is deleted (by an
+//! operator, or by the collection of free rows older than `retention`, 10
+//! minutes by default: `sqlite://path?retention=1m`).
 
-use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use tokio::sync::Notify;
 
-use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use crate::backend::wait::Waiters;
+use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -31,13 +35,18 @@ const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
 ) WITHOUT ROWID";
 
 // `now` is the database's clock in milliseconds; every statement reads it once.
+// A fresh row's token is the clock in µs; a taken-over row's the larger of
+// its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
+// A retry by the same owner (an answer lost on the way) takes it again.
 const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at)
-    VALUES (?1, ?2, 1, CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3)
+    VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
+            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3)
     ON CONFLICT (key) DO UPDATE SET
         owner = excluded.owner,
-        token = dlock_leases.token + 1,
+        token = MAX(dlock_leases.token + 1, excluded.token),
         expires_at = excluded.expires_at
     WHERE dlock_leases.owner IS NULL
+       OR dlock_leases.owner = excluded.owner
        OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)
     RETURNING token";
 
@@ -49,11 +58,24 @@ const RENEW: &str = "UPDATE dlock_leases
     WHERE key = ?1 AND owner = ?2
       AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
-const RELEASE: &str = "UPDATE dlock_leases SET owner = NULL, expires_at = 0
+// The row stays, free, with its token; `expires_at` records when it was freed.
+const RELEASE: &str = "UPDATE dlock_leases
+    SET owner = NULL, expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)
     WHERE key = ?1 AND owner = ?2";
+
+// Rows free (or expired) for longer than the retention (?1 ms). Safe with
+// hybrid tokens: a key locked again later gets a token above every old one.
+const COLLECT: &str = "DELETE FROM dlock_leases
+    WHERE expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1";
 
 /// How often waiters in other processes look again by default.
 const DEFAULT_POLL: Duration = Duration::from_millis(25);
+
+/// How long free rows are kept by default.
+const DEFAULT_RETENTION: Duration = Duration::from_secs(600);
+
+/// How often, at most, free rows are collected.
+const COLLECT_EVERY: Duration = Duration::from_secs(60);
 
 /// The lease table in a SQLite file (`sqlite://path`): the embedded default.
 ///
@@ -66,7 +88,10 @@ pub struct SqliteBackend {
     pool: SqlitePool,
     path: PathBuf,
     poll: Duration,
-    local_waiters: Arc<Mutex<HashMap<String, Arc<Notify>>>>,
+    retention: Duration,
+    local_waiters: Arc<Waiters>,
+    /// When free rows were last collected.
+    collected_at: Arc<Mutex<Instant>>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -74,6 +99,7 @@ impl fmt::Debug for SqliteBackend {
         f.debug_struct("SqliteBackend")
             .field("path", &self.path)
             .field("poll", &self.poll)
+            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }
@@ -102,13 +128,15 @@ fn sql_error(err: sqlx::Error) -> BackendError {
 }
 
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+    i64::try_from(ceil_millis(d)).unwrap_or(i64::MAX / 4).min(i64::MAX / 4)
 }
 
 impl SqliteBackend {
     /// Opens (creating if needed) the database a `sqlite://path` URL names and
     /// the lease table in it. `sqlite://relative/file.db`, `sqlite:///abs/file.db`;
-    /// option `?poll=25ms`. The parent directory is created if missing.
+    /// options `?poll=25ms` (how often waiters in other processes look again)
+    /// and `retention=10m` (how long free rows are kept). The parent directory
+    /// is created if missing.
     pub async fn connect(url: &str) -> Result<Self, LockError> {
         let rest = url
             .strip_prefix("sqlite://")
@@ -122,6 +150,7 @@ impl SqliteBackend {
             ));
         }
         let mut poll = DEFAULT_POLL;
+        let mut retention = DEFAULT_RETENTION;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("poll", value)) => {
@@ -132,14 +161,22 @@ impl SqliteBackend {
                         return Err(LockError::config("`poll` in a sqlite URL must be > 0"));
                     }
                 }
+                Some(("retention", value)) => {
+                    retention = humantime::parse_duration(value).map_err(|e| {
+                        LockError::config(format!("bad `retention` in sqlite URL: `{value}`: {e}"))
+                    })?;
+                }
                 _ => {
                     return Err(LockError::config(format!(
-                        "unknown option `{pair}` in sqlite URL; known: poll=<duration>"
+                        "unknown option `{pair}` in sqlite URL; known: poll=<duration>, \
+                         retention=<duration>"
                     )));
                 }
             }
         }
-        Self::open(PathBuf::from(path), poll).await
+        let mut backend = Self::open(PathBuf::from(path), poll).await?;
+        backend.retention = retention;
+        Ok(backend)
     }
 
     /// Opens (creating if needed) the database file at `path`.
@@ -178,31 +215,44 @@ impl SqliteBackend {
             pool,
             path,
             poll,
+            retention: DEFAULT_RETENTION,
             local_waiters: Arc::default(),
+            collected_at: Arc::new(Mutex::new(Instant::now())),
         })
     }
 
-    fn waiters(&self) -> MutexGuard<'_, HashMap<String, Arc<Notify>>> {
-        self.local_waiters.lock().unwrap_or_else(|p| p.into_inner())
+    /// Rows in the lease table (held and free), for tests of bounded state.
+    pub async fn row_count(&self) -> Result<u64, LockError> {
+        let pool = self.pool.clone();
+        crate::driver::run(async move {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM dlock_leases")
+                .fetch_one(&pool)
+                .await
+        })
+        .await
+        .map(|n| n as u64)
+        .map_err(|e| sql_error(e).into_lock_error("sqlite"))
     }
 
-    async fn try_take(&self, request: &AcquireRequest) -> Result<Option<Lease>, BackendError> {
-        let started = Instant::now();
-        let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
-            .bind(&request.key)
-            .bind(&request.owner)
-            .bind(millis(request.lease))
-            .fetch_optional(&self.pool)
+    /// Deletes rows free (or expired) for longer than the retention, at most
+    /// once a minute (or once a retention, if shorter).
+    async fn collect_free_rows(&self) {
+        {
+            let mut at = self.collected_at.lock().unwrap_or_else(|p| p.into_inner());
+            if at.elapsed() < COLLECT_EVERY.min(self.retention) {
+                return;
+            }
+            *at = Instant::now();
+        }
+        if let Err(err) = sqlx::query(COLLECT)
+            .bind(millis(self.retention))
+            .execute(&self.pool)
             .await
-            .map_err(sql_error)?;
-        Ok(token.map(|token| Lease {
-            key: request.key.clone(),
-            owner: request.owner.clone(),
-            token: Some(FencingToken::new(token as u64)),
-            valid_until: started + request.lease,
-            extra: None,
-        }))
+        {
+            tracing::debug!(error = %err, "dlock sqlite: collecting free rows failed; next time");
+        }
     }
+
 }
 
 impl LockBackend for SqliteBackend {
@@ -210,42 +260,40 @@ impl LockBackend for SqliteBackend {
         "sqlite"
     }
 
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(async move {
-            let deadline = Instant::now() + request.wait;
-            loop {
-                // Listen for local releases before looking (no missed wake-up).
-                let notify = self
-                    .waiters()
-                    .entry(request.key.clone())
-                    .or_default()
-                    .clone();
-                let released = notify.notified();
-                tokio::pin!(released);
-                released.as_mut().enable();
-                if let Some(lease) = self.try_take(request).await? {
-                    return Ok(Acquired::Held(lease));
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(Acquired::Busy);
-                }
-                let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
-                    .bind(&request.key)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(sql_error)?;
-                let until_expiry = Duration::from_millis(remaining.unwrap_or(0).max(0) as u64 + 1);
-                let wake_at = deadline.min(now + until_expiry.min(self.poll));
-                tokio::select! {
-                    () = released => {}
-                    () = tokio::time::sleep_until(wake_at.into()) => {}
-                }
+            let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
+                .bind(&request.key)
+                .bind(&request.owner)
+                .bind(millis(request.lease))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            if let Some(token) = token {
+                return Ok(Attempt::Held(Lease::new(
+                    request,
+                    Some(FencingToken::new(token as u64)),
+                )));
             }
+            let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
+                .bind(&request.key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            Ok(Attempt::Busy {
+                retry_in: Some(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64)),
+            })
         })
+    }
+
+    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+        // Releases in this process wake at once; other processes' are polled.
+        Box::pin(std::future::ready(
+            self.local_waiters.source(key).poll_every(self.poll),
+        ))
     }
 
     fn renew<'a>(
@@ -254,7 +302,6 @@ impl LockBackend for SqliteBackend {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
         Box::pin(async move {
-            let started = Instant::now();
             let done = sqlx::query(RENEW)
                 .bind(&lease.key)
                 .bind(&lease.owner)
@@ -263,9 +310,7 @@ impl LockBackend for SqliteBackend {
                 .await
                 .map_err(sql_error)?;
             Ok(if done.rows_affected() == 1 {
-                Renewal::Renewed {
-                    valid_until: started + ttl,
-                }
+                Renewal::Renewed
             } else {
                 Renewal::Lost
             })
@@ -280,13 +325,8 @@ impl LockBackend for SqliteBackend {
                 .execute(&self.pool)
                 .await
                 .map_err(sql_error)?;
-            let mut waiters = self.waiters();
-            if let Some(notify) = waiters.get(&lease.key) {
-                notify.notify_waiters();
-                if Arc::strong_count(notify) == 1 {
-                    waiters.remove(&lease.key);
-                }
-            }
+            self.local_waiters.wake(&lease.key);
+            self.collect_free_rows().await;
             Ok(())
         })
     }

@@ -43,11 +43,11 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script};
 use tokio::sync::OnceCell;
 
-use super::redis::{
-    Listener, RELEASE, RENEW, Subscription, Topology, client, install_crypto_provider, millis,
-    parse_url, redis_error,
+use super::{
+    Listener, RELEASE, RENEW, Topology, client, install_crypto_provider, millis, parse_url,
+    redis_error,
 };
-use crate::backend::{AcquireRequest, Acquired, Lease, LockBackend, Renewal};
+use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` lease (ms).
@@ -59,6 +59,21 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, 0}
 end
 return {0, redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// `KEYS[1]` lock; `ARGV[1]` owner. Owner-checked delete **without** a
+/// release message: undoing a failed attempt's minority grants must not wake
+/// the waiters (they would fail again against the holder's majority, undo,
+/// and wake each other in a storm).
+static ROLLBACK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 ",
     )
 });
@@ -150,19 +165,6 @@ fn node_timeout_error(timeout: Duration) -> BackendError {
         "redlock: a node did not answer within {}",
         humantime::format_duration(timeout)
     ))
-}
-
-/// What one attempt on all nodes came to.
-enum Attempt {
-    Held(Lease),
-    /// No majority. `holders_left` is how long the current holder's lease has
-    /// left on the nodes that refused (`None`: no node knew a holder, e.g. a
-    /// split vote or unreachable nodes).
-    Refused {
-        holders_left: Option<Duration>,
-        answered: usize,
-        last_error: Option<BackendError>,
-    },
 }
 
 impl RedlockBackend {
@@ -264,17 +266,11 @@ impl RedlockBackend {
             .lease
             .checked_sub(started.elapsed() + Self::drift(request.lease));
         if granted >= self.quorum && validity.is_some_and(|v| !v.is_zero()) {
-            return Attempt::Held(Lease {
-                key: request.key.clone(),
-                owner: request.owner.clone(),
-                token: None,
-                valid_until: started + request.lease - Self::drift(request.lease),
-                extra: None,
-            });
+            return Attempt::Held(Lease::new(request, None));
         }
         if granted > 0 || answers.iter().any(Result::is_err) {
-            // A node that timed out may have granted: undo everywhere.
-            self.release_everywhere(&request.key, &request.owner, timeout)
+            // A node that timed out may have granted: undo everywhere, quietly.
+            self.rollback_everywhere(&request.key, &request.owner, timeout)
                 .await;
         }
         let mut answered = 0;
@@ -291,15 +287,38 @@ impl RedlockBackend {
                 Err(err) => last_error = Some(err),
             }
         }
+        let backoff = Duration::from_millis(rand::rng().random_range(BACKOFF));
+        if answered < self.quorum {
+            let why = last_error.map(|e| e.to_string()).unwrap_or_default();
+            return Attempt::Unavailable {
+                error: BackendError::transient(format!(
+                    "redlock: only {answered} of {} nodes answered, {} needed ({why})",
+                    self.nodes.len(),
+                    self.quorum
+                )),
+                retry_in: backoff,
+            };
+        }
         // The holder keeps its majority until all but a minority of its
-        // copies have expired.
+        // copies have expired: then it is worth trying again. A split vote
+        // (no holder with a majority): a random back-off.
         left.sort_unstable();
         let holders_left = (left.len() >= self.quorum).then(|| left[left.len() - self.quorum]);
-        Attempt::Refused {
-            holders_left,
-            answered,
-            last_error,
+        Attempt::Busy {
+            retry_in: Some(holders_left.unwrap_or(backoff)),
         }
+    }
+
+    /// Owner-checked delete without a release message on every node (undoing
+    /// a failed attempt).
+    async fn rollback_everywhere(&self, key: &str, owner: &str, timeout: Duration) {
+        let args = [owner];
+        join_all(
+            self.nodes
+                .iter()
+                .map(|node| node.invoke::<i64>(&ROLLBACK, key, &args, timeout)),
+        )
+        .await;
     }
 
     /// Owner-checked delete (and release message) on every node; answers how
@@ -318,31 +337,6 @@ impl RedlockBackend {
         .count()
     }
 
-    /// Subscribes to the key's release channel on every node that answers in time.
-    async fn subscribe(&self, key: &str, deadline: Instant) -> Vec<Subscription> {
-        let channel = format!("{key}:released");
-        join_all(self.nodes.iter().map(|node| {
-            tokio::time::timeout_at(deadline.into(), node.listener.join(channel.clone()))
-        }))
-        .await
-        .into_iter()
-        .filter_map(|joined| joined.ok().flatten())
-        .collect()
-    }
-}
-
-/// Resolves when any of the subscriptions hears a release (never, if there are none).
-fn any_release(subscriptions: &[Subscription]) -> BoxFuture<'static, ()> {
-    let waits: Vec<_> = subscriptions
-        .iter()
-        .map(|s| Box::pin(s.notify.clone().notified_owned()))
-        .collect();
-    if waits.is_empty() {
-        return Box::pin(std::future::pending());
-    }
-    Box::pin(async move {
-        futures_util::future::select_all(waits).await;
-    })
 }
 
 impl LockBackend for RedlockBackend {
@@ -350,55 +344,33 @@ impl LockBackend for RedlockBackend {
         "redlock"
     }
 
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Acquired, BackendError>> {
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
+        Box::pin(async move { Ok(self.attempt(request).await) })
+    }
+
+    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+        // Subscribed on every node that answers in time; any one message wakes.
         Box::pin(async move {
-            let deadline = Instant::now() + request.wait;
-            let mut subscriptions: Option<Vec<Subscription>> = None;
-            loop {
-                // Registered before the attempt: a release after it wakes us.
-                let released = subscriptions.as_deref().map(any_release);
-                let (holders_left, answered, last_error) = match self.attempt(request).await {
-                    Attempt::Held(lease) => return Ok(Acquired::Held(lease)),
-                    Attempt::Refused {
-                        holders_left,
-                        answered,
-                        last_error,
-                    } => (holders_left, answered, last_error),
-                };
-                let now = Instant::now();
-                if now >= deadline {
-                    if answered < self.quorum {
-                        let why = last_error.map(|e| e.to_string()).unwrap_or_default();
-                        return Err(BackendError::transient(format!(
-                            "redlock: only {answered} of {} nodes answered, {} needed ({why})",
-                            self.nodes.len(),
-                            self.quorum
-                        )));
-                    }
-                    return Ok(Acquired::Busy);
-                }
-                let Some(released) = released else {
-                    // First refusal: subscribe, then try again at once, so a
-                    // release between the attempt and the subscription counts.
-                    subscriptions = Some(self.subscribe(&request.key, deadline).await);
-                    continue;
-                };
-                let backoff = Duration::from_millis(rand::rng().random_range(BACKOFF));
-                let retry_in = match holders_left {
-                    // A holder with a majority: its release or its expiry.
-                    Some(left) => left + Duration::from_millis(1),
-                    // A split vote or unreachable nodes: random back-off.
-                    None => backoff,
-                };
-                tokio::select! {
-                    () = released => {}
-                    () = tokio::time::sleep_until(deadline.min(now + retry_in).into()) => {}
-                }
-            }
+            let channel = format!("{key}:released");
+            join_all(self.nodes.iter().map(|node| {
+                tokio::time::timeout(self.timeout, node.listener.join(channel.clone()))
+            }))
+            .await
+            .into_iter()
+            .filter_map(|joined| joined.ok().flatten())
+            .fold(WakeSource::none(), |source, subscription| {
+                source
+                    .also(subscription.notify.clone())
+                    .keep_alive(subscription)
+            })
         })
+    }
+
+    fn drift(&self, lease: Duration) -> Duration {
+        Self::drift(lease)
     }
 
     fn renew<'a>(
@@ -459,9 +431,7 @@ impl LockBackend for RedlockBackend {
                     let refused = per_node.len() - unanswered - extended;
                     let drift = Self::drift(*ttl);
                     if extended >= self.quorum && elapsed + drift < *ttl {
-                        Ok(Renewal::Renewed {
-                            valid_until: started + *ttl - drift,
-                        })
+                        Ok(Renewal::Renewed)
                     } else if refused > self.nodes.len() - self.quorum {
                         // A majority says the key is not ours.
                         Ok(Renewal::Lost)

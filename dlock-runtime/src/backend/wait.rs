@@ -1,0 +1,324 @@
+//! The one wait loop every backend shares, and the wake-up sources it sleeps on.
+//!
+//! A backend implements a single attempt ([`LockBackend::try_acquire`]) and
+//! says what wakes its waiters ([`LockBackend::wake_source`]); [`acquire`]
+//! does the rest, the same way for every backend:
+//!
+//! 1. try once; a grant is stamped with its local validity, measured from the
+//!    instant *before* the request (minus the backend's drift), and a grant
+//!    that comes back too late to be used safely is released and tried again;
+//! 2. on the first busy answer, register the wake-up source, then try again at
+//!    once (a release between the first try and the registration is not missed);
+//! 3. sleep until the earliest of a wake-up, the holder's expiry (or the
+//!    backend's back-off, with a little jitter), the polling interval and the
+//!    deadline; repeat.
+//!
+//! Deadlines saturate: `wait = Duration::MAX` waits forever. Dropping the
+//! future stops the loop at its current `.await`; the runtime then sends an
+//! owner-checked release in case an attempt was granted on the wire.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures_util::future::select_all;
+use rand::Rng;
+use tokio::sync::Notify;
+use tokio::sync::futures::OwnedNotified;
+
+use super::{AcquireRequest, Attempt, Lease, LockBackend};
+use crate::error::BackendError;
+use crate::time::{give_up_at, saturating_add};
+
+/// What wakes a waiter: notifications (a release message, a local release),
+/// a polling interval, or nothing (then the holder's expiry and the
+/// deadline). Built by [`LockBackend::wake_source`]; whatever keeps the
+/// subscription alive goes in with [`keep_alive`](WakeSource::keep_alive)
+/// and is dropped with the source, when the waiter stops waiting.
+#[derive(Default)]
+pub struct WakeSource {
+    notifies: Vec<Arc<Notify>>,
+    poll: Option<Duration>,
+    keep: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for WakeSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WakeSource")
+            .field("notifies", &self.notifies.len())
+            .field("poll", &self.poll)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WakeSource {
+    /// No wake-up: the waiter looks again when the holder's lease ends, or at
+    /// the deadline.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Woken by `notify` (`notify_waiters` on a release).
+    pub fn notify(notify: Arc<Notify>) -> Self {
+        Self::default().also(notify)
+    }
+
+    /// Also woken by `notify`.
+    pub fn also(mut self, notify: Arc<Notify>) -> Self {
+        self.notifies.push(notify);
+        self
+    }
+
+    /// Also looks again at least this often (waiters in processes a release
+    /// cannot reach).
+    pub fn poll_every(mut self, interval: Duration) -> Self {
+        self.poll = Some(self.poll.map_or(interval, |p| p.min(interval)));
+        self
+    }
+
+    /// Keeps `guard` (a subscription) alive as long as the source.
+    pub fn keep_alive(mut self, guard: impl Any + Send + Sync) -> Self {
+        self.keep.push(Box::new(guard));
+        self
+    }
+
+    /// The union of two sources.
+    pub fn merge(mut self, other: WakeSource) -> Self {
+        self.notifies.extend(other.notifies);
+        if let Some(p) = other.poll {
+            self = self.poll_every(p);
+        }
+        self.keep.extend(other.keep);
+        self
+    }
+
+    /// Registers for the next notification now; the returned future resolves
+    /// on the first one sent after this call.
+    fn arm(&self) -> Armed {
+        let waits: Vec<_> = self
+            .notifies
+            .iter()
+            .map(|n| {
+                let mut notified = Box::pin(n.clone().notified_owned());
+                notified.as_mut().enable();
+                notified
+            })
+            .collect();
+        Armed(waits)
+    }
+}
+
+struct Armed(Vec<Pin<Box<OwnedNotified>>>);
+
+impl Armed {
+    async fn fired(self) {
+        if self.0.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        select_all(self.0).await;
+    }
+}
+
+/// The answer of the wait loop.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Acquired {
+    /// The key is ours; [`Lease::valid_until`] is set.
+    Held(Lease),
+    /// The key stayed busy for the whole wait budget.
+    Busy,
+}
+
+/// Acquires `request.key`, waiting up to `request.wait`: the loop described
+/// in the [module docs](self). Errors of an attempt end the loop at once,
+/// except [`Attempt::Unavailable`], which is retried until the deadline.
+pub async fn acquire(
+    backend: &dyn LockBackend,
+    request: &AcquireRequest,
+) -> Result<Acquired, BackendError> {
+    let deadline = saturating_add(Instant::now(), request.wait);
+    let drift = backend.drift(request.lease);
+    let mut source: Option<WakeSource> = None;
+    loop {
+        let armed = source.as_ref().map(WakeSource::arm);
+        let sent = Instant::now();
+        let attempt = backend.try_acquire(request).await?;
+        let now = Instant::now();
+        let (retry_in, unavailable) = match attempt {
+            Attempt::Held(mut lease) => {
+                lease.valid_until = valid_until(sent, request.lease, drift);
+                if now < give_up_at(lease.valid_until, request.lease) {
+                    return Ok(Acquired::Held(lease));
+                }
+                // The grant came back after the point where the holder would
+                // have to give it up: using it would be unsafe. Undo it.
+                tracing::debug!(
+                    key = %request.key,
+                    took_ms = (now - sent).as_secs_f64() * 1000.0,
+                    "dlock grant arrived too late to be used; released"
+                );
+                let _ = backend.release(&lease).await;
+                let late = BackendError::transient(format!(
+                    "the backend granted the lock only after {:?}, too late to use a {:?} lease",
+                    now - sent,
+                    request.lease
+                ));
+                (Some(Duration::ZERO), Some(late))
+            }
+            Attempt::Busy { retry_in } => (retry_in, None),
+            Attempt::Unavailable { error, retry_in } => (Some(retry_in), Some(error)),
+        };
+        let now = Instant::now();
+        if now >= deadline {
+            return match unavailable {
+                Some(error) => Err(error),
+                None => Ok(Acquired::Busy),
+            };
+        }
+        let Some(registered) = &source else {
+            // First refusal: register the wake-up, then try again at once.
+            let registered = tokio::time::timeout_at(deadline.into(), backend.wake_source(&request.key))
+                .await
+                .unwrap_or_default();
+            source = Some(registered);
+            continue;
+        };
+        let mut sleep = retry_in.map(|d| d + jitter(d));
+        if let Some(poll) = registered.poll {
+            sleep = Some(sleep.map_or(poll, |s| s.min(poll)));
+        }
+        let wake_at = sleep.map_or(deadline, |s| deadline.min(saturating_add(now, s)));
+        let armed = armed.unwrap_or(Armed(Vec::new()));
+        tokio::select! {
+            () = armed.fired() => {}
+            () = tokio::time::sleep_until(wake_at.into()) => {}
+        }
+    }
+}
+
+/// The local end of a lease granted by a request sent at `sent`.
+pub(crate) fn valid_until(sent: Instant, lease: Duration, drift: Duration) -> Instant {
+    saturating_add(sent, lease.saturating_sub(drift))
+}
+
+/// A little randomness after a holder's expiry or a back-off (1 ms + up to a
+/// tenth, at most 10 ms), so that waiters do not all try in the same instant.
+fn jitter(base: Duration) -> Duration {
+    let spread = (base / 10).min(Duration::from_millis(10));
+    let extra = if spread.is_zero() {
+        Duration::ZERO
+    } else {
+        rand::rng().random_range(Duration::ZERO..=spread)
+    };
+    Duration::from_millis(1) + extra
+}
+
+/// Per-key wake-ups inside one process, for backends that wake their own
+/// waiters (memory, and SQLite's waiters in the releasing process).
+///
+/// An entry lives only while someone waits on the key: the
+/// [`WakeSource`] it hands out removes it when the last waiter drops it, so
+/// the map holds O(current waiters), never O(keys ever used).
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    map: Mutex<HashMap<String, (Arc<Notify>, usize)>>,
+}
+
+impl Waiters {
+    fn map(&self) -> MutexGuard<'_, HashMap<String, (Arc<Notify>, usize)>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A wake-up source for `key`, woken by [`wake`](Self::wake).
+    pub(crate) fn source(self: &Arc<Self>, key: &str) -> WakeSource {
+        let notify = {
+            let mut map = self.map();
+            let entry = map
+                .entry(key.to_owned())
+                .or_insert_with(|| (Arc::new(Notify::new()), 0));
+            entry.1 += 1;
+            entry.0.clone()
+        };
+        WakeSource::notify(notify).keep_alive(Registration {
+            waiters: self.clone(),
+            key: key.to_owned(),
+        })
+    }
+
+    /// Wakes every waiter of `key` in this process.
+    pub(crate) fn wake(&self, key: &str) {
+        if let Some((notify, _)) = self.map().get(key) {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Wakes every waiter of every key (the clock moved).
+    pub(crate) fn wake_all(&self) {
+        for (notify, _) in self.map().values() {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Keys with waiters right now.
+    pub(crate) fn len(&self) -> usize {
+        self.map().len()
+    }
+}
+
+struct Registration {
+    waiters: Arc<Waiters>,
+    key: String,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut map = self.waiters.map();
+        if let Some(entry) = map.get_mut(&self.key) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                map.remove(&self.key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waiter_entries_are_dropped_with_their_last_waiter() {
+        let waiters = Arc::new(Waiters::default());
+        let a = waiters.source("k");
+        let b = waiters.source("k");
+        let c = waiters.source("other");
+        assert_eq!(waiters.len(), 2);
+        drop(a);
+        assert_eq!(waiters.len(), 2);
+        drop(b);
+        drop(c);
+        assert_eq!(waiters.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_armed_source_hears_a_wake_sent_before_it_is_awaited() {
+        let waiters = Arc::new(Waiters::default());
+        let source = waiters.source("k");
+        let armed = source.arm();
+        waiters.wake("k");
+        tokio::time::timeout(Duration::from_secs(1), armed.fired())
+            .await
+            .expect("the wake-up sent after arming is kept");
+    }
+
+    #[test]
+    fn jitter_is_small() {
+        for ms in [0, 1, 50, 5000] {
+            let j = jitter(Duration::from_millis(ms));
+            assert!(j >= Duration::from_millis(1) && j <= Duration::from_millis(11));
+        }
+    }
+}
