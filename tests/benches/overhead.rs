@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_runtime::backend::{AcquireRequest, Acquired, LockBackend};
+use dlock_runtime::backend::{AcquireRequest, Attempt, LockBackend};
 use dlock_runtime::{MemoryBackend, Registry};
 
 mod common;
@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
         base.push(
             rate(n, |i| async move {
                 let request = request(format!("dlock:raw:{i}"));
-                let Acquired::Held(lease) = raw.acquire(&request).await.expect("raw") else {
+                let Attempt::Held(lease) = raw.try_acquire(&request).await.expect("raw") else {
                     panic!("busy");
                 };
                 raw.release(&lease).await.expect("release");

@@ -60,7 +60,7 @@ async fn no_renewal_after_release() {
     let key = unique_key("no-renewal-after-release");
     for _ in 0..20 {
         let guard = lock(&key)
-            .lease(Duration::from_millis(30))
+            .lease(Duration::from_millis(100))
             .acquire()
             .await
             .expect("acquire");
