@@ -226,6 +226,14 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
         .map(|(l, _)| l.sched().machine.give_up_at())
         .max()
         .unwrap_or(sent);
+    for (lease, _) in &leases {
+        tracing::trace!(
+            parent: &lease.span,
+            key = %lease.user_key,
+            token = lease.lease.token.map(crate::FencingToken::get),
+            "dlock renewal sent"
+        );
+    }
     let batch: Vec<_> = leases.iter().map(|(l, _)| (&l.lease, l.lease_len)).collect();
     let answers = tokio::time::timeout_at(give_up.into(), backend.renew_all(&batch)).await;
     let answers: Vec<RenewalAnswer> = match answers {
@@ -263,7 +271,12 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
         let finished = lease.sched().machine.finish_renewal(ticket, answer, now);
         match finished {
             Finished::Renewed => {
-                tracing::trace!(parent: &lease.span, key = %lease.user_key, "dlock lease renewed");
+                tracing::trace!(
+                    parent: &lease.span,
+                    key = %lease.user_key,
+                    token = lease.lease.token.map(crate::FencingToken::get),
+                    "dlock lease renewed"
+                );
             }
             Finished::Lost => lease.signal_lost(match answer {
                 RenewalAnswer::Lost => "the key is no longer ours on the server",

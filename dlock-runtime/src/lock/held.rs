@@ -162,7 +162,12 @@ impl HeldLease {
             self.watchdog.unschedule(slot, self.id);
         }
         self.leases.release_started();
-        tracing::trace!(parent: &self.span, key = %self.user_key, "dlock release requested");
+        tracing::trace!(
+            parent: &self.span,
+            key = %self.user_key,
+            token = self.lease.token.map(FencingToken::get),
+            "dlock release requested"
+        );
         Some(start)
     }
 
