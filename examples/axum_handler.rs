@@ -16,6 +16,11 @@
 //! If the client disconnects, axum drops the handler's future, and the lock
 //! is released at once (not after the lease).
 //!
+//! On Ctrl-C the server drains its requests (axum's graceful shutdown), then
+//! calls [`dlock_runtime::shutdown`], which releases every lease still held
+//! and waits for releases on their way, so a rolling restart does not leave
+//! keys held for a lease.
+//!
 //! `--self-test` serves on a free port and sends two concurrent requests for
 //! order 7 (one must get 200, the other 409 with the JSON body), then one for
 //! order 8 (200), printing what it saw.
@@ -327,10 +332,19 @@ async fn run() -> anyhow::Result<bool> {
     println!("listening on http://{addr}");
 
     if test {
-        let server = tokio::spawn(axum::serve(listener, app()).into_future());
-        let passed = self_test(addr).await;
-        server.abort();
-        return passed;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(
+            axum::serve(listener, app())
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .into_future(),
+        );
+        let mut passed = self_test(addr).await?;
+        let _ = stop.send(());
+        server.await??;
+        passed &= shut_down_locks().await;
+        return Ok(passed);
     }
 
     println!("try two at once:");
@@ -342,5 +356,18 @@ async fn run() -> anyhow::Result<bool> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
-    Ok(true)
+    Ok(shut_down_locks().await)
+}
+
+/// The last step of a graceful shutdown (a rolling deploy): once the HTTP
+/// server has drained its requests, release whatever locks are still held —
+/// by background tasks, or releases still on their way — so the next replica
+/// need not wait for their leases to run out. True if every release finished.
+async fn shut_down_locks() -> bool {
+    let report = dlock_runtime::shutdown(Duration::from_secs(5)).await;
+    println!(
+        "locks shut down: {} lease(s) released, {} release(s) unfinished",
+        report.released, report.unfinished
+    );
+    report.unfinished == 0
 }

@@ -24,6 +24,22 @@
 //! one slot, so the same code runs on **Redis Cluster**. Keys are passed as
 //! `KEYS[]`, so ACL key patterns apply (`~{dlock:*`, channels `&{dlock:*`).
 //!
+//! **Server settings a lock needs.** A lock key that the server drops is a
+//! lock lost without notice until the next renewal:
+//!
+//! - `maxmemory-policy noeviction` (the default) or no `maxmemory`: every
+//!   other policy can evict lock keys (they carry a TTL, so even the
+//!   `volatile-*` ones do). `connect` logs a `warn` event when the server
+//!   could evict them.
+//! - Persistence (`appendonly yes`, `appendfsync always` or `everysec`) if a
+//!   restart must not free held keys: a server restarted empty lets another
+//!   client take a key whose holder still believes it holds it (until its
+//!   next renewal fails). Fencing tokens stay safe either way: a lost
+//!   counter is seeded again from the server clock in µs.
+//! - Replication is asynchronous: a replica promoted before it received a
+//!   grant does not know the lock. Where failover matters, use Redlock over
+//!   independent masters, or a backend with synchronous replication.
+//!
 //! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
 //! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`. Option
 //! `timeout` (default 2 s) bounds every command; the connection reconnects in
