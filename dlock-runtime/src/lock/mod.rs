@@ -480,6 +480,10 @@ impl LockGuard {
     /// and reentrant for the call chain it runs: a function it calls that locks
     /// the same key enters at once. Futures polled concurrently inside it
     /// (`join!`, `select!`) are not one call chain: they take turns.
+    ///
+    /// A nested guard (one taken inside a scope that holds its key) holds its
+    /// turn until it is released: code that should run *under* it must run in
+    /// its own `scope`, or it waits for that turn like a sibling.
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
         let held = self.held().clone();
         let span = held.span.clone();
