@@ -34,7 +34,7 @@
 //! |---|---|---|---|
 //! | `key` (required) | string template | the lock's name; `{name}` or `{name.field.field}` interpolates a parameter with `Display` (`{self.id}` in methods, `{pair.0}` for tuple fields); `{{` and `}}` are literal braces | — |
 //! | `wait` | duration string | how long to wait for a busy lock before the busy policy applies; `"0s"` tries once | `"0s"` |
-//! | `lease` | duration string, > 0 | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
+//! | `lease` | duration string, at least `"100ms"` | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
 //! | `on_busy` | `"fail"` or `"skip"` | `"fail"`: return the busy error; `"skip"`: do not run the body, return the skip value | `"fail"` |
 //! | `on_lost` | `"cancel"` or `"continue"` | `"cancel"`: when the lease is lost, stop the body at its next `.await` and return the lost error; `"continue"`: let it finish (logged) | `"cancel"` |
 //! | `watchdog` | `true` or `false` | `false`: no renewal, `lease` is a hard cap on how long the lock is held | `true` |
@@ -70,13 +70,18 @@
 //!
 //! # Compile-time errors
 //!
-//! An unknown or duplicate argument, a missing `key`, a bad duration, a zero `lease`,
-//! an unknown policy, a malformed key template, a `{placeholder}` that names no
-//! parameter, an empty `backend`, a `crate` string that is not a path, a non-`async`
-//! or `const` function, and a return type the busy policy cannot express are all
-//! compile errors pointing at the offending token. All errors of one attribute are
+//! An unknown or duplicate argument, a missing `key`, a bad duration, a `lease` below
+//! 100 ms (zero included), an unknown policy, a malformed key template, a
+//! `{placeholder}` that names no parameter, an empty `backend`, a `crate` string that
+//! is not a path, a non-`async` or `const` function, and a return type the busy
+//! policy cannot express are all compile errors pointing at the offending token. All errors of one attribute are
 //! reported together, and the function is still emitted unchanged next to them so
 //! that the rest of the crate (and your IDE) keeps working.
+//!
+//! The minimum `lease` of 100 ms is `dlock_runtime::MIN_LEASE`: the watchdog renews
+//! every `lease / 3`, and a shorter period would be shorter than its batch window. It
+//! applies with `watchdog = false` too. (The programmatic builder reports a smaller
+//! value as `LockError::Config` at run time.)
 //!
 //! # Equivalent code without the attribute
 //!
