@@ -113,7 +113,9 @@
 //! lost (`on_lost = "cancel"`, racing the body against `guard.lost()`, and then
 //! returning at once while the release goes out in the background), releases the
 //! lock from the guard's `Drop` on panic or cancellation, implements `on_busy =
-//! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns.
+//! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns. It runs
+//! the body in the lock's scope (so `dlock_runtime::current()` and reentrant calls
+//! see the lock) and inside the acquisition's `dlock.lock` tracing span.
 //!
 //! The generated code calls only hidden items of the runtime
 //! (`dlock_runtime::__private::…`), which are not a stable API:
@@ -137,6 +139,41 @@
 //!     ).await
 //! }
 //! ```
+//!
+//! # With `#[tracing::instrument]` (and other attributes that wrap the body)
+//!
+//! Attribute macros expand top-down: the upper attribute sees the function as
+//! written, and the lower one sees the function the upper one produced. Both
+//! `#[tracing::instrument]` and `#[distributed_lock]` keep the signature and wrap the
+//! body, so the **lower** attribute's code ends up outermost:
+//!
+//! ```ignore
+//! // The user's span wraps everything: the acquisition (and its `dlock.lock` span,
+//! // a child of `pay`), the wait for a busy lock, the body and the release. With
+//! // `err`/`ret`, the span also records lock errors such as `Busy`.
+//! #[distributed_lock(key = "order:{order.id}", wait = "3s")]
+//! #[tracing::instrument(skip(order))]
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> { /* ... */ }
+//!
+//! // The user's span is opened inside the locked body, as a child of `dlock.lock`;
+//! // the acquisition happens outside it, and a busy lock never opens the span.
+//! #[tracing::instrument(skip(order))]
+//! #[distributed_lock(key = "order:{order.id}", wait = "3s")]
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> { /* ... */ }
+//! ```
+//!
+//! In terms of the hand-written version above: with `#[tracing::instrument]` below
+//! `#[distributed_lock]`, the whole of that function body is instrumented; above
+//! it, only the inner `async { /* the original body */ }` is.
+//!
+//! # `Send`
+//!
+//! The generated future is `Send` whenever the function's own future would be, with
+//! one addition: the return value must be `Send` too, because it is kept while the
+//! lock is released before the function returns. Only the key (a `String`) is
+//! computed before the first `.await`; the parameters move into the body unchanged,
+//! so a `!Send` value that the body drops before its next `.await` is fine, as it is
+//! without the attribute.
 //!
 //! # Limitations
 //!
