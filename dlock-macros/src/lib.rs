@@ -34,7 +34,7 @@
 //! |---|---|---|---|
 //! | `key` (required) | string template | the lock's name; `{name}` or `{name.field.field}` interpolates a parameter with `Display` (`{self.id}` in methods, `{pair.0}` for tuple fields); `{{` and `}}` are literal braces | — |
 //! | `wait` | duration string | how long to wait for a busy lock before the busy policy applies; `"0s"` tries once | `"0s"` |
-//! | `lease` | duration string, > 0 | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
+//! | `lease` | duration string, at least `"100ms"` | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
 //! | `on_busy` | `"fail"` or `"skip"` | `"fail"`: return the busy error; `"skip"`: do not run the body, return the skip value | `"fail"` |
 //! | `on_lost` | `"cancel"` or `"continue"` | `"cancel"`: when the lease is lost, stop the body at its next `.await` and return the lost error; `"continue"`: let it finish (logged) | `"cancel"` |
 //! | `watchdog` | `true` or `false` | `false`: no renewal, `lease` is a hard cap on how long the lock is held | `true` |
@@ -70,13 +70,18 @@
 //!
 //! # Compile-time errors
 //!
-//! An unknown or duplicate argument, a missing `key`, a bad duration, a zero `lease`,
-//! an unknown policy, a malformed key template, a `{placeholder}` that names no
-//! parameter, an empty `backend`, a `crate` string that is not a path, a non-`async`
-//! or `const` function, and a return type the busy policy cannot express are all
-//! compile errors pointing at the offending token. All errors of one attribute are
+//! An unknown or duplicate argument, a missing `key`, a bad duration, a `lease` below
+//! 100 ms (zero included), an unknown policy, a malformed key template, a
+//! `{placeholder}` that names no parameter, an empty `backend`, a `crate` string that
+//! is not a path, a non-`async` or `const` function, and a return type the busy
+//! policy cannot express are all compile errors pointing at the offending token. All errors of one attribute are
 //! reported together, and the function is still emitted unchanged next to them so
 //! that the rest of the crate (and your IDE) keeps working.
+//!
+//! The minimum `lease` of 100 ms is `dlock_runtime::MIN_LEASE`: the watchdog renews
+//! every `lease / 3`, and a shorter period would be shorter than its batch window. It
+//! applies with `watchdog = false` too. (The programmatic builder reports a smaller
+//! value as `LockError::Config` at run time.)
 //!
 //! # Equivalent code without the attribute
 //!
@@ -108,7 +113,9 @@
 //! lost (`on_lost = "cancel"`, racing the body against `guard.lost()`, and then
 //! returning at once while the release goes out in the background), releases the
 //! lock from the guard's `Drop` on panic or cancellation, implements `on_busy =
-//! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns.
+//! "skip"` and `hold_at_least`, and maps errors to `Option` and `()` returns. It runs
+//! the body in the lock's scope (so `dlock_runtime::current()` and reentrant calls
+//! see the lock) and inside the acquisition's `dlock.lock` tracing span.
 //!
 //! The generated code calls only hidden items of the runtime
 //! (`dlock_runtime::__private::…`), which are not a stable API:
@@ -132,6 +139,41 @@
 //!     ).await
 //! }
 //! ```
+//!
+//! # With `#[tracing::instrument]` (and other attributes that wrap the body)
+//!
+//! Attribute macros expand top-down: the upper attribute sees the function as
+//! written, and the lower one sees the function the upper one produced. Both
+//! `#[tracing::instrument]` and `#[distributed_lock]` keep the signature and wrap the
+//! body, so the **lower** attribute's code ends up outermost:
+//!
+//! ```ignore
+//! // The user's span wraps everything: the acquisition (and its `dlock.lock` span,
+//! // a child of `pay`), the wait for a busy lock, the body and the release. With
+//! // `err`/`ret`, the span also records lock errors such as `Busy`.
+//! #[distributed_lock(key = "order:{order.id}", wait = "3s")]
+//! #[tracing::instrument(skip(order))]
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> { /* ... */ }
+//!
+//! // The user's span is opened inside the locked body, as a child of `dlock.lock`;
+//! // the acquisition happens outside it, and a busy lock never opens the span.
+//! #[tracing::instrument(skip(order))]
+//! #[distributed_lock(key = "order:{order.id}", wait = "3s")]
+//! async fn pay(order: &Order) -> Result<Receipt, AppError> { /* ... */ }
+//! ```
+//!
+//! In terms of the hand-written version above: with `#[tracing::instrument]` below
+//! `#[distributed_lock]`, the whole of that function body is instrumented; above
+//! it, only the inner `async { /* the original body */ }` is.
+//!
+//! # `Send`
+//!
+//! The generated future is `Send` whenever the function's own future would be, with
+//! one addition: the return value must be `Send` too, because it is kept while the
+//! lock is released before the function returns. Only the key (a `String`) is
+//! computed before the first `.await`; the parameters move into the body unchanged,
+//! so a `!Send` value that the body drops before its next `.await` is fine, as it is
+//! without the attribute.
 //!
 //! # Limitations
 //!

@@ -10,6 +10,15 @@ use crate::duration;
 use crate::parse::Args;
 use crate::template::{self, Piece};
 
+/// The shortest `lease` accepted (zero included in what is rejected).
+///
+/// This mirrors `dlock_runtime::MIN_LEASE` (the proc-macro crate cannot depend on the
+/// runtime, so the value is repeated here and in the message): the watchdog renews
+/// every `lease / 3`, and a shorter lease would make that period shorter than the
+/// watchdog's batch window, so renewals could not keep up. A literal below it is a
+/// compile error here, as a smaller builder value is a `Config` error at run time.
+const MIN_LEASE: Duration = Duration::from_millis(100);
+
 /// Everything the expansion needs, all checked.
 pub(crate) struct Model {
     /// The user's function, unchanged.
@@ -131,11 +140,12 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         .as_ref()
         .map(|lit| duration(Some(lit), Duration::ZERO));
     if let Some(lease) = &lease
-        && lease.value.is_zero()
+        && lease.value < MIN_LEASE
     {
         errors.at(
             lease.span,
-            "`lease` must be greater than zero, e.g. lease = \"30s\"",
+            "`lease` must be at least 100ms (dlock_runtime::MIN_LEASE): \
+             the watchdog renews every lease/3, e.g. lease = \"30s\"",
         );
     }
 
@@ -349,6 +359,41 @@ mod tests {
     }
 
     #[test]
+    fn lease_has_a_minimum() {
+        let too_short = [
+            "`lease` must be at least 100ms (dlock_runtime::MIN_LEASE): the watchdog renews \
+             every lease/3, e.g. lease = \"30s\"",
+        ];
+        for lease in ["0s", "0ms", "50ms", "99ms", "99999us", "99999999ns"] {
+            assert_eq!(
+                messages(
+                    &format!(r#"key = "k", lease = "{lease}""#),
+                    "async fn f() {}"
+                ),
+                too_short,
+                "{lease}"
+            );
+        }
+        for lease in ["100ms", "100000us", "1s"] {
+            let model = check(
+                &format!(r#"key = "k", lease = "{lease}""#),
+                "async fn f() {}",
+            )
+            .unwrap_or_else(|e| panic!("{lease}: {e}"));
+            assert!(model.lease.value >= MIN_LEASE);
+        }
+        // Also without the watchdog, where `lease` is a hard cap.
+        assert_eq!(
+            messages(
+                r#"key = "k", lease = "10ms", watchdog = false"#,
+                "async fn f() {}"
+            )
+            .len(),
+            1
+        );
+    }
+
+    #[test]
     fn collects_every_error() {
         let errors = messages(
             r#"key = "{nope}:{", wait = "soon", lease = "0s", on_busy = "maybe",
@@ -360,7 +405,7 @@ mod tests {
         assert!(errors[1].starts_with("unclosed `{`"));
         assert!(errors[2].starts_with("placeholder `{nope}` names no parameter"));
         assert!(errors[3].starts_with("invalid duration `soon`"));
-        assert!(errors[4].starts_with("`lease` must be greater than zero"));
+        assert!(errors[4].starts_with("`lease` must be at least 100ms"));
         assert!(errors[5].starts_with("unknown `on_busy` policy `maybe`"));
         assert!(errors[6].starts_with("unknown `on_lost` policy `ignore`"));
         assert!(errors[7].starts_with("`backend` must not be empty"));
