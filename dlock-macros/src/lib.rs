@@ -68,6 +68,19 @@
 //! Inside the body, `return` and `?` behave as in the original function: the body
 //! becomes an `async move` block whose output is the declared return type.
 //!
+//! # Reentrancy: a call chain, not a task
+//!
+//! A function called from inside the body that locks the same key (same
+//! registry and backend) enters at once instead of deadlocking against its
+//! caller, and so do the functions it calls in turn. Sibling futures polled
+//! inside the body — `tokio::join!(debit(), debit())`, `select!`,
+//! `FuturesUnordered` — are not one call chain: they take turns, each within
+//! its own `wait`, so their bodies never run at once. A nested call shares the
+//! outer lease (its watchdog, fencing token and `hold_at_least`); its own
+//! `lease`, `watchdog` and `hold_at_least` do not apply (a `debug` event says so
+//! when they differ), and it reports `LockError::Lost` if the shared lease was
+//! lost. A task spawned inside the body does not inherit the hold.
+//!
 //! # Compile-time errors
 //!
 //! An unknown or duplicate argument, a missing `key`, a bad duration, a `lease` below
