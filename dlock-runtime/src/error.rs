@@ -250,7 +250,8 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "slow");
         let err = BackendError::transient(io);
         assert_eq!(
-            err.downcast_ref::<std::io::Error>().map(std::io::Error::kind),
+            err.downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind),
             Some(std::io::ErrorKind::TimedOut)
         );
         assert_eq!(err.get_ref().to_string(), "slow");

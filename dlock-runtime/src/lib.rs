@@ -76,6 +76,8 @@ pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};
 pub use lock::{DEFAULT_LEASE, LockBuilder, LockGuard, lock};
 pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
-pub use registry::{IntoBackend, Registry, RegistryBuilder, ShutdownReport, global, init, shutdown};
+pub use registry::{
+    IntoBackend, Registry, RegistryBuilder, ShutdownReport, global, init, shutdown,
+};
 pub use time::MIN_LEASE;
 pub use token::FencingToken;

@@ -62,7 +62,10 @@ mod tests {
     #[test]
     fn margins() {
         assert_eq!(safety_margin(MIN_LEASE), Duration::from_millis(10));
-        assert_eq!(safety_margin(Duration::from_secs(60)), Duration::from_secs(1));
+        assert_eq!(
+            safety_margin(Duration::from_secs(60)),
+            Duration::from_secs(1)
+        );
         assert!(renew_period(MIN_LEASE) > Duration::from_millis(30));
         let now = Instant::now();
         assert!(give_up_at(now + MIN_LEASE, MIN_LEASE) < now + MIN_LEASE);

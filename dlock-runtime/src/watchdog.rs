@@ -234,7 +234,10 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
             "dlock renewal sent"
         );
     }
-    let batch: Vec<_> = leases.iter().map(|(l, _)| (&l.lease, l.lease_len)).collect();
+    let batch: Vec<_> = leases
+        .iter()
+        .map(|(l, _)| (&l.lease, l.lease_len))
+        .collect();
     let answers = tokio::time::timeout_at(give_up.into(), backend.renew_all(&batch)).await;
     let answers: Vec<RenewalAnswer> = match answers {
         Ok(answers) if answers.len() == leases.len() => answers

@@ -258,7 +258,7 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 /// backend sends a server as a lease, so the server's lease is never shorter
 /// than the holder assumes. Saturates.
 pub fn ceil_millis(d: Duration) -> u64 {
-    let whole = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 != 0);
+    let whole = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     u64::try_from(whole).unwrap_or(u64::MAX).max(1)
 }
 
@@ -296,7 +296,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
             Ok(Arc::new(redis::RedisBackend::connect(url).await?))
         }
         #[cfg(feature = "redis")]
-        "redlock" | "redlocks" => Ok(Arc::new(redis::redlock::RedlockBackend::connect(url).await?)),
+        "redlock" | "redlocks" => Ok(Arc::new(
+            redis::redlock::RedlockBackend::connect(url).await?,
+        )),
         #[cfg(not(feature = "redis"))]
         "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
             Err(LockError::config(format!(
@@ -312,5 +314,19 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
             redact_url(url)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_sent_to_servers_round_up() {
+        assert_eq!(ceil_millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(ceil_millis(Duration::from_micros(1_500_001)), 1501);
+        assert_eq!(ceil_millis(Duration::from_nanos(1)), 1);
+        assert_eq!(ceil_millis(Duration::ZERO), 1);
+        assert_eq!(ceil_millis(Duration::MAX), u64::MAX);
     }
 }

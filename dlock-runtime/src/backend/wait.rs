@@ -180,9 +180,10 @@ pub async fn acquire(
         }
         let Some(registered) = &source else {
             // First refusal: register the wake-up, then try again at once.
-            let registered = tokio::time::timeout_at(deadline.into(), backend.wake_source(&request.key))
-                .await
-                .unwrap_or_default();
+            let registered =
+                tokio::time::timeout_at(deadline.into(), backend.wake_source(&request.key))
+                    .await
+                    .unwrap_or_default();
             source = Some(registered);
             continue;
         };

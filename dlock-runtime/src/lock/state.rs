@@ -322,12 +322,20 @@ mod tests {
         let give_up = s.give_up_at();
         assert!(!s.expire(give_up - MS));
         assert!(!s.is_lost(give_up - MS));
-        assert!(s.is_lost(give_up), "is_lost reads the clock before the watchdog looks");
+        assert!(
+            s.is_lost(give_up),
+            "is_lost reads the clock before the watchdog looks"
+        );
         assert!(s.expire(give_up));
         assert_eq!(s.phase(), Phase::Lost);
         // The hung renewal finally answers: too late, nothing changes.
-        let late = RenewalAnswer::Renewed { drift: Duration::ZERO };
-        assert_eq!(s.finish_renewal(ticket, late, give_up + MS), Finished::Ignored);
+        let late = RenewalAnswer::Renewed {
+            drift: Duration::ZERO,
+        };
+        assert_eq!(
+            s.finish_renewal(ticket, late, give_up + MS),
+            Finished::Ignored
+        );
         assert_eq!(s.phase(), Phase::Lost);
         assert_eq!(s.due(), None);
     }
@@ -341,7 +349,9 @@ mod tests {
         // Sent at t1, answered 2.8 s later: the renewal's own validity is
         // already past its give-up instant.
         let answered = t1 + Duration::from_millis(2800);
-        let renewed = RenewalAnswer::Renewed { drift: Duration::ZERO };
+        let renewed = RenewalAnswer::Renewed {
+            drift: Duration::ZERO,
+        };
         assert_eq!(s.finish_renewal(ticket, renewed, answered), Finished::Lost);
     }
 
@@ -359,7 +369,10 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             let due = s.due().unwrap();
-            assert!(due.at() <= s.give_up_at(), "never scheduled past the give-up instant");
+            assert!(
+                due.at() <= s.give_up_at(),
+                "never scheduled past the give-up instant"
+            );
             if let Due::GiveUp(at) = due {
                 assert!(s.expire(at));
                 break;
@@ -381,10 +394,19 @@ mod tests {
         assert!(s.renewal_in_flight());
         assert_eq!(s.request_release(t1 + MS), None, "asked once");
         assert_eq!(s.due(), None, "nothing left for the watchdog");
-        let renewed = RenewalAnswer::Renewed { drift: Duration::ZERO };
-        assert_eq!(s.finish_renewal(ticket, renewed, t1 + MS * 2), Finished::Ignored);
+        let renewed = RenewalAnswer::Renewed {
+            drift: Duration::ZERO,
+        };
+        assert_eq!(
+            s.finish_renewal(ticket, renewed, t1 + MS * 2),
+            Finished::Ignored
+        );
         assert!(!s.renewal_in_flight());
-        assert_eq!(s.phase(), Phase::ReleaseRequested, "not put back on the schedule");
+        assert_eq!(
+            s.phase(),
+            Phase::ReleaseRequested,
+            "not put back on the schedule"
+        );
         assert!(s.begin_renewal(t1 + LEASE, t1 + LEASE).is_none());
         assert!(s.finish_release());
         assert!(!s.finish_release());
@@ -400,7 +422,10 @@ mod tests {
         // noticed, also reports the loss.
         let mut s = fresh(t0);
         let late = s.give_up_at();
-        assert_eq!(s.request_release(late), Some(ReleaseStart { was_lost: true }));
+        assert_eq!(
+            s.request_release(late),
+            Some(ReleaseStart { was_lost: true })
+        );
     }
 
     #[test]
@@ -418,12 +443,20 @@ mod tests {
         let mut s = fresh(t0);
         let t1 = t0 + Duration::from_secs(1);
         let first = s.begin_renewal(t1, t1).unwrap();
-        assert_eq!(s.finish_renewal(first, RenewalAnswer::Failed, t1), Finished::Retry);
+        assert_eq!(
+            s.finish_renewal(first, RenewalAnswer::Failed, t1),
+            Finished::Retry
+        );
         let t2 = s.due().unwrap().at();
         let second = s.begin_renewal(t2, t2).unwrap();
         // A duplicate answer to the first renewal changes nothing.
-        assert_eq!(s.finish_renewal(first, RenewalAnswer::Lost, t2), Finished::Ignored);
-        let renewed = RenewalAnswer::Renewed { drift: Duration::ZERO };
+        assert_eq!(
+            s.finish_renewal(first, RenewalAnswer::Lost, t2),
+            Finished::Ignored
+        );
+        let renewed = RenewalAnswer::Renewed {
+            drift: Duration::ZERO,
+        };
         assert_eq!(s.finish_renewal(second, renewed, t2), Finished::Renewed);
     }
 }

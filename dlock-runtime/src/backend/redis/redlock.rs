@@ -336,7 +336,6 @@ impl RedlockBackend {
         .filter(|answer| answer.is_ok())
         .count()
     }
-
 }
 
 impl LockBackend for RedlockBackend {

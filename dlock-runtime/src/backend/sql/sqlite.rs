@@ -23,7 +23,9 @@ use sqlx::sqlite::{
 };
 
 use crate::backend::wait::Waiters;
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis};
+use crate::backend::{
+    AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
+};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -128,7 +130,9 @@ fn sql_error(err: sqlx::Error) -> BackendError {
 }
 
 fn millis(d: Duration) -> i64 {
-    i64::try_from(ceil_millis(d)).unwrap_or(i64::MAX / 4).min(i64::MAX / 4)
+    i64::try_from(ceil_millis(d))
+        .unwrap_or(i64::MAX / 4)
+        .min(i64::MAX / 4)
 }
 
 impl SqliteBackend {
@@ -252,7 +256,6 @@ impl SqliteBackend {
             tracing::debug!(error = %err, "dlock sqlite: collecting free rows failed; next time");
         }
     }
-
 }
 
 impl LockBackend for SqliteBackend {
