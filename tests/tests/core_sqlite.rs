@@ -172,8 +172,8 @@ async fn wait_max_does_not_panic() {
 /// 60 s wait) stops waiting: when the holder releases, the key stays free.
 ///
 /// Old main: the acquisition went on in a task on dlock's I/O runtime after
-/// its caller was gone, took the key when it was released, and held it (for
-/// its lease) for nobody.
+/// its caller was gone (for its whole 60 s wait), and took the key as soon as
+/// it was released — then let it go again, having no caller to hand it to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_acquisition_stops() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -186,6 +186,7 @@ async fn abandoned_acquisition_stops() {
         .acquire()
         .await
         .expect("acquire");
+    let held_token = guard.fencing_token().expect("sqlite fences").get();
     let started = Instant::now();
     let gave_up = tokio::time::timeout(
         Duration::from_secs(1),
@@ -199,7 +200,17 @@ async fn abandoned_acquisition_stops() {
     let row_owner = owner(&path, &key).await;
     assert_eq!(
         row_owner, None,
-        "the abandoned waiter took the key after its caller had gone"
+        "the abandoned waiter holds the key its caller gave up on"
+    );
+    // Nobody took the key since the holder: its row still has the holder's token.
+    let row_token: i64 = sqlx::query_scalar("SELECT token FROM dlock_leases WHERE key = ?1")
+        .bind(format!("dlock:{key}"))
+        .fetch_one(&mut admin(&path).await)
+        .await
+        .expect("read the row");
+    assert_eq!(
+        row_token as u64, held_token,
+        "the abandoned waiter took the key (and let it go) after its caller had gone"
     );
     holder
         .lock(&key)
