@@ -1,0 +1,292 @@
+//! The core rework's guarantees on a single Redis server: a release cancelled
+//! while the server stalls still frees the key and stops the renewals,
+//! `wait(Duration::MAX)` saturates, an abandoned acquisition stops, and
+//! graceful shutdown frees every key at once.
+//!
+//! Each test uses registries of its own (the global one is not needed) and
+//! says what the runtime before the rework (commit `1c8e415`, "old main") did.
+#![cfg(feature = "redis")]
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, RedisBackend, Registry};
+use dlock_tests::{server_url, servers_missing, unique_key};
+use redis::AsyncCommands;
+
+fn url() -> String {
+    server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
+}
+
+/// A registry on connections of its own: what another process would have.
+async fn registry() -> Registry {
+    let url = url();
+    Registry::builder()
+        .default_backend(
+            RedisBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        )
+        .build()
+}
+
+/// A plain connection to the server, for looking at keys behind dlock's back.
+async fn admin() -> redis::aio::MultiplexedConnection {
+    let url = url();
+    redis::Client::open(url.as_str())
+        .unwrap_or_else(|e| servers_missing(&url, e))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e))
+}
+
+/// The Redis key of a lock (`{dlock:key}`: hash-tagged stored key).
+fn redis_key(key: &str) -> String {
+    format!("{{dlock:{key}}}")
+}
+
+async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    conn.exists(redis_key(key)).await.expect("EXISTS")
+}
+
+/// Keeps the server busy for 500 ms (a script spinning on `TIME`).
+const BUSY_500MS: &str = "local t = redis.call('TIME') \
+    local s = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+    repeat local n = redis.call('TIME') \
+    until tonumber(n[1]) * 1000000 + tonumber(n[2]) > s + 500000";
+
+/// Item 1. The server stalls for 500 ms just as a renewal goes out; the
+/// caller gives up on `release()` after 250 ms. The release still happens
+/// (the key is deleted well before any renewed lease could have run out) and
+/// no renewal follows it (the key stays free, another registry takes it).
+///
+/// Old main: the release waited for the renewal on the wire before taking
+/// the lease off the watchdog's schedule; dropped there, it left the lease
+/// scheduled and the watchdog renewed the key for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_release_leaves_no_renewed_lease() {
+    let reg = registry().await;
+    let mut conn = admin().await;
+    let key = unique_key("cancelled-release");
+    let guard = reg
+        .lock(&key)
+        .lease(Duration::from_millis(1500))
+        .acquire()
+        .await
+        .expect("acquire");
+    let t0 = Instant::now();
+    // The server is busy from ~450 ms to ~950 ms: the renewal due at 500 ms
+    // waits behind the script.
+    tokio::time::sleep_until((t0 + Duration::from_millis(450)).into()).await;
+    let busy = tokio::spawn(async move {
+        let mut stall = admin().await;
+        let _: redis::RedisResult<()> = redis::cmd("EVAL")
+            .arg(BUSY_500MS)
+            .arg(0)
+            .query_async(&mut stall)
+            .await;
+    });
+    tokio::time::sleep_until((t0 + Duration::from_millis(600)).into()).await;
+    let cancelled = tokio::time::timeout(Duration::from_millis(250), guard.release()).await;
+    assert!(
+        cancelled.is_err(),
+        "the release finished while the server was stalled (the stall came too late?)"
+    );
+    busy.await.expect("stall task");
+    // Renewed at ~950 ms, the lease would last to ~2.45 s; unrenewed, to 1.5 s.
+    let deadline = t0 + Duration::from_millis(1450);
+    loop {
+        if !exists(&mut conn, &key).await {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the key is still there after the cancelled release (PTTL {} ms)",
+            conn.pttl::<_, i64>(redis_key(&key)).await.expect("PTTL")
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Nothing brings it back: no renewal after the release.
+    let until = t0 + Duration::from_millis(4600);
+    while Instant::now() < until {
+        assert!(
+            !exists(&mut conn, &key).await,
+            "the key came back after its release"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    registry()
+        .await
+        .lock(&key)
+        .acquire()
+        .await
+        .expect("free for another registry")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// Item 4. `wait(Duration::MAX)` waits for ever without panicking, on a free
+/// key and on one released 200 ms later.
+///
+/// Old main: the Redis wait loop computed `Instant::now() + wait` and
+/// panicked (overflow).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_max_does_not_panic() {
+    let reg = registry().await;
+    let key = unique_key("wait-max");
+    let holder = reg
+        .lock(&key)
+        .wait(Duration::MAX)
+        .acquire()
+        .await
+        .expect("a free key");
+    let started = Instant::now();
+    let releaser = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        holder.release().await
+    });
+    let next = tokio::time::timeout(
+        Duration::from_secs(5),
+        reg.lock(&key).wait(Duration::MAX).acquire(),
+    )
+    .await
+    .expect("handed over when released")
+    .expect("acquire");
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    releaser.await.expect("task").expect("release");
+    next.release().await.expect("release");
+}
+
+/// Item 6. A waiter whose caller gave up (its future dropped after 1 s of a
+/// 60 s wait) stops waiting: when the holder releases, the key stays free.
+///
+/// Old main: Redis waits ran inline in the caller's future, so dropping it
+/// already stopped them (and an owner-checked release followed); kept as a
+/// guard for the rework's shared wait loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_acquisition_stops() {
+    let (holder, waiter) = (registry().await, registry().await);
+    let mut conn = admin().await;
+    let key = unique_key("abandoned");
+    let guard = holder
+        .lock(&key)
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("acquire");
+    let started = Instant::now();
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        waiter.lock(&key).wait(Duration::from_secs(60)).acquire(),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the key was busy for the whole second");
+    tokio::time::sleep_until((started + Duration::from_millis(1500)).into()).await;
+    guard.release().await.expect("release");
+    tokio::time::sleep_until((started + Duration::from_secs(2)).into()).await;
+    assert!(
+        !exists(&mut conn, &key).await,
+        "the abandoned waiter took the key after its caller had gone"
+    );
+    holder
+        .lock(&key)
+        .acquire()
+        .await
+        .expect("free at once")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// Item 10. `shutdown` deletes every held key on the server before it
+/// returns, tells a running body its lease is lost, and refuses new
+/// acquisitions; a guard dropped just before it has its background release
+/// waited for.
+///
+/// Old main: there was no shutdown; held keys stayed until their leases ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_releases_every_lease() {
+    let reg = registry().await;
+    let mut conn = admin().await;
+    let keys: Vec<String> = (0..3)
+        .map(|i| unique_key(&format!("shutdown-{i}")))
+        .collect();
+    let lease = Duration::from_secs(30);
+    let g0 = reg
+        .lock(&keys[0])
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    let g1 = reg
+        .lock(&keys[1])
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
+    let body = tokio::spawn({
+        let (reg, key) = (reg.clone(), keys[2].clone());
+        async move {
+            let guard = reg
+                .lock(&key)
+                .lease(lease)
+                .acquire()
+                .await
+                .expect("acquire");
+            let lost = guard.lost();
+            let outcome = guard
+                .scope(async {
+                    entered_tx.send(()).expect("test waits");
+                    tokio::select! {
+                        () = lost => "lost",
+                        () = tokio::time::sleep(Duration::from_secs(30)) => "ran to the end",
+                    }
+                })
+                .await;
+            (outcome, guard.release().await)
+        }
+    });
+    entered_rx.await.expect("the body runs");
+    for key in &keys {
+        assert!(exists(&mut conn, key).await);
+    }
+    let report = tokio::time::timeout(Duration::from_secs(3), reg.shutdown(Duration::from_secs(2)))
+        .await
+        .expect("shutdown returns by its deadline");
+    assert_eq!((report.released, report.unfinished), (3, 0), "{report:?}");
+    for key in &keys {
+        assert!(
+            !exists(&mut conn, key).await,
+            "{key} still held on the server after shutdown"
+        );
+    }
+    let (outcome, _release) = tokio::time::timeout(Duration::from_secs(1), body)
+        .await
+        .expect("the body hears of the shutdown")
+        .expect("task");
+    assert_eq!(outcome, "lost");
+    let refused = reg.lock(unique_key("after-shutdown")).acquire().await;
+    assert!(
+        matches!(refused, Err(LockError::ShutDown)),
+        "acquire after shutdown: {refused:?}"
+    );
+    drop((g0, g1));
+
+    // A guard dropped just before shutdown: its release is waited for.
+    let reg = registry().await;
+    let key = unique_key("shutdown-dropped");
+    drop(
+        reg.lock(&key)
+            .lease(lease)
+            .acquire()
+            .await
+            .expect("acquire"),
+    );
+    let report = reg.shutdown(Duration::from_secs(2)).await;
+    assert_eq!(report.unfinished, 0, "{report:?}");
+    assert!(
+        !exists(&mut conn, &key).await,
+        "shutdown returned before the dropped guard's release reached the server"
+    );
+}
