@@ -1,14 +1,17 @@
 //! The conformance suite on Redlock over the five Redis masters of
 //! `scripts/servers.sh`, and what only Redlock has: majority votes, split
-//! votes undone on every node, no fencing token.
+//! votes undone on every node (quietly: no waiter is woken by a roll-back),
+//! no fencing token.
 #![cfg(feature = "redis")]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, RedlockBackend, Registry};
 use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults, verbatim};
 use dlock_tests::{Harness, server_url, servers_missing, unique_key};
+use futures_util::StreamExt;
 use redis::AsyncCommands;
 use tokio::sync::OnceCell;
 
@@ -193,4 +196,114 @@ async fn bad_redlock_urls_are_config_errors() {
         .expect("acquire");
     assert_eq!(guard.fencing_token(), None);
     guard.release().await.expect("release");
+}
+
+/// Counts the messages published on `channel` on every node, from the moment
+/// this returns (every node has confirmed the subscription).
+async fn count_messages(urls: &[String], channel: &str) -> Arc<AtomicUsize> {
+    let heard = Arc::new(AtomicUsize::new(0));
+    for url in urls {
+        let mut pubsub = redis::Client::open(url.as_str())
+            .expect("node url")
+            .get_async_pubsub()
+            .await
+            .unwrap_or_else(|e| servers_missing(url, e));
+        pubsub.subscribe(channel).await.expect("SUBSCRIBE");
+        let heard = heard.clone();
+        tokio::spawn(async move {
+            let mut messages = pubsub.into_on_message();
+            while messages.next().await.is_some() {
+                heard.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+    }
+    heard
+}
+
+/// Waiters that fail against a foreign holder's majority undo their minority
+/// grants without a release message: no waiter wakes another (the storm of
+/// issue "roll-backs must not wake anyone"), and the holder's real release
+/// still wakes them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_back_a_failed_attempt_wakes_no_one() {
+    const WAITERS: usize = 4;
+    let h = harness().await;
+    let key = unique_key("quiet-rollback");
+    let stored = h.stored(&key);
+    // The channel the backend's release script publishes on.
+    let channel = format!("{stored}:released");
+    let urls = node_urls();
+    let heard = count_messages(&urls, &channel).await;
+    // A foreign client holds the key on three of five nodes.
+    for url in &urls[..3] {
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&stored)
+            .arg("someone-else")
+            .arg("NX")
+            .arg("PX")
+            .arg(5000)
+            .query_async(&mut node(url).await)
+            .await
+            .expect("SET");
+        assert_eq!(set.as_deref(), Some("OK"), "the foreign grant on {url}");
+    }
+    let waiters: Vec<_> = (0..WAITERS)
+        .map(|_| {
+            let key = key.clone();
+            tokio::spawn(async move {
+                let guard = h
+                    .registry()
+                    .lock(&key)
+                    .wait(Duration::from_secs(2))
+                    .acquire()
+                    .await?;
+                let got = Instant::now();
+                guard.release().await?;
+                Ok::<_, LockError>(got)
+            })
+        })
+        .collect();
+    // Every waiter fails (two votes of five), rolls its two grants back and
+    // waits: in silence.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        heard.load(Ordering::SeqCst),
+        0,
+        "roll-backs of failed attempts published release messages"
+    );
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "a waiter gave up or got the key held by someone else"
+    );
+    for url in &urls[3..] {
+        let exists: bool = node(url).await.exists(&stored).await.expect("EXISTS");
+        assert!(!exists, "a vote of a failed attempt was left on {url}");
+    }
+
+    // The foreign holder releases as Redlock does: delete and publish on
+    // each of its nodes. One waiter gets the key within a few round trips.
+    for url in &urls[..3] {
+        let mut conn = node(url).await;
+        let _: i64 = conn.del(&stored).await.expect("DEL");
+        let _: i64 = conn.publish(&channel, "").await.expect("PUBLISH");
+    }
+    let released = Instant::now();
+    let mut first = None;
+    for waiter in waiters {
+        match waiter.await.expect("waiter task") {
+            Ok(got) => first = Some(first.map_or(got, |f: Instant| f.min(got))),
+            Err(LockError::Busy { .. }) => {}
+            Err(e) => panic!("waiter failed: {e}"),
+        }
+    }
+    let first = first.expect("a waiter got the key after the release");
+    let after = first.saturating_duration_since(released);
+    assert!(
+        after < Duration::from_millis(300),
+        "the first waiter got the key {after:?} after the release"
+    );
+    assert!(
+        heard.load(Ordering::SeqCst) >= 3,
+        "the counting subscribers missed the foreign release messages"
+    );
 }
