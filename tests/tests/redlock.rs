@@ -1,14 +1,14 @@
 //! The conformance suite on Redlock over the five Redis masters of
 //! `scripts/servers.sh`, and what only Redlock has: majority votes, split
 //! votes undone on every node (quietly: no waiter is woken by a roll-back),
-//! no fencing token.
+//! nodes that never answered costing no wait, no fencing token.
 #![cfg(feature = "redis")]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, RedlockBackend, Registry};
+use dlock_runtime::{LockBackend, LockError, RedlockBackend, Registry};
 use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults, verbatim};
 use dlock_tests::{Harness, server_url, servers_missing, unique_key};
 use futures_util::StreamExt;
@@ -22,13 +22,21 @@ fn url() -> String {
     )
 }
 
-/// `redis://host:port` for each node of the Redlock URL.
-fn node_urls() -> Vec<String> {
+/// `host:port` of each node of the Redlock URL.
+fn node_hosts() -> Vec<String> {
     let url = url();
     let hosts = url.trim_start_matches("redlock://");
     hosts
         .split(',')
-        .map(|h| format!("redis://{}/", h.trim_end_matches('/')))
+        .map(|h| h.trim_end_matches('/').to_owned())
+        .collect()
+}
+
+/// `redis://host:port` for each node of the Redlock URL.
+fn node_urls() -> Vec<String> {
+    node_hosts()
+        .iter()
+        .map(|h| format!("redis://{h}/"))
         .collect()
 }
 
@@ -305,5 +313,125 @@ async fn rolling_back_a_failed_attempt_wakes_no_one() {
     assert!(
         heard.load(Ordering::SeqCst) >= 3,
         "the counting subscribers missed the foreign release messages"
+    );
+}
+
+/// A stand-in for a dead Redis node: a TCP listener that counts the
+/// connections made to it, and closes them at once or keeps them open
+/// without a word (a node that hangs).
+struct DeadNode {
+    address: String,
+    accepts: Arc<AtomicUsize>,
+}
+
+impl DeadNode {
+    async fn start(silent: bool) -> DeadNode {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind an ephemeral port");
+        let address = listener.local_addr().expect("local address").to_string();
+        let accepts = Arc::new(AtomicUsize::new(0));
+        let counter = accepts.clone();
+        tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                if silent {
+                    kept.push(socket);
+                }
+            }
+        });
+        DeadNode { address, accepts }
+    }
+
+    fn accepts(&self) -> usize {
+        self.accepts.load(Ordering::SeqCst)
+    }
+}
+
+/// The most connection attempts to one node that never answers in `elapsed`:
+/// the backend's connection task (a round at 0, then after 100 ms doubling up
+/// to 2 s; the managed connection makes up to two attempts a round) and the
+/// pub/sub listener (one attempt at most every 500 ms).
+fn most_connection_attempts(elapsed: Duration) -> usize {
+    let (mut rounds, mut at, mut pause) = (0, Duration::ZERO, Duration::from_millis(100));
+    while at <= elapsed {
+        rounds += 1;
+        at += pause;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+    let listener = (elapsed.as_millis() / 500) as usize + 1;
+    2 * rounds + listener
+}
+
+/// Two of five nodes have never answered (one refuses at once, one hangs):
+/// every call fails their votes at once instead of waiting for a connection,
+/// and each is reconnected by one loop with a back-off, not once per call.
+/// Dropping the backend ends those loops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_that_never_answered_cost_no_wait_and_one_reconnect_loop() {
+    const PAIRS: u32 = 200;
+    let timeout = Duration::from_millis(100);
+    let closing = DeadNode::start(false).await;
+    let silent = DeadNode::start(true).await;
+    let live = node_hosts();
+    let url = format!(
+        "redlock://{},{},{}?timeout=100ms",
+        live[..3].join(","),
+        closing.address,
+        silent.address
+    );
+    let born = Instant::now();
+    let backend: Arc<dyn LockBackend> = Arc::new(
+        RedlockBackend::connect(&url)
+            .await
+            .unwrap_or_else(|e| servers_missing(&url, e)),
+    );
+    let dropped = Arc::downgrade(&backend);
+    let registry = Registry::builder().default_backend(backend).build();
+    let key = unique_key("never-answered");
+
+    let started = Instant::now();
+    for _ in 0..PAIRS {
+        let guard = registry
+            .lock(&key)
+            .acquire()
+            .await
+            .expect("three live nodes of five are a majority");
+        guard.release().await.expect("release");
+    }
+    let took = started.elapsed();
+    let alive = born.elapsed();
+    let (closed, hung) = (closing.accepts(), silent.accepts());
+    let bound = most_connection_attempts(alive);
+    eprintln!(
+        "{PAIRS} acquire/release pairs with 2 of 5 nodes dead: {took:?}; connections to the \
+         dead nodes in {alive:?}: {closed} (closing), {hung} (hanging), at most {bound} expected"
+    );
+    assert!(
+        took < timeout * PAIRS / 4,
+        "{PAIRS} pairs took {took:?}: the calls waited for the dead nodes"
+    );
+    assert!(
+        closed <= bound && hung <= bound,
+        "{closed} and {hung} connections to the dead nodes in {alive:?}: one per call, not one \
+         loop per node (at most {bound} expected)"
+    );
+
+    // The connection tasks end with the backend.
+    drop(registry);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dropped.strong_count() > 0 {
+        assert!(Instant::now() < deadline, "the backend was never dropped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // An attempt under way when the backend went ends within the timeout.
+    tokio::time::sleep(timeout * 3).await;
+    let (closed, hung) = (closing.accepts(), silent.accepts());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        (closing.accepts(), silent.accepts()),
+        (closed, hung),
+        "a dropped backend still reconnects to its dead nodes"
     );
 }
