@@ -172,6 +172,12 @@ pub fn stop_redis(port: u16) {
     servers_sh(&["stop-redis", &port.to_string()]);
 }
 
+/// Starts the Redis instance on `port` again (a no-op if it runs) and waits
+/// until it answers.
+pub fn start_redis(port: u16) {
+    servers_sh(&["start-redis", &port.to_string()]);
+}
+
 /// Starts the Redis instances on `ports` again when dropped, so that a failed
 /// assertion does not leave the servers down for the next tests.
 pub struct RestartRedisOnDrop(pub Vec<u16>);

@@ -9,8 +9,13 @@
 //!   1% of the lease + 2 ms) is still positive; the lease's local end is then
 //!   `start + lease − drift`. Otherwise the attempt is undone on **every** node
 //!   (a node that timed out may have said yes) and retried after a random
-//!   back-off, so that clients that split the votes between them do not split
-//!   them again.
+//!   back-off (or when the holder's majority runs out), so that clients that
+//!   split the votes between them do not split them again.
+//! - **quiet roll-back**: undoing a failed attempt is an owner-checked `DEL`
+//!   *without* a release message. The key was never ours, so nobody is owed a
+//!   wake-up: were the roll-back to `PUBLISH`, every waiter would wake, fail
+//!   against the holder's majority, roll back and wake the others again — a
+//!   storm that lasts as long as the holder keeps its majority.
 //! - **renew**: owner-checked `PEXPIRE` on every node; the renewal counts only
 //!   with a majority. The watchdog's batches go out as one pipeline per node.
 //! - **release**: owner-checked delete on every node, which also `PUBLISH`es on
@@ -29,19 +34,28 @@
 //!
 //! URLs: `redlock://[user:pass@]h1:p1,h2:p2,h3:p3[/db]` (`redlocks://` for TLS,
 //! `?tls_ca=/path/ca.pem` to trust a private CA); at least three nodes.
-//! Option `timeout` (default 200 ms) bounds each node's answer. `connect`
-//! needs a majority of the nodes to answer; the others are connected when they
-//! come back.
+//! Option `timeout` (default 200 ms) bounds each node's answer.
+//!
+//! **Connections.** Each node has one connection task on dlock's I/O runtime,
+//! started with the backend: it connects, and while the node has never
+//! answered it tries again with a capped exponential back-off (100 ms doubling
+//! up to 2 s, with jitter). Once open, the node's managed connection
+//! reconnects by itself and the task ends; it also ends when the backend is
+//! dropped. Calls never wait for a connection: a node that is not connected
+//! fails its vote at once with a transient "node N is down (reconnecting)"
+//! error, however many calls are made, and counts again once its task has
+//! connected. `connect` waits for each node's first attempt (within the
+//! timeout) and needs a majority of the nodes to answer.
 
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use futures_util::future::{BoxFuture, join_all};
 use rand::Rng;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script};
-use tokio::sync::OnceCell;
+use tokio::sync::watch;
 
 use super::{
     Listener, RELEASE, RENEW, Topology, client, install_crypto_provider, millis, parse_url,
@@ -84,6 +98,12 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(200);
 const MIN_NODE_TIMEOUT: Duration = Duration::from_millis(10);
 /// The range of the random back-off after an attempt that did not reach a majority.
 const BACKOFF: std::ops::RangeInclusive<u64> = 5..=50;
+/// The pause after a node's first failed connection attempt; it doubles after
+/// every further failure, up to [`RECONNECT_MAX`] (plus up to a quarter of
+/// jitter).
+const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+/// The longest pause between two connection attempts to a node that has never answered.
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
 
 /// The Redlock backend. See the [module docs](self).
 pub struct RedlockBackend {
@@ -104,36 +124,63 @@ impl fmt::Debug for RedlockBackend {
     }
 }
 
-/// One master: its connection, opened when it first answers, and its pub/sub listener.
+/// One master: its connection, as its connection task publishes it, and its
+/// pub/sub listener.
 struct Node {
-    client: Client,
-    conn: Arc<OnceCell<ConnectionManager>>,
+    /// The node's place in the URL (from 1) and its address, for messages.
+    number: usize,
+    address: String,
+    state: watch::Receiver<NodeState>,
     listener: Listener,
-    timeout: Duration,
+}
+
+/// What a node's connection task publishes.
+enum NodeState {
+    /// The first connection attempt is under way.
+    Connecting,
+    /// The last attempt failed (why); the next one is scheduled.
+    Down(String),
+    /// Open: the manager reconnects by itself from now on.
+    Up(ConnectionManager),
 }
 
 impl Node {
-    /// The node's managed connection, opened on dlock's I/O runtime on first
-    /// use (it then reconnects by itself); an error if the node does not answer.
-    async fn connection(&self) -> Result<ConnectionManager, BackendError> {
-        if let Some(conn) = self.conn.get() {
-            return Ok(conn.clone());
+    /// Starts the node's connection task and its listener on dlock's I/O runtime.
+    fn start(number: usize, client: Client, timeout: Duration) -> Node {
+        let (state, receiver) = watch::channel(NodeState::Connecting);
+        crate::driver::handle().spawn(keep_connecting(client.clone(), timeout, state));
+        Node {
+            number,
+            address: client.get_connection_info().addr().to_string(),
+            state: receiver,
+            listener: Listener::start(client, timeout),
         }
-        let (cell, client, timeout) = (self.conn.clone(), self.client.clone(), self.timeout);
-        crate::driver::run(async move {
-            cell.get_or_try_init(|| async {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(200));
-                client.get_connection_manager_with_config(config).await
-            })
-            .await
-            .cloned()
-        })
-        .await
-        .map_err(redis_error)
+    }
+
+    /// The node's managed connection, at once, or a transient error while the
+    /// node has never answered (its connection task is still trying). Never
+    /// waits for a connection.
+    fn connection(&self) -> Result<ConnectionManager, BackendError> {
+        match &*self.state.borrow() {
+            NodeState::Up(conn) => Ok(conn.clone()),
+            NodeState::Connecting => Err(BackendError::transient(format!(
+                "redlock: node {} ({}) is not connected yet (connecting)",
+                self.number, self.address
+            ))),
+            NodeState::Down(why) => Err(BackendError::transient(format!(
+                "redlock: node {} ({}) is down (reconnecting): {why}",
+                self.number, self.address
+            ))),
+        }
+    }
+
+    /// Waits until the node's first connection attempt has ended.
+    async fn first_attempt(&self) {
+        let mut state = self.state.clone();
+        // An error only if the task is gone, which it is not while `self` lives.
+        let _ = state
+            .wait_for(|s| !matches!(s, NodeState::Connecting))
+            .await;
     }
 
     /// One call of `script` on `key`, bounded by `timeout`.
@@ -145,7 +192,7 @@ impl Node {
         timeout: Duration,
     ) -> Result<T, BackendError> {
         tokio::time::timeout(timeout, async {
-            let mut conn = self.connection().await?;
+            let mut conn = self.connection()?;
             let mut invocation = script.key(key);
             for arg in args {
                 invocation.arg(*arg);
@@ -157,6 +204,47 @@ impl Node {
         })
         .await
         .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+    }
+}
+
+/// Connects to one node on dlock's I/O runtime until it answers once, with a
+/// capped exponential back-off between attempts, and publishes the outcome of
+/// every attempt in `state`. Once open, the [`ConnectionManager`] reconnects by
+/// itself and the task ends; it also ends when the backend (every receiver of
+/// `state`) is dropped.
+async fn keep_connecting(client: Client, timeout: Duration, state: watch::Sender<NodeState>) {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(200));
+    let mut pause = RECONNECT_FIRST;
+    loop {
+        let attempt = tokio::time::timeout(
+            timeout,
+            client.get_connection_manager_with_config(config.clone()),
+        );
+        let outcome = tokio::select! {
+            () = state.closed() => return,
+            outcome = attempt => outcome,
+        };
+        match outcome {
+            Ok(Ok(conn)) => {
+                state.send_replace(NodeState::Up(conn));
+                return;
+            }
+            Ok(Err(err)) => state.send_replace(NodeState::Down(err.to_string())),
+            Err(_) => state.send_replace(NodeState::Down(format!(
+                "no connection within {}",
+                humantime::format_duration(timeout)
+            ))),
+        };
+        let jitter = rand::rng().random_range(Duration::ZERO..=pause / 4);
+        tokio::select! {
+            () = state.closed() => return,
+            () = tokio::time::sleep(pause + jitter) => {}
+        }
+        pause = (pause * 2).min(RECONNECT_MAX);
     }
 }
 
@@ -190,17 +278,17 @@ impl RedlockBackend {
         // `timeout` defaults lower than for one server: a slow node only costs
         // its vote.
         let timeout = target.timeout.unwrap_or(DEFAULT_NODE_TIMEOUT);
-        let mut nodes = Vec::with_capacity(target.nodes.len());
-        for node in &target.nodes {
-            let client = client(node, &target.tls_ca)
-                .map_err(|e| LockError::config(format!("bad Redlock URL `{shown_url}`: {e}")))?;
-            nodes.push(Node {
-                listener: Listener::start(client.clone(), timeout),
-                client,
-                conn: Arc::new(OnceCell::new()),
-                timeout,
-            });
-        }
+        let clients = target
+            .nodes
+            .iter()
+            .map(|node| client(node, &target.tls_ca))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| LockError::config(format!("bad Redlock URL `{shown_url}`: {e}")))?;
+        let nodes: Vec<Node> = clients
+            .into_iter()
+            .enumerate()
+            .map(|(i, client)| Node::start(i + 1, client, timeout))
+            .collect();
         let backend = RedlockBackend {
             quorum: nodes.len() / 2 + 1,
             nodes,
@@ -208,10 +296,13 @@ impl RedlockBackend {
             shown_url,
         };
         // A wrong password, a missing ACL permission or too few live nodes is
-        // an error of `connect`, not of the first lock.
+        // an error of `connect`, not of the first lock. Each node's first
+        // connection attempt is waited for here (within the timeout), never
+        // again afterwards.
         let pings = join_all(backend.nodes.iter().map(|node| async move {
             tokio::time::timeout(timeout, async {
-                let mut conn = node.connection().await?;
+                node.first_attempt().await;
+                let mut conn = node.connection()?;
                 redis::cmd("PING")
                     .query_async::<String>(&mut conn)
                     .await
@@ -397,7 +488,7 @@ impl LockBackend for RedlockBackend {
             let per_node: Vec<Result<Vec<i64>, BackendError>> =
                 join_all(self.nodes.iter().map(|node| async move {
                     tokio::time::timeout(timeout, async {
-                        let mut conn = node.connection().await?;
+                        let mut conn = node.connection()?;
                         let mut pipe = redis::pipe();
                         pipe.load_script(&RENEW).ignore();
                         for (lease, ttl) in batch {
@@ -488,6 +579,58 @@ mod tests {
         let shown = err.to_string();
         assert!(shown.contains("only 0 of 3 nodes answered"), "{shown}");
         assert!(!shown.contains("hunter2"), "{shown}");
+    }
+
+    /// A node that never answered fails at once with a transient error, is
+    /// retried by its one connection task with a back-off (not once per call),
+    /// and that task ends when the node is dropped.
+    #[tokio::test]
+    async fn a_node_that_never_answered_fails_fast_and_its_task_ends_with_it() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        // Accepts connections, counts them and closes them at once.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepts = Arc::new(AtomicUsize::new(0));
+        let counter = accepts.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(socket);
+            }
+        });
+        let timeout = Duration::from_millis(100);
+        let client = Client::open(format!("redis://127.0.0.1:{port}/")).unwrap();
+        let node = Node::start(3, client, timeout);
+        tokio::time::timeout(timeout * 3, node.first_attempt())
+            .await
+            .expect("the first attempt ends within its bound");
+        let started = Instant::now();
+        for _ in 0..1000 {
+            let err = node.connection().unwrap_err();
+            assert!(err.is_retryable(), "{err}");
+            assert!(
+                err.to_string()
+                    .contains(&format!("node 3 (127.0.0.1:{port}) is down (reconnecting)")),
+                "{err}"
+            );
+        }
+        assert!(started.elapsed() < Duration::from_millis(100));
+        // 1000 calls, a few connection attempts (the task's rounds, two
+        // connections each at most, and the listener's).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let seen = accepts.load(Ordering::SeqCst);
+        assert!((1..=12).contains(&seen), "{seen} connections");
+        drop(node);
+        tokio::time::sleep(timeout * 3).await;
+        let seen = accepts.load(Ordering::SeqCst);
+        tokio::time::sleep(RECONNECT_MAX + Duration::from_millis(700)).await;
+        assert_eq!(
+            accepts.load(Ordering::SeqCst),
+            seen,
+            "the connection task outlived its node"
+        );
     }
 
     #[test]
