@@ -211,7 +211,8 @@ impl LockBackend for MemoryBackend {
         })
     }
 
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let key = &request.key;
         Box::pin(std::future::ready(self.inner.waiters.source(key)))
     }
 

@@ -206,14 +206,25 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>>;
 
-    /// What wakes a waiter of `key` when the holder releases it (a release
-    /// message, a local notification, a polling interval). Called once per
-    /// waiting acquisition, after its first busy answer and *before* it tries
-    /// again, so that a release in between is not missed. The default has no
-    /// wake-up: waiters try again when [`Attempt::Busy::retry_in`] says.
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
-        let _ = key;
+    /// What wakes this waiter when the holder releases `request.key` (a
+    /// release message, a local notification, a watch on the predecessor in a
+    /// queue, a polling interval). Called once per waiting acquisition, after
+    /// its first busy answer and *before* it tries again, so that a release in
+    /// between is not missed. The default has no wake-up: waiters try again
+    /// when [`Attempt::Busy`]'s `retry_in` says.
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let _ = request;
         Box::pin(std::future::ready(WakeSource::none()))
+    }
+
+    /// The wait loop gave up on `request` (its budget ran out while busy or
+    /// unavailable): drop whatever the attempts left on the server for it (a
+    /// queued node, a waiter mark). Default: nothing. Dropped and failed
+    /// acquisitions are followed by an owner-checked [`release`](Self::release)
+    /// instead, so a backend that queues must also free a queued entry there.
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        let _ = request;
+        Box::pin(std::future::ready(()))
     }
 
     /// Extends the lease to `ttl` from now, if `lease.owner` still holds it.

@@ -173,6 +173,7 @@ pub async fn acquire(
         };
         let now = Instant::now();
         if now >= deadline {
+            backend.abandon(request).await;
             return match unavailable {
                 Some(error) => Err(error),
                 None => Ok(Acquired::Busy),
@@ -180,10 +181,9 @@ pub async fn acquire(
         }
         let Some(registered) = &source else {
             // First refusal: register the wake-up, then try again at once.
-            let registered =
-                tokio::time::timeout_at(deadline.into(), backend.wake_source(&request.key))
-                    .await
-                    .unwrap_or_default();
+            let registered = tokio::time::timeout_at(deadline.into(), backend.wake_source(request))
+                .await
+                .unwrap_or_default();
             source = Some(registered);
             continue;
         };

@@ -414,7 +414,8 @@ impl LockBackend for RedisBackend {
         Box::pin(self.try_once(request))
     }
 
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let key = &request.key;
         Box::pin(async move {
             let channel = format!("{}:released", lock_key(key));
             match self.listener.join(channel).await {

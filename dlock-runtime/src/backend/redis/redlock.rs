@@ -441,7 +441,8 @@ impl LockBackend for RedlockBackend {
         Box::pin(async move { Ok(self.attempt(request).await) })
     }
 
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let key = &request.key;
         // Subscribed on every node that answers in time; any one message wakes.
         Box::pin(async move {
             let channel = format!("{key}:released");

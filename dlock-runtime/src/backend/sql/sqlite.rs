@@ -292,7 +292,8 @@ impl LockBackend for SqliteBackend {
         })
     }
 
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let key = &request.key;
         // Releases in this process wake at once; other processes' are polled.
         Box::pin(std::future::ready(
             self.local_waiters.source(key).poll_every(self.poll),
