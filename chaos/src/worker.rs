@@ -506,8 +506,8 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                         GaveUpAt::Body => Duration::from_micros(
                             rng.random_range(0..(worker.args.hold_max_ms + 5) * 1000),
                         ),
-                        // A release is one round trip.
-                        GaveUpAt::Release => Duration::from_micros(rng.random_range(0..1_000)),
+                        // A release is one round trip (a fast one on SQLite).
+                        GaveUpAt::Release => Duration::from_micros(rng.random_range(0..500)),
                     };
                     (at, limit)
                 }),
