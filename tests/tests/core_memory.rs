@@ -109,8 +109,8 @@ impl LockBackend for Knobbed {
         })
     }
 
-    fn wake_source<'a>(&'a self, key: &'a str) -> BoxFuture<'a, WakeSource> {
-        self.inner.wake_source(key)
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        self.inner.wake_source(request)
     }
 
     fn renew<'a>(

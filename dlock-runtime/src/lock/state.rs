@@ -244,6 +244,12 @@ impl LeaseState {
             return Finished::Ignored;
         }
         match answer {
+            RenewalAnswer::Renewed { .. } if now >= self.give_up_at() => {
+                // The holder was already told (`is_lost` reads the clock) that
+                // the lease is gone: a late renewal cannot bring it back.
+                self.mark_lost();
+                Finished::Lost
+            }
             RenewalAnswer::Renewed { drift } => {
                 let renewed_until = ticket.sent + self.lease.saturating_sub(drift);
                 self.valid_until = self.valid_until.max(renewed_until);
@@ -285,6 +291,11 @@ impl LeaseState {
                 })
             }
         }
+    }
+
+    /// Whether the release has been asked for.
+    pub(crate) fn release_requested(&self) -> bool {
+        matches!(self.phase, Phase::ReleaseRequested | Phase::Released)
     }
 
     /// Whether the release must wait for a renewal still on the wire (so that
@@ -435,7 +446,10 @@ mod tests {
         let ticket = s.begin_renewal(t1, t1).unwrap();
         s.request_release(t1).unwrap();
         assert!(s.renewal_in_flight());
-        assert!(!s.commit_renewal(ticket), "never sent after the release request");
+        assert!(
+            !s.commit_renewal(ticket),
+            "never sent after the release request"
+        );
         assert!(!s.renewal_in_flight(), "the release need not wait for it");
         // Without a release in between it goes out.
         let mut s = fresh(t0);
