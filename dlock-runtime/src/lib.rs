@@ -67,6 +67,10 @@ pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::redlock::RedlockBackend;
 
+#[cfg(feature = "mysql")]
+pub use backend::sql::MysqlBackend;
+#[cfg(feature = "postgres")]
+pub use backend::sql::PostgresBackend;
 #[cfg(feature = "sqlite")]
 pub use backend::sql::SqliteBackend;
 pub use backend::{LockBackend, connect};

@@ -104,6 +104,9 @@ macro_rules! conformance_suite {
 #[cfg(feature = "redis")]
 pub mod redis_support;
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_support;
+
 /// The URL of a test server from `scripts/servers.sh` (`urls.env`), or its
 /// default. Test servers are never optional: a test that cannot reach its
 /// server fails with a message saying how to start it.

@@ -12,6 +12,8 @@
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
 //! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
 //! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
+//! | [`sql`] (PostgreSQL) | `postgres://`, `postgresql://` | `postgres` |
+//! | [`sql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
 //!
 //! The wait loop every backend shares is in [`wait`].
 
@@ -29,7 +31,7 @@ use crate::token::FencingToken;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub mod sql;
 pub mod wait;
 
@@ -275,15 +277,15 @@ pub fn ceil_millis(d: Duration) -> u64 {
 
 /// The URL schemes dlock knows, for error messages.
 const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-     redlock://, zk://, postgres://, mysql://";
+     redlock://, zk://, postgres://, mysql://, mariadb://";
 
 /// Opens the backend a URL names.
 ///
 /// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
-/// `redis+cluster://` and `redlock://` (feature `redis`) are available in this
-/// release; the other schemes of the design (`zk://`, `postgres://`,
-/// `mysql://`) are recognised and answer a [`LockError::Config`] that says they
-/// are not built yet.
+/// `redis+cluster://` and `redlock://` (feature `redis`), `postgres://`
+/// (feature `postgres`) and `mysql://` (feature `mysql`) are available in this
+/// release; `zk://` is recognised and answers a [`LockError::Config`] that
+/// says it is not built yet.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     let scheme = url
         .split_once(':')
@@ -316,10 +318,22 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
                 "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
             )))
         }
-        "zk" | "postgres" | "postgresql" | "mysql" | "mariadb" => Err(LockError::config(format!(
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Arc::new(sql::PostgresBackend::connect(url).await?)),
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => Ok(Arc::new(sql::MysqlBackend::connect(url).await?)),
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => Err(LockError::config(format!(
+            "the `{scheme}` backend is disabled: enable the `postgres` feature of dlock-runtime"
+        ))),
+        #[cfg(not(feature = "mysql"))]
+        "mysql" | "mariadb" => Err(LockError::config(format!(
+            "the `{scheme}` backend is disabled: enable the `mysql` feature of dlock-runtime"
+        ))),
+        "zk" => Err(LockError::config(format!(
             "the `{scheme}` backend is not built yet in this release of dlock-runtime \
              (available: memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-             redlock://)"
+             redlock://, postgres://, mysql://)"
         ))),
         _ => Err(LockError::config(format!(
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",

@@ -14,18 +14,17 @@
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
+use super::common::{Collector, DEFAULT_RETENTION, UrlOptions, millis};
 use crate::backend::wait::Waiters;
-use crate::backend::{
-    AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
-};
+use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -73,12 +72,6 @@ const COLLECT: &str = "DELETE FROM dlock_leases
 /// How often waiters in other processes look again by default.
 const DEFAULT_POLL: Duration = Duration::from_millis(25);
 
-/// How long free rows are kept by default.
-const DEFAULT_RETENTION: Duration = Duration::from_secs(600);
-
-/// How often, at most, free rows are collected.
-const COLLECT_EVERY: Duration = Duration::from_secs(60);
-
 /// The lease table in a SQLite file (`sqlite://path`): the embedded default.
 ///
 /// Works between processes on one machine (WAL mode, a busy timeout). Waiters
@@ -90,10 +83,9 @@ pub struct SqliteBackend {
     pool: SqlitePool,
     path: PathBuf,
     poll: Duration,
-    retention: Duration,
     local_waiters: Arc<Waiters>,
-    /// When free rows were last collected.
-    collected_at: Arc<Mutex<Instant>>,
+    /// When and which free rows are collected.
+    collector: Arc<Collector>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -101,7 +93,7 @@ impl fmt::Debug for SqliteBackend {
         f.debug_struct("SqliteBackend")
             .field("path", &self.path)
             .field("poll", &self.poll)
-            .field("retention", &self.retention)
+            .field("retention", &self.collector.retention)
             .finish_non_exhaustive()
     }
 }
@@ -129,12 +121,6 @@ fn sql_error(err: sqlx::Error) -> BackendError {
     }
 }
 
-fn millis(d: Duration) -> i64 {
-    i64::try_from(ceil_millis(d))
-        .unwrap_or(i64::MAX / 4)
-        .min(i64::MAX / 4)
-}
-
 impl SqliteBackend {
     /// Opens (creating if needed) the database a `sqlite://path` URL names and
     /// the lease table in it. `sqlite://relative/file.db`, `sqlite:///abs/file.db`;
@@ -153,33 +139,12 @@ impl SqliteBackend {
                  database cannot be shared between processes — use memory:// instead",
             ));
         }
-        let mut poll = DEFAULT_POLL;
-        let mut retention = DEFAULT_RETENTION;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            match pair.split_once('=') {
-                Some(("poll", value)) => {
-                    poll = humantime::parse_duration(value).map_err(|e| {
-                        LockError::config(format!("bad `poll` in sqlite URL: `{value}`: {e}"))
-                    })?;
-                    if poll.is_zero() {
-                        return Err(LockError::config("`poll` in a sqlite URL must be > 0"));
-                    }
-                }
-                Some(("retention", value)) => {
-                    retention = humantime::parse_duration(value).map_err(|e| {
-                        LockError::config(format!("bad `retention` in sqlite URL: `{value}`: {e}"))
-                    })?;
-                }
-                _ => {
-                    return Err(LockError::config(format!(
-                        "unknown option `{pair}` in sqlite URL; known: poll=<duration>, \
-                         retention=<duration>"
-                    )));
-                }
-            }
-        }
+        let mut options = UrlOptions::parse("sqlite://", query)?;
+        let poll = options.duration("poll", DEFAULT_POLL, false)?;
+        let retention = options.duration("retention", DEFAULT_RETENTION, true)?;
+        options.refuse_rest("poll=<duration>, retention=<duration>")?;
         let mut backend = Self::open(PathBuf::from(path), poll).await?;
-        backend.retention = retention;
+        backend.collector = Arc::new(Collector::new(retention));
         Ok(backend)
     }
 
@@ -219,9 +184,8 @@ impl SqliteBackend {
             pool,
             path,
             poll,
-            retention: DEFAULT_RETENTION,
             local_waiters: Arc::default(),
-            collected_at: Arc::new(Mutex::new(Instant::now())),
+            collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
         })
     }
 
@@ -241,15 +205,11 @@ impl SqliteBackend {
     /// Deletes rows free (or expired) for longer than the retention, at most
     /// once a minute (or once a retention, if shorter).
     async fn collect_free_rows(&self) {
-        {
-            let mut at = self.collected_at.lock().unwrap_or_else(|p| p.into_inner());
-            if at.elapsed() < COLLECT_EVERY.min(self.retention) {
-                return;
-            }
-            *at = Instant::now();
+        if !self.collector.due() {
+            return;
         }
         if let Err(err) = sqlx::query(COLLECT)
-            .bind(millis(self.retention))
+            .bind(millis(self.collector.retention))
             .execute(&self.pool)
             .await
         {

@@ -1,0 +1,398 @@
+//! Session mode (`?mode=session`), shared by PostgreSQL and MySQL: a
+//! server-side lock (`pg_advisory_lock`, `GET_LOCK`) on a **dedicated
+//! connection per held lock**.
+//!
+//! - **Acquire**: one round trip on a connection of the session pool takes
+//!   the lock — waiting server-side, so the server hands the key over the
+//!   moment it is free — and bumps the key's fencing counter row in the same
+//!   statement (a hybrid token, like the lease table's). A wait is cut into
+//!   slices of at most a third of the lease, so that a grant always comes
+//!   back early enough to be used; the slices of one acquisition share its
+//!   `wait` budget (the first attempt's instant is kept per owner).
+//! - **Held**: a task owns the connection. The watchdog's renewal is a ping
+//!   of it that also moves the server's idle limit (PostgreSQL
+//!   `idle_session_timeout`, MySQL `wait_timeout`) to the new lease end, so a
+//!   frozen holder loses the lock on the server too. A ping that fails or
+//!   times out, or (PostgreSQL) the connection closing under it —
+//!   `pg_terminate_backend`, a restart — closes the connection and cancels
+//!   the lease's `lost` token at once. A lease not renewed by its end
+//!   (`watchdog = false`, the end of `hold_at_least`) is unlocked there.
+//! - **Release**: unlock everything the connection holds; only then does it
+//!   go back for reuse. Any failure, timeout or cancellation on the way
+//!   closes it instead: a connection whose lock state is unknown is never
+//!   reused, and closing it ends the server session, which drops its locks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::common::{is_connection_error, timed_out};
+use crate::backend::{AcquireRequest, Attempt, Lease, Renewal};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// What one attempt to lock found.
+pub(super) enum Locked {
+    /// The lock is ours; the fencing token.
+    Yes(u64),
+    /// Busy. `clean`: the connection holds nothing (a try that failed);
+    /// otherwise it must be unlocked before reuse (a timed-out wait may
+    /// have been granted in the same instant).
+    Busy { clean: bool },
+}
+
+/// One database's session locks.
+pub(super) trait SessionDb: Send + Sync + 'static {
+    /// A dedicated connection. Dropping it closes it (never reused).
+    type Conn: Send + 'static;
+
+    /// A connection for a new attempt: a clean one kept for reuse, unless
+    /// `fresh`, or a new one.
+    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>>;
+
+    /// Locks `key` within `wait` (zero: try once), and on success bumps its
+    /// fencing counter and sets the server's idle limit to `ttl`.
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        key: &'a str,
+        wait: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Locked, sqlx::Error>>;
+
+    /// A round trip that also sets the server's idle limit to `ttl`.
+    fn ping<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// Unlocks everything the connection holds and clears its idle limit.
+    fn unlock<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// Resolves when the idle connection is found closed (never, where the
+    /// driver cannot watch an idle connection).
+    fn watch<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, String>;
+
+    /// Keeps a clean connection (no lock, no idle limit) for reuse.
+    fn recycle(&self, conn: Self::Conn);
+
+    /// The backend error for a failed statement.
+    fn classify(&self, err: sqlx::Error) -> BackendError;
+}
+
+/// The longest server-side wait of one attempt.
+const MAX_SLICE: Duration = Duration::from_secs(30);
+
+enum Owner<C> {
+    /// Between the attempts of one acquisition: when it began, and the
+    /// connection it waits on (kept so that a grant racing a timeout is
+    /// never lost track of).
+    Waiting { since: Instant, conn: Option<C> },
+    /// Held: the task that owns the connection.
+    Held(Hold),
+}
+
+struct Hold {
+    id: u64,
+    token: u64,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+enum Command {
+    Ping {
+        ttl: Duration,
+        reply: oneshot::Sender<Renewal>,
+    },
+    Release {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+type Owners<C> = Mutex<HashMap<String, Owner<C>>>;
+
+/// The session locks of one backend, by owner.
+pub(super) struct Sessions<S: SessionDb> {
+    db: Arc<S>,
+    owners: Arc<Owners<S::Conn>>,
+    timeout: Duration,
+    next_id: AtomicU64,
+}
+
+fn lock_owners<C>(owners: &Owners<C>) -> MutexGuard<'_, HashMap<String, Owner<C>>> {
+    owners.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<S: SessionDb> Sessions<S> {
+    pub(super) fn new(db: S, timeout: Duration) -> Self {
+        Sessions {
+            db: Arc::new(db),
+            owners: Arc::default(),
+            timeout,
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// Locks held or waited for through this backend right now.
+    pub(super) fn len(&self) -> usize {
+        lock_owners(&self.owners).len()
+    }
+
+    /// One attempt (see the module docs).
+    pub(super) async fn try_acquire(
+        &self,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        let (since, conn) = {
+            let mut owners = lock_owners(&self.owners);
+            match owners.remove(&request.owner) {
+                Some(Owner::Held(hold)) => {
+                    // A retry of an attempt whose answer was lost: the same grant.
+                    let token = hold.token;
+                    owners.insert(request.owner.clone(), Owner::Held(hold));
+                    return Ok(Attempt::Held(Lease::new(
+                        request,
+                        Some(FencingToken::new(token)),
+                    )));
+                }
+                Some(Owner::Waiting { since, conn }) => (since, conn),
+                None => (Instant::now(), None),
+            }
+        };
+        // From here, `conn` is a local: if this future is dropped, it is
+        // closed, and the server drops whatever it held.
+        let remaining = request.wait.saturating_sub(since.elapsed());
+        let slice = if remaining < Duration::from_millis(1) {
+            Duration::ZERO
+        } else {
+            remaining.min(request.lease / 3).min(MAX_SLICE)
+        };
+        let mut conn = conn;
+        let mut fresh = false;
+        let outcome = loop {
+            let mut c = match conn.take() {
+                Some(c) => c,
+                None => match tokio::time::timeout(self.timeout, self.db.open(fresh)).await {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => return Err(self.db.classify(e)),
+                    Err(_) => return Err(timed_out("opening a session connection", self.timeout)),
+                },
+            };
+            let locked = tokio::time::timeout(
+                slice + self.timeout,
+                self.db.lock(&mut c, &request.key, slice, request.lease),
+            )
+            .await;
+            match locked {
+                Ok(Ok(locked)) => break (locked, c),
+                Ok(Err(e)) if !fresh && is_connection_error(&e) => {
+                    // A kept connection died meanwhile (a server restart):
+                    // once more on a new one.
+                    drop(c);
+                    fresh = true;
+                }
+                Ok(Err(e)) => return Err(self.db.classify(e)),
+                Err(_) => {
+                    return Err(timed_out(
+                        "a session lock",
+                        slice.saturating_add(self.timeout),
+                    ));
+                }
+            }
+        };
+        match outcome {
+            (Locked::Yes(token), conn) => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                let (commands, receiver) = mpsc::unbounded_channel();
+                lock_owners(&self.owners).insert(
+                    request.owner.clone(),
+                    Owner::Held(Hold {
+                        id,
+                        token,
+                        commands,
+                    }),
+                );
+                crate::driver::handle().spawn(hold(HoldTask {
+                    db: self.db.clone(),
+                    conn,
+                    expires: Instant::now() + request.lease,
+                    lost: request.lost.clone(),
+                    commands: receiver,
+                    owners: Arc::downgrade(&self.owners),
+                    owner: request.owner.clone(),
+                    id,
+                    timeout: self.timeout,
+                }));
+                Ok(Attempt::Held(Lease::new(
+                    request,
+                    Some(FencingToken::new(token)),
+                )))
+            }
+            (Locked::Busy { clean }, conn) => {
+                if remaining > slice {
+                    // More to wait: keep the connection for the next slice.
+                    lock_owners(&self.owners).insert(
+                        request.owner.clone(),
+                        Owner::Waiting {
+                            since,
+                            conn: Some(conn),
+                        },
+                    );
+                    return Ok(Attempt::Busy {
+                        retry_in: Some(Duration::ZERO),
+                    });
+                }
+                if clean {
+                    self.db.recycle(conn);
+                } else {
+                    let (db, timeout) = (self.db.clone(), self.timeout);
+                    crate::driver::handle().spawn(unlock_and_recycle(db, conn, timeout));
+                }
+                Ok(Attempt::Busy { retry_in: None })
+            }
+        }
+    }
+
+    /// Renews by a ping of the lease's connection; `Lost` if it is gone.
+    pub(super) async fn renew(&self, lease: &Lease, ttl: Duration) -> Renewal {
+        let commands = match lock_owners(&self.owners).get(&lease.owner) {
+            Some(Owner::Held(hold)) => hold.commands.clone(),
+            _ => return Renewal::Lost,
+        };
+        let (reply, answer) = oneshot::channel();
+        if commands.send(Command::Ping { ttl, reply }).is_err() {
+            return Renewal::Lost;
+        }
+        // The task answers within its timeout, or ends (the lease is lost).
+        answer.await.unwrap_or(Renewal::Lost)
+    }
+
+    /// Unlocks what `owner` holds or waits on, if anything.
+    pub(super) async fn release(&self, owner: &str) {
+        let entry = lock_owners(&self.owners).remove(owner);
+        match entry {
+            Some(Owner::Held(hold)) => {
+                let (reply, answer) = oneshot::channel();
+                if hold.commands.send(Command::Release { reply }).is_ok() {
+                    let _ = answer.await;
+                }
+            }
+            Some(Owner::Waiting {
+                conn: Some(conn), ..
+            }) => unlock_and_recycle(self.db.clone(), conn, self.timeout).await,
+            Some(Owner::Waiting { conn: None, .. }) | None => {}
+        }
+    }
+}
+
+async fn unlock_and_recycle<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout: Duration) {
+    if let Ok(Ok(())) = tokio::time::timeout(timeout, db.unlock(&mut conn)).await {
+        db.recycle(conn);
+    }
+    // Otherwise `conn` is dropped here: closed, and its locks with it.
+}
+
+struct HoldTask<S: SessionDb> {
+    db: Arc<S>,
+    conn: S::Conn,
+    /// The local end of the lease: at least the holder's own.
+    expires: Instant,
+    lost: CancellationToken,
+    commands: mpsc::UnboundedReceiver<Command>,
+    owners: Weak<Owners<S::Conn>>,
+    owner: String,
+    id: u64,
+    timeout: Duration,
+}
+
+/// How a hold ended.
+enum End {
+    /// Released by its holder.
+    Released,
+    /// Its lease ran out unrenewed.
+    Expired,
+    /// The connection failed: the server may have let the lock go.
+    Dead(String),
+    /// The backend is gone.
+    Dropped,
+}
+
+/// Owns a held lock's connection until the lock ends.
+async fn hold<S: SessionDb>(mut task: HoldTask<S>) {
+    let end = loop {
+        tokio::select! {
+            biased;
+            command = task.commands.recv() => match command {
+                Some(Command::Ping { ttl, reply }) => {
+                    let asked = Instant::now();
+                    let pinged = tokio::select! {
+                        pinged = tokio::time::timeout(task.timeout, task.db.ping(&mut task.conn, ttl)) => pinged,
+                        () = tokio::time::sleep_until(task.expires.into()) => break End::Expired,
+                    };
+                    match pinged {
+                        Ok(Ok(())) => {
+                            task.expires = task.expires.max(asked + ttl);
+                            let _ = reply.send(Renewal::Renewed);
+                        }
+                        Ok(Err(e)) => {
+                            let _ = reply.send(Renewal::Lost);
+                            break End::Dead(format!("ping failed: {e}"));
+                        }
+                        Err(_) => {
+                            let _ = reply.send(Renewal::Lost);
+                            break End::Dead(format!("ping not answered within {:?}", task.timeout));
+                        }
+                    }
+                }
+                Some(Command::Release { reply }) => {
+                    let unlocked = tokio::time::timeout(task.timeout, task.db.unlock(&mut task.conn)).await;
+                    let _ = reply.send(());
+                    match unlocked {
+                        Ok(Ok(())) => {
+                            forget(&task);
+                            task.db.recycle(task.conn);
+                            return;
+                        }
+                        _ => break End::Released,
+                    }
+                }
+                None => break End::Dropped,
+            },
+            why = task.db.watch(&mut task.conn) => break End::Dead(why),
+            () = tokio::time::sleep_until(task.expires.into()) => break End::Expired,
+        }
+    };
+    forget(&task);
+    match end {
+        End::Expired => {
+            // The holder stopped renewing (`watchdog = false`, the end of
+            // `hold_at_least`): the lease ends here, as on the lease table.
+            if let Ok(Ok(())) =
+                tokio::time::timeout(task.timeout, task.db.unlock(&mut task.conn)).await
+            {
+                task.db.recycle(task.conn);
+            }
+        }
+        End::Dead(why) => {
+            tracing::debug!(reason = %why, "dlock session lock: connection lost");
+            drop(task.conn);
+            task.lost.cancel();
+        }
+        End::Released | End::Dropped => drop(task.conn),
+    }
+}
+
+/// Takes the hold out of its backend's map (if it is still this one).
+fn forget<S: SessionDb>(task: &HoldTask<S>) {
+    if let Some(owners) = task.owners.upgrade() {
+        let mut owners = lock_owners(&owners);
+        if matches!(owners.get(&task.owner), Some(Owner::Held(h)) if h.id == task.id) {
+            owners.remove(&task.owner);
+        }
+    }
+}

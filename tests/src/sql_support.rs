@@ -1,0 +1,441 @@
+//! Server-side access to PostgreSQL and MySQL/MariaDB for the SQL backends'
+//! tests, a TCP proxy that can black-hole or reset connections, and the
+//! server controls of `scripts/servers.sh`.
+//!
+//! Connections are opened per call, on the caller's runtime: every
+//! `#[tokio::test]` has its own, and a connection kept from a finished
+//! test's runtime would be dead.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures_util::future::BoxFuture;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::Faults;
+
+/// The first 64 bits of SHA-256 of a stored key: the backend's session-mode
+/// name of the key (as PostgreSQL computes it).
+pub const PG_SESSION_KEY: &str =
+    "('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))::bit(64)::bigint";
+
+/// How a backend holds its locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SqlMode {
+    /// The lease table `dlock_leases`.
+    Lease,
+    /// Session locks on dedicated connections.
+    Session,
+}
+
+/// Admin access to a PostgreSQL server under a backend.
+#[cfg(feature = "postgres")]
+pub struct PgFaults {
+    /// The server (a plain `postgres://` URL without dlock's options).
+    pub url: String,
+    /// How the backend under test holds its locks.
+    pub mode: SqlMode,
+}
+
+#[cfg(feature = "postgres")]
+impl PgFaults {
+    /// A connection of its own; fails the test if the server cannot be reached.
+    pub async fn connect(&self) -> sqlx::PgConnection {
+        use sqlx::Connection as _;
+        sqlx::PgConnection::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| crate::servers_missing(&self.url, e))
+    }
+
+    /// The backend pids holding the session lock of `stored_key`.
+    pub async fn session_holders(&self, stored_key: &str) -> Vec<i32> {
+        let sql = format!(
+            "SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
+             AND l.objsubid = 1 \
+             AND l.classid::bigint = ({PG_SESSION_KEY} >> 32) & 4294967295 \
+             AND l.objid::bigint = {PG_SESSION_KEY} & 4294967295"
+        );
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(stored_key)
+            .fetch_all(&mut self.connect().await)
+            .await
+            .expect("read pg_locks")
+    }
+
+    /// Terminates the server backends `pids` (`pg_terminate_backend`).
+    pub async fn terminate(&self, pids: &[i32]) {
+        let mut conn = self.connect().await;
+        for pid in pids {
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .execute(&mut conn)
+                .await
+                .expect("pg_terminate_backend");
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Faults for PgFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            match self.mode {
+                SqlMode::Lease => {
+                    sqlx::query("DELETE FROM dlock_leases WHERE key = $1")
+                        .bind(stored_key)
+                        .execute(&mut self.connect().await)
+                        .await
+                        .expect("delete the row");
+                }
+                SqlMode::Session => {
+                    let holders = self.session_holders(stored_key).await;
+                    assert!(!holders.is_empty(), "{stored_key} is not held");
+                    self.terminate(&holders).await;
+                }
+            }
+        })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            match self.mode {
+                SqlMode::Lease => sqlx::query_scalar(
+                    "SELECT count(*) > 0 FROM dlock_leases WHERE key = $1 \
+                     AND owner IS NOT NULL AND expires_at > clock_timestamp()",
+                )
+                .bind(stored_key)
+                .fetch_one(&mut self.connect().await)
+                .await
+                .expect("read the row"),
+                SqlMode::Session => !self.session_holders(stored_key).await.is_empty(),
+            }
+        })
+    }
+}
+
+/// The `GET_LOCK` name of a stored key in session mode.
+pub fn mysql_lock_name(stored_key: &str) -> String {
+    format!("dlock:{:016x}", session_hash(stored_key))
+}
+
+/// The first 64 bits of SHA-256 of `key`, big-endian (computed here the
+/// long way, independently of the backend's code).
+pub fn session_hash(key: &str) -> u64 {
+    // SHA-256 per FIPS 180-4, enough for tests.
+    const K: [u32; 64] = [
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2,
+    ];
+    let mut h: [u32; 8] = [
+        0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
+        0x5be0cd19,
+    ];
+    let mut data = key.as_bytes().to_vec();
+    let bits = (data.len() as u64) * 8;
+    data.push(0x80);
+    while data.len() % 64 != 56 {
+        data.push(0);
+    }
+    data.extend_from_slice(&bits.to_be_bytes());
+    for block in data.chunks(64) {
+        let mut w = [0u32; 64];
+        for (i, word) in block.chunks(4).enumerate() {
+            w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
+        }
+        for i in 16..64 {
+            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
+            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16]
+                .wrapping_add(s0)
+                .wrapping_add(w[i - 7])
+                .wrapping_add(s1);
+        }
+        let mut v = h;
+        for i in 0..64 {
+            let s1 = v[4].rotate_right(6) ^ v[4].rotate_right(11) ^ v[4].rotate_right(25);
+            let ch = (v[4] & v[5]) ^ (!v[4] & v[6]);
+            let t1 = v[7]
+                .wrapping_add(s1)
+                .wrapping_add(ch)
+                .wrapping_add(K[i])
+                .wrapping_add(w[i]);
+            let s0 = v[0].rotate_right(2) ^ v[0].rotate_right(13) ^ v[0].rotate_right(22);
+            let maj = (v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]);
+            let t2 = s0.wrapping_add(maj);
+            v = [
+                t1.wrapping_add(t2),
+                v[0],
+                v[1],
+                v[2],
+                v[3].wrapping_add(t1),
+                v[4],
+                v[5],
+                v[6],
+            ];
+        }
+        for (a, b) in h.iter_mut().zip(v) {
+            *a = a.wrapping_add(b);
+        }
+    }
+    (u64::from(h[0]) << 32) | u64::from(h[1])
+}
+
+/// Admin access to a MySQL/MariaDB server under a backend.
+#[cfg(feature = "mysql")]
+pub struct MyFaults {
+    /// The server (a plain `mysql://` URL without dlock's options).
+    pub url: String,
+    /// How the backend under test holds its locks.
+    pub mode: SqlMode,
+}
+
+#[cfg(feature = "mysql")]
+impl MyFaults {
+    /// A connection of its own; fails the test if the server cannot be reached.
+    pub async fn connect(&self) -> sqlx::MySqlConnection {
+        use sqlx::Connection as _;
+        sqlx::MySqlConnection::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| crate::servers_missing(&self.url, e))
+    }
+
+    /// The connection id holding the session lock of `stored_key`, if any.
+    pub async fn session_holder(&self, stored_key: &str) -> Option<i64> {
+        sqlx::query_scalar::<_, Option<i64>>("SELECT CAST(IS_USED_LOCK(?) AS SIGNED)")
+            .bind(mysql_lock_name(stored_key))
+            .fetch_one(&mut self.connect().await)
+            .await
+            .expect("IS_USED_LOCK")
+    }
+
+    /// Kills connection `id` (`KILL`).
+    pub async fn kill(&self, id: i64) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+            .execute(&mut self.connect().await)
+            .await
+            .expect("KILL");
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Faults for MyFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            match self.mode {
+                SqlMode::Lease => {
+                    sqlx::query("DELETE FROM dlock_leases WHERE k = ?")
+                        .bind(stored_key)
+                        .execute(&mut self.connect().await)
+                        .await
+                        .expect("delete the row");
+                }
+                SqlMode::Session => {
+                    let holder = self.session_holder(stored_key).await;
+                    self.kill(holder.expect("the key is held")).await;
+                }
+            }
+        })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            match self.mode {
+                SqlMode::Lease => {
+                    let held: i64 = sqlx::query_scalar(
+                        "SELECT COUNT(*) FROM dlock_leases WHERE k = ? AND owner IS NOT NULL \
+                         AND expires_us > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', \
+                         UTC_TIMESTAMP(6))",
+                    )
+                    .bind(stored_key)
+                    .fetch_one(&mut self.connect().await)
+                    .await
+                    .expect("read the row");
+                    held > 0
+                }
+                SqlMode::Session => self.session_holder(stored_key).await.is_some(),
+            }
+        })
+    }
+}
+
+/// What the [`Proxy`] does with the bytes it relays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Relays both ways.
+    Pass,
+    /// Keeps every connection open and drops every byte (a network
+    /// partition: nothing arrives, nothing is refused).
+    BlackHole,
+}
+
+/// A TCP proxy in front of a server, for network faults.
+pub struct Proxy {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    black_hole: Arc<AtomicBool>,
+    /// Cancelled to reset every current connection.
+    generation: Arc<std::sync::Mutex<CancellationToken>>,
+    stop: CancellationToken,
+}
+
+impl Proxy {
+    /// Listens on a free local port and relays to `upstream` (`host:port`),
+    /// on the current runtime.
+    pub async fn start(upstream: &str) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let upstream = upstream.to_owned();
+        let black_hole = Arc::new(AtomicBool::new(false));
+        let generation = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
+        let proxy = Proxy {
+            addr,
+            black_hole: black_hole.clone(),
+            generation: generation.clone(),
+            stop: CancellationToken::new(),
+        };
+        let stop = proxy.stop.clone();
+        tokio::spawn(async move {
+            loop {
+                let (client, _) = tokio::select! {
+                    () = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok(a) => a,
+                        Err(_) => continue,
+                    },
+                };
+                let reset = generation.lock().expect("lock").clone();
+                let (upstream, black_hole) = (upstream.clone(), black_hole.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    relay(client, server, black_hole, reset).await;
+                });
+            }
+        });
+        proxy
+    }
+
+    /// Switches between relaying and dropping every byte.
+    pub fn set_mode(&self, mode: ProxyMode) {
+        self.black_hole
+            .store(mode == ProxyMode::BlackHole, Ordering::SeqCst);
+    }
+
+    /// Resets (RST) every connection open now; new ones are relayed.
+    pub fn reset_all(&self) {
+        let mut generation = self.generation.lock().expect("lock");
+        generation.cancel();
+        *generation = CancellationToken::new();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.generation.lock().expect("lock").cancel();
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    black_hole: Arc<AtomicBool>,
+    reset: CancellationToken,
+) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let up = pump(&mut client_read, &mut server_write, &black_hole);
+    let down = pump(&mut server_read, &mut client_write, &black_hole);
+    tokio::select! {
+        () = reset.cancelled() => {
+            // SO_LINGER 0: closing sends RST, as a crashed middlebox would.
+            if let Ok(client) = client_read.reunite(client_write) {
+                let _ = client.set_zero_linger();
+            }
+            if let Ok(server) = server_read.reunite(server_write) {
+                let _ = server.set_zero_linger();
+            }
+        }
+        _ = async { tokio::join!(up, down) } => {}
+    }
+}
+
+async fn pump(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    black_hole: &AtomicBool,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                let _ = to.shutdown().await;
+                return;
+            }
+            Ok(n) => n,
+        };
+        if black_hole.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Runs `scripts/servers.sh <args>` (stop/start a test server) and panics if
+/// it fails. Uses the same state directory as the running servers
+/// (`DLOCK_SERVERS_DIR`).
+pub fn servers_sh(args: &[&str]) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/servers.sh");
+    let status = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run scripts/servers.sh: {e}"));
+    assert!(
+        status.success(),
+        "scripts/servers.sh {args:?} failed: {status}"
+    );
+}
+
+/// The `host:port` of a `scheme://user:pass@host:port/db` URL.
+pub fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split(['/', '?']).next().unwrap_or(rest).to_owned()
+}
+
+/// `url` with its `host:port` replaced by `addr` (to go through a [`Proxy`]).
+pub fn via(url: &str, addr: SocketAddr) -> String {
+    url.replacen(&host_port(url), &addr.to_string(), 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes() {
+        assert_eq!(session_hash("abc"), 0xba78_16bf_8f01_cfea);
+        assert_eq!(mysql_lock_name("abc"), "dlock:ba7816bf8f01cfea".to_owned());
+        assert_eq!(
+            host_port("postgres://u:p@127.0.0.1:5432/db?x=1"),
+            "127.0.0.1:5432"
+        );
+    }
+}

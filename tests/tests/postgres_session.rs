@@ -1,0 +1,41 @@
+//! The conformance suite on PostgreSQL advisory locks (`?mode=session`), and
+//! what only session mode has: loss the moment the holder's connection is
+//! terminated, waits pushed by the server, tokens from the fence table.
+#![cfg(feature = "postgres")]
+
+use std::sync::Arc;
+
+use dlock_runtime::{PostgresBackend, Registry};
+use dlock_tests::sql_support::{PgFaults, SqlMode};
+use dlock_tests::{Harness, server_url, servers_missing};
+use tokio::sync::OnceCell;
+
+fn url() -> String {
+    server_url(
+        "DLOCK_TEST_POSTGRES_URL",
+        "postgres://dlock:dlock@127.0.0.1:45432/dlock",
+    )
+}
+
+async fn harness() -> &'static Harness {
+    static HARNESS: OnceCell<Harness> = OnceCell::const_new();
+    HARNESS
+        .get_or_init(|| async {
+            let url = url();
+            let backend = PostgresBackend::connect(&format!("{url}?mode=session"))
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e));
+            dlock_runtime::init(Registry::builder().default_backend(backend).build())
+                .expect("first init");
+            Harness {
+                faults: Arc::new(PgFaults {
+                    url,
+                    mode: SqlMode::Session,
+                }),
+                fences: true,
+            }
+        })
+        .await
+}
+
+dlock_tests::conformance_suite!(harness);
