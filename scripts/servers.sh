@@ -7,6 +7,10 @@
 #   scripts/servers.sh urls            print the DLOCK_TEST_* lines
 #   scripts/servers.sh stop-redis PORT stop one Redis instance (for failure tests)
 #   scripts/servers.sh start-redis PORT
+#   scripts/servers.sh stop-postgres [kill]   stop PostgreSQL (`kill`: SIGKILL, a crash)
+#   scripts/servers.sh start-postgres
+#   scripts/servers.sh stop-mysql [kill]      stop MariaDB (`kill`: SIGKILL, a crash)
+#   scripts/servers.sh start-mysql
 #
 # Every server listens on 127.0.0.1 on the project's own ports, and all state
 # (data dirs, logs, pid files, urls.env) lives under one directory:
@@ -652,6 +656,23 @@ SQL
 # SIGINT is PostgreSQL's "fast" shutdown (what `pg_ctl stop -m fast` sends).
 stop_postgres() { stop_pid postgres "$STATE_DIR/postgres/data/postmaster.pid" 30 INT; }
 
+# kill_postgres: a crash. SIGKILL to the postmaster and, at once, to its
+# children (backends killed with their postmaster would otherwise linger and
+# keep the shared memory that a restart needs). The next start recovers.
+kill_postgres() {
+    local pidfile=$STATE_DIR/postgres/data/postmaster.pid pid children p
+    pid_alive "$pidfile" || return 0
+    pid=$(head -n1 "$pidfile")
+    children=$(ps -o pid= --ppid "$pid" 2>/dev/null | tr -s ' \n' ' ') || children=""
+    # shellcheck disable=SC2086  # a list of pids
+    kill -KILL "$pid" $children 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    for p in $children; do
+        while kill -0 "$p" 2>/dev/null; do sleep 0.1; done
+    done
+    log "postgres (pid $pid) killed"
+}
+
 # --------------------------------------------------------------- MariaDB ---
 
 mysql_dlock() {
@@ -703,6 +724,17 @@ SQL
 }
 
 stop_mariadb() { stop_pid mariadb "$STATE_DIR/mariadb/mariadb.pid" 60; }
+
+# kill_mariadb: a crash (SIGKILL); InnoDB recovers at the next start.
+kill_mariadb() {
+    local pidfile=$STATE_DIR/mariadb/mariadb.pid pid
+    pid_alive "$pidfile" || { rm -f "$pidfile"; return 0; }
+    pid=$(head -n1 "$pidfile")
+    kill -KILL "$pid" 2>/dev/null || true
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    rm -f "$pidfile"
+    log "mariadb (pid $pid) killed"
+}
 
 # ------------------------------------------------------------------ URLs ---
 
@@ -789,7 +821,7 @@ cmd_status() {
 }
 
 usage() {
-    sed -n '2,9s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
     exit 2
 }
 
@@ -813,6 +845,24 @@ case ${1:-up} in
         check_redis_port "${2:-}"
         take_lock
         stop_redis "$2"
+        ;;
+    stop-postgres | stop-mysql)
+        [[ -z ${2:-} || $2 == kill ]] || die "$1: the only option is \`kill\` (SIGKILL)"
+        take_lock
+        case $1:${2:-} in
+            stop-postgres:) stop_postgres ;;
+            stop-postgres:kill) kill_postgres ;;
+            stop-mysql:) stop_mariadb ;;
+            stop-mysql:kill) kill_mariadb ;;
+        esac
+        ;;
+    start-postgres)
+        take_lock
+        start_postgres
+        ;;
+    start-mysql)
+        take_lock
+        start_mariadb
         ;;
     -h | --help | help) usage ;;
     *) usage ;;
