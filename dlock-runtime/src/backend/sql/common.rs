@@ -415,6 +415,17 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
+impl<DB: sqlx::Database> Clone for Pooled<DB> {
+    fn clone(&self) -> Self {
+        Pooled {
+            pool: self.pool.clone(),
+            timeout: self.timeout,
+            classify: self.classify,
+        }
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> Pooled<DB> {
     /// Runs `statement` on a connection of the pool. `what` names it in a
     /// timeout error.

@@ -84,7 +84,7 @@ const MAX_SESSIONS: u32 = 1024;
 /// The largest renewal statement; bigger batches are split.
 const MAX_BATCH: usize = 64;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Statements {
     acquire: Arc<str>,
     peek: Arc<str>,
@@ -149,6 +149,8 @@ impl Statements {
 }
 
 /// MySQL or MariaDB: the lease table or `GET_LOCK`. See the [module docs](self).
+/// Clones share the connections and the held session locks.
+#[derive(Clone)]
 pub struct MysqlBackend {
     shown_url: String,
     table: String,
@@ -158,8 +160,8 @@ pub struct MysqlBackend {
     poll: Duration,
     waiters: Arc<Waiters>,
     contenders: Arc<Contenders>,
-    collector: Collector,
-    sessions: Option<Sessions<MySessions>>,
+    collector: Arc<Collector>,
+    sessions: Option<Arc<Sessions<MySessions>>>,
 }
 
 impl fmt::Debug for MysqlBackend {
@@ -169,7 +171,7 @@ impl fmt::Debug for MysqlBackend {
             .field("mode", &self.mode)
             .field("table", &self.table)
             .field("poll", &self.poll)
-            .field("sessions", &self.sessions.as_ref().map(Sessions::len))
+            .field("sessions", &self.sessions.as_ref().map(|s| s.len()))
             .finish_non_exhaustive()
     }
 }
@@ -355,13 +357,13 @@ impl MysqlBackend {
                         .connect_lazy_with(options)
                 })
                 .await;
-                Some(Sessions::new(
+                Some(Arc::new(Sessions::new(
                     MySessions {
                         pool,
                         fence: format!("{}_fence", target.table),
                     },
                     timeout,
-                ))
+                )))
             }
         };
         Ok(MysqlBackend {
@@ -377,7 +379,7 @@ impl MysqlBackend {
             poll: target.poll,
             waiters: Arc::default(),
             contenders: Arc::default(),
-            collector: Collector::new(target.retention),
+            collector: Arc::new(Collector::new(target.retention)),
             sessions,
         })
     }

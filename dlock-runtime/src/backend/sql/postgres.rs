@@ -95,7 +95,7 @@ const MAX_SESSIONS: u32 = 1024;
 const IDLE_SESSIONS: usize = 16;
 
 /// The statements of one table.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Statements {
     acquire: Arc<str>,
     mark: Arc<str>,
@@ -160,6 +160,8 @@ impl Statements {
 }
 
 /// PostgreSQL: the lease table or advisory locks. See the [module docs](self).
+/// Clones share the connections, the listener and the held session locks.
+#[derive(Clone)]
 pub struct PostgresBackend {
     shown_url: String,
     table: String,
@@ -171,8 +173,8 @@ pub struct PostgresBackend {
     waiters: Arc<Waiters>,
     contenders: Arc<Contenders>,
     listener: Option<Arc<Listener>>,
-    collector: Collector,
-    sessions: Option<Sessions<PgSessions>>,
+    collector: Arc<Collector>,
+    sessions: Option<Arc<Sessions<PgSessions>>>,
 }
 
 impl fmt::Debug for PostgresBackend {
@@ -186,7 +188,7 @@ impl fmt::Debug for PostgresBackend {
                 "listener_connects",
                 &self.listener.as_ref().map(|l| l.connects()),
             )
-            .field("sessions", &self.sessions.as_ref().map(Sessions::len))
+            .field("sessions", &self.sessions.as_ref().map(|s| s.len()))
             .finish_non_exhaustive()
     }
 }
@@ -433,7 +435,7 @@ impl PostgresBackend {
                 })
                 .await
                 .map_err(|e| failed("cannot connect to", e))?;
-                Some(Sessions::new(
+                Some(Arc::new(Sessions::new(
                     PgSessions {
                         pool,
                         fence: format!("{}_fence", target.table),
@@ -441,7 +443,7 @@ impl PostgresBackend {
                         idle: Mutex::default(),
                     },
                     timeout,
-                ))
+                )))
             }
         };
         Ok(PostgresBackend {
@@ -459,7 +461,7 @@ impl PostgresBackend {
             waiters,
             contenders: Arc::default(),
             listener,
-            collector: Collector::new(target.retention),
+            collector: Arc::new(Collector::new(target.retention)),
             sessions,
         })
     }
