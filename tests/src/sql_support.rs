@@ -8,8 +8,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
+use dlock_runtime::LockError;
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -438,4 +440,54 @@ mod tests {
             "127.0.0.1:5432"
         );
     }
+}
+
+/// The lease of [`loss_cancels_the_body`]'s holder.
+pub const LOSS_LEASE: Duration = Duration::from_millis(1500);
+
+#[dlock_runtime::distributed_lock(key = "{key}", lease = "1500ms")]
+async fn counts_until_cancelled(key: &str, counter: &AtomicUsize) -> Result<(), LockError> {
+    loop {
+        counter.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs a body holding `key` (a [`LOSS_LEASE`] lease, `on_lost = "cancel"`)
+/// on the global registry, runs `revoke` behind its back once it is running,
+/// and checks that the body ends with `Lost` before its lease would have
+/// ended, and stops. Answers how long after `revoke` returned the body ended.
+pub async fn loss_cancels_the_body(
+    key: &str,
+    revoke: impl std::future::Future<Output = ()>,
+) -> Duration {
+    let counter = Arc::new(AtomicUsize::new(0));
+    let acquired = Instant::now();
+    let call = tokio::spawn({
+        let (key, counter) = (key.to_owned(), counter.clone());
+        async move { counts_until_cancelled(&key, &counter).await }
+    });
+    while counter.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    revoke.await;
+    let revoked = Instant::now();
+    let result = tokio::time::timeout(2 * LOSS_LEASE, call)
+        .await
+        .expect("the body ends")
+        .expect("task");
+    let ended = Instant::now();
+    assert!(
+        matches!(result, Err(LockError::Lost { .. })),
+        "expected Lost, got {result:?}"
+    );
+    assert!(
+        ended - acquired < LOSS_LEASE,
+        "the loss reached the body {:?} after the acquisition, after its lease",
+        ended - acquired
+    );
+    let count = counter.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(counter.load(Ordering::SeqCst), count, "the body still runs");
+    ended - revoked
 }
