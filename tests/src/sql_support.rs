@@ -276,8 +276,8 @@ impl Faults for MyFaults {
 pub enum ProxyMode {
     /// Relays both ways.
     Pass,
-    /// Keeps every connection open and drops every byte (a network
-    /// partition: nothing arrives, nothing is refused).
+    /// Keeps every connection open and drops every byte, and every close
+    /// (a network partition: nothing arrives, nothing is refused).
     BlackHole,
 }
 
@@ -385,7 +385,10 @@ async fn pump(
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => {
-                let _ = to.shutdown().await;
+                // A black hole loses the FIN too: the other side hears nothing.
+                if !black_hole.load(Ordering::SeqCst) {
+                    let _ = to.shutdown().await;
+                }
                 return;
             }
             Ok(n) => n,
@@ -490,4 +493,64 @@ pub async fn loss_cancels_the_body(
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(counter.load(Ordering::SeqCst), count, "the body still runs");
     ended - revoked
+}
+
+/// Network faults between a holder and its server, for any SQL backend:
+///
+/// - **black hole**: a holder connected through a [`Proxy`] that starts
+///   dropping every byte learns that its lease is lost before the lease ends
+///   (time-driven loss), and the server frees the key on its own — not
+///   before the holder knows (a client of the global registry, connected
+///   directly, gets it then), and not long after the lease;
+/// - **reset**: once the proxy resets every connection and relays again,
+///   the same backend works again (it reconnects).
+///
+/// `connect` opens a registry for a URL (the server's URL through the proxy,
+/// with `options` appended).
+pub async fn black_hole_then_reset<F, Fut>(server_url: &str, options: &str, connect: F)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = dlock_runtime::Registry>,
+{
+    let proxy = Proxy::start(&host_port(server_url)).await;
+    let through = connect(format!("{}{options}", via(server_url, proxy.addr))).await;
+    let key = crate::unique_key("black-hole");
+    let lease = Duration::from_secs(1);
+    let guard = through
+        .lock(&key)
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire through the proxy");
+    let acquired = Instant::now();
+    proxy.set_mode(ProxyMode::BlackHole);
+    tokio::time::timeout(2 * lease, guard.lost())
+        .await
+        .expect("the loss reaches the holder");
+    let lost_after = acquired.elapsed();
+    assert!(
+        lost_after < lease,
+        "lost after {lost_after:?}, past the lease"
+    );
+    let direct = dlock_runtime::lock(&key)
+        .wait(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("the server frees the key of a partitioned holder");
+    let freed_after = acquired.elapsed();
+    assert!(
+        freed_after >= lost_after,
+        "another client got the key {freed_after:?} after the grant, before the holder \
+         learned of the loss ({lost_after:?})"
+    );
+    assert!(
+        freed_after < lease + Duration::from_secs(3),
+        "freed only {freed_after:?} after the grant"
+    );
+    direct.release().await.expect("release");
+    drop(guard);
+    proxy.reset_all();
+    proxy.set_mode(ProxyMode::Pass);
+    let again = crate::acquire_eventually(&through, &crate::unique_key("after-reset")).await;
+    again.release().await.expect("release after the reconnect");
 }

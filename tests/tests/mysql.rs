@@ -335,3 +335,16 @@ async fn bad_urls_and_unreachable_servers() {
         "{wrong:?}"
     );
 }
+
+/// Black hole: lost before the lease ends, the row expires on the server;
+/// reset: the backend reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn black_hole_then_reset_through_a_proxy() {
+    harness().await;
+    dlock_tests::sql_support::black_hole_then_reset(&url(), "?timeout=500ms", |url| async move {
+        Registry::builder()
+            .default_backend(MysqlBackend::connect(&url).await.expect("connect"))
+            .build()
+    })
+    .await;
+}
