@@ -554,3 +554,79 @@ where
     let again = crate::acquire_eventually(&through, &crate::unique_key("after-reset")).await;
     again.release().await.expect("release after the reconnect");
 }
+
+/// Starts a test server again when dropped (also when the test panics): the
+/// servers are shared with the other tests.
+pub struct RestartOnDrop(pub &'static str);
+
+impl Drop for RestartOnDrop {
+    fn drop(&mut self) {
+        servers_sh(&[self.0]);
+    }
+}
+
+/// The server SIGKILLed under held locks and restarted, for each registry
+/// given (a lease-mode and a session-mode backend of one server, opened with
+/// a 1 s `timeout`): while it is down, holders lose their leases before they
+/// end and acquisitions fail within their `wait`; after the restart, locks
+/// work again and tokens keep growing. `server` is `postgres` or `mysql`
+/// (the `scripts/servers.sh` names).
+pub async fn sigkill_and_restart(server: &'static str, registries: &[dlock_runtime::Registry]) {
+    let lease = Duration::from_secs(2);
+    let key = crate::unique_key(&format!("{server}-restart"));
+    let mut before = Vec::new();
+    let mut guards = Vec::new();
+    for registry in registries {
+        let guard = registry
+            .lock(&key)
+            .lease(lease)
+            .acquire()
+            .await
+            .expect("acquire");
+        before.push(guard.fencing_token().expect("token"));
+        guards.push((guard, Instant::now()));
+    }
+    let start = match server {
+        "postgres" => "start-postgres",
+        "mysql" => "start-mysql",
+        other => panic!("no server {other}"),
+    };
+    let restart = RestartOnDrop(start);
+    servers_sh(&[&format!("stop-{server}"), "kill"]);
+    for (guard, acquired) in &guards {
+        tokio::time::timeout(lease, guard.lost())
+            .await
+            .expect("a holder learns of the loss before its lease ends");
+        assert!(acquired.elapsed() < lease);
+    }
+    let wait = Duration::from_secs(1);
+    for registry in registries {
+        let started = Instant::now();
+        let attempt = registry
+            .lock(crate::unique_key("while-down"))
+            .wait(wait)
+            .acquire()
+            .await;
+        let took = started.elapsed();
+        match attempt {
+            Err(LockError::Backend { source, .. }) => {
+                assert!(source.is_retryable(), "{source}")
+            }
+            other => panic!("a lock while the server is down: {other:?}"),
+        }
+        assert!(took < wait + Duration::from_millis(1500), "took {took:?}");
+    }
+    drop(restart);
+    for (registry, before) in registries.iter().zip(before) {
+        let guard = crate::acquire_eventually(registry, &key).await;
+        let after = guard.fencing_token().expect("token");
+        assert!(
+            after > before,
+            "token {after:?} after the restart, {before:?} before"
+        );
+        guard.release().await.expect("release");
+    }
+    for (guard, _) in guards {
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    }
+}
