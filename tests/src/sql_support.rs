@@ -430,21 +430,6 @@ pub fn via(url: &str, addr: SocketAddr) -> String {
     url.replacen(&host_port(url), &addr.to_string(), 1)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hashes() {
-        assert_eq!(session_hash("abc"), 0xba78_16bf_8f01_cfea);
-        assert_eq!(mysql_lock_name("abc"), "dlock:ba7816bf8f01cfea".to_owned());
-        assert_eq!(
-            host_port("postgres://u:p@127.0.0.1:5432/db?x=1"),
-            "127.0.0.1:5432"
-        );
-    }
-}
-
 /// The lease of [`loss_cancels_the_body`]'s holder.
 pub const LOSS_LEASE: Duration = Duration::from_millis(1500);
 
@@ -628,5 +613,20 @@ pub async fn sigkill_and_restart(server: &'static str, registries: &[dlock_runti
     }
     for (guard, _) in guards {
         assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes() {
+        assert_eq!(session_hash("abc"), 0xba78_16bf_8f01_cfea);
+        assert_eq!(mysql_lock_name("abc"), "dlock:ba7816bf8f01cfea".to_owned());
+        assert_eq!(
+            host_port("postgres://u:p@127.0.0.1:5432/db?x=1"),
+            "127.0.0.1:5432"
+        );
     }
 }
