@@ -15,7 +15,8 @@
 //!    Rust user reaches for): acquire+release over distinct keys at
 //!    concurrency 1 and 32, sqlx's pool sized to the concurrency.
 //! 3. **Cross-process handoff**: 16 waiters in 4 processes (4 tasks each,
-//!    `dlock-lock-child handoff`) take one key once each, releasing at once;
+//!    `dlock-lock-child handoff`, connections warmed up) take one key 4 times
+//!    each, releasing at once;
 //!    per handoff = the gap from one holder's release to the next holder's
 //!    grant (wall clock, one machine), the mean over a convoy, the median
 //!    over convoys. PostgreSQL lease mode (NOTIFY), MySQL lease mode (polling,
@@ -39,6 +40,8 @@ use common::{ROUNDS, median};
 const CONVOY_PROCESSES: usize = 4;
 const CONVOY_TASKS: usize = 4;
 const CONVOYS: usize = 5;
+/// Holds per task and convoy.
+const CONVOY_ROUNDS: usize = 4;
 
 /// dlock's PostgreSQL lease statements (`dlock-runtime/src/backend/sql/postgres.rs`).
 const PG_ACQUIRE: &str = "INSERT INTO dlock_leases AS l (key, owner, token, expires_at) \
@@ -346,7 +349,7 @@ fn convoy_processes(url: &str, key: &str) -> anyhow::Result<f64> {
                     url,
                     key,
                     &CONVOY_TASKS.to_string(),
-                    "1",
+                    &CONVOY_ROUNDS.to_string(),
                     &start_at.to_string(),
                 ])
                 .stdout(Stdio::piped())

@@ -12,8 +12,8 @@
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
 //! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
 //! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
-//! | [`sql`] (PostgreSQL) | `postgres://`, `postgresql://` | `postgres` |
-//! | [`sql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
+//! | [`sql::postgres`] | `postgres://`, `postgresql://` | `postgres` |
+//! | [`sql::mysql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
 //!
 //! The wait loop every backend shares is in [`wait`].
 

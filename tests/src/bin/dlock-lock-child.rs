@@ -7,9 +7,10 @@
 //! ```
 //!
 //! `race` connects at `start_at` (so that all children open the backend at
-//! once), takes `key` once and prints `token <n>`. `handoff` runs `tasks`
-//! tasks that each take `key` `rounds` times, releasing it at once, and
-//! prints `hold <acquired_unix_ns> <released_unix_ns>` per hold. Errors go to
+//! once), takes `key` once and prints `token <n>`. `handoff` opens `tasks`
+//! connections (a warm-up), then at `start_at` runs `tasks` tasks that each
+//! take `key` `rounds` times, releasing it at once, and prints
+//! `hold <acquired_unix_ns> <released_unix_ns>` per hold. Errors go to
 //! stderr with exit status 1.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -75,6 +76,28 @@ async fn main() {
             let registry = Registry::from_url(&url)
                 .await
                 .unwrap_or_else(|e| fail(&format!("connect: {e}")));
+            // Warm up: as many connections open as there will be tasks, so
+            // that the convoy measures handoffs, not connection set-ups.
+            let warm: Vec<_> = (0..tasks)
+                .map(|t| {
+                    let (registry, key) = (registry.clone(), format!("{key}:warm-up:{t}"));
+                    tokio::spawn(async move {
+                        let guard = registry
+                            .lock(&key)
+                            .acquire()
+                            .await
+                            .unwrap_or_else(|e| fail(&format!("warm-up: {e}")));
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        guard
+                            .release()
+                            .await
+                            .unwrap_or_else(|e| fail(&format!("warm-up: {e}")));
+                    })
+                })
+                .collect();
+            for w in warm {
+                w.await.unwrap_or_else(|e| fail(&e.to_string()));
+            }
             sleep_until_unix_ms(number(6, "start_at")).await;
             let workers: Vec<_> = (0..tasks)
                 .map(|_| {

@@ -465,6 +465,26 @@ impl<DB: sqlx::Database> Pooled<DB> {
     }
 }
 
+/// One batch statement's error, as the answer of each lease of the batch.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn batch_failed<T>(
+    kind: &str,
+    err: BackendError,
+    n: usize,
+) -> Vec<Result<T, BackendError>> {
+    let (transient, message) = (err.is_retryable(), err.to_string());
+    (0..n)
+        .map(|_| {
+            let message = format!("{kind}: batch renewal failed: {message}");
+            Err(if transient {
+                BackendError::transient(message)
+            } else {
+                BackendError::permanent(message)
+            })
+        })
+        .collect()
+}
+
 /// How many connections one call tries: a pool holds at most this many
 /// dead ones after a restart.
 #[cfg(any(feature = "postgres", feature = "mysql"))]

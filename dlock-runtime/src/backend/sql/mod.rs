@@ -18,7 +18,36 @@
 //! are deleted now and then, so `order:{id}`-style keys do not grow the table
 //! without bound; hybrid tokens make that safe.
 //!
-//! Flavours:
+//! # Session mode
+//!
+//! PostgreSQL and MySQL also offer `?mode=session`: a server-side lock
+//! (`pg_advisory_lock`, `GET_LOCK`) on a **dedicated connection per held
+//! lock**, named by the first 64 bits of the stored key's SHA-256.
+//!
+//! - **Acquire**: one round trip takes the lock — waiting server-side, so the
+//!   server hands the key over the moment it is free — and bumps the key's
+//!   fencing counter row (`<table>_fence`, a hybrid token) in the same
+//!   statement. A wait is cut into slices of at most a third of the lease, so
+//!   that a grant always comes back early enough to be used; the slices of one
+//!   acquisition share its `wait` budget.
+//! - **Held**: the watchdog's renewal is a ping of the connection that also
+//!   moves the server's idle limit (PostgreSQL ≥ 14 `idle_session_timeout`,
+//!   MySQL `wait_timeout`) to the new lease end, so a frozen or partitioned
+//!   holder loses the lock on the server too. A ping that fails or times out,
+//!   or (PostgreSQL, whose idle connection is watched) the connection closing
+//!   under it — `pg_terminate_backend`, a restart — closes the connection and
+//!   reports the lease lost at once. A lease not renewed by its end
+//!   (`watchdog = false`, the end of `hold_at_least`) is unlocked there.
+//! - **Release**: unlock everything the connection holds; only then is it
+//!   reused. Any failure, timeout or cancellation on the way closes it
+//!   instead: a connection whose lock state is unknown is never reused, and
+//!   closing it ends the server session, which drops its locks.
+//!
+//! Session locks live in the server's memory: they are not replicated (unsafe
+//! across a failover) and are stranded by transaction-pooling proxies. Never
+//! lock one key in both modes.
+//!
+//! # Flavours
 //!
 //! - [`SqliteBackend`] (`sqlite://path`, feature `sqlite`, the embedded default);
 //! - [`PostgresBackend`] (`postgres://`, feature `postgres`): waiters woken by
@@ -29,11 +58,11 @@
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod common;
 #[cfg(feature = "mysql")]
-mod mysql;
+pub mod mysql;
 #[cfg(feature = "postgres")]
 mod pg_listener;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod session;
 #[cfg(feature = "sqlite")]

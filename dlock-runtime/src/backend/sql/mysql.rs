@@ -38,7 +38,7 @@
 //!
 //! **Session mode** (`?mode=session`): `GET_LOCK('dlock:<16 hex digits>', t)`
 //! (64 bits of the stored key's SHA-256) on a dedicated connection per held
-//! lock, see [`session`](super::session); the fencing token is bumped in the
+//! lock (see [session mode](super#session-mode)); the fencing token is bumped in the
 //! same statement in `<table>_fence`. The server's idle limit (`wait_timeout`,
 //! whole seconds) follows the lease, so a frozen holder loses the lock within
 //! the lease rounded up to a second. `GET_LOCK` locks are not replicated:
@@ -61,7 +61,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Either};
 
 use super::common::{
-    Checked, Collector, Contenders, DEFAULT_RETENTION, Mode, Pooled, UrlOptions,
+    Checked, Collector, Contenders, DEFAULT_RETENTION, Mode, Pooled, UrlOptions, batch_failed,
     is_connection_error, micros, session_hash,
 };
 use super::session::{Locked, SessionDb, Sessions};
@@ -714,20 +714,7 @@ impl LockBackend for MysqlBackend {
                 }
                 None => match self.renew_leases(batch).await {
                     Ok(answers) => answers.into_iter().map(Ok).collect(),
-                    Err(err) => {
-                        let (transient, message) = (err.is_retryable(), err.to_string());
-                        batch
-                            .iter()
-                            .map(|_| {
-                                let message = format!("mysql: batch renewal failed: {message}");
-                                Err(if transient {
-                                    BackendError::transient(message)
-                                } else {
-                                    BackendError::permanent(message)
-                                })
-                            })
-                            .collect()
-                    }
+                    Err(err) => batch_failed("mysql", err, batch.len()),
                 },
             }
         })

@@ -31,7 +31,7 @@
 //! same statement tells it the holder's remaining time, so it also looks
 //! again when that lease runs out. One `LISTEN` connection per backend hears
 //! every key; it is rebuilt on any error, pinged every few seconds, and after
-//! each reconnect every waiter looks again (see [`pg_listener`](super::pg_listener)).
+//! each reconnect every waiter looks again.
 //! Waiters also look again every `poll` (1 s) in case a notification was lost,
 //! and with a back-off of 5 ms up to 50 ms while the listener is down.
 //! Waiters in the releasing process are woken at once.
@@ -44,7 +44,7 @@
 //! waiters poll with back-off instead.
 //!
 //! **Session mode** (`?mode=session`): `pg_advisory_lock` on a dedicated
-//! connection per held lock, see [`session`](super::session). The key is the
+//! connection per held lock (see [session mode](super#session-mode)). The key is the
 //! first 64 bits of the stored key's SHA-256; the fencing token comes from the
 //! hybrid counter row of `<table>_fence`, bumped in the same round trip as
 //! the grant. Advisory locks are not replicated: session mode is unsafe across
@@ -68,8 +68,8 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Executor as _};
 
 use super::common::{
-    Collector, Contenders, DEFAULT_RETENTION, Mode, Pooled, UrlOptions, check_table_name,
-    is_connection_error, millis, session_hash,
+    Collector, Contenders, DEFAULT_RETENTION, Mode, Pooled, UrlOptions, batch_failed,
+    check_table_name, is_connection_error, millis, session_hash,
 };
 use super::pg_listener::Listener;
 use super::session::{Locked, SessionDb, Sessions};
@@ -438,7 +438,10 @@ impl PostgresBackend {
                 Some(Arc::new(Sessions::new(
                     PgSessions {
                         pool,
-                        fence: format!("{}_fence", target.table),
+                        lock_sql: PgSessions::lock_sql(
+                            &format!("{}_fence", target.table),
+                            version >= 140_000,
+                        ),
                         idle_limit: version >= 140_000,
                         idle: Mutex::default(),
                     },
@@ -785,20 +788,7 @@ impl LockBackend for PostgresBackend {
                 }
                 None => match self.renew_leases(batch).await {
                     Ok(answers) => answers.into_iter().map(Ok).collect(),
-                    Err(err) => {
-                        let (transient, message) = (err.is_retryable(), err.to_string());
-                        batch
-                            .iter()
-                            .map(|_| {
-                                let message = format!("postgres: batch renewal failed: {message}");
-                                Err(if transient {
-                                    BackendError::transient(message)
-                                } else {
-                                    BackendError::permanent(message)
-                                })
-                            })
-                            .collect()
-                    }
+                    Err(err) => batch_failed("postgres", err, batch.len()),
                 },
             }
         })
@@ -837,7 +827,8 @@ fn session_settings(options: PgConnectOptions, version: i64) -> PgConnectOptions
 struct PgSessions {
     /// Makes connections; a connection given back to it is closed.
     pool: PgPool,
-    fence: String,
+    /// See [`PgSessions::lock_sql`].
+    lock_sql: Arc<str>,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
     /// Clean connections kept for reuse.
@@ -849,15 +840,26 @@ impl PgSessions {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_idle_limit(&self, ttl: Duration) -> String {
-        if self.idle_limit {
-            format!(
-                "set_config('idle_session_timeout', '{}', false)",
-                millis(ttl)
-            )
+    /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
+    /// as text), `$3` how long to wait (ms as text; `0`: try once). The wait's
+    /// limit is local to the statement's transaction; the idle limit is set
+    /// for the session only when the lock is ours.
+    fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
+        let limit = if idle_limit {
+            "set_config('idle_session_timeout', $2, false)"
         } else {
-            "'no idle limit'".to_owned()
-        }
+            "$2::text"
+        };
+        format!(
+            "WITH t AS (SELECT set_config('lock_timeout', $3, true) AS lt), \
+                  l AS (SELECT CASE WHEN $3 = '0' THEN pg_try_advisory_lock($1) \
+                                    ELSE pg_advisory_lock($1) IS NOT NULL END AS got FROM t) \
+             INSERT INTO {fence} AS f (k, token) SELECT $1, {NOW_US} FROM l \
+             WHERE CASE WHEN got THEN {limit} IS NOT NULL ELSE false END \
+             ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token) \
+             RETURNING token"
+        )
+        .into()
     }
 }
 
@@ -886,37 +888,21 @@ impl SessionDb for PgSessions {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
         Box::pin(async move {
-            let k = session_hash(key);
-            let fence = &self.fence;
-            let limit = self.set_idle_limit(ttl);
-            let bump = format!(
-                "INSERT INTO {fence} AS f (k, token) SELECT {k}, {NOW_US} FROM l \
-                 WHERE CASE WHEN got THEN {limit} IS NOT NULL ELSE false END \
-                 ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token) \
-                 RETURNING token"
-            );
-            if wait.is_zero() {
-                let sql = format!("WITH l AS (SELECT pg_try_advisory_lock({k}) AS got) {bump}");
-                let token: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
-                    .persistent(false)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                return Ok(match token {
-                    Some(token) => Locked::Yes(token as u64),
-                    None => Locked::Busy { clean: true },
-                });
-            }
-            // One round trip: the wait's limit, the lock, the token.
-            let sql = format!(
-                "SET lock_timeout = {}; \
-                 WITH l AS (SELECT pg_advisory_lock({k}) IS NOT NULL AS got) {bump}",
-                millis(wait)
-            );
-            let rows = match sqlx::raw_sql(AssertSqlSafe(sql))
-                .fetch_all(&mut *conn)
+            // One round trip, one cached statement: the wait's limit, the
+            // lock, the idle limit and the token.
+            let wait = if wait.is_zero() {
+                "0".to_owned()
+            } else {
+                millis(wait).to_string()
+            };
+            let token: Option<i64> = match sqlx::query_scalar(AssertSqlSafe(self.lock_sql.clone()))
+                .bind(session_hash(key))
+                .bind(millis(ttl).to_string())
+                .bind(wait)
+                .fetch_optional(&mut *conn)
                 .await
             {
-                Ok(rows) => rows,
+                Ok(token) => token,
                 // 55P03: the wait ran out (the lock may still have been
                 // granted in the same instant: the connection is unlocked
                 // before it is reused).
@@ -925,13 +911,11 @@ impl SessionDb for PgSessions {
                 }
                 Err(e) => return Err(e),
             };
-            use sqlx::Row as _;
-            match rows.first() {
-                Some(row) => Ok(Locked::Yes(row.try_get::<i64, _>(0)? as u64)),
-                None => Err(sqlx::Error::Protocol(
-                    "the session lock statement answered no token".into(),
-                )),
-            }
+            Ok(match token {
+                Some(token) => Locked::Yes(token as u64),
+                // Only a try (`wait` zero) answers no row: nothing is held.
+                None => Locked::Busy { clean: true },
+            })
         })
     }
 
