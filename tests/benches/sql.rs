@@ -18,7 +18,7 @@
 //!    `dlock-lock-child handoff`, connections warmed up) take one key 4 times
 //!    each, releasing at once;
 //!    per handoff = the gap from one holder's release to the next holder's
-//!    grant (wall clock, one machine), the mean over a convoy, the median
+//!    grant (wall clock, one machine), the median over a convoy, the median
 //!    over convoys. PostgreSQL lease mode (NOTIFY), MySQL lease mode (polling,
 //!    cap 50 ms), and both session modes (the server hands the key over).
 //!
@@ -337,7 +337,7 @@ where
     n as f64 / started.elapsed().as_secs_f64()
 }
 
-/// One convoy over [`CONVOY_PROCESSES`] child processes: answers the mean
+/// One convoy over [`CONVOY_PROCESSES`] child processes: answers the median
 /// milliseconds from a release to the next grant.
 fn convoy_processes(url: &str, key: &str) -> anyhow::Result<f64> {
     let start_at = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() + 2_000;
@@ -370,7 +370,7 @@ fn convoy_processes(url: &str, key: &str) -> anyhow::Result<f64> {
         }
     }
     anyhow::ensure!(
-        holds.len() == CONVOY_PROCESSES * CONVOY_TASKS,
+        holds.len() == CONVOY_PROCESSES * CONVOY_TASKS * CONVOY_ROUNDS,
         "holds: {holds:?}"
     );
     holds.sort_unstable();
@@ -378,5 +378,5 @@ fn convoy_processes(url: &str, key: &str) -> anyhow::Result<f64> {
         .windows(2)
         .map(|w| w[1].0.saturating_sub(w[0].1) as f64 / 1e6)
         .collect();
-    Ok(gaps.iter().sum::<f64>() / gaps.len() as f64)
+    Ok(median(gaps))
 }

@@ -80,7 +80,10 @@ async fn main() {
             // that the convoy measures handoffs, not connection set-ups.
             let warm: Vec<_> = (0..tasks)
                 .map(|t| {
-                    let (registry, key) = (registry.clone(), format!("{key}:warm-up:{t}"));
+                    let (registry, key) = (
+                        registry.clone(),
+                        format!("{key}:warm-up:{}:{t}", std::process::id()),
+                    );
                     tokio::spawn(async move {
                         let guard = registry
                             .lock(&key)

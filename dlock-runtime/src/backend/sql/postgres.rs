@@ -492,6 +492,13 @@ impl PostgresBackend {
     }
 
     async fn try_lease(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
+        // A registered waiter (not its first attempt) looks before it writes:
+        // woken together, the waiters of a key read instead of queueing on
+        // its row lock, and only those that find it free try to take it.
+        let waiting = self.contenders.is_registered(&request.owner) && self.is_listening();
+        if waiting && let Some(busy) = self.mark_and_peek(request).await? {
+            return Ok(busy);
+        }
         let token: Option<i64> = self
             .db
             .call("acquire", |c| {
@@ -525,6 +532,19 @@ impl PostgresBackend {
                 .next_backoff(&request.owner, POLL_WHILE_DEAF.min(self.poll));
             return Ok(Attempt::Busy { retry_in: backoff });
         }
+        // Another waiter took it (and cleared the mark): mark it again, so
+        // that its release notifies.
+        Ok(self.mark_and_peek(request).await?.unwrap_or(Attempt::Busy {
+            retry_in: Some(Duration::ZERO),
+        }))
+    }
+
+    /// Marks the key as wanted and peeks at it: `Busy` until the holder's
+    /// lease ends, or `None` when it is free (or its row is gone).
+    async fn mark_and_peek(
+        &self,
+        request: &AcquireRequest,
+    ) -> Result<Option<Attempt>, BackendError> {
         let peek: Option<(bool, i64)> = self
             .db
             .call("mark", |c| {
@@ -538,11 +558,10 @@ impl PostgresBackend {
                 })
             })
             .await?;
-        Ok(Attempt::Busy {
-            retry_in: Some(match peek {
-                // Freed (or collected) since: look again at once.
-                None | Some((true, _)) => Duration::ZERO,
-                Some((false, remaining_ms)) => Duration::from_millis(remaining_ms.max(0) as u64),
+        Ok(match peek {
+            None | Some((true, _)) => None,
+            Some((false, remaining_ms)) => Some(Attempt::Busy {
+                retry_in: Some(Duration::from_millis(remaining_ms.max(0) as u64)),
             }),
         })
     }
