@@ -92,7 +92,9 @@ const POOL_SIZE: u32 = 10;
 /// The most session connections one backend opens.
 const MAX_SESSIONS: u32 = 1024;
 /// How many clean session connections are kept for reuse.
-const IDLE_SESSIONS: usize = 16;
+const IDLE_SESSIONS: usize = 128;
+/// How long a clean session connection is kept unused before it is closed.
+const IDLE_SESSION_FOR: Duration = Duration::from_secs(60);
 
 /// The statements of one table.
 #[derive(Debug, Clone)]
@@ -850,13 +852,22 @@ struct PgSessions {
     lock_sql: Arc<str>,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
-    /// Clean connections kept for reuse.
-    idle: Mutex<Vec<PgListener>>,
+    /// Clean connections kept for reuse, oldest first, with when each was
+    /// given back.
+    idle: Mutex<Vec<(PgListener, std::time::Instant)>>,
 }
 
 impl PgSessions {
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<PgListener>> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    /// The kept connections, without those unused for too long (closed as
+    /// they are dropped).
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(PgListener, std::time::Instant)>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let stale = idle
+            .iter()
+            .take_while(|(_, since)| since.elapsed() > IDLE_SESSION_FOR)
+            .count();
+        idle.drain(..stale);
+        idle
     }
 
     /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
@@ -889,7 +900,7 @@ impl SessionDb for PgSessions {
 
     fn open(&self, fresh: bool) -> BoxFuture<'_, Result<PgListener, sqlx::Error>> {
         Box::pin(async move {
-            if !fresh && let Some(conn) = self.idle().pop() {
+            if !fresh && let Some((conn, _)) = self.idle().pop() {
                 return Ok(conn);
             }
             let mut conn = PgListener::connect_with(&self.pool).await?;
@@ -982,9 +993,10 @@ impl SessionDb for PgSessions {
 
     fn recycle(&self, conn: PgListener) {
         let mut idle = self.idle();
-        if idle.len() < IDLE_SESSIONS {
-            idle.push(conn);
+        if idle.len() == IDLE_SESSIONS {
+            idle.remove(0);
         }
+        idle.push((conn, std::time::Instant::now()));
     }
 
     fn classify(&self, err: sqlx::Error) -> BackendError {
