@@ -101,6 +101,9 @@ impl Statements {
         let s = |sql: String| Arc::<str>::from(sql);
         let free = format!("(expires_us <= {N} OR owner = ?)");
         let sizes = (0..).map(|p| 1usize << p).take_while(|n| *n <= MAX_BATCH);
+        // `k IN (…)` lets the server use the primary key: MariaDB does not
+        // for the row constructor alone (a full scan of a big table).
+        let keys = |n: usize| vec!["?"; n].join(", ");
         let pairs = |n: usize| vec!["(?, ?)"; n].join(", ");
         Statements {
             acquire: s(format!(
@@ -121,8 +124,9 @@ impl Statements {
                 .map(|n| {
                     s(format!(
                         "UPDATE {table} SET expires_us = {N} + CASE {} END \
-                         WHERE (k, owner) IN ({}) AND expires_us > {N}",
+                         WHERE k IN ({}) AND (k, owner) IN ({}) AND expires_us > {N}",
                         "WHEN k = ? AND owner = ? THEN ? ".repeat(n),
+                        keys(n),
                         pairs(n)
                     ))
                 })
@@ -130,7 +134,9 @@ impl Statements {
             still_held: sizes
                 .map(|n| {
                     s(format!(
-                        "SELECT k, owner FROM {table} WHERE (k, owner) IN ({}) AND expires_us > {N}",
+                        "SELECT k, owner FROM {table} \
+                         WHERE k IN ({}) AND (k, owner) IN ({}) AND expires_us > {N}",
+                        keys(n),
                         pairs(n)
                     ))
                 })
@@ -499,6 +505,9 @@ impl MysqlBackend {
                     for (key, owner, ttl) in &entries {
                         query = query.bind(key.clone()).bind(owner.clone()).bind(*ttl);
                     }
+                    for (key, _, _) in &entries {
+                        query = query.bind(key.clone());
+                    }
                     for (key, owner, _) in &entries {
                         query = query.bind(key.clone()).bind(owner.clone());
                     }
@@ -516,6 +525,9 @@ impl MysqlBackend {
                 let entries = entries.clone();
                 Box::pin(async move {
                     let mut query = sqlx::query_as(AssertSqlSafe(sql));
+                    for (key, _, _) in &entries {
+                        query = query.bind(key.clone());
+                    }
                     for (key, owner, _) in &entries {
                         query = query.bind(key.clone()).bind(owner.clone());
                     }
