@@ -69,6 +69,8 @@ pub use backend::redis::redlock::RedlockBackend;
 
 #[cfg(feature = "sqlite")]
 pub use backend::sql::SqliteBackend;
+#[cfg(feature = "zookeeper")]
+pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{LockBackend, connect};
 pub use context::{CurrentLock, current};
 pub use dlock_macros::distributed_lock;

@@ -12,6 +12,7 @@
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
 //! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
 //! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
+//! | [`zookeeper`] | `zk://h1:p1,h2:p2/chroot` | `zookeeper` |
 //!
 //! The wait loop every backend shares is in [`wait`].
 
@@ -32,6 +33,8 @@ pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sql;
 pub mod wait;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 pub use wait::WakeSource;
 
@@ -280,10 +283,10 @@ const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+clus
 /// Opens the backend a URL names.
 ///
 /// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
-/// `redis+cluster://` and `redlock://` (feature `redis`) are available in this
-/// release; the other schemes of the design (`zk://`, `postgres://`,
-/// `mysql://`) are recognised and answer a [`LockError::Config`] that says they
-/// are not built yet.
+/// `redis+cluster://` and `redlock://` (feature `redis`) and `zk://` (feature
+/// `zookeeper`) are available in this release; the other schemes of the design
+/// (`postgres://`, `mysql://`) are recognised and answer a [`LockError::Config`]
+/// that says they are not built yet.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     let scheme = url
         .split_once(':')
@@ -316,10 +319,16 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
                 "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
             )))
         }
-        "zk" | "postgres" | "postgresql" | "mysql" | "mariadb" => Err(LockError::config(format!(
+        #[cfg(feature = "zookeeper")]
+        "zk" => Ok(Arc::new(zookeeper::ZooKeeperBackend::connect(url).await?)),
+        #[cfg(not(feature = "zookeeper"))]
+        "zk" => Err(LockError::config(
+            "the `zk` backend is disabled: enable the `zookeeper` feature of dlock-runtime",
+        )),
+        "postgres" | "postgresql" | "mysql" | "mariadb" => Err(LockError::config(format!(
             "the `{scheme}` backend is not built yet in this release of dlock-runtime \
              (available: memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-             redlock://)"
+             redlock://, zk://)"
         ))),
         _ => Err(LockError::config(format!(
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
