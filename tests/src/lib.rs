@@ -103,6 +103,8 @@ macro_rules! conformance_suite {
 
 #[cfg(feature = "redis")]
 pub mod redis_support;
+#[cfg(feature = "zookeeper")]
+pub mod zk_support;
 
 /// The URL of a test server from `scripts/servers.sh` (`urls.env`), or its
 /// default. Test servers are never optional: a test that cannot reach its

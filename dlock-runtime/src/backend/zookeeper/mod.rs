@@ -61,7 +61,10 @@
 //! deleted, found by its GUID when the create's answer was not seen.
 //!
 //! **Keys** are stored escaped, injectively: `%`, `/` and every character
-//! ZooKeeper refuses in a path are percent-encoded (UTF-8 bytes), and the
+//! ZooKeeper refuses in a path (control characters, U+D800–U+F8FF,
+//! U+FFF0–U+FFFF, and everything outside the Basic Multilingual Plane, such
+//! as emoji, which the Java server sees as surrogates) are percent-encoded
+//! (UTF-8 bytes), and the
 //! names `.`, `..` and `zookeeper` get their first character encoded. No key
 //! is refused and no two keys share a node.
 //!
@@ -122,7 +125,10 @@ fn transient(err: &ZkError) -> bool {
 fn session_over(err: &ZkError) -> bool {
     matches!(
         err,
-        ZkError::SessionExpired | ZkError::SessionMoved | ZkError::ClientClosed | ZkError::AuthFailed
+        ZkError::SessionExpired
+            | ZkError::SessionMoved
+            | ZkError::ClientClosed
+            | ZkError::AuthFailed
     )
 }
 
@@ -330,7 +336,10 @@ impl ZooKeeperBackend {
 
 impl Inner {
     fn current_alive(&self) -> Option<Arc<Session>> {
-        lock(&self.current).as_ref().filter(|s| s.is_alive()).cloned()
+        lock(&self.current)
+            .as_ref()
+            .filter(|s| s.is_alive())
+            .cloned()
     }
 
     /// The live session, opening a new one if there is none (the first
@@ -411,9 +420,10 @@ impl Inner {
                 }
             }
         }
-        let client = root.clone().chroot(t.chroot.clone()).map_err(|_| {
-            BackendError::permanent(format!("zookeeper: bad chroot {}", t.chroot))
-        })?;
+        let client = root
+            .clone()
+            .chroot(t.chroot.clone())
+            .map_err(|_| BackendError::permanent(format!("zookeeper: bad chroot {}", t.chroot)))?;
         let states = client.state_watcher();
         let session = Session::new(client, root, started);
         self.counters.sessions.fetch_add(1, Ordering::Relaxed);
@@ -516,9 +526,9 @@ impl Inner {
                     pending.forget_node();
                 }
                 Position::Holder => {
-                    return Ok(Attempt::Held(self.grant(
-                        request, &pending, &session, &node, started,
-                    )));
+                    return Ok(Attempt::Held(
+                        self.grant(request, &pending, &session, &node, started),
+                    ));
                 }
                 Position::Behind(ahead) => {
                     if request.wait.is_zero() {
@@ -798,7 +808,10 @@ impl Inner {
         delete_node(session, node.path.clone()).await
     }
 
-    async fn renew_batch(&self, batch: &[(&Lease, Duration)]) -> Vec<Result<Renewal, BackendError>> {
+    async fn renew_batch(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Vec<Result<Renewal, BackendError>> {
         type Group = (Arc<Session>, Vec<(usize, Arc<HeldNode>, Duration)>);
         let mut answers: Vec<Option<Result<Renewal, BackendError>>> =
             batch.iter().map(|_| None).collect();
@@ -839,14 +852,19 @@ impl Inner {
                 Ok(results) if results.len() == items.len() => {
                     for ((i, node, ttl), result) in items.into_iter().zip(results) {
                         answers[i] = Some(match result {
-                            MultiReadResult::Data { stat, .. } if stat.ephemeral_owner == session.id => {
+                            MultiReadResult::Data { stat, .. }
+                                if stat.ephemeral_owner == session.id =>
+                            {
                                 Ok(if node.extend(sent, ttl) {
                                     Renewal::Renewed
                                 } else {
                                     Renewal::Lost
                                 })
                             }
-                            MultiReadResult::Data { .. } | MultiReadResult::Error { err: ZkError::NoNode } => {
+                            MultiReadResult::Data { .. }
+                            | MultiReadResult::Error {
+                                err: ZkError::NoNode,
+                            } => {
                                 node.end();
                                 session.unregister(&node.path);
                                 Ok(Renewal::Lost)
@@ -974,7 +992,10 @@ async fn delete_node(session: Arc<Session>, path: String) -> Result<(), BackendE
             });
             Err(BackendError::transient(message))
         }
-        Err(err) => Err(backend_error(&format!("deleting the lock node {path}"), err)),
+        Err(err) => Err(backend_error(
+            &format!("deleting the lock node {path}"),
+            err,
+        )),
     }
 }
 
@@ -997,7 +1018,10 @@ async fn delete_by_guid(
             });
             Err(BackendError::transient(message))
         }
-        Err(err) => Err(backend_error(&format!("deleting the nodes under {container}"), err)),
+        Err(err) => Err(backend_error(
+            &format!("deleting the nodes under {container}"),
+            err,
+        )),
     }
 }
 

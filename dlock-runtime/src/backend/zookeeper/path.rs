@@ -9,11 +9,13 @@ const LOCK_NAME: &str = "lock-";
 /// The prefix of Curator's protected names.
 const PROTECTED: &str = "_c_";
 
-/// Whether ZooKeeper refuses `c` in a path (its programmer's guide; the
-/// client checks the same ranges).
+/// Whether ZooKeeper refuses `c` in a path: the ranges of its programmer's
+/// guide, and every character outside the Basic Multilingual Plane, which
+/// the (Java) server sees as a surrogate pair, inside the refused
+/// U+D800–U+F8FF.
 fn forbidden(c: char) -> bool {
     matches!(u32::from(c),
-        0x0000..=0x001f | 0x007f..=0x009f | 0xd800..=0xf8ff | 0xfff0..=0xffff)
+        0x0000..=0x001f | 0x007f..=0x009f | 0xd800..=0xf8ff | 0xfff0..)
 }
 
 /// The node name a stored key is kept under: the key itself, with `%`, `/`
@@ -208,6 +210,7 @@ mod tests {
         assert_eq!(escape_key(".."), "%2E.");
         assert_eq!(escape_key("zookeeper"), "%7Aookeeper");
         assert_eq!(escape_key("\u{e000}"), "%EE%80%80");
+        assert_eq!(escape_key("🔒"), "%F0%9F%94%92");
     }
 
     #[test]
@@ -215,8 +218,24 @@ mod tests {
         use rand::Rng as _;
         use rand::SeedableRng as _;
         let pieces = [
-            "%", "/", ".", "..", "2F", "2E", "%2", "z", "zookeeper", "\u{e000}", "\u{fffd}", "a",
-            "A", "é", "\u{7f}", "\u{9f}", "_", "-",
+            "%",
+            "/",
+            ".",
+            "..",
+            "2F",
+            "2E",
+            "%2",
+            "z",
+            "zookeeper",
+            "\u{e000}",
+            "\u{fffd}",
+            "a",
+            "A",
+            "é",
+            "\u{7f}",
+            "\u{9f}",
+            "_",
+            "-",
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let mut seen = std::collections::HashMap::new();
@@ -307,10 +326,16 @@ mod tests {
             position(&children, by_string, sequence_of(by_string).unwrap()),
             Position::Behind(children[2].as_str())
         );
-        assert_eq!(position(&children, "_c_z-lock-0000000001", 1), Position::Missing);
+        assert_eq!(
+            position(&children, "_c_z-lock-0000000001", 1),
+            Position::Missing
+        );
         // Children that are not lock nodes are ignored.
         let mixed = vec!["readme".to_owned(), "_c_a-lock-0000000003".to_owned()];
-        assert_eq!(position(&mixed, "_c_a-lock-0000000003", 3), Position::Holder);
+        assert_eq!(
+            position(&mixed, "_c_a-lock-0000000003", 3),
+            Position::Holder
+        );
     }
 
     #[test]

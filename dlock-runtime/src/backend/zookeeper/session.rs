@@ -153,7 +153,9 @@ impl Session {
         if nodes.is_empty() {
             return;
         }
-        counters.losses.fetch_add(nodes.len() as u64, Ordering::Relaxed);
+        counters
+            .losses
+            .fetch_add(nodes.len() as u64, Ordering::Relaxed);
         tracing::warn!(
             session = %format_args!("{:#x}", self.id),
             leases = nodes.len(),
@@ -186,6 +188,8 @@ pub(super) struct HeldNode {
     /// Cancelled when the lease ends here (released, expired, lost):
     /// stops its expiry task.
     pub(super) done: CancellationToken,
+    /// Wakes the expiry task when the lease's end moves.
+    moved: tokio::sync::Notify,
 }
 
 #[derive(Debug)]
@@ -214,6 +218,7 @@ impl HeldNode {
                 ended: false,
             }),
             done: CancellationToken::new(),
+            moved: tokio::sync::Notify::new(),
         })
     }
 
@@ -236,6 +241,8 @@ impl HeldNode {
             return false;
         }
         state.expires_at = crate::time::saturating_add(sent, ttl);
+        drop(state);
+        self.moved.notify_one();
         true
     }
 
@@ -260,6 +267,7 @@ impl HeldNode {
             let at = self.expires_at();
             tokio::select! {
                 () = self.done.cancelled() => return,
+                () = self.moved.notified() => continue,
                 () = tokio::time::sleep_until(at.into()) => {}
             }
             if self.expire_if_due(Instant::now()) {

@@ -55,7 +55,11 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
     let bad = |why: &str| LockError::config(format!("bad ZooKeeper URL `{shown}`: {why}"));
     let rest = match url.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("zk") => rest,
-        _ => return Err(bad("expected zk://[user:pass@]host:port[,host:port…][/chroot]")),
+        _ => {
+            return Err(bad(
+                "expected zk://[user:pass@]host:port[,host:port…][/chroot]",
+            ));
+        }
     };
     let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
     let (authority, chroot) = match rest.find('/') {
@@ -119,15 +123,15 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
             Some(("session_timeout", value)) => {
                 session_timeout = humantime::parse_duration(value)
                     .ok()
-                    .filter(|t| *t >= Duration::from_millis(100) && t.as_millis() <= i32::MAX as u128)
+                    .filter(|t| {
+                        *t >= Duration::from_millis(100) && t.as_millis() <= i32::MAX as u128
+                    })
                     .ok_or_else(|| bad(&format!("bad `session_timeout={value}`")))?;
             }
             Some(("loss", "session")) => loss = LossPolicy::Session,
             Some(("loss", "disconnect")) => loss = LossPolicy::Disconnect,
             Some(("loss", value)) => {
-                return Err(bad(&format!(
-                    "bad `loss={value}` (session or disconnect)"
-                )));
+                return Err(bad(&format!("bad `loss={value}` (session or disconnect)")));
             }
             _ => {
                 return Err(bad(&format!(
@@ -151,8 +155,10 @@ mod tests {
 
     #[test]
     fn full_url() {
-        let t = parse("zk://dlock:s%40cret@127.0.0.1:2181,zk2/locks/app/?session_timeout=4s&loss=disconnect")
-            .unwrap();
+        let t = parse(
+            "zk://dlock:s%40cret@127.0.0.1:2181,zk2/locks/app/?session_timeout=4s&loss=disconnect",
+        )
+        .unwrap();
         assert_eq!(t.hosts, "127.0.0.1:2181,zk2:2181");
         assert_eq!(t.chroot, "/locks/app");
         assert_eq!(t.digest.as_deref(), Some("dlock:s@cret"));
