@@ -106,8 +106,9 @@ pub enum Flow {
     Blackhole,
 }
 
-/// ZooKeeper's create opcodes (`create`, `create2`, `createContainer`, `createTTL`).
-const CREATE_OPCODES: [i32; 4] = [1, 15, 19, 21];
+/// The opcodes of creates of lock nodes (`create`, `create2`), not of
+/// containers (`createContainer`, 19).
+const CREATE_OPCODES: [i32; 2] = [1, 15];
 
 struct ProxyShared {
     flow: watch::Sender<Flow>,
@@ -165,9 +166,9 @@ impl ZkProxy {
         self.shared.resets.send_modify(|n| *n += 1);
     }
 
-    /// The next create request is forwarded to the server, its reply is
-    /// dropped, and its connection is then closed: the client never learns
-    /// whether the create happened.
+    /// The next create of a lock node is forwarded to the server, its reply
+    /// is dropped, and its connection is then closed: the client never
+    /// learns whether the create happened.
     pub fn cut_after_next_create(&self) {
         self.shared.cut_after_create.store(true, Ordering::SeqCst);
     }
@@ -373,7 +374,7 @@ impl PrivateZk {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if ruok(self.port).await {
+            if serving(self.port).await {
                 return;
             }
             if Instant::now() > deadline {
@@ -409,14 +410,16 @@ impl Drop for PrivateZk {
     }
 }
 
-/// Whether a ZooKeeper server answers `imok` on this port.
-pub async fn ruok(port: u16) -> bool {
+/// Whether a ZooKeeper server on this port serves requests (`srvr` reports
+/// its mode; `ruok` answers `imok` already while the server still loads its
+/// data and turns sessions away).
+pub async fn serving(port: u16) -> bool {
     let attempt = async {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-        stream.write_all(b"ruok").await.ok()?;
+        stream.write_all(b"srvr").await.ok()?;
         let mut answer = Vec::new();
         stream.read_to_end(&mut answer).await.ok()?;
-        Some(answer == b"imok")
+        Some(String::from_utf8_lossy(&answer).contains("Mode:"))
     };
     tokio::time::timeout(Duration::from_secs(2), attempt)
         .await

@@ -107,7 +107,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether trying again later may succeed.
+/// Whether trying again later may succeed. Requests in flight when a
+/// connection fails get the connection's own error (`Custom`: an I/O error,
+/// "no response from connection"), like `ConnectionLoss`.
 fn transient(err: &ZkError) -> bool {
     matches!(
         err,
@@ -118,6 +120,7 @@ fn transient(err: &ZkError) -> bool {
             | ZkError::ClientClosed
             | ZkError::NoHosts
             | ZkError::Throttled
+            | ZkError::Custom(_)
     )
 }
 

@@ -18,18 +18,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether the server answered (an error of the request itself, not of the
-/// connection or the session).
+/// Whether the server answered (an error code of the request itself; not a
+/// connection, session or client failure).
 fn answered(err: &ZkError) -> bool {
-    !matches!(
+    matches!(
         err,
-        ZkError::ConnectionLoss
-            | ZkError::Timeout
-            | ZkError::SessionExpired
-            | ZkError::ClientClosed
-            | ZkError::AuthFailed
-            | ZkError::SessionMoved
-            | ZkError::NoHosts
+        ZkError::NoNode
+            | ZkError::NodeExists
+            | ZkError::NotEmpty
+            | ZkError::BadVersion
+            | ZkError::NoAuth
+            | ZkError::NoChildrenForEphemerals
+            | ZkError::InvalidAcl
+            | ZkError::QuotaExceeded
+            | ZkError::Unimplemented
+            | ZkError::NotReadOnly
+            | ZkError::MarshallingError
+            | ZkError::UnexpectedErrorCode(_)
     )
 }
 
