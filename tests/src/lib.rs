@@ -12,6 +12,7 @@
 //! also shows that a registry keeps working across runtimes.
 
 pub mod conformance;
+pub mod scenarios;
 
 use std::sync::Arc;
 
@@ -48,6 +49,22 @@ impl Harness {
     /// The stored form of a user key (with the registry's prefix).
     pub fn stored(&self, key: &str) -> String {
         format!("{}{key}", self.registry().key_prefix())
+    }
+}
+
+/// [`Faults`] of a [`MemoryBackend`](dlock_runtime::MemoryBackend): `revoke`
+/// is `expire_now`, `is_held` looks at its held keys.
+pub struct MemoryFaults(pub dlock_runtime::MemoryBackend);
+
+impl Faults for MemoryFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.0.expire_now(stored_key);
+        })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.0.held_keys().iter().any(|k| k == stored_key) })
     }
 }
 

@@ -9,7 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, RedisBackend, Registry};
+use dlock_runtime::{RedisBackend, Registry};
+use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults};
 use dlock_tests::{server_url, servers_missing, unique_key};
 use redis::AsyncCommands;
 
@@ -201,92 +202,14 @@ async fn abandoned_acquisition_stops() {
 /// Item 10. `shutdown` deletes every held key on the server before it
 /// returns, tells a running body its lease is lost, and refuses new
 /// acquisitions; a guard dropped just before it has its background release
-/// waited for.
+/// waited for (`dlock_tests::scenarios::graceful_shutdown`).
 ///
 /// Old main: there was no shutdown; held keys stayed until their leases ran out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_releases_every_lease() {
-    let reg = registry().await;
-    let mut conn = admin().await;
-    let keys: Vec<String> = (0..3)
-        .map(|i| unique_key(&format!("shutdown-{i}")))
-        .collect();
-    let lease = Duration::from_secs(30);
-    let g0 = reg
-        .lock(&keys[0])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let g1 = reg
-        .lock(&keys[1])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
-    let body = tokio::spawn({
-        let (reg, key) = (reg.clone(), keys[2].clone());
-        async move {
-            let guard = reg
-                .lock(&key)
-                .lease(lease)
-                .acquire()
-                .await
-                .expect("acquire");
-            let lost = guard.lost();
-            let outcome = guard
-                .scope(async {
-                    entered_tx.send(()).expect("test waits");
-                    tokio::select! {
-                        () = lost => "lost",
-                        () = tokio::time::sleep(Duration::from_secs(30)) => "ran to the end",
-                    }
-                })
-                .await;
-            (outcome, guard.release().await)
-        }
-    });
-    entered_rx.await.expect("the body runs");
-    for key in &keys {
-        assert!(exists(&mut conn, key).await);
-    }
-    let report = tokio::time::timeout(Duration::from_secs(3), reg.shutdown(Duration::from_secs(2)))
-        .await
-        .expect("shutdown returns by its deadline");
-    assert_eq!((report.released, report.unfinished), (3, 0), "{report:?}");
-    for key in &keys {
-        assert!(
-            !exists(&mut conn, key).await,
-            "{key} still held on the server after shutdown"
-        );
-    }
-    let (outcome, _release) = tokio::time::timeout(Duration::from_secs(1), body)
-        .await
-        .expect("the body hears of the shutdown")
-        .expect("task");
-    assert_eq!(outcome, "lost");
-    let refused = reg.lock(unique_key("after-shutdown")).acquire().await;
-    assert!(
-        matches!(refused, Err(LockError::ShutDown)),
-        "acquire after shutdown: {refused:?}"
-    );
-    drop((g0, g1));
-
-    // A guard dropped just before shutdown: its release is waited for.
-    let reg = registry().await;
-    let key = unique_key("shutdown-dropped");
-    drop(
-        reg.lock(&key)
-            .lease(lease)
-            .acquire()
-            .await
-            .expect("acquire"),
-    );
-    let report = reg.shutdown(Duration::from_secs(2)).await;
-    assert_eq!(report.unfinished, 0, "{report:?}");
-    assert!(
-        !exists(&mut conn, &key).await,
-        "shutdown returned before the dropped guard's release reached the server"
-    );
+    let faults = RedisKeyFaults {
+        redis: RedisFaults::nodes(&[url()]).await,
+        layout: dlock_tests::redis_support::hash_tagged,
+    };
+    dlock_tests::scenarios::graceful_shutdown(&registry().await, &registry().await, &faults).await;
 }
