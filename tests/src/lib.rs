@@ -104,7 +104,9 @@ macro_rules! conformance_suite {
             invalid_keys_are_rejected,
             fuzzed_keys_never_collide,
             fuzzed_template_values_reach_the_backend_verbatim,
-            unknown_backend_is_an_error
+            unknown_backend_is_an_error,
+            wait_forever_and_the_minimum_lease,
+            an_abandoned_waiter_takes_nothing
         );
     };
     (@cases $harness:path; $($case:ident),* $(,)?) => {

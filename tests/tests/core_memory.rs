@@ -496,38 +496,6 @@ async fn spawned_task_does_not_inherit_the_hold() {
 // ---------------------------------------------------------------------------
 // 4. Durations saturate; a lease has a minimum.
 
-/// Item 4. `wait(Duration::MAX)` means "wait for ever": on a free key and on
-/// a key released 200 ms later.
-///
-/// Old main: `Instant::now() + Duration::MAX` panicked (overflow) in the wait loop.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_max_does_not_panic() {
-    let backend = MemoryBackend::new();
-    let reg = registry(&backend);
-    let key = unique_key("wait-max");
-    let holder = reg
-        .lock(&key)
-        .wait(Duration::MAX)
-        .acquire()
-        .await
-        .expect("a free key");
-    let started = Instant::now();
-    let releaser = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        holder.release().await
-    });
-    let next = tokio::time::timeout(
-        Duration::from_secs(5),
-        reg.lock(&key).wait(Duration::MAX).acquire(),
-    )
-    .await
-    .expect("handed over when released")
-    .expect("acquire");
-    assert!(started.elapsed() >= Duration::from_millis(150));
-    releaser.await.expect("task").expect("release");
-    next.release().await.expect("release");
-}
-
 /// Item 4. A lease below [`MIN_LEASE`] is a configuration error; a lease of
 /// exactly `MIN_LEASE` works and is renewed (held for a whole second).
 ///
