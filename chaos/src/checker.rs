@@ -3,6 +3,12 @@
 //! The checker does not trust the store's decisions: it replays the store's log
 //! in order and recomputes, per key, the newest token seen and the current version,
 //! so a store (or lock) that let a stale write through shows up here.
+//!
+//! From the runtime's own trace of each lease (see [`trace`](crate::trace)) it
+//! also checks that no renewal went out after a release was asked for, that
+//! every loss was signalled before the server's expiry (measured from the last
+//! renewal the server answered, with each lease's own length), and that the main
+//! backend went on renewing while the side backend was stalled.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -10,7 +16,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::history::{self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, WorkerEvent};
+use crate::history::{
+    self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, TraceEvent, TraceKind, WorkerEvent,
+};
+use crate::nemesis::SIDE_STALL;
 use crate::store::Mode;
 
 /// How far a signal's effect may be from the moment the nemesis logged it: a
@@ -18,6 +27,14 @@ use crate::store::Mode;
 /// before the nemesis' own record of the SIGCONT (runs before that was logged
 /// first).
 const SIGNAL_GRACE: u64 = 2_000_000;
+
+/// How much later than the server's expiry (as bounded from the worker's side) a
+/// loss may be recorded: the time between the runtime's event and the layer
+/// reading the clock.
+const EXPIRY_GRACE: u64 = 2_000_000;
+
+/// The reason the runtime gives when shutdown ends the leases (not a fault).
+const SHUTDOWN_REASON: &str = "the registry is shutting down";
 
 /// What the orchestrator measured at the end of a run, saved as `meta.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -30,11 +47,19 @@ pub(crate) struct RunMeta {
     pub(crate) workers: usize,
     /// How the store decided.
     pub(crate) mode: Mode,
-    /// Lease of the workers' locks, in ms.
+    /// The longest lease of the workers' locks, in ms: the lease of entries that
+    /// do not record theirs (runs before mixed leases had one lease), and how long
+    /// a fault's effects may outlast its heal.
     pub(crate) lease_ms: u64,
     /// Lock keys (not fence counters) still on the server(s) once idle; `None`
     /// when the backend could not be inspected (a plain URL).
     pub(crate) keys_left: Option<usize>,
+    /// The same on the side backend; `None` without one.
+    #[serde(default)]
+    pub(crate) side_keys_left: Option<usize>,
+    /// Whether the workers recorded the runtime's lease events.
+    #[serde(default)]
+    pub(crate) traced: bool,
     /// Workers that did not stop within 20 s of being told to.
     pub(crate) hung_workers: usize,
     /// Whether the run reached its acquisitions and faults before `--max-duration`.
@@ -43,11 +68,13 @@ pub(crate) struct RunMeta {
     pub(crate) dump: BTreeMap<String, (u64, u64)>,
 }
 
-/// p50 / p99 / max of a set of durations, in milliseconds.
+/// min / p50 / p99 / max of a set of durations, in milliseconds.
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct Spread {
     /// How many.
     pub(crate) n: usize,
+    /// Smallest.
+    pub(crate) min: f64,
     /// Median.
     pub(crate) p50: f64,
     /// 99th percentile.
@@ -65,6 +92,7 @@ impl Spread {
         let at = |q: f64| ms[((q * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
         Self {
             n: ms.len(),
+            min: ms[0],
             p50: at(0.5),
             p99: at(0.99),
             max: ms[ms.len() - 1],
@@ -79,8 +107,8 @@ impl std::fmt::Display for Spread {
         }
         write!(
             f,
-            "p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (n={})",
-            self.p50, self.p99, self.max, self.n
+            "min {:.0} ms, p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (n={})",
+            self.min, self.p50, self.p99, self.max, self.n
         )
     }
 }
@@ -102,6 +130,16 @@ pub(crate) struct Summary {
     pub(crate) errors: u64,
     /// Faults injected, by kind.
     pub(crate) faults: BTreeMap<String, u32>,
+    /// Entries into the lock, by the lease (ms) they asked for.
+    pub(crate) acquisitions_by_lease_ms: BTreeMap<u64, u64>,
+    /// Callers that gave up, by where (`acquire`, `body`, `release`).
+    pub(crate) gave_up: BTreeMap<String, u64>,
+    /// Side locks taken (held across a main attempt and body).
+    pub(crate) side_acquired: u64,
+    /// Side locks whose release answered `Lost` (their backend was stalled).
+    pub(crate) side_lost: u64,
+    /// Side locks that could not be taken or released.
+    pub(crate) side_failed: u64,
     /// Holders that still believed they held a key when another worker entered it.
     pub(crate) belief_overlaps: u64,
     /// Entries into a key while some earlier holder still believed it held it.
@@ -128,8 +166,31 @@ pub(crate) struct Summary {
     pub(crate) handoff_after_heal: Spread,
     /// Pauses during which the paused worker still recorded something (must be 0).
     pub(crate) pause_breaches: u64,
+    /// Renewals the runtime sent (`dlock renewal sent`).
+    pub(crate) renewals_sent: u64,
+    /// Releases the runtime was asked for (`dlock release requested`).
+    pub(crate) releases_requested: u64,
+    /// Renewals sent for a lease after its release was requested (must be 0).
+    pub(crate) renewals_after_release: u64,
+    /// Losses the runtime signalled (`dlock lease lost`, shutdown aside).
+    pub(crate) losses_traced: u64,
+    /// How long before the server's expiry at the latest each loss of a running
+    /// worker was signalled: the last answered renewal (or the acquisition) plus
+    /// the lease, minus the signal.
+    pub(crate) loss_margin: Spread,
+    /// Losses signalled after that bound, by a worker that was not paused (must be 0).
+    pub(crate) losses_after_expiry: u64,
+    /// Main-backend renewals answered while the side backend was stalled.
+    pub(crate) side_stall_main_renewals: u64,
+    /// Side-backend leases lost while it was stalled (expected).
+    pub(crate) side_stall_side_losses: u64,
+    /// Main-backend leases lost during a side stall with no main fault to
+    /// explain it (must be 0).
+    pub(crate) main_lost_in_side_stall: u64,
     /// Lock keys left on the server once idle (must be 0).
     pub(crate) keys_left: Option<usize>,
+    /// Lock keys left on the side backend once idle (must be 0).
+    pub(crate) side_keys_left: Option<usize>,
     /// What must not have happened, and did.
     pub(crate) violations: Vec<String>,
 }
@@ -144,28 +205,33 @@ pub(crate) fn check_dir(dir: &Path) -> anyhow::Result<Summary> {
 
 /// The checks themselves.
 pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summary {
-    let lease = Duration::from_millis(meta.lease_ms);
+    let default_lease = Duration::from_millis(meta.lease_ms);
     let mut s = Summary {
         backend: meta.backend.clone(),
         seed: meta.seed,
         keys_left: meta.keys_left,
+        side_keys_left: meta.side_keys_left,
         ..Summary::default()
     };
     let mut events: Vec<&WorkerEvent> = Vec::new();
     let mut faults: Vec<&FaultEvent> = Vec::new();
+    let mut traces: Vec<&TraceEvent> = Vec::new();
     for r in records {
         match r {
             Record::Worker(e) => events.push(e),
             Record::Fault(f) => faults.push(f),
+            Record::Trace(e) => traces.push(e),
         }
     }
     events.sort_by_key(|e| e.t);
     faults.sort_by_key(|f| f.t);
+    traces.sort_by_key(|e| e.t);
     let (first, last) = records
         .iter()
         .map(|r| match r {
             Record::Worker(e) => e.t,
             Record::Fault(f) => f.t,
+            Record::Trace(e) => e.t,
         })
         .fold((u64::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
     s.seconds = last.saturating_sub(first) as f64 / 1e9;
@@ -178,11 +244,20 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     let mut intervals: Vec<(String, u64, u64, (usize, u32))> = Vec::new();
     let mut latencies = Vec::new();
     let mut acked_writes = 0u64;
+    // Each worker's lease for its current attempt.
+    let mut lease_of: HashMap<(usize, u32), Duration> = HashMap::new();
     for e in &events {
         let who = (e.w, e.inc);
+        let lease = lease_of.get(&who).copied().unwrap_or(default_lease);
         match &e.ev {
+            Step::Attempt { lease_ms, .. } => {
+                lease_of.insert(who, lease_ms.map_or(default_lease, Duration::from_millis));
+            }
             Step::Acquired { .. } => {
                 s.acquisitions += 1;
+                *s.acquisitions_by_lease_ms
+                    .entry(lease.as_millis() as u64)
+                    .or_default() += 1;
                 open.insert(who, (e.key.clone(), e.t));
             }
             Step::Busy => s.busy += 1,
@@ -201,10 +276,16 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
                     None => s.lost_unattributed += 1,
                 }
             }
+            Step::GaveUp { at } => *s.gave_up.entry(at.name().to_owned()).or_default() += 1,
+            Step::SideAcquired { .. } => s.side_acquired += 1,
+            Step::SideReleased { lost } => s.side_lost += u64::from(*lost),
+            Step::SideFailed { .. } => s.side_failed += 1,
             _ => {}
         }
-        if matches!(e.ev, Step::Leaving | Step::Lost { .. } | Step::Error { .. })
-            && let Some((key, start)) = open.remove(&who)
+        if matches!(
+            e.ev,
+            Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::GaveUp { .. }
+        ) && let Some((key, start)) = open.remove(&who)
         {
             intervals.push((key, start, e.t, who));
         }
@@ -244,13 +325,13 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             continue;
         };
         let (from, to) = (start.t + SIGNAL_GRACE, heal.t.saturating_sub(SIGNAL_GRACE));
-        if events
-            .iter()
-            .any(|e| start.workers.contains(&e.w) && e.t > from && e.t < to)
-        {
+        let ran = |w: usize, t: u64| start.workers.contains(&w) && t > from && t < to;
+        if events.iter().any(|e| ran(e.w, e.t)) || traces.iter().any(|e| ran(e.w, e.t)) {
             s.pause_breaches += 1;
         }
     }
+
+    check_traces(&mut s, &traces, &faults, meta);
 
     // Time from each heal to the next entry into the lock.
     let acquired: Vec<u64> = events
@@ -342,6 +423,32 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     if let Some(left) = meta.keys_left.filter(|&n| n > 0) {
         v.push(format!("{left} lock keys left on the server once idle"));
     }
+    if let Some(left) = meta.side_keys_left.filter(|&n| n > 0) {
+        v.push(format!(
+            "{left} lock keys left on the side backend once idle"
+        ));
+    }
+    if s.renewals_after_release > 0 {
+        v.push(format!(
+            "{} renewals sent after their lease's release was requested",
+            s.renewals_after_release
+        ));
+    }
+    if s.losses_after_expiry > 0 {
+        v.push(format!(
+            "{} losses signalled after the server's expiry",
+            s.losses_after_expiry
+        ));
+    }
+    if s.main_lost_in_side_stall > 0 {
+        v.push(format!(
+            "{} main-backend leases lost while only the side backend was stalled",
+            s.main_lost_in_side_stall
+        ));
+    }
+    if meta.traced && s.acquisitions > 0 && s.releases_requested == 0 {
+        v.push("the workers recorded none of the runtime's lease events".to_owned());
+    }
     if s.pause_breaches > 0 {
         v.push(format!(
             "{} paused workers ran during their pause",
@@ -363,6 +470,132 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         v.push("no acquisitions at all".to_owned());
     }
     s
+}
+
+/// The checks on the runtime's own events (see the [module docs](self)).
+fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent], meta: &RunMeta) {
+    let ms = |ms: u64| ms * 1_000_000;
+    let default_lease = ms(meta.lease_ms);
+    // One lease = one `dlock.lock` span of one process.
+    let mut leases: BTreeMap<(usize, u32, u64), Vec<&TraceEvent>> = BTreeMap::new();
+    for e in traces {
+        leases.entry((e.w, e.inc, e.lease)).or_default().push(e);
+        match e.event {
+            TraceKind::RenewalSent => s.renewals_sent += 1,
+            TraceKind::ReleaseRequested => s.releases_requested += 1,
+            _ => {}
+        }
+    }
+    // Was worker `w` stopped (SIGSTOP) at some time in `from..=to`?
+    let paused = |w: usize, from: u64, to: u64| {
+        faults
+            .iter()
+            .filter(|f| f.fault == "sigstop" && f.phase == Phase::Start && f.workers.contains(&w))
+            .any(|start| {
+                let heal = faults
+                    .iter()
+                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
+                    .map_or(u64::MAX, |f| f.t);
+                start.t <= to && heal + SIGNAL_GRACE >= from
+            })
+    };
+    let mut margins = Vec::new();
+    let mut main_losses = Vec::new();
+    for events in leases.values() {
+        let released = events
+            .iter()
+            .find(|e| e.event == TraceKind::ReleaseRequested)
+            .map(|e| e.t);
+        if let Some(released) = released {
+            s.renewals_after_release += events
+                .iter()
+                .filter(|e| e.event == TraceKind::RenewalSent && e.t > released)
+                .count() as u64;
+        }
+        let Some(lost) = events
+            .iter()
+            .find(|e| e.event == TraceKind::Lost && e.reason.as_deref() != Some(SHUTDOWN_REASON))
+        else {
+            continue;
+        };
+        s.losses_traced += 1;
+        if lost.backend != crate::worker::SIDE {
+            main_losses.push(*lost);
+        }
+        // The server's expiry is at most a lease after it answered last (the
+        // acquisition or a renewal): a loss signalled later came too late.
+        let Some(answered) = events
+            .iter()
+            .filter(|e| {
+                matches!(e.event, TraceKind::Acquired | TraceKind::Renewed) && e.t <= lost.t
+            })
+            .map(|e| e.t)
+            .max()
+        else {
+            continue;
+        };
+        if paused(lost.w, answered, lost.t) {
+            continue;
+        }
+        let expiry = answered + lost.lease_ms.map_or(default_lease, ms);
+        margins.push((expiry as f64 - lost.t as f64) / 1e6);
+        if lost.t > expiry + EXPIRY_GRACE {
+            s.losses_after_expiry += 1;
+        }
+    }
+    s.loss_margin = Spread::of(margins);
+
+    // The side backend's stalls, and what the main backend did meanwhile.
+    let stalls: Vec<(u64, u64)> = faults
+        .iter()
+        .filter(|f| f.fault == SIDE_STALL && f.phase == Phase::Start)
+        .map(|start| {
+            let heal = faults
+                .iter()
+                .find(|f| f.id == start.id && f.phase == Phase::Heal)
+                .map_or(u64::MAX, |f| f.t);
+            (start.t, heal)
+        })
+        .collect();
+    let in_stall = |t: u64, after: u64| {
+        stalls
+            .iter()
+            .any(|&(from, to)| t >= from && t <= to.saturating_add(after))
+    };
+    s.side_stall_main_renewals = traces
+        .iter()
+        .filter(|e| e.event == TraceKind::Renewed && e.backend != crate::worker::SIDE)
+        .filter(|e| in_stall(e.t, 0))
+        .count() as u64;
+    s.side_stall_side_losses = traces
+        .iter()
+        .filter(|e| e.event == TraceKind::Lost && e.backend == crate::worker::SIDE)
+        .filter(|e| in_stall(e.t, 0))
+        .count() as u64;
+    // A main lease lost during a stall, or within its own lease after (a renewal
+    // the stall held up would give up by then), is a violation unless another
+    // fault touching that worker (or every worker) was active, or had healed
+    // less than the longest lease before.
+    for lost in main_losses {
+        let lease = lost.lease_ms.map_or(default_lease, ms);
+        if !in_stall(lost.t, lease) {
+            continue;
+        }
+        let excused = faults
+            .iter()
+            .filter(|f| f.fault != SIDE_STALL && f.phase == Phase::Start)
+            .filter(|f| f.workers.is_empty() || f.workers.contains(&lost.w))
+            .any(|start| {
+                let heal = faults
+                    .iter()
+                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
+                    .map_or(u64::MAX, |f| f.t);
+                start.t <= lost.t && lost.t <= heal.saturating_add(default_lease)
+            });
+        if !excused {
+            s.main_lost_in_side_stall += 1;
+        }
+    }
 }
 
 /// The moment a lost signal is measured from: the latest fault touching that
@@ -400,6 +633,23 @@ impl std::fmt::Display for Summary {
             self.busy, self.errors
         )?;
         writeln!(f, "  faults                     {}", faults.join(", "))?;
+        let by_lease: Vec<String> = self
+            .acquisitions_by_lease_ms
+            .iter()
+            .map(|(ms, n)| format!("{ms} ms: {n}"))
+            .collect();
+        writeln!(f, "  entries by lease           {}", by_lease.join(", "))?;
+        let gave_up: Vec<String> = self
+            .gave_up
+            .iter()
+            .map(|(at, n)| format!("{at} {n}"))
+            .collect();
+        writeln!(f, "  callers that gave up       {}", gave_up.join(", "))?;
+        writeln!(
+            f,
+            "  side locks                 {} taken, {} lost, {} failed",
+            self.side_acquired, self.side_lost, self.side_failed
+        )?;
         writeln!(
             f,
             "  belief overlaps            {} holders, overlapped by {} later entries (expected under pauses)",
@@ -430,12 +680,33 @@ impl std::fmt::Display for Summary {
         writeln!(f, "  lost-signal latency        {}", self.lost_latency)?;
         writeln!(
             f,
+            "  renewals / releases        {} sent / {} requested; {} renewals after a release request  (must be 0)",
+            self.renewals_sent, self.releases_requested, self.renewals_after_release
+        )?;
+        writeln!(
+            f,
+            "  losses traced              {}; {} after the server's expiry  (must be 0)",
+            self.losses_traced, self.losses_after_expiry
+        )?;
+        writeln!(f, "  loss margin before expiry  {}", self.loss_margin)?;
+        writeln!(
+            f,
+            "  side stalls                main renewals during them {}, side leases lost {}, main leases lost {}  (must be 0)",
+            self.side_stall_main_renewals,
+            self.side_stall_side_losses,
+            self.main_lost_in_side_stall
+        )?;
+        writeln!(
+            f,
             "  handoff after heal         {}",
             self.handoff_after_heal
         )?;
         match self.keys_left {
             Some(n) => writeln!(f, "  keys left once idle        {n}  (must be 0)")?,
             None => writeln!(f, "  keys left once idle        not inspected (plain URL)")?,
+        }
+        if let Some(n) = self.side_keys_left {
+            writeln!(f, "  side keys left once idle   {n}  (must be 0)")?;
         }
         if self.violations.is_empty() {
             write!(f, "  verdict                    OK")
@@ -461,6 +732,8 @@ mod tests {
             mode,
             lease_ms: 1000,
             keys_left: Some(0),
+            side_keys_left: Some(0),
+            traced: false,
             hung_workers: 0,
             finished: true,
             dump: dump
@@ -587,6 +860,193 @@ mod tests {
         assert_eq!(s.lost_signals, 1);
         assert_eq!(s.lost_latency.max, 3.0, "measured from the resumption");
         assert_eq!(s.handoff_after_heal.max, 20.0);
+    }
+
+    const MS: u64 = 1_000_000;
+
+    fn fault_event(t: u64, id: u32, fault: &str, phase: Phase, workers: Vec<usize>) -> Record {
+        Record::Fault(FaultEvent {
+            t,
+            id,
+            fault: fault.into(),
+            phase,
+            workers,
+            detail: String::new(),
+        })
+    }
+
+    /// A runtime event of lease `lease` of worker `w`, whose lease is `lease_ms`.
+    fn traced(t: u64, w: usize, lease: u64, event: TraceKind, backend: &str) -> Record {
+        Record::Trace(TraceEvent {
+            t,
+            w,
+            inc: 0,
+            event,
+            key: "k".into(),
+            token: Some(lease),
+            lease,
+            lease_ms: Some(400),
+            backend: backend.into(),
+            reason: (event == TraceKind::Lost).then(|| "test".to_owned()),
+        })
+    }
+
+    #[test]
+    fn a_renewal_after_a_release_request_is_caught() {
+        let records = [
+            worker(0, 0, Step::Acquired { token: Some(1) }),
+            traced(0, 0, 1, TraceKind::Acquired, "default"),
+            traced(130 * MS, 0, 1, TraceKind::RenewalSent, "default"),
+            traced(131 * MS, 0, 1, TraceKind::Renewed, "default"),
+            traced(200 * MS, 0, 1, TraceKind::ReleaseRequested, "default"),
+            // Another lease of the same worker and key may renew.
+            traced(210 * MS, 0, 2, TraceKind::Acquired, "default"),
+            traced(340 * MS, 0, 2, TraceKind::RenewalSent, "default"),
+            traced(350 * MS, 0, 2, TraceKind::ReleaseRequested, "default"),
+        ];
+        let s = check(&records, &[], &meta(Mode::Fence, &[]));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.renewals_sent, s.releases_requested), (2, 2));
+
+        let mut late = records.to_vec();
+        late.push(traced(201 * MS, 0, 1, TraceKind::RenewalSent, "default"));
+        let s = check(&late, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.renewals_after_release, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("after their lease's release was requested")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn a_loss_after_the_servers_expiry_is_caught_with_each_leases_own_length() {
+        // Lease 400 ms, last answered at 100 ms: the server lets go by 500 ms.
+        let lease = |lost_at: u64| {
+            vec![
+                worker(0, 1, Step::Acquired { token: Some(7) }),
+                traced(0, 1, 7, TraceKind::Acquired, "default"),
+                traced(100 * MS, 1, 7, TraceKind::Renewed, "default"),
+                traced(lost_at, 1, 7, TraceKind::Lost, "default"),
+            ]
+        };
+        // The run's lease (1 s) would hide it: each lease's own length counts.
+        let s = check(&lease(460 * MS), &[], &meta(Mode::Fence, &[]));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(s.loss_margin.min, 40.0);
+        let s = check(&lease(600 * MS), &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.losses_after_expiry, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("after the server's expiry")),
+            "{:?}",
+            s.violations
+        );
+        // A worker stopped meanwhile hears of it when it runs again: no violation.
+        let mut paused = lease(600 * MS);
+        paused.push(fault_event(150 * MS, 1, "sigstop", Phase::Start, vec![1]));
+        paused.push(fault_event(590 * MS, 1, "sigstop", Phase::Heal, vec![1]));
+        let s = check(&paused, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.losses_after_expiry, 0, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn a_main_lease_lost_during_a_side_stall_is_caught() {
+        let stall = [
+            worker(150 * MS, 2, Step::Acquired { token: Some(1) }),
+            fault_event(100 * MS, 1, SIDE_STALL, Phase::Start, vec![]),
+            traced(150 * MS, 2, 1, TraceKind::Acquired, "default"),
+            traced(300 * MS, 2, 1, TraceKind::Renewed, "default"),
+            traced(200 * MS, 2, 2, TraceKind::Acquired, "side"),
+            traced(560 * MS, 2, 2, TraceKind::Lost, "side"),
+            fault_event(1100 * MS, 1, SIDE_STALL, Phase::Heal, vec![]),
+        ];
+        let s = check(&stall, &[], &meta(Mode::Fence, &[]));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(
+            (s.side_stall_main_renewals, s.side_stall_side_losses),
+            (1, 1)
+        );
+
+        // The main lease stops being renewed: lost at its give-up instant.
+        let mut lost = stall.to_vec();
+        lost.push(traced(660 * MS, 2, 1, TraceKind::Lost, "default"));
+        let s = check(&lost, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.main_lost_in_side_stall, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("while only the side backend was stalled")),
+            "{:?}",
+            s.violations
+        );
+
+        // Unless a fault of the main backend touching that worker explains it.
+        let mut excused = lost.clone();
+        excused.push(fault_event(
+            400 * MS,
+            2,
+            "proxy_blackhole",
+            Phase::Start,
+            vec![2],
+        ));
+        excused.push(fault_event(
+            900 * MS,
+            2,
+            "proxy_blackhole",
+            Phase::Heal,
+            vec![2],
+        ));
+        let s = check(&excused, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.main_lost_in_side_stall, 0, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn callers_that_gave_up_and_mixed_leases_are_counted() {
+        let attempt = |t, w, lease_ms| {
+            worker(
+                t,
+                w,
+                Step::Attempt {
+                    lease_ms: Some(lease_ms),
+                    side: false,
+                    give_up: None,
+                },
+            )
+        };
+        let records = [
+            attempt(0, 0, 400),
+            worker(MS, 0, Step::Acquired { token: Some(1) }),
+            worker(
+                2 * MS,
+                0,
+                Step::GaveUp {
+                    at: crate::history::GaveUpAt::Body,
+                },
+            ),
+            // Worker 0 no longer believes it holds: no overlap.
+            attempt(3 * MS, 1, 2500),
+            worker(4 * MS, 1, Step::Acquired { token: Some(2) }),
+            fault_event(5 * MS, 1, "kill_server", Phase::Start, vec![]),
+            // 600 ms after the fault: later than a 400 ms lease, not a 2.5 s one.
+            worker(605 * MS, 1, Step::Lost { cancelled: true }),
+            attempt(606 * MS, 0, 400),
+            worker(607 * MS, 0, Step::Acquired { token: Some(3) }),
+            worker(608 * MS, 0, Step::Lost { cancelled: true }),
+        ];
+        let mut m = meta(Mode::Fence, &[]);
+        m.lease_ms = 2500;
+        let s = check(&records, &[], &m);
+        assert_eq!(s.belief_overlaps, 0);
+        assert_eq!(s.gave_up.get("body"), Some(&1));
+        assert_eq!(
+            s.acquisitions_by_lease_ms,
+            BTreeMap::from([(400, 2), (2500, 1)])
+        );
+        assert_eq!((s.lost_signals, s.lost_late), (2, 1));
     }
 
     #[test]

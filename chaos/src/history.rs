@@ -1,9 +1,11 @@
 //! What every process of a run records: one JSON object per line, stamped with
 //! [`now_ns`](crate::clock::now_ns).
 //!
-//! Workers write [`WorkerEvent`]s to their standard output and the orchestrator
-//! appends them, with the nemesis' [`FaultEvent`]s, to `history.jsonl`; the fenced
-//! store writes its [`StoreOp`]s to `store.jsonl`. The checker reads both.
+//! Workers write [`WorkerEvent`]s (their own steps) and [`TraceEvent`]s (what
+//! dlock's runtime traced about their leases) to their standard output and the
+//! orchestrator appends them, with the nemesis' [`FaultEvent`]s, to
+//! `history.jsonl`; the fenced store writes its [`StoreOp`]s to `store.jsonl`. The
+//! checker reads both.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -18,6 +20,18 @@ pub(crate) enum Record {
     Worker(WorkerEvent),
     /// From the nemesis.
     Fault(FaultEvent),
+    /// From a worker process: an event dlock's runtime traced.
+    Trace(TraceEvent),
+}
+
+/// A line a worker prints: one of its steps or one of the runtime's events.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum WorkerLine {
+    /// A step of the worker (has `ev`).
+    Step(WorkerEvent),
+    /// A runtime event about one of its leases (has `event`).
+    Trace(TraceEvent),
 }
 
 /// One step of a worker.
@@ -39,8 +53,20 @@ pub(crate) struct WorkerEvent {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "step", rename_all = "snake_case")]
 pub(crate) enum Step {
-    /// About to call the annotated function.
-    Attempt,
+    /// About to take the lock (through the annotated function, or through
+    /// `Registry::lock` when the caller is to give up somewhere).
+    Attempt {
+        /// The lease asked for, in ms (absent in runs before mixed leases:
+        /// the run's `lease_ms` then).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_ms: Option<u64>,
+        /// Whether a lock on the side backend is held across this attempt.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        side: bool,
+        /// Where the caller will give up (a short timeout there), if it does.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        give_up: Option<GaveUpAt>,
+    },
     /// Inside the lock.
     Acquired {
         /// The fencing token, where the backend has one.
@@ -79,6 +105,117 @@ pub(crate) enum Step {
         /// The error's text.
         message: String,
     },
+    /// The caller gave up: its timeout fired and the future was dropped there
+    /// (the guard's `Drop` or the cancel-safe release then frees the key). From
+    /// here on the worker no longer believes it holds.
+    GaveUp {
+        /// Where the future was dropped.
+        at: GaveUpAt,
+    },
+    /// A lock on the side backend (key `side:{key}`) is held from here on,
+    /// across the main lock's attempt and body.
+    SideAcquired {
+        /// Its fencing token.
+        token: Option<u64>,
+        /// Its lease, in ms.
+        lease_ms: u64,
+    },
+    /// The side lock was released; `lost` if its lease had been lost meanwhile
+    /// (a stalled side backend).
+    SideReleased {
+        /// Whether the release answered `Lost`.
+        lost: bool,
+    },
+    /// The side lock could not be taken or released (busy, stalled, error).
+    SideFailed {
+        /// The error's text.
+        message: String,
+    },
+}
+
+/// Where a caller gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum GaveUpAt {
+    /// While `acquire()` was in flight.
+    Acquire,
+    /// While the body ran (between read and write, or before either).
+    Body,
+    /// While `guard.release()` was in flight.
+    Release,
+}
+
+impl GaveUpAt {
+    /// Every place, in order.
+    pub(crate) const ALL: [GaveUpAt; 3] = [GaveUpAt::Acquire, GaveUpAt::Body, GaveUpAt::Release];
+
+    /// Its name in histories and summaries.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            GaveUpAt::Acquire => "acquire",
+            GaveUpAt::Body => "body",
+            GaveUpAt::Release => "release",
+        }
+    }
+}
+
+/// An event dlock's runtime traced about a lease of a worker, captured by the
+/// worker's [`TraceLayer`](crate::trace::TraceLayer).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct TraceEvent {
+    /// When, on the shared clock.
+    pub(crate) t: u64,
+    /// Worker slot.
+    pub(crate) w: usize,
+    /// Incarnation of the slot.
+    pub(crate) inc: u32,
+    /// What the runtime traced.
+    pub(crate) event: TraceKind,
+    /// The user key (no prefix).
+    pub(crate) key: String,
+    /// The fencing token, where the backend has one.
+    pub(crate) token: Option<u64>,
+    /// Which acquisition of this process (one `dlock.lock` span each): tells
+    /// two leases of one key apart when there is no token (Redlock).
+    pub(crate) lease: u64,
+    /// The lease asked for, in ms, when the worker said so.
+    #[serde(default)]
+    pub(crate) lease_ms: Option<u64>,
+    /// The registry's name of the backend (`default` or `side`).
+    pub(crate) backend: String,
+    /// Why, for a loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) reason: Option<String>,
+}
+
+/// The runtime events the harness follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum TraceKind {
+    /// `dlock acquired` (DEBUG).
+    Acquired,
+    /// `dlock renewal sent`: a renewal batch with this lease is about to go out.
+    RenewalSent,
+    /// `dlock lease renewed`.
+    Renewed,
+    /// `dlock release requested` (by `release()`, `Drop`, the attribute, shutdown).
+    ReleaseRequested,
+    /// `dlock lease lost` (WARN).
+    Lost,
+}
+
+impl TraceKind {
+    /// The kind of the runtime's event with this message, if it is one we follow.
+    pub(crate) fn from_message(message: &str) -> Option<TraceKind> {
+        Some(match message {
+            "dlock acquired" => TraceKind::Acquired,
+            "dlock renewal sent" => TraceKind::RenewalSent,
+            "dlock lease renewed" => TraceKind::Renewed,
+            "dlock release requested" => TraceKind::ReleaseRequested,
+            "dlock lease lost" => TraceKind::Lost,
+            _ => return None,
+        })
+    }
 }
 
 /// A fault the nemesis injected or healed.

@@ -8,11 +8,14 @@
 //! ```
 //!
 //! `run` starts N worker processes (this binary, `worker`) against one lock
-//! backend; each loops through a `#[distributed_lock]` function that reads and
-//! writes a counter in a fenced store (this binary, `store`) with its fencing
-//! token. A nemesis pauses, kills and cuts off workers and servers on a seeded
-//! schedule. The checker then reads every history and prints one summary; the
-//! exit status is 1 when an invariant was broken.
+//! backend (and a second, `side`, backend that the nemesis stalls); each loops
+//! through `#[distributed_lock]` functions that read and write a counter in a
+//! fenced store (this binary, `store`) with its fencing token, with mixed lease
+//! lengths, sometimes giving up (a timeout) during the acquisition, the body or
+//! the release. A nemesis pauses, kills and cuts off workers and servers on a
+//! seeded schedule. The checker then reads every history, including the runtime's
+//! own trace of each lease, and prints one summary; the exit status is 1 when an
+//! invariant was broken.
 
 mod checker;
 mod clock;
@@ -22,6 +25,7 @@ mod proxy;
 mod run;
 mod servers;
 mod store;
+mod trace;
 mod worker;
 
 use std::path::PathBuf;

@@ -1,9 +1,10 @@
 //! The nemesis: a seeded schedule of faults, one at a time, each logged when it
 //! starts and when it heals.
 //!
-//! The seed fixes the order of fault kinds, their durations and the choices among
-//! candidates; which worker holds a lock when a fault strikes depends on timing,
-//! so two runs with one seed are alike, not identical.
+//! The seed fixes the order of fault kinds, their durations, the leases of the
+//! holders they aim at and the choices among candidates; which worker holds a
+//! lock when a fault strikes depends on timing, so two runs with one seed are
+//! alike, not identical.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use crate::history::Phase;
 use crate::proxy::Fault;
 use crate::run::{Backend, Cluster};
-use crate::worker::{LEASE, LONG_HOLD};
+use crate::worker::{LEASES, LONG_HOLD, LongRequest};
 use tokio::io::AsyncWriteExt as _;
 
 /// The faults the nemesis knows.
@@ -41,12 +42,18 @@ enum Kind {
     /// Redlock: two nodes down, a holder acquires on the other three, one of those
     /// dies and comes back empty.
     RedlockHolderMajority,
+    /// Stall the side backend while a worker holds a side lock and a main lock
+    /// across a long stay: a transaction holding SQLite's write lock for 1.5–3
+    /// side leases, or a Lua busy loop that stalls the side Redis for 1–2 s. The
+    /// main backend must go on renewing meanwhile.
+    SideStall,
 }
 
 fn kinds(backend: Backend) -> &'static [Kind] {
     use Kind::*;
     match backend {
-        Backend::Sqlite | Backend::Url => &[PauseHolder, KillWorker],
+        Backend::Url => &[PauseHolder, KillWorker],
+        Backend::Sqlite => &[PauseHolder, KillWorker, SideStall],
         Backend::Redis => &[
             PauseHolder,
             KillWorker,
@@ -54,12 +61,14 @@ fn kinds(backend: Backend) -> &'static [Kind] {
             ProxyDelay,
             ProxyBlackhole,
             ProxyReset,
+            SideStall,
         ],
         Backend::Redlock => &[
             PauseHolder,
             KillWorker,
             RedlockMinority,
             RedlockHolderMajority,
+            SideStall,
         ],
     }
 }
@@ -74,6 +83,7 @@ fn name(kind: Kind) -> &'static str {
         Kind::ProxyReset => "proxy_reset",
         Kind::RedlockMinority => "redlock_minority_down",
         Kind::RedlockHolderMajority => "redlock_holder_majority_node",
+        Kind::SideStall => SIDE_STALL,
     }
 }
 
@@ -85,8 +95,22 @@ fn pick(rng: &mut StdRng, n: usize, k: usize) -> Vec<usize> {
     all
 }
 
-fn leases(rng: &mut StdRng, lo: f64, hi: f64) -> Duration {
-    LEASE.mul_f64(rng.random_range(lo..hi))
+/// The name of the side backend's stall in histories (the checker looks for it).
+pub(crate) const SIDE_STALL: &str = "side_stall";
+
+/// Between `lo` and `hi` times `lease`.
+fn leases(rng: &mut StdRng, lease: Duration, lo: f64, hi: f64) -> Duration {
+    lease.mul_f64(rng.random_range(lo..hi))
+}
+
+/// One of the workers' leases, for the holder a fault aims at.
+fn any_lease(rng: &mut StdRng) -> Duration {
+    LEASES[rng.random_range(0..LEASES.len())]
+}
+
+/// A long stay with the given lease and no side lock.
+fn long(lease: Duration) -> LongRequest {
+    LongRequest { lease, side: None }
 }
 
 /// Injects `--faults` faults, every kind of the backend in turn (shuffled per round).
@@ -109,25 +133,33 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 // Odd workers (`on_lost = "continue"`) then send a stale write the
                 // store must refuse; even ones get their body stopped.
                 pauses += 1;
-                let w = long_holder(&cluster, &mut rng, Some(pauses % 2)).await;
-                let pause = leases(&mut rng, 1.5, 3.0);
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, Some(pauses % 2), long(lease)).await;
+                let pause = leases(&mut rng, lease, 1.5, 3.0);
                 let Some(pid) = pid(&cluster, w).await else {
                     continue;
                 };
                 let _ = kill(pid, Signal::SIGSTOP);
-                cluster.fault(id, fault, Phase::Start, vec![w], format!("for {pause:?}"));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    vec![w],
+                    format!("for {pause:?} (lease {lease:?})"),
+                );
                 tokio::time::sleep(pause).await;
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
                 let _ = kill(pid, Signal::SIGCONT);
             }
             Kind::KillWorker => {
-                let w = long_holder(&cluster, &mut rng, None).await;
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
                 let mut workers = cluster.workers.lock().await;
                 let _ = workers[w].child.kill().await;
                 // The killed process is inside nothing any more; a stale entry would
                 // let the next fault aim at a worker that is not in the lock.
                 cluster.tracker.lock().expect("tracker").inside.remove(&w);
-                cluster.fault(id, fault, Phase::Start, vec![w], String::new());
+                cluster.fault(id, fault, Phase::Start, vec![w], format!("lease {lease:?}"));
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let inc = workers[w].inc + 1;
                 workers[w] = cluster.spawn_worker(w, inc)?;
@@ -142,7 +174,8 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             Kind::KillServer => {
                 server_kills += 1;
                 let keep = server_kills % 2 == 1;
-                let w = long_holder(&cluster, &mut rng, Some(0)).await;
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 let mut servers = cluster.servers.lock().await;
                 servers[0].kill().await?;
                 let what = if keep {
@@ -155,7 +188,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     fault,
                     Phase::Start,
                     vec![],
-                    format!("while worker {w} holds; {what}"),
+                    format!("while worker {w} holds (lease {lease:?}); {what}"),
                 );
                 tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
                 servers[0].restart(keep).await?;
@@ -182,10 +215,17 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 cluster.fault(id, fault, Phase::Heal, ws, String::new());
             }
             Kind::ProxyBlackhole => {
-                let w = long_holder(&cluster, &mut rng, Some(0)).await;
-                let span = leases(&mut rng, 1.5, 3.0);
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
+                let span = leases(&mut rng, lease, 1.5, 3.0);
                 cluster.proxies[w].set(Fault::Blackhole);
-                cluster.fault(id, fault, Phase::Start, vec![w], format!("for {span:?}"));
+                cluster.fault(
+                    id,
+                    fault,
+                    Phase::Start,
+                    vec![w],
+                    format!("for {span:?} (lease {lease:?})"),
+                );
                 tokio::time::sleep(span).await;
                 cluster.proxies[w].set(Fault::Pass);
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
@@ -235,7 +275,8 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     servers[i].kill().await?;
                 }
                 // A holder that acquires on the three nodes left.
-                let w = long_holder(&cluster, &mut rng, Some(0)).await;
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 servers[third].kill().await?;
                 cluster.fault(
                     id,
@@ -243,13 +284,13 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     Phase::Start,
                     vec![],
                     format!(
-                        "nodes {} {} down, then {} of worker {w}'s majority",
+                        "nodes {} {} down, then {} of worker {w}'s majority (lease {lease:?})",
                         servers[down[0]].port(),
                         servers[down[1]].port(),
                         servers[third].port()
                     ),
                 );
-                tokio::time::sleep(LEASE).await;
+                tokio::time::sleep(lease).await;
                 servers[third].restart(false).await?;
                 tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
                 for &i in &down {
@@ -263,21 +304,121 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     format!("{} came back empty", servers[third].port()),
                 );
             }
+            Kind::SideStall => {
+                // The main lease is short enough to be renewed several times during
+                // the stall; the side lease short enough to be lost in it.
+                let main = LEASES[rng.random_range(0..2)];
+                let side = LEASES[rng.random_range(0..2)];
+                let request = LongRequest {
+                    lease: main,
+                    side: Some(side),
+                };
+                let w = long_holder(&cluster, &mut rng, None, request).await;
+                let span = match cluster.args.backend {
+                    Backend::Sqlite => leases(&mut rng, side, 1.5, 3.0),
+                    _ => Duration::from_millis(rng.random_range(1000..2000)),
+                };
+                let what = format!(
+                    "for {span:?} while worker {w} holds (main lease {main:?}, side lease {side:?})"
+                );
+                stall_side(&cluster, span, || {
+                    cluster.fault(id, fault, Phase::Start, vec![], what.clone());
+                })
+                .await?;
+                cluster.fault(id, fault, Phase::Heal, vec![], String::new());
+            }
         }
     }
     Ok(())
 }
 
+/// Stalls the side backend for `span`, calling `started` just before: holds
+/// SQLite's write lock in a `BEGIN IMMEDIATE` transaction, or runs a Lua busy
+/// loop on the side Redis (a script stalls the whole server; it ends by itself
+/// well before `busy-reply-threshold`, 5 s, would make Redis answer `BUSY`).
+async fn stall_side(
+    cluster: &Cluster,
+    span: Duration,
+    started: impl FnOnce(),
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use sqlx::Connection as _;
+    let url = cluster.side_url().context("no side backend to stall")?;
+    if cluster.args.backend == Backend::Sqlite {
+        let mut conn = sqlx::SqliteConnection::connect(&url).await?;
+        started();
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut conn).await?;
+        tokio::time::sleep(span).await;
+        sqlx::query("ROLLBACK").execute(&mut conn).await?;
+        conn.close().await?;
+        return Ok(());
+    }
+    let port = cluster
+        .side_server
+        .lock()
+        .await
+        .as_ref()
+        .map(|s| s.port())
+        .context("no side Redis")?;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let config = redis::AsyncConnectionConfig::new()
+        .set_response_timeout(Some(span + Duration::from_secs(3)));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
+    started();
+    let busy: redis::RedisResult<u64> = redis::cmd("EVAL")
+        .arg(BUSY_LOOP)
+        .arg(0)
+        .arg(span.as_micros() as u64)
+        .query_async(&mut conn)
+        .await;
+    if busy.is_err() {
+        end_side_stall(port).await;
+    }
+    busy.context("the side Redis' busy loop")?;
+    Ok(())
+}
+
+/// A script that keeps Redis busy for `ARGV[1]` µs and returns its iterations.
+const BUSY_LOOP: &str = "local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+local n = 0
+while true do
+  n = n + 1
+  local u = redis.call('TIME')
+  if u[1] * 1000000 + u[2] - start >= tonumber(ARGV[1]) then return n end
+end";
+
+/// `SCRIPT KILL` on the side Redis (an error when no script runs is fine).
+async fn end_side_stall(port: u16) {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
+        return;
+    };
+    if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+        let _: redis::RedisResult<()> = redis::cmd("SCRIPT")
+            .arg("KILL")
+            .query_async(&mut conn)
+            .await;
+    }
+}
+
 /// Asks a worker (of the given parity: 1 = `on_lost = "continue"`, 0 = `"cancel"`)
-/// to stay [`LONG_HOLD`] inside the lock next time, and waits up to 5 s for it to
-/// be there, so that the fault strikes while its body runs.
-async fn long_holder(cluster: &Cluster, rng: &mut StdRng, parity: Option<usize>) -> usize {
+/// to stay [`LONG_HOLD`] inside the lock next time, with the lease (and side
+/// lock) of `request`, and waits up to 5 s for it to be there, so that the fault
+/// strikes while its body runs.
+async fn long_holder(
+    cluster: &Cluster,
+    rng: &mut StdRng,
+    parity: Option<usize>,
+    request: LongRequest,
+) -> usize {
     let candidates: Vec<usize> = (0..cluster.args.workers)
         .filter(|w| parity.is_none_or(|p| w % 2 == p))
         .collect();
     let w = candidates.choose(rng).copied().unwrap_or(0);
     if let Some(stdin) = cluster.workers.lock().await[w].stdin.as_mut() {
-        let _ = stdin.write_all(b"long\n").await;
+        let _ = stdin.write_all(request.line().as_bytes()).await;
     }
     let long = LONG_HOLD.as_millis() as u64;
     for _ in 0..500 {
@@ -300,7 +441,8 @@ async fn pid(cluster: &Cluster, w: usize) -> Option<Pid> {
 }
 
 /// Ends whatever fault an aborted nemesis left: continues every worker, brings
-/// every server back, lets every proxy pass.
+/// every server back, ends a busy script on the side Redis, lets every proxy
+/// pass. (An aborted SQLite stall ended when its connection was dropped.)
 pub(crate) async fn heal_all(cluster: &Cluster) -> anyhow::Result<()> {
     for w in 0..cluster.args.workers {
         if let Some(pid) = pid(cluster, w).await {
@@ -311,6 +453,9 @@ pub(crate) async fn heal_all(cluster: &Cluster) -> anyhow::Result<()> {
         if !server.is_up() {
             server.restart(true).await?;
         }
+    }
+    if let Some(port) = cluster.side_server.lock().await.as_ref().map(|s| s.port()) {
+        end_side_stall(port).await;
     }
     for proxy in &cluster.proxies {
         proxy.set(Fault::Pass);

@@ -1,6 +1,7 @@
-//! The orchestrator: starts the fenced store, the servers it owns, one proxy per
-//! worker, the worker processes and the nemesis; stops everything; inspects the
-//! server for keys left behind; hands the histories to the checker.
+//! The orchestrator: starts the fenced store, the servers it owns (the main
+//! backend's and the side backend's), one proxy per worker, the worker processes
+//! and the nemesis; stops everything; inspects both backends for keys left
+//! behind; hands the histories to the checker.
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -15,11 +16,11 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::Mutex;
 
 use crate::checker::{self, RunMeta, Summary};
-use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent};
+use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent, WorkerLine};
 use crate::proxy::Proxy;
 use crate::servers::RedisServer;
 use crate::store::Mode;
-use crate::worker::LEASE;
+use crate::worker::MAX_LEASE;
 
 /// Which lock service a run exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -64,6 +65,13 @@ pub(crate) struct RunArgs {
     /// Longest time inside the lock between read and write.
     #[arg(long, default_value_t = 20)]
     pub(crate) hold_max_ms: u64,
+    /// Share of the workers' iterations whose caller gives up (a short timeout
+    /// around the acquisition, the body or the release).
+    #[arg(long, default_value_t = 0.06)]
+    pub(crate) give_up_rate: f64,
+    /// Share of the workers' iterations that also hold a lock on the side backend.
+    #[arg(long, default_value_t = 0.15)]
+    pub(crate) side_rate: f64,
     /// First loopback port of the Redis servers the harness runs.
     #[arg(long, default_value_t = 48379)]
     pub(crate) port_base: u16,
@@ -103,7 +111,15 @@ pub(crate) struct Cluster {
     pub(crate) tracker: Arc<SyncMutex<Tracker>>,
     pub(crate) history: Arc<SyncMutex<std::io::BufWriter<std::fs::File>>>,
     pub(crate) servers: Mutex<Vec<RedisServer>>,
+    /// The side backend's Redis (Redis and Redlock runs).
+    pub(crate) side_server: Mutex<Option<RedisServer>>,
     pub(crate) proxies: Vec<Proxy>,
+}
+
+/// Port of the side backend's Redis, after the main one (`port_base`) and the
+/// five Redlock nodes.
+fn side_port(args: &RunArgs) -> u16 {
+    args.port_base + 6
 }
 
 impl Cluster {
@@ -126,6 +142,19 @@ impl Cluster {
         }
     }
 
+    /// The side backend's URL: a second SQLite file, or a Redis of its own; none
+    /// with `--backend url` (the harness cannot stall what it does not own).
+    pub(crate) fn side_url(&self) -> Option<String> {
+        match self.args.backend {
+            Backend::Sqlite => Some(format!("sqlite://{}", self.out.join("side.db").display())),
+            Backend::Redis | Backend::Redlock => Some(format!(
+                "redis://127.0.0.1:{}/?timeout=250ms",
+                side_port(&self.args)
+            )),
+            Backend::Url => None,
+        }
+    }
+
     /// Starts worker `id` (incarnation `inc`) and a task copying its records.
     pub(crate) fn spawn_worker(&self, id: usize, inc: u32) -> anyhow::Result<WorkerProc> {
         let log = std::fs::OpenOptions::new()
@@ -143,7 +172,15 @@ impl Cluster {
             ])
             .args(["--run", &self.run_id, "--keys", &self.args.keys.to_string()])
             .args(["--hold-max-ms", &self.args.hold_max_ms.to_string()])
+            .args(["--give-up-rate", &self.args.give_up_rate.to_string()])
+            .args(["--side-rate", &self.args.side_rate.to_string()])
             .args(["--seed", &self.args.seed.to_string()])
+            .args(
+                self.side_url()
+                    .map(|url| ["--side-url".to_owned(), url])
+                    .into_iter()
+                    .flatten(),
+            )
             .env("RUST_BACKTRACE", "1")
             // A group of its own: when the orchestrator's group is orphaned (run
             // under nohup, say), the kernel sends SIGCONT to every stopped member
@@ -159,12 +196,14 @@ impl Cluster {
         tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                let Ok(event) = serde_json::from_str::<WorkerEvent>(&line) else {
-                    eprintln!("worker {id}: not a record: {line}");
-                    continue;
-                };
-                track(&mut tracker.lock().expect("tracker"), &event);
-                append(&history, &Record::Worker(event));
+                match serde_json::from_str::<WorkerLine>(&line) {
+                    Ok(WorkerLine::Step(event)) => {
+                        track(&mut tracker.lock().expect("tracker"), &event);
+                        append(&history, &Record::Worker(event));
+                    }
+                    Ok(WorkerLine::Trace(event)) => append(&history, &Record::Trace(event)),
+                    Err(_) => eprintln!("worker {id}: not a record: {line}"),
+                }
             }
         });
         Ok(WorkerProc {
@@ -213,7 +252,11 @@ fn track(tracker: &mut Tracker, event: &WorkerEvent) {
                 *inside = Some(*hold_ms);
             }
         }
-        Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::Fenced => {
+        Step::Leaving
+        | Step::Lost { .. }
+        | Step::Error { .. }
+        | Step::Fenced
+        | Step::GaveUp { .. } => {
             tracker.inside.remove(&event.w);
         }
         _ => {}
@@ -304,6 +347,12 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         }
         Backend::Sqlite | Backend::Url => {}
     }
+    let side_server = match args.backend {
+        Backend::Redis | Backend::Redlock => {
+            Some(RedisServer::start(side_port(&args), &out.join("side-redis")).await?)
+        }
+        Backend::Sqlite | Backend::Url => None,
+    };
     let mut proxies = Vec::new();
     if args.backend == Backend::Redis {
         for _ in 0..args.workers {
@@ -319,12 +368,16 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         tracker: Arc::default(),
         history: Arc::new(SyncMutex::new(std::io::BufWriter::new(history))),
         servers: Mutex::new(servers),
+        side_server: Mutex::new(side_server),
         proxies,
         args: args.clone(),
     });
     if args.backend == Backend::Sqlite {
-        // Create the table once, so that eight processes do not race to.
+        // Create the tables once, so that eight processes do not race to.
         drop(dlock_runtime::connect(&cluster.worker_url(0)).await?);
+        if let Some(side) = cluster.side_url() {
+            drop(dlock_runtime::connect(&side).await?);
+        }
     }
     {
         let mut workers = cluster.workers.lock().await;
@@ -371,9 +424,18 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
             let _ = w.child.kill().await;
         }
     }
-    // A worker killed while holding leaves its key until its lease ends.
-    tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
-    let keys_left = keys_left(&cluster).await?;
+    // A worker killed while holding leaves its key until its lease ends: look
+    // until both backends are clear, for at most the longest lease and a margin.
+    // (Every worker has exited: nothing takes a key any more.)
+    let idle_by = Instant::now() + MAX_LEASE + Duration::from_millis(500);
+    let (keys_left, side_keys_left) = loop {
+        let left = (keys_left(&cluster).await?, side_keys_left(&cluster).await?);
+        let clear = left.0.unwrap_or(0) == 0 && left.1.unwrap_or(0) == 0;
+        if clear || Instant::now() >= idle_by {
+            break left;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
 
     let dump = crate::store::StoreClient::connect(store_port)
         .await?
@@ -384,14 +446,19 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     for server in cluster.servers.lock().await.iter_mut() {
         server.kill().await?;
     }
+    if let Some(server) = cluster.side_server.lock().await.as_mut() {
+        server.kill().await?;
+    }
 
     let meta = RunMeta {
         backend: backend_name,
         seed: args.seed,
         workers: args.workers,
         mode,
-        lease_ms: LEASE.as_millis() as u64,
+        lease_ms: MAX_LEASE.as_millis() as u64,
         keys_left,
+        side_keys_left,
+        traced: true,
         hung_workers,
         finished,
         dump,
@@ -405,40 +472,59 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     Ok(summary)
 }
 
-/// Lock keys of this run still held on the server(s) once everything is idle.
+/// Lock keys of this run still held on the main backend's server(s) once
+/// everything is idle.
 async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
-    let pattern = format!("*chaos:{}:*", cluster.run_id);
     match cluster.args.backend {
         Backend::Redis | Backend::Redlock => {
             let mut left = 0;
             for server in cluster.servers.lock().await.iter() {
-                let client = redis::Client::open(format!("redis://127.0.0.1:{}/", server.port()))?;
-                let mut conn = client.get_multiplexed_async_connection().await?;
-                let keys: Vec<String> = redis::cmd("KEYS")
-                    .arg(&pattern)
-                    .query_async(&mut conn)
-                    .await?;
-                // Fence counters stay by design (they make tokens increase).
-                left += keys.iter().filter(|k| !k.ends_with(":fence")).count();
+                left += redis_keys_left(cluster, server.port()).await?;
             }
             Ok(Some(left))
         }
-        Backend::Sqlite => {
-            let url = format!("{}?mode=ro", cluster.worker_url(0));
-            let pool = sqlx::SqlitePool::connect(&url).await?;
-            let like = format!("dlock:chaos:{}:%", cluster.run_id);
-            let (left,): (i64,) = sqlx::query_as(
-                "SELECT COUNT(*) FROM dlock_leases WHERE key LIKE ?1 AND owner IS NOT NULL
-                 AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-            )
-            .bind(like)
-            .fetch_one(&pool)
-            .await?;
-            pool.close().await;
-            Ok(Some(usize::try_from(left)?))
-        }
+        Backend::Sqlite => Ok(Some(
+            sqlite_keys_left(cluster, &cluster.worker_url(0)).await?,
+        )),
         Backend::Url => Ok(None),
     }
+}
+
+/// Lock keys of this run still held on the side backend once everything is idle.
+async fn side_keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
+    if let Some(server) = cluster.side_server.lock().await.as_ref() {
+        return Ok(Some(redis_keys_left(cluster, server.port()).await?));
+    }
+    match cluster.side_url() {
+        Some(url) => Ok(Some(sqlite_keys_left(cluster, &url).await?)),
+        None => Ok(None),
+    }
+}
+
+async fn redis_keys_left(cluster: &Cluster, port: u16) -> anyhow::Result<usize> {
+    let pattern = format!("*chaos:{}:*", cluster.run_id);
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await?;
+    // Fence counters stay by design (they make tokens increase).
+    Ok(keys.iter().filter(|k| !k.ends_with(":fence")).count())
+}
+
+async fn sqlite_keys_left(cluster: &Cluster, url: &str) -> anyhow::Result<usize> {
+    let pool = sqlx::SqlitePool::connect(&format!("{url}?mode=ro")).await?;
+    let like = format!("dlock:chaos:{}:%", cluster.run_id);
+    let (left,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM dlock_leases WHERE key LIKE ?1 AND owner IS NOT NULL
+         AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    )
+    .bind(like)
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    Ok(usize::try_from(left)?)
 }
 
 /// `target/` of the workspace (or `CARGO_TARGET_DIR`).

@@ -1,28 +1,56 @@
-//! A worker process: loops over the annotated functions below until its standard
-//! input closes, printing one [`WorkerEvent`] per step on standard output.
+//! A worker process: loops over locked read-modify-writes until its standard
+//! input closes, printing one [`WorkerEvent`] per step (and, through
+//! [`trace`](crate::trace), the runtime's events about its leases) on standard
+//! output.
 //!
 //! Even-numbered workers use `on_lost = "cancel"` (the body stops when the lease
 //! is lost: the lost-signal path); odd-numbered ones use `on_lost = "continue"`,
 //! so a holder that was paused past its lease really sends its stale write and the
 //! store's fencing has to refuse it.
+//!
+//! Each iteration picks its lease from [`LEASES`]. Most go through the annotated
+//! functions below (one per lease and policy); an iteration whose caller is to
+//! give up goes through `Registry::lock` instead, with a short timeout around
+//! the acquisition, the body or the release, so that its future is dropped
+//! there, as an HTTP server drops a handler whose client disconnected. A
+//! fraction of iterations also hold a lock on the registry's second backend
+//! (`side`, key `side:{key}`) across the whole attempt and body.
 
-use std::io::Write as _;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
 
-use dlock_runtime::{LockError, Registry, distributed_lock};
+use dlock_runtime::{LockError, LockGuard, Registry, distributed_lock};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::Mutex;
 
 use crate::clock::now_ns;
-use crate::history::{Step, WorkerEvent};
+use crate::history::{GaveUpAt, Step, WorkerEvent};
 use crate::store::{ReadReply, StoreClient};
+use crate::trace::{self, with_lease};
 
-/// The lease of both annotated functions (their `lease = "1s"`); the nemesis
-/// scales its pauses by it.
-pub(crate) const LEASE: Duration = Duration::from_secs(1);
+/// The leases iterations choose from (each iteration picks one; the annotated
+/// functions below have one variant per lease).
+pub(crate) const LEASES: [Duration; 3] = [
+    Duration::from_millis(400),
+    Duration::from_secs(1),
+    Duration::from_millis(2500),
+];
+
+/// The longest of [`LEASES`]: how long a killed holder can keep a key.
+pub(crate) const MAX_LEASE: Duration = Duration::from_millis(2500);
+
+/// How long the main lock is waited for (the annotated functions' `wait = "2s"`).
+const WAIT: Duration = Duration::from_secs(2);
+
+/// How long a side lock is waited for.
+const SIDE_WAIT: Duration = Duration::from_secs(1);
+
+/// The registry's name of the second backend.
+pub(crate) const SIDE: &str = "side";
+
+/// A stay inside the lock the nemesis asks for, to strike while the body runs.
+pub(crate) const LONG_HOLD: Duration = Duration::from_millis(2500);
 
 /// What a worker is started with.
 #[derive(Debug, Clone, clap::Args)]
@@ -36,6 +64,9 @@ pub(crate) struct WorkerArgs {
     /// Lock backend URL.
     #[arg(long)]
     pub(crate) url: String,
+    /// URL of the second backend, registered as `side`.
+    #[arg(long)]
+    pub(crate) side_url: Option<String>,
     /// Loopback port of the fenced store.
     #[arg(long)]
     pub(crate) store_port: u16,
@@ -48,6 +79,12 @@ pub(crate) struct WorkerArgs {
     /// Longest time spent inside the lock between read and write.
     #[arg(long, default_value_t = 20)]
     pub(crate) hold_max_ms: u64,
+    /// Share of iterations whose caller gives up somewhere (0–1).
+    #[arg(long, default_value_t = 0.06)]
+    pub(crate) give_up_rate: f64,
+    /// Share of iterations that also hold a side lock (0–1; with `--side-url`).
+    #[arg(long, default_value_t = 0.15)]
+    pub(crate) side_rate: f64,
     /// Seed of this worker's choices.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -56,6 +93,42 @@ pub(crate) struct WorkerArgs {
 /// Whether worker `id` runs with `on_lost = "cancel"` (even ids) or `"continue"`.
 pub(crate) fn cancels_on_loss(id: usize) -> bool {
     id.is_multiple_of(2)
+}
+
+/// A long stay the nemesis asks for, with the lease to use and, if any, a side
+/// lock to hold across it. On the worker's standard input it is the line
+/// `long <lease_ms> <side_lease_ms or 0>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LongRequest {
+    /// Lease of the main lock.
+    pub(crate) lease: Duration,
+    /// Lease of a side lock held across it.
+    pub(crate) side: Option<Duration>,
+}
+
+impl LongRequest {
+    /// The line that asks for it.
+    pub(crate) fn line(&self) -> String {
+        format!(
+            "long {} {}\n",
+            self.lease.as_millis(),
+            self.side.map_or(0, |s| s.as_millis())
+        )
+    }
+
+    fn parse(line: &str) -> Option<LongRequest> {
+        let mut words = line.split_whitespace();
+        if words.next()? != "long" {
+            return None;
+        }
+        let ms = |w: Option<&str>| w.and_then(|w| w.parse::<u64>().ok());
+        let lease = ms(words.next()).unwrap_or(1000);
+        let side = ms(words.next()).unwrap_or(0);
+        Some(LongRequest {
+            lease: Duration::from_millis(lease),
+            side: (side > 0).then(|| Duration::from_millis(side)),
+        })
+    }
 }
 
 /// Why a step did not finish.
@@ -67,36 +140,48 @@ enum StepError {
     Store(anyhow::Error),
 }
 
+/// One iteration's choices.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    lease: Duration,
+    /// Lease of a side lock held across the attempt.
+    side: Option<Duration>,
+    /// Where to give up, and the timeout there.
+    give_up: Option<(GaveUpAt, Duration)>,
+    /// The nemesis asked for a long stay.
+    long: bool,
+}
+
+impl Plan {
+    /// The timeout to put around `at`, if this iteration gives up there.
+    fn cut(&self, at: GaveUpAt) -> Option<Duration> {
+        self.give_up.filter(|(g, _)| *g == at).map(|(_, d)| d)
+    }
+}
+
 struct Worker {
     args: WorkerArgs,
+    registry: Registry,
     /// `None` after a call was cut short (its reply would be read by the next one).
     store: Mutex<Option<StoreClient>>,
     hold: Mutex<StdRng>,
-    /// Set by a `long` line on stdin: the next stay inside lasts [`LONG_HOLD`].
-    long_next: Arc<AtomicBool>,
+    /// The nemesis' pending request, taken by the body that makes the long stay.
+    long: std::sync::Arc<SyncMutex<Option<LongRequest>>>,
 }
-
-/// A stay inside the lock the nemesis asks for, to strike while the body runs.
-pub(crate) const LONG_HOLD: Duration = Duration::from_millis(2500);
 
 impl Worker {
     fn emit(&self, key: &str, ev: Step) {
-        let event = WorkerEvent {
+        trace::line(&WorkerEvent {
             t: now_ns(),
             w: self.args.id,
             inc: self.args.inc,
             key: key.to_owned(),
             ev,
-        };
-        let mut line = serde_json::to_vec(&event).expect("events serialize");
-        line.push(b'\n');
-        // One write per line: a reader never sees half of one unless we are killed.
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(&line).and_then(|()| out.flush());
+        });
     }
 
-    /// The body both annotated functions run: fenced read, a short stay, fenced write.
-    async fn read_modify_write(&self, key: &str) -> Result<(), StepError> {
+    /// The body of every iteration: fenced read, a short stay, fenced write.
+    async fn read_modify_write(&self, key: &str, long: bool) -> Result<(), StepError> {
         let held = dlock_runtime::current().expect("called inside the lock");
         let token = held.fencing_token().map(u64::from);
         self.emit(key, Step::Acquired { token });
@@ -117,7 +202,8 @@ impl Worker {
                 return Ok(());
             }
         };
-        let hold = if self.long_next.swap(false, Ordering::SeqCst) {
+        let hold = if long {
+            self.long.lock().unwrap_or_else(|p| p.into_inner()).take();
             LONG_HOLD
         } else {
             Duration::from_millis(
@@ -167,95 +253,341 @@ impl Worker {
         self.emit(key, Step::Leaving);
         Ok(())
     }
+
+    /// One attempt through the annotated function of the plan's lease.
+    async fn annotated(&self, key: &str, plan: Plan) -> Step {
+        let (run, long) = (self.args.run.as_str(), plan.long);
+        let lease = LEASES
+            .iter()
+            .position(|l| *l == plan.lease)
+            .expect("leases come from LEASES");
+        let call = async {
+            match (cancels_on_loss(self.args.id), lease) {
+                (true, 0) => cancel_400ms(run, key, self, long).await,
+                (true, 1) => cancel_1s(run, key, self, long).await,
+                (true, _) => cancel_2500ms(run, key, self, long).await,
+                (false, 0) => continue_400ms(run, key, self, long).await,
+                (false, 1) => continue_1s(run, key, self, long).await,
+                (false, _) => continue_2500ms(run, key, self, long).await,
+            }
+        };
+        match with_lease(plan.lease, call).await {
+            Ok(()) => Step::Released,
+            Err(StepError::Lock(LockError::Busy { .. })) => Step::Busy,
+            // A store call cut short by the cancellation took its connection with it
+            // (the slot stays empty), so no reply is ever read by the wrong call.
+            Err(StepError::Lock(LockError::Lost { .. })) => Step::Lost { cancelled: true },
+            Err(e) => Step::Error {
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// One attempt through `Registry::lock`, as the annotated function does it,
+    /// with the plan's timeout (if any) around the acquisition, the body or the
+    /// release: when it fires, the future is dropped right there.
+    async fn programmatic(&self, key: &str, plan: Plan) -> Step {
+        let acquire = with_lease(
+            plan.lease,
+            self.registry
+                .lock(format!("chaos:{}:{key}", self.args.run))
+                .wait(WAIT)
+                .lease(plan.lease)
+                .acquire(),
+        );
+        let acquired = match plan.cut(GaveUpAt::Acquire) {
+            Some(limit) => match tokio::time::timeout(limit, acquire).await {
+                Ok(acquired) => acquired,
+                Err(_) => {
+                    return Step::GaveUp {
+                        at: GaveUpAt::Acquire,
+                    };
+                }
+            },
+            None => acquire.await,
+        };
+        let guard = match acquired {
+            Ok(guard) => guard,
+            Err(LockError::Busy { .. }) => return Step::Busy,
+            Err(e) => {
+                return Step::Error {
+                    message: e.to_string(),
+                };
+            }
+        };
+        let body = async {
+            let body = guard.scope(self.read_modify_write(key, plan.long));
+            if cancels_on_loss(self.args.id) {
+                let lost = guard.lost();
+                tokio::select! {
+                    biased;
+                    out = body => Some(out),
+                    () = lost => None,
+                }
+            } else {
+                Some(body.await)
+            }
+        };
+        let finished = match plan.cut(GaveUpAt::Body) {
+            Some(limit) => match tokio::time::timeout(limit, body).await {
+                Ok(finished) => finished,
+                Err(_) => {
+                    // What a dropped handler does: the guard's Drop releases.
+                    drop(guard);
+                    return Step::GaveUp { at: GaveUpAt::Body };
+                }
+            },
+            None => body.await,
+        };
+        let Some(out) = finished else {
+            drop(guard);
+            return Step::Lost { cancelled: true };
+        };
+        let release = guard.release();
+        let released = match plan.cut(GaveUpAt::Release) {
+            Some(limit) => match tokio::time::timeout(limit, release).await {
+                Ok(released) => released,
+                Err(_) => {
+                    return Step::GaveUp {
+                        at: GaveUpAt::Release,
+                    };
+                }
+            },
+            None => release.await,
+        };
+        match (out, released) {
+            (Err(e), _) => Step::Error {
+                message: e.to_string(),
+            },
+            // As the attribute does: a loss the body already saw (or one after its
+            // end) is only logged; a failed release leaves the key to its lease.
+            (Ok(()), Ok(()) | Err(LockError::Lost { .. })) => Step::Released,
+            (Ok(()), Err(e)) => Step::Error {
+                message: format!("release: {e}"),
+            },
+        }
+    }
+
+    /// Takes the side lock for `key`, held until [`Worker::release_side`].
+    async fn take_side(&self, key: &str, lease: Duration) -> Option<LockGuard> {
+        let label = format!("side:{key}");
+        let acquired = with_lease(
+            lease,
+            self.registry
+                .lock(format!("chaos:{}:{label}", self.args.run))
+                .backend(SIDE)
+                .wait(SIDE_WAIT)
+                .lease(lease)
+                .acquire(),
+        )
+        .await;
+        match acquired {
+            Ok(guard) => {
+                self.emit(
+                    &label,
+                    Step::SideAcquired {
+                        token: guard.fencing_token().map(u64::from),
+                        lease_ms: lease.as_millis() as u64,
+                    },
+                );
+                Some(guard)
+            }
+            Err(e) => {
+                self.emit(
+                    &label,
+                    Step::SideFailed {
+                        message: e.to_string(),
+                    },
+                );
+                None
+            }
+        }
+    }
+
+    async fn release_side(&self, key: &str, guard: LockGuard) {
+        let label = format!("side:{key}");
+        let step = match guard.release().await {
+            Ok(()) => Step::SideReleased { lost: false },
+            Err(LockError::Lost { .. }) => Step::SideReleased { lost: true },
+            Err(e) => Step::SideFailed {
+                message: format!("release: {e}"),
+            },
+        };
+        self.emit(&label, step);
+    }
 }
 
-#[distributed_lock(
-    key = "chaos:{run}:{key}",
-    wait = "2s",
-    lease = "1s",
-    on_lost = "cancel"
-)]
-async fn step_cancel(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
-    worker.read_modify_write(key).await
+/// The annotated functions: one per lease of [`LEASES`] and `on_lost` policy.
+macro_rules! annotated {
+    ($($name:ident: lease = $lease:tt, on_lost = $on_lost:tt;)*) => {$(
+        #[distributed_lock(
+            key = "chaos:{run}:{key}",
+            wait = "2s",
+            lease = $lease,
+            on_lost = $on_lost
+        )]
+        async fn $name(run: &str, key: &str, worker: &Worker, long: bool) -> Result<(), StepError> {
+            worker.read_modify_write(key, long).await
+        }
+    )*};
 }
 
-#[distributed_lock(
-    key = "chaos:{run}:{key}",
-    wait = "2s",
-    lease = "1s",
-    on_lost = "continue"
-)]
-async fn step_continue(run: &str, key: &str, worker: &Worker) -> Result<(), StepError> {
-    worker.read_modify_write(key).await
+annotated! {
+    cancel_400ms: lease = "400ms", on_lost = "cancel";
+    cancel_1s: lease = "1s", on_lost = "cancel";
+    cancel_2500ms: lease = "2500ms", on_lost = "cancel";
+    continue_400ms: lease = "400ms", on_lost = "continue";
+    continue_1s: lease = "1s", on_lost = "continue";
+    continue_2500ms: lease = "2500ms", on_lost = "continue";
+}
+
+/// Connects to `url`, trying again while it fails (a restarted worker may come
+/// up while the server is down).
+async fn connect(id: usize, url: &str) -> std::sync::Arc<dyn dlock_runtime::LockBackend> {
+    loop {
+        match dlock_runtime::connect(url).await {
+            Ok(backend) => break backend,
+            Err(e) => {
+                eprintln!("worker {id}: connect: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
 }
 
 /// Runs a worker until standard input closes.
 pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    // A restarted worker may come up while the server is down: keep trying.
-    let registry = loop {
-        match Registry::from_url(&args.url).await {
-            Ok(registry) => break registry,
-            Err(e) => {
-                eprintln!("worker {}: connect: {e}", args.id);
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    };
-    dlock_runtime::init(registry)?;
+    trace::start(args.id, args.inc)?;
+    let mut builder = Registry::builder().default_backend(connect(args.id, &args.url).await);
+    if let Some(side) = &args.side_url {
+        builder = builder.backend(SIDE, connect(args.id, side).await);
+    }
+    let registry = builder.build();
+    dlock_runtime::init(registry.clone())?;
 
-    let long_next = Arc::new(AtomicBool::new(false));
-    let stop = read_stdin(long_next.clone());
+    let long = std::sync::Arc::new(SyncMutex::new(None));
+    let stop = read_stdin(long.clone());
     let mut rng = StdRng::seed_from_u64(args.seed ^ ((args.id as u64) << 32) ^ u64::from(args.inc));
+    let give_up_rate = args.give_up_rate.clamp(0.0, 1.0);
+    let side_rate = if args.side_url.is_some() {
+        args.side_rate.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
     let worker = Worker {
         store: Mutex::new(None),
         hold: Mutex::new(StdRng::seed_from_u64(rng.random())),
-        long_next,
+        long,
+        registry,
         args,
     };
     let keys: Vec<String> = (0..worker.args.keys).map(|k| format!("k{k}")).collect();
-    let cancel_on_lost = cancels_on_loss(worker.args.id);
     while !*stop.borrow() {
         let key = &keys[rng.random_range(0..keys.len())];
-        worker.emit(key, Step::Attempt);
-        let result = if cancel_on_lost {
-            step_cancel(&worker.args.run, key, &worker).await
-        } else {
-            step_continue(&worker.args.run, key, &worker).await
+        let plan = match *worker.long.lock().unwrap_or_else(|p| p.into_inner()) {
+            // Stays pending until a body makes the stay (a busy key does not).
+            Some(long) => Plan {
+                lease: long.lease,
+                side: long.side.filter(|_| worker.args.side_url.is_some()),
+                give_up: None,
+                long: true,
+            },
+            None => Plan {
+                lease: LEASES[rng.random_range(0..LEASES.len())],
+                side: rng
+                    .random_bool(side_rate)
+                    .then(|| LEASES[rng.random_range(0..LEASES.len())]),
+                give_up: rng.random_bool(give_up_rate).then(|| {
+                    let at = GaveUpAt::ALL[rng.random_range(0..GaveUpAt::ALL.len())];
+                    let limit = match at {
+                        // Acquisitions take a round trip or more (a wait when busy).
+                        GaveUpAt::Acquire => Duration::from_micros(rng.random_range(0..20_000)),
+                        // Anywhere from before the read to during the write.
+                        GaveUpAt::Body => Duration::from_micros(
+                            rng.random_range(0..(worker.args.hold_max_ms + 5) * 1000),
+                        ),
+                        // A release is one round trip (a fast one on SQLite).
+                        GaveUpAt::Release => Duration::from_micros(rng.random_range(0..500)),
+                    };
+                    (at, limit)
+                }),
+                long: false,
+            },
         };
-        match result {
-            Ok(()) => worker.emit(key, Step::Released),
-            Err(StepError::Lock(LockError::Busy { .. })) => worker.emit(key, Step::Busy),
-            // A store call cut short by the cancellation took its connection with it
-            // (the slot stays empty), so no reply is ever read by the wrong call.
-            Err(StepError::Lock(LockError::Lost { .. })) => {
-                worker.emit(key, Step::Lost { cancelled: true })
-            }
-            Err(e) => {
-                worker.emit(
-                    key,
-                    Step::Error {
-                        message: e.to_string(),
-                    },
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+        worker.emit(
+            key,
+            Step::Attempt {
+                lease_ms: Some(plan.lease.as_millis() as u64),
+                side: plan.side.is_some(),
+                give_up: plan.give_up.map(|(at, _)| at),
+            },
+        );
+        let side = match plan.side {
+            Some(lease) => worker.take_side(key, lease).await,
+            None => None,
+        };
+        let step = if plan.give_up.is_some() {
+            worker.programmatic(key, plan).await
+        } else {
+            worker.annotated(key, plan).await
+        };
+        let error = matches!(step, Step::Error { .. });
+        worker.emit(key, step);
+        if let Some(guard) = side {
+            worker.release_side(key, guard).await;
+        }
+        if error {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+    // Whatever is still held or being released (a release a caller gave up on).
+    let report = dlock_runtime::shutdown(Duration::from_secs(5)).await;
+    if report.unfinished > 0 {
+        eprintln!(
+            "worker {}: shutdown left {} releases unfinished",
+            worker.args.id, report.unfinished
+        );
+    }
+    trace::finish();
     Ok(())
 }
 
-/// Reads the orchestrator's lines: `long` asks for a long stay next time; the end
-/// of input means stop (the returned flag becomes `true`).
-fn read_stdin(long_next: Arc<AtomicBool>) -> tokio::sync::watch::Receiver<bool> {
+/// Reads the orchestrator's lines: `long …` asks for a long stay (see
+/// [`LongRequest`]); the end of input means stop (the returned flag becomes `true`).
+fn read_stdin(
+    long: std::sync::Arc<SyncMutex<Option<LongRequest>>>,
+) -> tokio::sync::watch::Receiver<bool> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            if line.trim() == "long" {
-                long_next.store(true, Ordering::SeqCst);
+            if let Some(request) = LongRequest::parse(&line) {
+                *long.lock().unwrap_or_else(|p| p.into_inner()) = Some(request);
             }
         }
         let _ = tx.send(true);
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_requests_round_trip() {
+        for request in [
+            LongRequest {
+                lease: Duration::from_millis(400),
+                side: None,
+            },
+            LongRequest {
+                lease: Duration::from_secs(1),
+                side: Some(Duration::from_millis(2500)),
+            },
+        ] {
+            assert_eq!(LongRequest::parse(request.line().trim()), Some(request));
+        }
+        assert_eq!(LongRequest::parse("short"), None);
+    }
 }

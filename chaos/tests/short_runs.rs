@@ -1,7 +1,11 @@
 //! The short chaos runs CI does: one per multi-process backend, each failing on
 //! any violation the checker finds (stale write accepted, lost update, key left
-//! behind, worker hung, targets not reached) and on a run that did not exercise
-//! the faults it claims (no stale write refused, no lost-lease signal).
+//! behind on either backend, renewal after a release request, loss signalled
+//! after the server's expiry, main lease lost during a side stall, worker hung,
+//! targets not reached) and on a run that did not exercise the faults it claims
+//! (no stale write refused, no lost-lease signal, a caller that never gave up
+//! at the acquisition, the body or the release, no side stall with the main
+//! backend renewing through it, a lease length never used).
 //!
 //! They need `redis-server` on the PATH (`scripts/servers.sh up` installs it).
 
@@ -56,9 +60,41 @@ fn short_run(backend: &str, faults: u32) {
         field("lost_signals") >= 1,
         "no lost-lease signal: {summary}"
     );
+    for at in ["acquire", "body", "release"] {
+        assert!(
+            summary["gave_up"][at].as_u64().unwrap_or(0) >= 1,
+            "no caller gave up during the {at}: {summary}"
+        );
+    }
+    for lease_ms in ["400", "1000", "2500"] {
+        assert!(
+            summary["acquisitions_by_lease_ms"][lease_ms]
+                .as_u64()
+                .unwrap_or(0)
+                >= 1,
+            "no entry with a {lease_ms} ms lease: {summary}"
+        );
+    }
+    assert!(
+        summary["faults"]["side_stall"].as_u64().unwrap_or(0) >= 1,
+        "the side backend was never stalled: {summary}"
+    );
+    assert!(field("side_acquired") >= 1, "no side lock: {summary}");
+    assert!(
+        field("side_stall_main_renewals") >= 1,
+        "no main-backend renewal during a side stall: {summary}"
+    );
+    assert!(
+        field("renewals_sent") >= 1 && field("releases_requested") >= 1,
+        "the runtime's lease events were not recorded: {summary}"
+    );
+    assert_eq!(field("renewals_after_release"), 0);
+    assert_eq!(field("losses_after_expiry"), 0);
+    assert_eq!(field("main_lost_in_side_stall"), 0);
     assert_eq!(field("stale_writes_accepted"), 0);
     assert_eq!(field("lost_updates"), 0);
     assert_eq!(summary["keys_left"].as_u64(), Some(0));
+    assert_eq!(summary["side_keys_left"].as_u64(), Some(0));
 }
 
 fn read_summary(dir: &Path) -> serde_json::Value {
@@ -68,17 +104,21 @@ fn read_summary(dir: &Path) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
+// Every fault kind of a backend comes once per round of the nemesis' schedule,
+// so each run below (with at least as many faults as its backend has kinds:
+// 3, 7 and 5) stalls the side backend at least once.
+
 #[test]
-fn sqlite_under_pauses_and_kills() {
+fn sqlite_under_pauses_kills_and_side_stalls() {
     short_run("sqlite", 6);
 }
 
 #[test]
-fn redis_under_server_kills_partitions_pauses_and_kills() {
+fn redis_under_server_kills_partitions_pauses_kills_and_side_stalls() {
     short_run("redis", 12);
 }
 
 #[test]
-fn redlock_under_node_outages_pauses_and_kills() {
+fn redlock_under_node_outages_pauses_kills_and_side_stalls() {
     short_run("redlock", 8);
 }

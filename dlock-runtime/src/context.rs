@@ -5,9 +5,10 @@
 //! push for the duration of a body. Reentrancy is for a *call chain*: a
 //! nested acquisition of the same key (same registry, backend and stored key)
 //! finds the innermost frame holding it and takes that frame's **gate**, a
-//! one-permit semaphore. The first nested holder enters at once; the code it
-//! runs in its own scope pushes a new frame (with a gate of its own), so its
-//! own nested calls enter at once too. Sibling futures polled inside one
+//! one-permit semaphore belonging to the guard whose scope it is (shared by
+//! all of that guard's scopes). The first nested holder enters at once; the
+//! code it runs in its own scope pushes a new frame (with its own guard's
+//! gate), so its own nested calls enter at once too. Sibling futures polled inside one
 //! scope — `join!`, `select!`, `FuturesUnordered`, a future built elsewhere
 //! and awaited inside — all see the same frame, so they take turns at its
 //! gate, each within its own `wait`: they never share the hold.
@@ -38,16 +39,15 @@ pub(crate) struct Frame {
     pub(crate) gate: Arc<Semaphore>,
 }
 
-/// Runs `future` with `lease` on top of this task's stack of held locks.
+/// Runs `future` with `lease` on top of this task's stack of held locks;
+/// nested acquisitions inside pass `gate` (the holding guard's) one at a time.
 pub(crate) fn scope<F: Future>(
     lease: Arc<HeldLease>,
+    gate: Arc<Semaphore>,
     future: F,
 ) -> impl Future<Output = F::Output> {
     let mut stack = HELD.try_with(Stack::clone).unwrap_or_default();
-    stack.0.push(Frame {
-        lease,
-        gate: Arc::new(Semaphore::new(1)),
-    });
+    stack.0.push(Frame { lease, gate });
     HELD.scope(stack, future)
 }
 

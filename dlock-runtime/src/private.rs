@@ -107,10 +107,12 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
     let finished = match spec.on_lost {
         LostPolicy::Cancel => {
             let lost = guard.lost();
+            // The loss first: a body that would resume after the loss was
+            // signalled is not polled again.
             tokio::select! {
                 biased;
-                out = body => Some(out),
                 () = lost => None,
+                out = body => Some(out),
             }
         }
         LostPolicy::Continue => Some(body.await),
@@ -126,6 +128,12 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
     };
     match guard.release().await {
         Ok(()) => {}
+        Err(LockError::Lost { key }) if spec.on_lost == LostPolicy::Cancel => {
+            // Lost after the body's last `.await` (or as it finished): the
+            // work was not protected to its end, and the caller must know.
+            tracing::warn!(function = spec.function, key = %key, "dlock: lease lost as the body finished");
+            return R::from_lock_error(LockError::Lost { key });
+        }
         Err(LockError::Lost { .. }) => tracing::warn!(
             function = spec.function,
             key = %key,

@@ -218,6 +218,30 @@ fn look_at(watchdog: &Watchdog, due: Vec<Entry>, now: Instant) {
 
 /// One backend's due renewals, in one call; the answers go through the state machine.
 async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTicket)>) {
+    // Commit each renewal under its lease's lock: one whose release was asked
+    // for since `look_at` began it is dropped here, never sent.
+    let leases: Vec<_> = leases
+        .into_iter()
+        .filter(|(lease, ticket)| {
+            let mut sched = lease.sched();
+            if sched.machine.commit_renewal(*ticket) {
+                tracing::trace!(
+                    parent: &lease.span,
+                    key = %lease.user_key,
+                    token = lease.lease.token.map(crate::FencingToken::get),
+                    "dlock renewal sent"
+                );
+                true
+            } else {
+                drop(sched);
+                lease.renewal_settled();
+                false
+            }
+        })
+        .collect();
+    if leases.is_empty() {
+        return;
+    }
     let backend = leases[0].0.backend.clone();
     let sent = leases[0].1.sent;
     // Past the latest give-up instant every lease of the batch is lost anyway.
@@ -226,14 +250,6 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
         .map(|(l, _)| l.sched().machine.give_up_at())
         .max()
         .unwrap_or(sent);
-    for (lease, _) in &leases {
-        tracing::trace!(
-            parent: &lease.span,
-            key = %lease.user_key,
-            token = lease.lease.token.map(crate::FencingToken::get),
-            "dlock renewal sent"
-        );
-    }
     let batch: Vec<_> = leases
         .iter()
         .map(|(l, _)| (&l.lease, l.lease_len))

@@ -39,8 +39,8 @@ pub(crate) struct HeldLease {
     pub(crate) hold_at_least: Option<Duration>,
     /// Cancelled when the lease is lost (by the watchdog, or by the backend on its own).
     pub(crate) lost: CancellationToken,
-    /// Guards alive for this acquisition; the last one releases.
-    holds: AtomicUsize,
+    /// Nested guards alive for this acquisition.
+    nested_holds: AtomicUsize,
     pub(crate) acquired_at: Instant,
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
@@ -82,7 +82,7 @@ impl HeldLease {
             renew: n.renew,
             hold_at_least: n.hold_at_least,
             lost: n.lost,
-            holds: AtomicUsize::new(1),
+            nested_holds: AtomicUsize::new(0),
             acquired_at: now,
             span: n.span,
             watchdog: n.watchdog,
@@ -108,9 +108,14 @@ impl HeldLease {
     }
 
     /// Whether the lease is known to be lost: reported, or past its give-up
-    /// instant (even before the watchdog has looked).
+    /// instant (even before the watchdog has looked). A lease whose release
+    /// was asked for protects nothing any more: lost too, for the nested
+    /// holders that outlive their outer one.
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.is_cancelled() || self.sched().machine.is_lost(Instant::now())
+        self.lost.is_cancelled() || {
+            let sched = self.sched();
+            sched.machine.is_lost(Instant::now()) || sched.machine.release_requested()
+        }
     }
 
     /// Tells the holder that the lease is lost (once), with the reason.
@@ -132,18 +137,19 @@ impl HeldLease {
         self.renewal_settled.notify_waiters();
     }
 
-    /// Adds a reentrant hold; false if the lease is already on its way out.
-    pub(crate) fn add_hold(&self) -> bool {
-        self.holds
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n > 0).then_some(n + 1)
-            })
-            .is_ok()
+    /// Adds a nested hold; false if the lease is already lost or on its way out.
+    pub(crate) fn add_nested_hold(&self) -> bool {
+        self.nested_holds.fetch_add(1, Ordering::AcqRel);
+        if self.is_lost() {
+            self.drop_nested_hold();
+            return false;
+        }
+        true
     }
 
-    /// Drops one hold; true if it was the last (the caller must release).
-    pub(crate) fn drop_hold(&self) -> bool {
-        self.holds.fetch_sub(1, Ordering::AcqRel) == 1
+    /// Ends a nested hold.
+    pub(crate) fn drop_nested_hold(&self) {
+        self.nested_holds.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Asks for the release: final, synchronous, before any `.await`. Takes
@@ -153,6 +159,9 @@ impl HeldLease {
         let (start, slot) = {
             let mut sched = self.sched();
             let start = sched.machine.request_release(Instant::now())?;
+            // Counted under the lease's lock: shutdown never sees the phase
+            // changed but the release not yet counted.
+            self.leases.release_started();
             (start, sched.slot.take())
         };
         if start.was_lost {
@@ -161,7 +170,6 @@ impl HeldLease {
         if let Some(slot) = slot {
             self.watchdog.unschedule(slot, self.id);
         }
-        self.leases.release_started();
         tracing::trace!(
             parent: &self.span,
             key = %self.user_key,
@@ -211,7 +219,7 @@ impl HeldLease {
     /// limit), then frees the key — or, with `hold_at_least`, lets it expire
     /// that long from now.
     async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
-        loop {
+        while self.sched().machine.renewal_in_flight() {
             let settled = self.renewal_settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
@@ -238,6 +246,11 @@ impl HeldLease {
             self.leases.release_finished(self.id);
         }
         let lost = start.was_lost || self.lost.is_cancelled();
+        if self.nested_holds.load(Ordering::Acquire) > 0 {
+            // Nested guards that outlived their outer one learn that the
+            // lease is gone (their `lost()` resolves).
+            self.lost.cancel();
+        }
         match outcome {
             Ok(()) if lost => {
                 tracing::debug!(parent: &self.span, key = %self.user_key, "dlock released a lost lease");

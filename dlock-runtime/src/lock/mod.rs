@@ -6,8 +6,8 @@ pub(crate) mod state;
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -15,12 +15,12 @@ use tracing::Instrument;
 
 use crate::backend::wait::{self, Acquired};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
-use crate::error::LockError;
+use crate::error::{BackendError, LockError};
 use crate::registry::Registry;
 use crate::time::MIN_LEASE;
 use crate::token::FencingToken;
 use held::{HeldLease, NewLease};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The lease length when none is given.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -256,10 +256,16 @@ pub(crate) async fn acquire(
         leases: registry.inner.leases.clone(),
     });
     registry.inner.watchdog.reschedule(&held);
-    Ok(LockGuard {
-        held: Some(held),
-        nested: None,
-    })
+    let guard = LockGuard::new(held, None);
+    // Checked after the lease is tracked: either shutdown saw it (and
+    // releases it), or this sees the shutdown — a grant that arrives while
+    // the registry shuts down (a waiter woken by shutdown's own release) is
+    // never handed out.
+    if registry.inner.leases.is_closing() {
+        drop(guard);
+        return Err(LockError::ShutDown);
+    }
+    Ok(guard)
 }
 
 /// A nested acquisition of a key held further up this call chain: it
@@ -295,7 +301,7 @@ async fn enter_nested(
             }
         }
     };
-    if !held.add_hold() {
+    if !held.add_nested_hold() {
         return Err(LockError::Lost { key });
     }
     if options.lease != held.lease_len
@@ -313,10 +319,7 @@ async fn enter_nested(
         );
     }
     tracing::trace!(parent: &held.span, key = %key, "dlock reentrant hold");
-    Ok(LockGuard {
-        held: Some(held),
-        nested: Some(permit),
-    })
+    Ok(LockGuard::new(held, Some(permit)))
 }
 
 /// Runs the acquisition on the I/O runtime. A caller that stops waiting (its
@@ -326,10 +329,10 @@ async fn enter_nested(
 async fn acquire_on_io_runtime(
     backend: Arc<dyn LockBackend>,
     request: AcquireRequest,
-) -> Result<(Acquired, AcquireRequest), crate::error::BackendError> {
+) -> Result<(Acquired, AcquireRequest), BackendError> {
     let caller_gone = CancellationToken::new();
     let _stop_when_dropped = caller_gone.clone().drop_guard();
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = tokio::sync::oneshot::channel::<Result<Granted, BackendError>>();
     crate::driver::handle().spawn(
         async move {
             let answer = tokio::select! {
@@ -339,10 +342,12 @@ async fn acquire_on_io_runtime(
             };
             match answer {
                 Some(Ok(acquired)) => {
-                    if let Err(Ok((Acquired::Held(lease), _))) = tx.send(Ok((acquired, request))) {
-                        // Granted to a caller that is gone.
-                        let _ = backend.release(&lease).await;
-                    }
+                    // If the caller is gone — now, or before it takes the
+                    // answer out of the channel — `Granted`'s drop releases it.
+                    let _ = tx.send(Ok(Granted {
+                        answer: Some((acquired, request)),
+                        backend,
+                    }));
                 }
                 Some(Err(err)) => {
                     let _ = tx.send(Err(err));
@@ -359,12 +364,31 @@ async fn acquire_on_io_runtime(
         .in_current_span(),
     );
     match rx.await {
-        Ok(answer) => answer,
-        Err(_) => Err(crate::error::BackendError::permanent(
+        Ok(answer) => answer.map(|mut granted| granted.answer.take().expect("taken once")),
+        Err(_) => Err(BackendError::permanent(
             "the acquisition task on dlock's I/O runtime ended without an answer",
         )),
     }
 }
+/// An answer from the I/O runtime on its way to the caller. A lease in it that
+/// the caller never takes out (its future was dropped, before or after the
+/// send) is released from dlock's runtime.
+struct Granted {
+    answer: Option<(Acquired, AcquireRequest)>,
+    backend: Arc<dyn LockBackend>,
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        if let Some((Acquired::Held(lease), _)) = self.answer.take() {
+            let backend = self.backend.clone();
+            crate::driver::handle().spawn(async move {
+                let _ = backend.release(&lease).await;
+            });
+        }
+    }
+}
+
 /// For backends called inline: if the caller drops the acquisition while a
 /// request may be on the wire, an owner-checked release is sent after it. The
 /// owner token is unique to this acquisition, so the release frees the key only
@@ -426,8 +450,12 @@ const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     held: Option<Arc<HeldLease>>,
-    /// For a nested hold: its turn at the scope's gate.
+    /// For a nested hold: its turn at the gate of the scope it entered.
     nested: Option<OwnedSemaphorePermit>,
+    /// The gate of this guard's scopes: nested acquisitions inside them pass
+    /// it one at a time (siblings take turns, across all of this guard's
+    /// scopes). Made by the first `scope`.
+    gate: OnceLock<Arc<Semaphore>>,
 }
 
 impl fmt::Debug for LockGuard {
@@ -445,6 +473,14 @@ impl fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
+    fn new(held: Arc<HeldLease>, nested: Option<OwnedSemaphorePermit>) -> Self {
+        LockGuard {
+            held: Some(held),
+            nested,
+            gate: OnceLock::new(),
+        }
+    }
+
     fn held(&self) -> &Arc<HeldLease> {
         self.held
             .as_ref()
@@ -487,23 +523,26 @@ impl LockGuard {
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
         let held = self.held().clone();
         let span = held.span.clone();
-        crate::context::scope(held, future.instrument(span))
+        let gate = self.gate.get_or_init(|| Arc::new(Semaphore::new(1))).clone();
+        crate::context::scope(held, gate, future.instrument(span))
     }
 
     /// Releases the lock now (or, with `hold_at_least`, lets it expire then) and
     /// reports how it went: `Err(LockError::Lost)` if the lease had been lost
     /// while held — the protected work may have overlapped with another holder's.
     /// Releasing a nested hold only ends that hold (and reports `Lost` if the
-    /// shared lease was lost).
+    /// shared lease was lost, or released by its outer holder first). The
+    /// outer guard's release always releases: a nested guard that outlives
+    /// it protects nothing any more.
     ///
     /// Cancel-safe: once called, the release happens even if this future is
     /// dropped before it completes (a timeout around it, a disconnected
     /// client) — no renewal is sent for the lease again.
     pub async fn release(mut self) -> Result<(), LockError> {
         let held = self.held.take().expect("not yet released");
-        let was_nested = self.nested.take().is_some();
-        if !held.drop_hold() {
-            return if was_nested && held.is_lost() {
+        if self.nested.take().is_some() {
+            held.drop_nested_hold();
+            return if held.is_lost() {
                 Err(LockError::Lost {
                     key: held.user_key.clone(),
                 })
@@ -517,10 +556,12 @@ impl LockGuard {
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        self.nested.take();
-        if let Some(held) = self.held.take()
-            && held.drop_hold()
-        {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        if self.nested.take().is_some() {
+            held.drop_nested_hold();
+        } else {
             // Cannot await here (a panic unwinds, a future is cancelled):
             // hand the release to the I/O runtime, without blocking.
             held.release_in_background();

@@ -213,6 +213,21 @@ impl LeaseState {
         })
     }
 
+    /// The renewal begun with `ticket` is about to go on the wire: true if it
+    /// still may. A release asked for (or a loss) since it was begun cancels
+    /// it — it is never sent — so "no renewal after a release request" holds
+    /// also for a batch that was waiting to be sent.
+    pub(crate) fn commit_renewal(&mut self, ticket: RenewalTicket) -> bool {
+        if ticket.generation != self.generation {
+            return false;
+        }
+        if self.phase == Phase::Renewing {
+            return true;
+        }
+        self.renewal_in_flight = false;
+        false
+    }
+
     /// Takes a renewal's answer. Only the answer to the renewal in flight
     /// counts, and only while the lease is still renewing.
     pub(crate) fn finish_renewal(
@@ -229,6 +244,12 @@ impl LeaseState {
             return Finished::Ignored;
         }
         match answer {
+            RenewalAnswer::Renewed { .. } if now >= self.give_up_at() => {
+                // The holder was already told (`is_lost` reads the clock) that
+                // the lease is gone: a late renewal cannot bring it back.
+                self.mark_lost();
+                Finished::Lost
+            }
             RenewalAnswer::Renewed { drift } => {
                 let renewed_until = ticket.sent + self.lease.saturating_sub(drift);
                 self.valid_until = self.valid_until.max(renewed_until);
@@ -270,6 +291,11 @@ impl LeaseState {
                 })
             }
         }
+    }
+
+    /// Whether the release has been asked for.
+    pub(crate) fn release_requested(&self) -> bool {
+        matches!(self.phase, Phase::ReleaseRequested | Phase::Released)
     }
 
     /// Whether the release must wait for a renewal still on the wire (so that
@@ -410,6 +436,25 @@ mod tests {
         assert!(s.begin_renewal(t1 + LEASE, t1 + LEASE).is_none());
         assert!(s.finish_release());
         assert!(!s.finish_release());
+    }
+
+    #[test]
+    fn a_renewal_begun_but_not_yet_sent_is_cancelled_by_a_release_request() {
+        let t0 = Instant::now();
+        let mut s = fresh(t0);
+        let t1 = t0 + Duration::from_secs(1);
+        let ticket = s.begin_renewal(t1, t1).unwrap();
+        s.request_release(t1).unwrap();
+        assert!(s.renewal_in_flight());
+        assert!(
+            !s.commit_renewal(ticket),
+            "never sent after the release request"
+        );
+        assert!(!s.renewal_in_flight(), "the release need not wait for it");
+        // Without a release in between it goes out.
+        let mut s = fresh(t0);
+        let ticket = s.begin_renewal(t1, t1).unwrap();
+        assert!(s.commit_renewal(ticket));
     }
 
     #[test]

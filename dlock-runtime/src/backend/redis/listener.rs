@@ -42,6 +42,20 @@ impl Drop for Subscription {
     }
 }
 
+/// A join sent but not yet answered: dropped, it leaves again.
+struct LeaveOnDrop {
+    channel: Option<String>,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+impl Drop for LeaveOnDrop {
+    fn drop(&mut self) {
+        if let Some(channel) = self.channel.take() {
+            let _ = self.commands.send(Command::Leave { channel });
+        }
+    }
+}
+
 struct Channel {
     waiters: usize,
     notify: Arc<Notify>,
@@ -56,6 +70,10 @@ impl Listener {
 
     /// Subscribes (once per channel for the whole process) and answers when the
     /// server confirmed, or `None` if the listener is gone.
+    ///
+    /// Cancel-safe: the waiter is counted from the moment the join is sent, so
+    /// a caller dropped before the answer still leaves (the `Leave` follows
+    /// the `Join` on the same queue).
     pub(in crate::backend) async fn join(&self, channel: String) -> Option<Subscription> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -64,9 +82,13 @@ impl Listener {
                 reply,
             })
             .ok()?;
+        let mut leave = LeaveOnDrop {
+            channel: Some(channel),
+            commands: self.commands.clone(),
+        };
         let notify = answer.await.ok()?;
         Some(Subscription {
-            channel,
+            channel: leave.channel.take().expect("taken once"),
             notify,
             commands: self.commands.clone(),
         })
