@@ -523,7 +523,10 @@ impl LockGuard {
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
         let held = self.held().clone();
         let span = held.span.clone();
-        let gate = self.gate.get_or_init(|| Arc::new(Semaphore::new(1))).clone();
+        let gate = self
+            .gate
+            .get_or_init(|| Arc::new(Semaphore::new(1)))
+            .clone();
         crate::context::scope(held, gate, future.instrument(span))
     }
 

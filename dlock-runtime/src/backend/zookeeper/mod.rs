@@ -436,6 +436,7 @@ impl Inner {
             timeout_ms = session.timeout.as_millis() as u64,
             "dlock zookeeper: session opened"
         );
+        crate::driver::handle().spawn(session::reaper(Arc::downgrade(&session)));
         crate::driver::handle().spawn(session::monitor(
             Arc::downgrade(&session),
             states,
@@ -760,20 +761,15 @@ impl Inner {
         if let Some(done) = lock(&self.pending).remove(&request.owner) {
             done.state().watch = None;
         }
-        let held = HeldNode::new(
+        let held = session.register(
             format!("{}/{}", pending.container, node.name),
-            session,
             request.lost.clone(),
             crate::time::saturating_add(started, request.lease),
         );
-        session.register(&held);
         if !session.is_alive() {
             // The session ended between the read and the registration.
-            session.unregister(&held.path);
-            held.end();
+            session.unregister(&held);
             request.lost.cancel();
-        } else {
-            crate::driver::handle().spawn(held.clone().expire_when_unrenewed());
         }
         Lease::new(request, Some(FencingToken::new(node.czxid as u64))).with_extra(held)
     }
@@ -802,12 +798,11 @@ impl Inner {
     }
 
     async fn release_held(&self, node: Arc<HeldNode>) -> Result<(), BackendError> {
-        node.end();
         let Some(session) = node.session.upgrade() else {
             // The session is gone, and its ephemeral nodes with it.
             return Ok(());
         };
-        session.unregister(&node.path);
+        session.unregister(&node);
         delete_node(session, node.path.clone()).await
     }
 
@@ -858,7 +853,7 @@ impl Inner {
                             MultiReadResult::Data { stat, .. }
                                 if stat.ephemeral_owner == session.id =>
                             {
-                                Ok(if node.extend(sent, ttl) {
+                                Ok(if session.extend(&node, sent, ttl) {
                                     Renewal::Renewed
                                 } else {
                                     Renewal::Lost
@@ -868,8 +863,7 @@ impl Inner {
                             | MultiReadResult::Error {
                                 err: ZkError::NoNode,
                             } => {
-                                node.end();
-                                session.unregister(&node.path);
+                                session.unregister(&node);
                                 Ok(Renewal::Lost)
                             }
                             MultiReadResult::Error { err } => Err(backend_error("renewal", err)),

@@ -1,7 +1,7 @@
 //! One ZooKeeper session, the leases held through it, and the task that
 //! declares them lost when the session ends or the connection stays down.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -54,10 +54,21 @@ pub(super) struct Session {
     /// When the latest request the server answered was sent (ns after `base`):
     /// the server cannot expire the session before this + `timeout`.
     last_heard: AtomicU64,
-    /// The held leases, by node path.
-    held: Mutex<HashMap<String, Arc<HeldNode>>>,
-    /// Cancelled when the session has ended (expired, closed, auth failed).
+    /// The held leases, under the end of their lease (and an id): the
+    /// reaper deletes a node whose lease ran out unrenewed.
+    held: Mutex<BTreeMap<(Instant, u64), Arc<HeldNode>>>,
+    next_id: AtomicU64,
+    /// Wakes the reaper when a lease ends earlier than it planned to look.
+    reaper: Arc<tokio::sync::Notify>,
+    /// Cancelled when the session has ended (expired, closed, auth failed)
+    /// or is dropped.
     pub(super) ended: CancellationToken,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.ended.cancel();
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -80,7 +91,9 @@ impl Session {
             op_timeout: (timeout / 2).max(Duration::from_millis(50)),
             base: connected_at,
             last_heard: AtomicU64::new(0),
-            held: Mutex::new(HashMap::new()),
+            held: Mutex::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+            reaper: Arc::new(tokio::sync::Notify::new()),
             ended: CancellationToken::new(),
         })
     }
@@ -138,23 +151,93 @@ impl Session {
         self.finish(sent, request).await
     }
 
-    pub(super) fn register(&self, node: &Arc<HeldNode>) {
-        lock(&self.held).insert(node.path.clone(), node.clone());
+    /// A granted node, whose lease ends at `expires_at` unless renewed.
+    pub(super) fn register(
+        self: &Arc<Self>,
+        path: String,
+        lost: CancellationToken,
+        expires_at: Instant,
+    ) -> Arc<HeldNode> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let node = Arc::new(HeldNode {
+            path,
+            id,
+            session: Arc::downgrade(self),
+            lost,
+            state: Mutex::new(HeldState {
+                expires_at,
+                ended: false,
+            }),
+        });
+        let earliest = {
+            let mut held = lock(&self.held);
+            held.insert((expires_at, id), node.clone());
+            held.keys().next() == Some(&(expires_at, id))
+        };
+        if earliest {
+            self.reaper.notify_one();
+        }
+        node
     }
 
-    pub(super) fn unregister(&self, path: &str) {
-        lock(&self.held).remove(path);
+    /// Ends the lease here (released, lost) and forgets the node.
+    pub(super) fn unregister(&self, node: &HeldNode) {
+        let mut held = lock(&self.held);
+        let mut state = lock(&node.state);
+        state.ended = true;
+        held.remove(&(state.expires_at, node.id));
+    }
+
+    /// A renewal sent at `sent` found the node ours: the lease now ends at
+    /// `sent + ttl` (set, not extended: `hold_at_least` shortens it). False
+    /// if the lease had ended meanwhile.
+    pub(super) fn extend(&self, node: &HeldNode, sent: Instant, ttl: Duration) -> bool {
+        let at = crate::time::saturating_add(sent, ttl);
+        let earliest = {
+            let mut held = lock(&self.held);
+            let mut state = lock(&node.state);
+            if state.ended {
+                return false;
+            }
+            let Some(entry) = held.remove(&(state.expires_at, node.id)) else {
+                return false;
+            };
+            state.expires_at = at;
+            held.insert((at, node.id), entry);
+            held.keys().next() == Some(&(at, node.id))
+        };
+        if earliest {
+            self.reaper.notify_one();
+        }
+        true
     }
 
     pub(super) fn held_count(&self) -> usize {
         lock(&self.held).len()
     }
 
+    /// The leases whose end is past: ended here, off the list.
+    fn take_expired(&self, now: Instant) -> (Vec<Arc<HeldNode>>, Option<Instant>) {
+        let mut held = lock(&self.held);
+        let mut due = Vec::new();
+        while let Some(entry) = held.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let node = entry.remove();
+            lock(&node.state).ended = true;
+            due.push(node);
+        }
+        (due, held.keys().next().map(|(at, _)| *at))
+    }
+
     /// Declares every lease held through this session lost, at once.
     /// `ended`: the session is over (its nodes are gone with it); otherwise
     /// the nodes may still exist and are deleted once the server is reachable.
     fn lose_all(self: &Arc<Self>, why: &'static str, ended: bool, counters: &Counters) {
-        let nodes: Vec<Arc<HeldNode>> = lock(&self.held).drain().map(|(_, n)| n).collect();
+        let nodes: Vec<Arc<HeldNode>> = std::mem::take(&mut *lock(&self.held))
+            .into_values()
+            .collect();
         if nodes.is_empty() {
             return;
         }
@@ -168,7 +251,7 @@ impl Session {
             "dlock zookeeper: every lease of the session is lost"
         );
         for node in nodes {
-            node.end();
+            lock(&node.state).ended = true;
             node.lost.cancel();
             if !ended {
                 let session = self.clone();
@@ -185,16 +268,12 @@ impl Session {
 pub(super) struct HeldNode {
     /// Its path under the chroot.
     pub(super) path: String,
+    id: u64,
     /// The session that created it (gone: so is the node).
     pub(super) session: Weak<Session>,
     /// The acquisition's loss signal.
     pub(super) lost: CancellationToken,
     state: Mutex<HeldState>,
-    /// Cancelled when the lease ends here (released, expired, lost):
-    /// stops its expiry task.
-    pub(super) done: CancellationToken,
-    /// Wakes the expiry task when the lease's end moves.
-    moved: tokio::sync::Notify,
 }
 
 #[derive(Debug)]
@@ -208,82 +287,46 @@ struct HeldState {
 }
 
 impl HeldNode {
-    pub(super) fn new(
-        path: String,
-        session: &Arc<Session>,
-        lost: CancellationToken,
-        expires_at: Instant,
-    ) -> Arc<Self> {
-        Arc::new(HeldNode {
-            path,
-            session: Arc::downgrade(session),
-            lost,
-            state: Mutex::new(HeldState {
-                expires_at,
-                ended: false,
-            }),
-            done: CancellationToken::new(),
-            moved: tokio::sync::Notify::new(),
-        })
-    }
-
-    /// Ends the lease here: no renewal succeeds after this.
-    pub(super) fn end(&self) {
-        lock(&self.state).ended = true;
-        self.done.cancel();
-    }
-
     pub(super) fn is_ended(&self) -> bool {
         lock(&self.state).ended
     }
+}
 
-    /// A renewal sent at `sent` found the node ours: the lease now ends at
-    /// `sent + ttl` (set, not extended: `hold_at_least` shortens it). False
-    /// if the lease had ended meanwhile.
-    pub(super) fn extend(&self, sent: Instant, ttl: Duration) -> bool {
-        let mut state = lock(&self.state);
-        if state.ended {
-            return false;
+/// Deletes the nodes of the session's leases that ran out unrenewed (their
+/// holder is gone or stopped renewing), each at the end of its lease. One
+/// task per session; it sleeps until the earliest end.
+pub(super) async fn reaper(session: Weak<Session>) {
+    let Some(strong) = session.upgrade() else {
+        return;
+    };
+    let (wake, ended) = (strong.reaper.clone(), strong.ended.clone());
+    drop(strong);
+    loop {
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let Some(strong) = session.upgrade() else {
+            return;
+        };
+        let (due, next) = strong.take_expired(Instant::now());
+        for node in due {
+            tracing::debug!(path = %node.path, "dlock zookeeper: lease ran out unrenewed; node deleted");
+            let session = strong.clone();
+            crate::driver::handle().spawn(async move {
+                let _ = super::delete_until_gone(&session, &node.path, None).await;
+            });
         }
-        state.expires_at = crate::time::saturating_add(sent, ttl);
-        drop(state);
-        self.moved.notify_one();
-        true
-    }
-
-    fn expires_at(&self) -> Instant {
-        lock(&self.state).expires_at
-    }
-
-    /// Ends the lease if it is past its end; true if this call ended it.
-    fn expire_if_due(&self, now: Instant) -> bool {
-        let mut state = lock(&self.state);
-        if state.ended || now < state.expires_at {
-            return false;
-        }
-        state.ended = true;
-        true
-    }
-
-    /// Deletes the node when its lease runs out unrenewed (the holder is
-    /// gone or stopped renewing). Ends with the lease.
-    pub(super) async fn expire_when_unrenewed(self: Arc<Self>) {
-        loop {
-            let at = self.expires_at();
-            tokio::select! {
-                () = self.done.cancelled() => return,
-                () = self.moved.notified() => continue,
-                () = tokio::time::sleep_until(at.into()) => {}
+        drop(strong);
+        let sleep = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
             }
-            if self.expire_if_due(Instant::now()) {
-                self.done.cancel();
-                if let Some(session) = self.session.upgrade() {
-                    session.unregister(&self.path);
-                    tracing::debug!(path = %self.path, "dlock zookeeper: lease ran out unrenewed; node deleted");
-                    let _ = super::delete_until_gone(&session, &self.path, None).await;
-                }
-                return;
-            }
+        };
+        tokio::select! {
+            () = ended.cancelled() => return,
+            () = &mut notified => {}
+            () = sleep => {}
         }
     }
 }
