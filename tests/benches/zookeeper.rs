@@ -67,18 +67,36 @@ struct Contenders {
     run: u64,
 }
 
-/// The hand-written lock: create an ephemeral-sequential child of `parent`,
-/// list the children, check that ours is the lowest, delete it.
+/// The hand-written lock: create an ephemeral-sequential child of `parent`
+/// (and the parent, a container, when the server has reaped it), list the
+/// children, check that ours is the lowest, delete it.
 async fn hand_pair(client: &Client, parent: &str) {
     let prefix = format!("{parent}/lock-");
-    let (_, seq) = client
-        .create(
+    let create = || {
+        client.create(
             &prefix,
             b"owner",
             &CreateMode::EphemeralSequential.with_acls(Acls::anyone_all()),
         )
-        .await
-        .expect("create");
+    };
+    let (_, seq) = match create().await {
+        Err(zookeeper_client::Error::NoNode) => {
+            match client
+                .create(
+                    parent,
+                    &[],
+                    &CreateMode::Container.with_acls(Acls::anyone_all()),
+                )
+                .await
+            {
+                Ok(_) | Err(zookeeper_client::Error::NodeExists) => {}
+                Err(e) => panic!("container: {e}"),
+            }
+            create().await
+        }
+        created => created,
+    }
+    .expect("create");
     let ours = format!("lock-{seq}");
     let children = client.list_children(parent).await.expect("children");
     let lowest = children
@@ -113,17 +131,9 @@ async fn bench() -> anyhow::Result<()> {
     hand.create(
         &hand_root,
         &[],
-        &CreateMode::Container.with_acls(Acls::anyone_all()),
+        &CreateMode::Persistent.with_acls(Acls::anyone_all()),
     )
     .await?;
-    for t in 0..16 {
-        hand.create(
-            &format!("{hand_root}/k{t}"),
-            &[],
-            &CreateMode::Container.with_acls(Acls::anyone_all()),
-        )
-        .await?;
-    }
     let c = Arc::new(Contenders {
         dlock: Registry::builder().default_backend(backend).build(),
         hand,
@@ -236,6 +246,12 @@ async fn bench() -> anyhow::Result<()> {
         "\n{ROUNDS} rounds of each throughput pair (alternating), {CONVOYS} convoys per handoff \
          contender, medians. Server: {url}"
     );
+    for child in c.hand.list_children(&c.hand_root).await.unwrap_or_default() {
+        let _ = c
+            .hand
+            .delete(&format!("{}/{child}", c.hand_root), None)
+            .await;
+    }
     let _ = c.hand.delete(&c.hand_root, None).await;
     Ok(())
 }

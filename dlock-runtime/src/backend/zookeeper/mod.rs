@@ -493,20 +493,24 @@ impl Inner {
             }
         };
         for _ in 0..MAX_STEPS {
-            let node = match pending.node_on(&session) {
-                Some(node) => node,
+            let (node, listed) = match pending.node_on(&session) {
+                Some(node) => (node, None),
                 None => match self.create_node(&session, &pending).await {
-                    Ok(node) => node,
+                    Ok(created) => created,
                     Err(err) => return unavailable("creating the lock node", err),
                 },
             };
-            let children = match session.call(|c| c.list_children(&pending.container)).await {
-                Ok(children) => children,
-                Err(ZkError::NoNode) => {
-                    pending.forget_node();
-                    continue;
-                }
-                Err(err) => return unavailable("listing the lock's queue", err),
+            let fresh = listed.is_some();
+            let children = match listed {
+                Some(children) => children,
+                None => match session.call(|c| c.list_children(&pending.container)).await {
+                    Ok(children) => children,
+                    Err(ZkError::NoNode) => {
+                        pending.forget_node();
+                        continue;
+                    }
+                    Err(err) => return unavailable("listing the lock's queue", err),
+                },
             };
             // A create of ours that surfaced late, beside the node we use.
             let mine = path::guid_prefix(&pending.guid);
@@ -525,6 +529,10 @@ impl Inner {
                 continue;
             }
             match path::position(&children, &node.name, node.seq) {
+                // The listing sent with the create is read after it on the
+                // server, so it shows our node; should it not, read again
+                // rather than forget a node that exists.
+                Position::Missing if fresh => {}
                 Position::Missing => {
                     // Deleted behind our back while queued: queue again.
                     pending.forget_node();
@@ -559,12 +567,15 @@ impl Inner {
     }
 
     /// Creates our node on `session` — or finds it again, if the answer of
-    /// an earlier create on this session was lost.
+    /// an earlier create on this session was lost. A fresh create is sent
+    /// together with the listing of the key's children: the server reads
+    /// them after the create (one session's requests are served in order),
+    /// so an uncontended acquisition costs one round trip, not two.
     async fn create_node(
         &self,
         session: &Arc<Session>,
         pending: &Pending,
-    ) -> Result<OurNode, ZkError> {
+    ) -> Result<(OurNode, Option<Vec<String>>), ZkError> {
         let recovering = {
             let mut st = pending.state();
             if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
@@ -584,16 +595,23 @@ impl Inner {
             let mut st = pending.state();
             st.node = Some(node.clone());
             st.maybe_created = false;
-            return Ok(node);
+            return Ok((node, None));
         }
         let prefix = path::child_prefix(&pending.container, &pending.guid);
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
             // Sent when called: from here on the node may exist.
             pending.state().maybe_created = true;
-            let created = session
-                .call(|c| c.create(&prefix, pending.owner.as_bytes(), &options))
-                .await;
+            let sent = Instant::now();
+            let create = session
+                .client
+                .create(&prefix, pending.owner.as_bytes(), &options);
+            let list = session.client.list_children(&pending.container);
+            let created = session.finish(sent, create).await;
+            let listed = match &created {
+                Ok(_) => session.finish(sent, list).await.ok(),
+                Err(_) => None,
+            };
             match created {
                 Ok((stat, sequence)) => {
                     let name = format!("{}{sequence}", &prefix[pending.container.len() + 1..]);
@@ -609,7 +627,7 @@ impl Inner {
                     let mut st = pending.state();
                     st.node = Some(node.clone());
                     st.maybe_created = false;
-                    return Ok(node);
+                    return Ok((node, listed));
                 }
                 Err(ZkError::NoNode) => {
                     pending.state().maybe_created = false;
