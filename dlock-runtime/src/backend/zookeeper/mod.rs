@@ -7,7 +7,9 @@
 //! acquisition's owner token in UUID form. The child with the earliest
 //! sequence holds the key; every other one watches only the child just ahead
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
-//! served in arrival order. Sequences are compared with serial-number
+//! served in arrival order. A waiter whose predecessor was the only child
+//! ahead of it holds the key as soon as that child's deletion is notified
+//! (children created later come after it), without reading the queue again. Sequences are compared with serial-number
 //! arithmetic: the server's counter is a signed 32-bit number that wraps from
 //! 2147483647 to -2147483648, where string or plain integer order would grant
 //! the key twice. The backend never deletes a container (the server reaps
@@ -87,7 +89,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use zookeeper_client::{Acls, Client, CreateMode, Error as ZkError, MultiReadResult};
+use zookeeper_client::{Acls, Client, CreateMode, Error as ZkError, EventType, MultiReadResult};
 
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
@@ -184,7 +186,11 @@ struct OurNode {
 /// A watch on our predecessor. Dropping it removes the watch.
 struct Watch {
     path: String,
+    /// It was the only lock node ahead of ours when the queue was read.
+    alone: bool,
     fired: Arc<AtomicBool>,
+    /// The event was the predecessor's deletion.
+    deleted: Arc<AtomicBool>,
     stop: CancellationToken,
     /// When the queue was last read: the watch is trusted for a session
     /// timeout after that, then the queue is read again.
@@ -237,6 +243,19 @@ impl Pending {
         let mut st = self.state();
         st.node = None;
         st.watch = None;
+    }
+
+    /// Our node, if it holds the key without reading the queue again: the
+    /// only node ahead of it is deleted (nodes created later come after
+    /// ours, so none can have come ahead), and its session lives.
+    fn promoted(&self) -> Option<(Arc<Session>, OurNode)> {
+        let st = self.state();
+        let watch = st.watch.as_ref()?;
+        if !watch.alone || !watch.deleted.load(Ordering::Acquire) {
+            return None;
+        }
+        let session = st.session.as_ref().filter(|s| s.is_alive())?.clone();
+        Some((session, st.node.clone()?))
     }
 
     /// Busy without a round trip: our predecessor's watch has not fired, so
@@ -468,6 +487,11 @@ impl Inner {
     async fn attempt(self: &Arc<Self>, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let started = Instant::now();
         let pending = self.pending_for(request);
+        if let Some((session, node)) = pending.promoted() {
+            return Ok(Attempt::Held(
+                self.grant(request, &pending, &session, &node, started),
+            ));
+        }
         if let Some(busy) = pending.still_behind() {
             return Ok(busy);
         }
@@ -547,8 +571,9 @@ impl Inner {
                         // Tried once: the wait loop abandons, deleting our node.
                         return Ok(Attempt::Busy { retry_in: None });
                     }
+                    let alone = path::ahead_of(&children, node.seq) == 1;
                     let ahead = format!("{}/{ahead}", pending.container);
-                    match self.watch(&session, &pending, ahead).await {
+                    match self.watch(&session, &pending, ahead, alone).await {
                         Ok(true) => {
                             return Ok(Attempt::Busy {
                                 retry_in: Some(session.timeout),
@@ -717,6 +742,7 @@ impl Inner {
         session: &Arc<Session>,
         pending: &Pending,
         ahead: String,
+        alone: bool,
     ) -> Result<bool, ZkError> {
         {
             let mut st = pending.state();
@@ -725,6 +751,7 @@ impl Inner {
                 && !watch.fired.load(Ordering::Acquire)
             {
                 watch.checked_at = Instant::now();
+                watch.alone = alone;
                 return Ok(true);
             }
             st.watch = None;
@@ -740,13 +767,15 @@ impl Inner {
         };
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
         let fired = Arc::new(AtomicBool::new(false));
+        let deleted = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
         let task = {
-            let (fired, stop) = (fired.clone(), stop.clone());
+            let (fired, deleted, stop) = (fired.clone(), deleted.clone(), stop.clone());
             let (notify, counters) = (pending.notify.clone(), self.counters.clone());
             async move {
                 tokio::select! {
                     event = watcher.changed() => {
+                        deleted.store(event.event_type == EventType::NodeDeleted, Ordering::Release);
                         fired.store(true, Ordering::Release);
                         counters.watch_events.fetch_add(1, Ordering::Relaxed);
                         tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
@@ -760,7 +789,9 @@ impl Inner {
         crate::driver::handle().spawn(task);
         pending.state().watch = Some(Watch {
             path: ahead,
+            alone,
             fired,
+            deleted,
             stop,
             checked_at: Instant::now(),
         });

@@ -156,6 +156,15 @@ pub(super) fn position<'a>(children: &'a [String], ours: &str, our_seq: i32) -> 
     }
 }
 
+/// How many lock nodes of `children` were issued before `our_seq`.
+pub(super) fn ahead_of(children: &[String], our_seq: i32) -> usize {
+    children
+        .iter()
+        .filter_map(|name| sequence_of(name))
+        .filter(|seq| precedes(*seq, our_seq))
+        .count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
