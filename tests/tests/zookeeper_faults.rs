@@ -180,6 +180,58 @@ async fn loss_disconnect_loses_at_the_first_disconnection() {
     eprintln!("loss=disconnect signalled {took:?} after the reset");
 }
 
+/// A release while the connection is black-holed: the call answers a
+/// retryable error within half a session timeout and the delete goes on in
+/// the background; once the network heals, the node is deleted by the same
+/// session (not by its expiry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_during_a_black_hole_is_retried_until_it_succeeds() {
+    let proxy = ZkProxy::start(port(&url())).await;
+    let zk = through(&proxy, "?session_timeout=4s").await;
+    let locks = registry(&zk);
+    let key = unique_key("release-retried");
+    let guard = locks
+        .lock(&key)
+        .lease(Duration::from_secs(60))
+        .acquire()
+        .await
+        .expect("acquire");
+    let (node, _) = only_node(&zk, &key).await;
+    let cut = Instant::now();
+    proxy.set(Flow::Blackhole);
+    let released = guard.release().await;
+    let answered = cut.elapsed();
+    match released {
+        Err(e @ LockError::Backend { .. }) => assert!(e.is_retryable(), "{e}"),
+        other => panic!("a release that could not reach the server: {other:?}"),
+    }
+    assert!(answered < Duration::from_millis(3500), "{answered:?}");
+    assert!(exists(&node).await, "nothing reached the server yet");
+    // Heal before the server could expire the session (4 s after it last
+    // heard from us).
+    tokio::time::sleep_until((cut + Duration::from_millis(2500)).into()).await;
+    proxy.set(Flow::Pass);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while exists(&node).await {
+        assert!(Instant::now() < deadline, "the delete was not retried");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        cut.elapsed() < Duration::from_secs(4),
+        "deleted by the session's expiry, not by the release: {:?}",
+        cut.elapsed()
+    );
+    assert_eq!(zk.stats().sessions, 1, "the same session");
+    locks
+        .lock(&key)
+        .acquire()
+        .await
+        .expect("free again")
+        .release()
+        .await
+        .expect("release");
+}
+
 /// The reply of our create is lost (the proxy forwards the create, drops
 /// what the server answers and cuts the connection): the node is found again
 /// by its GUID on the same session and used — exactly one node, and it holds.

@@ -958,6 +958,19 @@ async fn mkdir(root: &Client, path: &str) -> Result<(), ZkError> {
         .await
 }
 
+/// `request`, cut short at `deadline` (a `Timeout` then).
+async fn within<T>(
+    deadline: Option<Instant>,
+    request: impl std::future::Future<Output = Result<T, ZkError>>,
+) -> Result<T, ZkError> {
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at.into(), request)
+            .await
+            .unwrap_or(Err(ZkError::Timeout)),
+        None => request.await,
+    }
+}
+
 /// Deletes `path` until it is gone or the session has ended (which deletes
 /// it too), trying again after connection losses; stops at `deadline` with
 /// the last error. Permanent errors end it at once.
@@ -971,7 +984,7 @@ async fn delete_until_gone(
         if !session.is_alive() {
             return Ok(());
         }
-        match session.call(|c| c.delete(path, None)).await {
+        match within(deadline, session.call(|c| c.delete(path, None))).await {
             Ok(()) | Err(ZkError::NoNode) => return Ok(()),
             Err(err) if session_over(&err) => return Ok(()),
             Err(err) if transient(&err) => {
@@ -1001,7 +1014,7 @@ async fn delete_guid_nodes(
         if !session.is_alive() {
             return Ok(());
         }
-        match session.call(|c| c.list_children(container)).await {
+        match within(deadline, session.call(|c| c.list_children(container))).await {
             Ok(children) => {
                 for name in children.iter().filter(|c| c.starts_with(&mine)) {
                     delete_until_gone(session, &format!("{container}/{name}"), deadline).await?;
