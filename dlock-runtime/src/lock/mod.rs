@@ -262,7 +262,7 @@ pub(crate) async fn acquire(
     // the registry shuts down (a waiter woken by shutdown's own release) is
     // never handed out.
     if registry.inner.leases.is_closing() {
-        drop(guard);
+        let _ = guard.release().await;
         return Err(LockError::ShutDown);
     }
     Ok(guard)
