@@ -7,14 +7,18 @@
 //! acquisition's owner token in UUID form. The child with the earliest
 //! sequence holds the key; every other one watches only the child just ahead
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
-//! served in arrival order. A waiter whose predecessor was the only child
-//! ahead of it holds the key as soon as that child's deletion is notified
-//! (children created later come after it), without reading the queue again. Sequences are compared with serial-number
-//! arithmetic: the server's counter is a signed 32-bit number that wraps from
-//! 2147483647 to -2147483648, where string or plain integer order would grant
-//! the key twice. The backend never deletes a container (the server reaps
-//! empty ones; deleting would race other creators) and creates it again
-//! when a create finds it reaped.
+//! served in arrival order. Uncontended, an acquisition is one round trip:
+//! the create and the listing of the key's children go out together, and the
+//! server answers them in order. A waiter whose predecessor was the only
+//! child ahead of it holds the key as soon as that child's deletion is
+//! notified, without reading the queue again (children created later come
+//! after it; a queued node deleted behind the waiter's back is found by the
+//! first renewal, as for a revoked holder). Sequences are compared with
+//! serial-number arithmetic: the server's counter is a signed 32-bit number
+//! that wraps from 2147483647 to -2147483648, where string or plain integer
+//! order would grant the key twice. The backend never deletes a container
+//! (the server reaps empty ones; deleting would race other creators) and
+//! creates it again when a create finds it reaped.
 //!
 //! **Fencing token**: the child's `czxid`, the 64-bit id of the transaction
 //! that created it, from the create's reply. Transaction ids are totally
@@ -66,9 +70,8 @@
 //! ZooKeeper refuses in a path (control characters, U+D800–U+F8FF,
 //! U+FFF0–U+FFFF, and everything outside the Basic Multilingual Plane, such
 //! as emoji, which the Java server sees as surrogates) are percent-encoded
-//! (UTF-8 bytes), and the
-//! names `.`, `..` and `zookeeper` get their first character encoded. No key
-//! is refused and no two keys share a node.
+//! (UTF-8 bytes), and the names `.`, `..` and `zookeeper` get their first
+//! character encoded. No key is refused and no two keys share a node.
 //!
 //! **URL**: `zk://[user:pass@]h1:p1,h2:p2[/chroot][?session_timeout=10s&loss=session|disconnect]`.
 //! `user:pass` (percent-encoded) authenticates with the `digest` scheme.
