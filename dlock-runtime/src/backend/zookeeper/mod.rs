@@ -1157,9 +1157,10 @@ impl LockBackend for ZooKeeperBackend {
     }
 
     fn needs_io_runtime(&self) -> bool {
-        // The client spawns its session task where it connects, and a
-        // dropped watcher sends from where it is dropped: keep all of it on
-        // dlock's runtime, which outlives the callers' runtimes.
+        // The client's session task lives where it connected (dlock's
+        // runtime, which outlives the callers' runtimes), and so do the
+        // waiters' watch tasks, the reaper and background deletes: calls
+        // made there keep each round trip on the runtime that drives it.
         true
     }
 }

@@ -56,7 +56,7 @@ pub(super) struct Session {
     last_heard: AtomicU64,
     /// The held leases, under the end of their lease (and an id): the
     /// reaper deletes a node whose lease ran out unrenewed.
-    held: Mutex<BTreeMap<(Instant, u64), Arc<HeldNode>>>,
+    held: Mutex<Held>,
     next_id: AtomicU64,
     /// Wakes the reaper when a lease ends earlier than it planned to look.
     reaper: Arc<tokio::sync::Notify>,
@@ -64,6 +64,19 @@ pub(super) struct Session {
     /// or is dropped.
     pub(super) ended: CancellationToken,
 }
+
+/// The held leases by the end of their lease, and when the reaper looks next.
+#[derive(Default)]
+struct Held {
+    by_end: BTreeMap<(Instant, u64), Arc<HeldNode>>,
+    /// The reaper's next look (`None`: before its first). A lease ending
+    /// later needs no wake-up: acquiring a lease of a few seconds or more
+    /// never wakes the reaper.
+    next_look: Option<Instant>,
+}
+
+/// The reaper looks at least this often, even with nothing due.
+const IDLE_LOOK: Duration = Duration::from_secs(1);
 
 impl Drop for Session {
     fn drop(&mut self) {
@@ -91,7 +104,7 @@ impl Session {
             op_timeout: (timeout / 2).max(Duration::from_millis(50)),
             base: connected_at,
             last_heard: AtomicU64::new(0),
-            held: Mutex::new(BTreeMap::new()),
+            held: Mutex::new(Held::default()),
             next_id: AtomicU64::new(1),
             reaper: Arc::new(tokio::sync::Notify::new()),
             ended: CancellationToken::new(),
@@ -169,12 +182,12 @@ impl Session {
                 ended: false,
             }),
         });
-        let earliest = {
+        let wake = {
             let mut held = lock(&self.held);
-            held.insert((expires_at, id), node.clone());
-            held.keys().next() == Some(&(expires_at, id))
+            held.by_end.insert((expires_at, id), node.clone());
+            held.next_look.is_some_and(|next| expires_at < next)
         };
-        if earliest {
+        if wake {
             self.reaper.notify_one();
         }
         node
@@ -185,7 +198,7 @@ impl Session {
         let mut held = lock(&self.held);
         let mut state = lock(&node.state);
         state.ended = true;
-        held.remove(&(state.expires_at, node.id));
+        held.by_end.remove(&(state.expires_at, node.id));
     }
 
     /// A renewal sent at `sent` found the node ours: the lease now ends at
@@ -193,34 +206,35 @@ impl Session {
     /// if the lease had ended meanwhile.
     pub(super) fn extend(&self, node: &HeldNode, sent: Instant, ttl: Duration) -> bool {
         let at = crate::time::saturating_add(sent, ttl);
-        let earliest = {
+        let wake = {
             let mut held = lock(&self.held);
             let mut state = lock(&node.state);
             if state.ended {
                 return false;
             }
-            let Some(entry) = held.remove(&(state.expires_at, node.id)) else {
+            let Some(entry) = held.by_end.remove(&(state.expires_at, node.id)) else {
                 return false;
             };
             state.expires_at = at;
-            held.insert((at, node.id), entry);
-            held.keys().next() == Some(&(at, node.id))
+            held.by_end.insert((at, node.id), entry);
+            held.next_look.is_some_and(|next| at < next)
         };
-        if earliest {
+        if wake {
             self.reaper.notify_one();
         }
         true
     }
 
     pub(super) fn held_count(&self) -> usize {
-        lock(&self.held).len()
+        lock(&self.held).by_end.len()
     }
 
-    /// The leases whose end is past: ended here, off the list.
-    fn take_expired(&self, now: Instant) -> (Vec<Arc<HeldNode>>, Option<Instant>) {
+    /// The leases whose end is past (ended here, off the list), and when
+    /// to look next.
+    fn take_expired(&self, now: Instant) -> (Vec<Arc<HeldNode>>, Instant) {
         let mut held = lock(&self.held);
         let mut due = Vec::new();
-        while let Some(entry) = held.first_entry() {
+        while let Some(entry) = held.by_end.first_entry() {
             if entry.key().0 > now {
                 break;
             }
@@ -228,14 +242,21 @@ impl Session {
             lock(&node.state).ended = true;
             due.push(node);
         }
-        (due, held.keys().next().map(|(at, _)| *at))
+        let idle = now + IDLE_LOOK;
+        let next = held
+            .by_end
+            .keys()
+            .next()
+            .map_or(idle, |(at, _)| (*at).min(idle));
+        held.next_look = Some(next);
+        (due, next)
     }
 
     /// Declares every lease held through this session lost, at once.
     /// `ended`: the session is over (its nodes are gone with it); otherwise
     /// the nodes may still exist and are deleted once the server is reachable.
     fn lose_all(self: &Arc<Self>, why: &'static str, ended: bool, counters: &Counters) {
-        let nodes: Vec<Arc<HeldNode>> = std::mem::take(&mut *lock(&self.held))
+        let nodes: Vec<Arc<HeldNode>> = std::mem::take(&mut lock(&self.held).by_end)
             .into_values()
             .collect();
         if nodes.is_empty() {
@@ -317,16 +338,10 @@ pub(super) async fn reaper(session: Weak<Session>) {
             });
         }
         drop(strong);
-        let sleep = async {
-            match next {
-                Some(at) => tokio::time::sleep_until(at.into()).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             () = ended.cancelled() => return,
             () = &mut notified => {}
-            () = sleep => {}
+            () = tokio::time::sleep_until(next.into()) => {}
         }
     }
 }
