@@ -1,6 +1,6 @@
 //! A worker process: loops over locked read-modify-writes until its standard
 //! input closes, printing one [`WorkerEvent`] per step (and, through
-//! [`trace`](crate::trace), the runtime's events about its leases) on standard
+//! [`trace`], the runtime's events about its leases) on standard
 //! output.
 //!
 //! Even-numbered workers use `on_lost = "cancel"` (the body stops when the lease
