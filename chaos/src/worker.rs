@@ -509,9 +509,10 @@ async fn connect(id: usize, url: &str) -> std::sync::Arc<dyn dlock_runtime::Lock
 /// Runs a worker until standard input closes.
 pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     trace::start(args.id, args.inc)?;
-    let zk = match args.url.starts_with("zk://") {
-        true => Some(connect_zk(args.id, &args.url).await),
-        false => None,
+    let zk = if args.url.starts_with("zk://") {
+        Some(connect_zk(args.id, &args.url).await)
+    } else {
+        None
     };
     let main = match &zk {
         Some(zk) => std::sync::Arc::new(zk.clone()),
