@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, Registry, ZooKeeperBackend};
-use dlock_tests::zk_support::{ZkFaults, admin, children, hosts, url};
+use dlock_tests::zk_support::{Flow, ZkFaults, ZkProxy, admin, children, hosts, port, url};
 use dlock_tests::{Harness, servers_missing, unique_key};
 use tokio::sync::OnceCell;
 use zookeeper_client::{Acls, Client, CreateMode};
@@ -148,9 +148,21 @@ async fn takes_turns_with_a_curator_node() {
 /// expiry does to the holder): the holder's `lost()` fires, a waiter of
 /// another process gets the key with a larger token, and the backend opens a
 /// new session for what comes next.
+///
+/// The holder talks through a proxy that holds its bytes while the session is
+/// stolen: otherwise its client reconnects with the same session at once, the
+/// server hands the session back and forth, and the thief's handshake can
+/// time out on a loaded machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_session_expiry_signals_loss_and_hands_over() {
-    let holder_zk = backend("?session_timeout=2s").await;
+    let proxy = ZkProxy::start(port(&url())).await;
+    let holder_url = format!(
+        "{}?session_timeout=4s",
+        url().replacen(&hosts(&url()), &format!("127.0.0.1:{}", proxy.port), 1)
+    );
+    let holder_zk = ZooKeeperBackend::connect(&holder_url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&holder_url, e));
     let holder = registry(&holder_zk);
     let other = registry(&backend("").await);
     let key = unique_key("expiry");
@@ -175,14 +187,27 @@ async fn forced_session_expiry_signals_loss_and_hands_over() {
     assert!(!waiter.is_finished(), "the waiter queues behind the holder");
 
     let stolen = holder_zk.session_for_tests().expect("a session");
-    let thief = Client::connector()
-        .with_session(stolen)
-        .with_session_timeout(Duration::from_secs(2))
-        .connect(&hosts(&url()))
-        .await
-        .expect("steal the session");
+    proxy.set(Flow::Blackhole);
+    let mut attempts = 0;
+    let thief = loop {
+        attempts += 1;
+        match Client::connector()
+            .with_session(stolen.clone())
+            .with_session_timeout(Duration::from_secs(4))
+            .with_connection_timeout(Duration::from_secs(3))
+            .connect(&hosts(&url()))
+            .await
+        {
+            Ok(thief) => break thief,
+            Err(e) if attempts < 5 => eprintln!("stealing the session: {e}; again"),
+            Err(e) => panic!("steal the session: {e}"),
+        }
+    };
     let stolen_at = Instant::now();
-    drop(thief); // closes the session: its nodes go, the holder's client hears Expired.
+    drop(thief); // closes the session: its nodes go.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The holder's client reconnects with the closed session and hears Expired.
+    proxy.set(Flow::Pass);
 
     tokio::time::timeout(Duration::from_secs(10), guard.lost())
         .await
