@@ -7,7 +7,8 @@
 //! From the runtime's own trace of each lease (see [`trace`](crate::trace)) it
 //! also checks that no renewal went out after a release was asked for, that
 //! every loss was signalled before the server's expiry (measured from the last
-//! renewal the server answered, with each lease's own length), and that the main
+//! renewal the server answered, with each lease's own length — on ZooKeeper,
+//! with the session timeout: see [`check_traces`]), and that the main
 //! backend went on renewing while the side backend was stalled.
 
 use std::collections::{BTreeMap, HashMap};
@@ -19,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::history::{
     self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, TraceEvent, TraceKind, WorkerEvent,
 };
-use crate::nemesis::SIDE_STALL;
+use crate::nemesis::{SESSION_EXPIRY, SIDE_STALL};
 use crate::store::Mode;
 
 /// How far a signal's effect may be from the moment the nemesis logged it: a
@@ -51,6 +52,11 @@ pub(crate) struct RunMeta {
     /// do not record theirs (runs before mixed leases had one lease), and how long
     /// a fault's effects may outlast its heal.
     pub(crate) lease_ms: u64,
+    /// The session timeout of the workers' ZooKeeper sessions, in ms (ZooKeeper
+    /// runs only): how long the server keeps a session, and its nodes, after
+    /// it last heard from the client.
+    #[serde(default)]
+    pub(crate) session_timeout_ms: Option<u64>,
     /// Lock keys (not fence counters) still on the server(s) once idle; `None`
     /// when the backend could not be inspected (a plain URL).
     pub(crate) keys_left: Option<usize>,
@@ -473,6 +479,23 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
 }
 
 /// The checks on the runtime's own events (see the [module docs](self)).
+/// Checks the runtime's traces of every lease: no renewal after a release was
+/// asked for, every loss signalled before the server's expiry, the main
+/// backend renewing through the side backend's stalls.
+///
+/// **When the server expires a lease.** On Redis and SQLite a key expires a
+/// lease after the server last renewed it: at the latest answered acquisition
+/// or renewal plus the lease's length. On ZooKeeper a node cannot expire by
+/// itself: it goes with its session, which the server expires no sooner than
+/// the session timeout after it last heard from the client (or the holder's own
+/// backend deletes it when the lease ran out unrenewed — a loss it signals at
+/// that moment). So on ZooKeeper (`session_timeout_ms` in the run's meta) the
+/// expiry is the session timeout after the send of the latest renewal the server
+/// answered (the server heard it after it was sent), or after the acquisition
+/// when none was. Losses of a worker that was stopped (SIGSTOP), or whose
+/// session the nemesis closed (`session_expiry`: the server ended the session
+/// at once, not at a timeout), between that contact and the loss are not
+/// measured.
 fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent], meta: &RunMeta) {
     let ms = |ms: u64| ms * 1_000_000;
     let default_lease = ms(meta.lease_ms);
@@ -486,11 +509,16 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
             _ => {}
         }
     }
-    // Was worker `w` stopped (SIGSTOP) at some time in `from..=to`?
+    // Was worker `w` stopped (SIGSTOP), or its session closed, at some time in
+    // `from..=to`?
     let paused = |w: usize, from: u64, to: u64| {
         faults
             .iter()
-            .filter(|f| f.fault == "sigstop" && f.phase == Phase::Start && f.workers.contains(&w))
+            .filter(|f| {
+                (f.fault == "sigstop" || f.fault == SESSION_EXPIRY)
+                    && f.phase == Phase::Start
+                    && f.workers.contains(&w)
+            })
             .any(|start| {
                 let heal = faults
                     .iter()
@@ -537,7 +565,25 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
         if paused(lost.w, answered, lost.t) {
             continue;
         }
-        let expiry = answered + lost.lease_ms.map_or(default_lease, ms);
+        let expiry = match meta.session_timeout_ms {
+            // ZooKeeper: from the send of the renewal answered last (the
+            // latest one sent before that answer), or from the acquisition.
+            Some(session_timeout) => {
+                let heard = events
+                    .iter()
+                    .filter(|e| e.event == TraceKind::RenewalSent && e.t <= answered)
+                    .map(|e| e.t)
+                    .max()
+                    .filter(|_| {
+                        events
+                            .iter()
+                            .any(|e| e.event == TraceKind::Renewed && e.t == answered)
+                    })
+                    .unwrap_or(answered);
+                heard + ms(session_timeout)
+            }
+            None => answered + lost.lease_ms.map_or(default_lease, ms),
+        };
         margins.push((expiry as f64 - lost.t as f64) / 1e6);
         if lost.t > expiry + EXPIRY_GRACE {
             s.losses_after_expiry += 1;
@@ -731,6 +777,7 @@ mod tests {
             workers: 2,
             mode,
             lease_ms: 1000,
+            session_timeout_ms: None,
             keys_left: Some(0),
             side_keys_left: Some(0),
             traced: false,
@@ -950,6 +997,46 @@ mod tests {
         paused.push(fault_event(150 * MS, 1, "sigstop", Phase::Start, vec![1]));
         paused.push(fault_event(590 * MS, 1, "sigstop", Phase::Heal, vec![1]));
         let s = check(&paused, &[], &meta(Mode::Fence, &[]));
+        assert_eq!(s.losses_after_expiry, 0, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn on_zookeeper_a_loss_is_measured_against_the_session_timeout() {
+        // Session timeout 3 s; the renewal sent at 90 ms was answered at 100 ms:
+        // the server cannot expire the session before 3.09 s, whatever the lease.
+        let lease = |lost_at: u64| {
+            vec![
+                worker(0, 1, Step::Acquired { token: Some(7) }),
+                traced(0, 1, 7, TraceKind::Acquired, "default"),
+                traced(90 * MS, 1, 7, TraceKind::RenewalSent, "default"),
+                traced(100 * MS, 1, 7, TraceKind::Renewed, "default"),
+                traced(lost_at, 1, 7, TraceKind::Lost, "default"),
+            ]
+        };
+        let mut m = meta(Mode::Fence, &[]);
+        m.session_timeout_ms = Some(3000);
+        let s = check(&lease(2090 * MS), &[], &m);
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(s.loss_margin.min, 1000.0);
+        let s = check(&lease(3200 * MS), &[], &m);
+        assert_eq!(s.losses_after_expiry, 1);
+        // A session the nemesis closed ended at once: not measured.
+        let mut closed = lease(3200 * MS);
+        closed.push(fault_event(
+            150 * MS,
+            1,
+            SESSION_EXPIRY,
+            Phase::Start,
+            vec![1],
+        ));
+        closed.push(fault_event(
+            650 * MS,
+            1,
+            SESSION_EXPIRY,
+            Phase::Heal,
+            vec![1],
+        ));
+        let s = check(&closed, &[], &m);
         assert_eq!(s.losses_after_expiry, 0, "{:?}", s.violations);
     }
 

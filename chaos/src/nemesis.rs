@@ -17,7 +17,7 @@ use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use crate::history::Phase;
 use crate::proxy::Fault;
 use crate::run::{Backend, Cluster};
-use crate::worker::{LEASES, LONG_HOLD, LongRequest};
+use crate::worker::{EXPIRE_REQUEST, LEASES, LONG_HOLD, LongRequest};
 use tokio::io::AsyncWriteExt as _;
 
 /// The faults the nemesis knows.
@@ -42,6 +42,11 @@ enum Kind {
     /// Redlock: two nodes down, a holder acquires on the other three, one of those
     /// dies and comes back empty.
     RedlockHolderMajority,
+    /// ZooKeeper: a worker inside the lock (in the middle of a long stay) has a
+    /// second client take over its session and close it, which is what the
+    /// server's expiry of the session does: its nodes go at once, and the worker
+    /// hears `Expired` when it next talks to the server.
+    SessionExpiry,
     /// Stall the side backend while a worker holds a side lock and a main lock
     /// across a long stay: a transaction holding SQLite's write lock for 1.5–3
     /// side leases, or a Lua busy loop that stalls the side Redis for 1–2 s. The
@@ -70,6 +75,16 @@ fn kinds(backend: Backend) -> &'static [Kind] {
             RedlockHolderMajority,
             SideStall,
         ],
+        Backend::Zk => &[
+            PauseHolder,
+            KillWorker,
+            KillServer,
+            ProxyDelay,
+            ProxyBlackhole,
+            ProxyReset,
+            SessionExpiry,
+            SideStall,
+        ],
     }
 }
 
@@ -83,6 +98,7 @@ fn name(kind: Kind) -> &'static str {
         Kind::ProxyReset => "proxy_reset",
         Kind::RedlockMinority => "redlock_minority_down",
         Kind::RedlockHolderMajority => "redlock_holder_majority_node",
+        Kind::SessionExpiry => SESSION_EXPIRY,
         Kind::SideStall => SIDE_STALL,
     }
 }
@@ -97,6 +113,9 @@ fn pick(rng: &mut StdRng, n: usize, k: usize) -> Vec<usize> {
 
 /// The name of the side backend's stall in histories (the checker looks for it).
 pub(crate) const SIDE_STALL: &str = "side_stall";
+
+/// The name of a forced session expiry in histories (the checker looks for it).
+pub(crate) const SESSION_EXPIRY: &str = "session_expiry";
 
 /// Between `lo` and `hi` times `lease`.
 fn leases(rng: &mut StdRng, lease: Duration, lo: f64, hi: f64) -> Duration {
@@ -173,12 +192,15 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             }
             Kind::KillServer => {
                 server_kills += 1;
-                let keep = server_kills % 2 == 1;
+                // ZooKeeper always restarts from its snapshot and transaction log.
+                let keep = server_kills % 2 == 1 || cluster.args.backend == Backend::Zk;
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 let mut servers = cluster.servers.lock().await;
                 servers[0].kill().await?;
-                let what = if keep {
+                let what = if cluster.args.backend == Backend::Zk {
+                    "restart with its data and sessions"
+                } else if keep {
                     "restart from its append-only file"
                 } else {
                     "restart empty (no persistence)"
@@ -304,6 +326,20 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     format!("{} came back empty", servers[third].port()),
                 );
             }
+            Kind::SessionExpiry => {
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
+                cluster.fault(id, fault, Phase::Start, vec![w], format!("lease {lease:?}"));
+                if let Some(stdin) = cluster.workers.lock().await[w].stdin.as_mut() {
+                    let _ = stdin.write_all(EXPIRE_REQUEST.as_bytes()).await;
+                }
+                // The worker connects a second client with its session and closes
+                // it (see the worker's log for how long that took: a few hundred ms,
+                // the server turning the second client away while the first one's
+                // connection lasts).
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
+            }
             Kind::SideStall => {
                 // The main lease is short enough to be renewed several times during
                 // the stall; the side lease short enough to be lost in it.
@@ -315,7 +351,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 };
                 let w = long_holder(&cluster, &mut rng, None, request).await;
                 let span = match cluster.args.backend {
-                    Backend::Sqlite => leases(&mut rng, side, 1.5, 3.0),
+                    Backend::Sqlite | Backend::Zk => leases(&mut rng, side, 1.5, 3.0),
                     _ => Duration::from_millis(rng.random_range(1000..2000)),
                 };
                 let what = format!(
@@ -344,7 +380,7 @@ async fn stall_side(
     use anyhow::Context as _;
     use sqlx::Connection as _;
     let url = cluster.side_url().context("no side backend to stall")?;
-    if cluster.args.backend == Backend::Sqlite {
+    if url.starts_with("sqlite:") {
         let mut conn = sqlx::SqliteConnection::connect(&url).await?;
         started();
         sqlx::query("BEGIN IMMEDIATE").execute(&mut conn).await?;

@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 use crate::checker::{self, RunMeta, Summary};
 use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent, WorkerLine};
 use crate::proxy::Proxy;
-use crate::servers::RedisServer;
+use crate::servers::Server;
 use crate::store::Mode;
 use crate::worker::MAX_LEASE;
 
@@ -34,6 +34,10 @@ pub(crate) enum Backend {
     /// a node of the holder's majority). Redlock has no fencing token: the store
     /// compares versions instead.
     Redlock,
+    /// One ZooKeeper the harness runs, behind a fault proxy per worker (adds
+    /// server kills and restarts, delays, black holes, resets and forced session
+    /// expiries); the side backend is a SQLite file.
+    Zk,
     /// `--url`: any backend the workers can reach (faults: pauses and kills of workers).
     Url,
 }
@@ -110,9 +114,9 @@ pub(crate) struct Cluster {
     pub(crate) workers: Mutex<Vec<WorkerProc>>,
     pub(crate) tracker: Arc<SyncMutex<Tracker>>,
     pub(crate) history: Arc<SyncMutex<std::io::BufWriter<std::fs::File>>>,
-    pub(crate) servers: Mutex<Vec<RedisServer>>,
+    pub(crate) servers: Mutex<Vec<Server>>,
     /// The side backend's Redis (Redis and Redlock runs).
-    pub(crate) side_server: Mutex<Option<RedisServer>>,
+    pub(crate) side_server: Mutex<Option<Server>>,
     pub(crate) proxies: Vec<Proxy>,
 }
 
@@ -121,6 +125,18 @@ pub(crate) struct Cluster {
 fn side_port(args: &RunArgs) -> u16 {
     args.port_base + 6
 }
+
+/// Port of the ZooKeeper server, after the side Redis.
+fn zk_port(args: &RunArgs) -> u16 {
+    args.port_base + 7
+}
+
+/// The session timeout of the workers' ZooKeeper sessions: longer than the
+/// longest lease, so that a lease is renewed several times per session timeout,
+/// and short enough that a killed holder's key frees within the other workers'
+/// patience for a few rounds. A lease outlives neither its session nor its own
+/// end (the backend deletes a node it did not renew in time).
+pub(crate) const ZK_SESSION_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl Cluster {
     fn worker_url(&self, id: usize) -> String {
@@ -138,6 +154,12 @@ impl Cluster {
                     .collect();
                 format!("redlock://{}", nodes.join(","))
             }
+            Backend::Zk => format!(
+                "zk://127.0.0.1:{}/chaos-{}?session_timeout={}ms",
+                self.proxies[id].port(),
+                self.run_id,
+                ZK_SESSION_TIMEOUT.as_millis()
+            ),
             Backend::Url => self.args.url.clone().unwrap_or_default(),
         }
     }
@@ -146,7 +168,9 @@ impl Cluster {
     /// with `--backend url` (the harness cannot stall what it does not own).
     pub(crate) fn side_url(&self) -> Option<String> {
         match self.args.backend {
-            Backend::Sqlite => Some(format!("sqlite://{}", self.out.join("side.db").display())),
+            Backend::Sqlite | Backend::Zk => {
+                Some(format!("sqlite://{}", self.out.join("side.db").display()))
+            }
             Backend::Redis | Backend::Redlock => Some(format!(
                 "redis://127.0.0.1:{}/?timeout=250ms",
                 side_port(&self.args)
@@ -178,6 +202,17 @@ impl Cluster {
             .args(
                 self.side_url()
                     .map(|url| ["--side-url".to_owned(), url])
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(
+                (self.args.backend == Backend::Zk)
+                    .then(|| {
+                        [
+                            "--zk-server".to_owned(),
+                            format!("127.0.0.1:{}", zk_port(&self.args)),
+                        ]
+                    })
                     .into_iter()
                     .flatten(),
             )
@@ -334,27 +369,27 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     // The servers and proxies the nemesis controls.
     let mut servers = Vec::new();
     match args.backend {
-        Backend::Redis => {
-            servers.push(RedisServer::start(args.port_base, &out.join("redis")).await?)
-        }
+        Backend::Redis => servers.push(Server::redis(args.port_base, &out.join("redis")).await?),
         Backend::Redlock => {
             for i in 1..=5 {
                 servers.push(
-                    RedisServer::start(args.port_base + i, &out.join(format!("redlock-{i}")))
-                        .await?,
+                    Server::redis(args.port_base + i, &out.join(format!("redlock-{i}"))).await?,
                 );
             }
+        }
+        Backend::Zk => {
+            servers.push(Server::zookeeper(zk_port(&args), &out.join("zookeeper")).await?)
         }
         Backend::Sqlite | Backend::Url => {}
     }
     let side_server = match args.backend {
         Backend::Redis | Backend::Redlock => {
-            Some(RedisServer::start(side_port(&args), &out.join("side-redis")).await?)
+            Some(Server::redis(side_port(&args), &out.join("side-redis")).await?)
         }
-        Backend::Sqlite | Backend::Url => None,
+        Backend::Sqlite | Backend::Zk | Backend::Url => None,
     };
     let mut proxies = Vec::new();
-    if args.backend == Backend::Redis {
+    if matches!(args.backend, Backend::Redis | Backend::Zk) {
         for _ in 0..args.workers {
             proxies.push(Proxy::start(servers[0].port()).await?);
         }
@@ -372,9 +407,11 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         proxies,
         args: args.clone(),
     });
-    if args.backend == Backend::Sqlite {
+    if matches!(args.backend, Backend::Sqlite | Backend::Zk) {
         // Create the tables once, so that eight processes do not race to.
-        drop(dlock_runtime::connect(&cluster.worker_url(0)).await?);
+        if args.backend == Backend::Sqlite {
+            drop(dlock_runtime::connect(&cluster.worker_url(0)).await?);
+        }
         if let Some(side) = cluster.side_url() {
             drop(dlock_runtime::connect(&side).await?);
         }
@@ -424,10 +461,15 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
             let _ = w.child.kill().await;
         }
     }
-    // A worker killed while holding leaves its key until its lease ends: look
-    // until both backends are clear, for at most the longest lease and a margin.
-    // (Every worker has exited: nothing takes a key any more.)
-    let idle_by = Instant::now() + MAX_LEASE + Duration::from_millis(500);
+    // A worker killed while holding leaves its key until its lease ends (on
+    // ZooKeeper: until its session expires): look until both backends are
+    // clear, for at most that long and a margin. (Every worker has exited:
+    // nothing takes a key any more.)
+    let idle_by = Instant::now()
+        + match args.backend {
+            Backend::Zk => ZK_SESSION_TIMEOUT.max(MAX_LEASE) + Duration::from_secs(2),
+            _ => MAX_LEASE + Duration::from_millis(500),
+        };
     let (keys_left, side_keys_left) = loop {
         let left = (keys_left(&cluster).await?, side_keys_left(&cluster).await?);
         let clear = left.0.unwrap_or(0) == 0 && left.1.unwrap_or(0) == 0;
@@ -456,6 +498,8 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         workers: args.workers,
         mode,
         lease_ms: MAX_LEASE.as_millis() as u64,
+        session_timeout_ms: (args.backend == Backend::Zk)
+            .then(|| ZK_SESSION_TIMEOUT.as_millis() as u64),
         keys_left,
         side_keys_left,
         traced: true,
@@ -486,6 +530,7 @@ async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
         Backend::Sqlite => Ok(Some(
             sqlite_keys_left(cluster, &cluster.worker_url(0)).await?,
         )),
+        Backend::Zk => Ok(Some(zk_nodes_left(cluster).await?)),
         Backend::Url => Ok(None),
     }
 }
@@ -511,6 +556,33 @@ async fn redis_keys_left(cluster: &Cluster, port: u16) -> anyhow::Result<usize> 
         .await?;
     // Fence counters stay by design (they make tokens increase).
     Ok(keys.iter().filter(|k| !k.ends_with(":fence")).count())
+}
+
+/// Lock nodes left under the run's chroot (`/chaos-<run>`): the children of
+/// every key's container, straight from the server (not through a proxy).
+async fn zk_nodes_left(cluster: &Cluster) -> anyhow::Result<usize> {
+    use zookeeper_client::{Client, Error as ZkError};
+    let chroot = format!("/chaos-{}", cluster.run_id);
+    let client = Client::connector()
+        .with_session_timeout(ZK_SESSION_TIMEOUT)
+        .with_fail_eagerly()
+        .connect(&format!("127.0.0.1:{}", zk_port(&cluster.args)))
+        .await
+        .context("connect to ZooKeeper to count the nodes left")?;
+    let containers = match client.list_children(&chroot).await {
+        Ok(children) => children,
+        Err(ZkError::NoNode) => Vec::new(),
+        Err(e) => bail!("listing {chroot}: {e}"),
+    };
+    let mut left = 0;
+    for container in containers {
+        match client.list_children(&format!("{chroot}/{container}")).await {
+            Ok(children) => left += children.len(),
+            Err(ZkError::NoNode) => {}
+            Err(e) => bail!("listing {chroot}/{container}: {e}"),
+        }
+    }
+    Ok(left)
 }
 
 async fn sqlite_keys_left(cluster: &Cluster, url: &str) -> anyhow::Result<usize> {

@@ -1,6 +1,6 @@
 //! What a worker prints, and what it hears from dlock's runtime.
 //!
-//! Every line a worker prints goes through one writer thread ([`line`]): the
+//! Every line a worker prints goes through one writer thread ([`line()`]): the
 //! runtime's events arrive on its watchdog and I/O threads, which must never
 //! block on a full pipe (a renewal held up by the orchestrator's reading would be
 //! a fault the nemesis did not inject). Each line is stamped when it happens.

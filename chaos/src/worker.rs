@@ -1,6 +1,6 @@
 //! A worker process: loops over locked read-modify-writes until its standard
 //! input closes, printing one [`WorkerEvent`] per step (and, through
-//! [`trace`](crate::trace), the runtime's events about its leases) on standard
+//! [`trace`], the runtime's events about its leases) on standard
 //! output.
 //!
 //! Even-numbered workers use `on_lost = "cancel"` (the body stops when the lease
@@ -19,7 +19,7 @@
 use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
 
-use dlock_runtime::{LockError, LockGuard, Registry, distributed_lock};
+use dlock_runtime::{LockError, LockGuard, Registry, ZooKeeperBackend, distributed_lock};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use tokio::io::AsyncBufReadExt as _;
 use tokio::sync::Mutex;
@@ -88,7 +88,17 @@ pub(crate) struct WorkerArgs {
     /// Seed of this worker's choices.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
+    /// `host:port` of the ZooKeeper server itself (not the proxy), where a
+    /// second client takes over this worker's session to close it.
+    #[arg(long)]
+    pub(crate) zk_server: Option<String>,
 }
+
+/// The line on a worker's standard input that asks it to have its ZooKeeper
+/// session expire: a second client connects with the session's id and password
+/// and closes it. (The client library does not hand the password out, so the
+/// worker does this itself rather than report it to the nemesis.)
+pub(crate) const EXPIRE_REQUEST: &str = "expire\n";
 
 /// Whether worker `id` runs with `on_lost = "cancel"` (even ids) or `"continue"`.
 pub(crate) fn cancels_on_loss(id: usize) -> bool {
@@ -441,6 +451,47 @@ annotated! {
     continue_2500ms: lease = "2500ms", on_lost = "continue";
 }
 
+/// Connects to a `zk://` URL, trying again while it fails, and keeps the
+/// backend's own type (for its session).
+async fn connect_zk(id: usize, url: &str) -> ZooKeeperBackend {
+    loop {
+        match ZooKeeperBackend::connect(url).await {
+            Ok(backend) => break backend,
+            Err(e) => {
+                eprintln!("worker {id}: connect: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// Has a second client, connected straight to `server`, take over the
+/// backend's current session and close it: the server ends the session (its
+/// nodes go) as its expiry would.
+async fn expire_session(id: usize, zk: &ZooKeeperBackend, server: &str) {
+    let Some(session) = zk.session_for_tests() else {
+        eprintln!("worker {id}: expire: no session");
+        return;
+    };
+    let started = std::time::Instant::now();
+    let thief = zookeeper_client::Client::connector()
+        .with_session(session.clone())
+        .with_session_timeout(crate::run::ZK_SESSION_TIMEOUT)
+        .connect(server)
+        .await;
+    match thief {
+        Ok(thief) => {
+            drop(thief); // Closes the session.
+            eprintln!(
+                "worker {id}: session {} closed by a second client ({:?})",
+                session.id(),
+                started.elapsed()
+            );
+        }
+        Err(e) => eprintln!("worker {id}: expire: cannot take over the session: {e}"),
+    }
+}
+
 /// Connects to `url`, trying again while it fails (a restarted worker may come
 /// up while the server is down).
 async fn connect(id: usize, url: &str) -> std::sync::Arc<dyn dlock_runtime::LockBackend> {
@@ -458,7 +509,16 @@ async fn connect(id: usize, url: &str) -> std::sync::Arc<dyn dlock_runtime::Lock
 /// Runs a worker until standard input closes.
 pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     trace::start(args.id, args.inc)?;
-    let mut builder = Registry::builder().default_backend(connect(args.id, &args.url).await);
+    let zk = if args.url.starts_with("zk://") {
+        Some(connect_zk(args.id, &args.url).await)
+    } else {
+        None
+    };
+    let main = match &zk {
+        Some(zk) => std::sync::Arc::new(zk.clone()),
+        None => connect(args.id, &args.url).await,
+    };
+    let mut builder = Registry::builder().default_backend(main);
     if let Some(side) = &args.side_url {
         builder = builder.backend(SIDE, connect(args.id, side).await);
     }
@@ -466,7 +526,10 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     dlock_runtime::init(registry.clone())?;
 
     let long = std::sync::Arc::new(SyncMutex::new(None));
-    let stop = read_stdin(long.clone());
+    let expire = zk
+        .zip(args.zk_server.clone())
+        .map(|(zk, server)| (args.id, zk, server));
+    let stop = read_stdin(long.clone(), expire);
     let mut rng = StdRng::seed_from_u64(args.seed ^ ((args.id as u64) << 32) ^ u64::from(args.inc));
     let give_up_rate = args.give_up_rate.clamp(0.0, 1.0);
     let side_rate = if args.side_url.is_some() {
@@ -553,15 +616,22 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 /// Reads the orchestrator's lines: `long …` asks for a long stay (see
-/// [`LongRequest`]); the end of input means stop (the returned flag becomes `true`).
+/// [`LongRequest`]), `expire` for the end of the ZooKeeper session (see
+/// [`EXPIRE_REQUEST`]; with `expire`: the worker id, its backend, the server);
+/// the end of input means stop (the returned flag becomes `true`).
 fn read_stdin(
     long: std::sync::Arc<SyncMutex<Option<LongRequest>>>,
+    expire: Option<(usize, ZooKeeperBackend, String)>,
 ) -> tokio::sync::watch::Receiver<bool> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
         while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(request) = LongRequest::parse(&line) {
+            if line.trim() == EXPIRE_REQUEST.trim() {
+                if let Some((id, zk, server)) = &expire {
+                    expire_session(*id, zk, server).await;
+                }
+            } else if let Some(request) = LongRequest::parse(&line) {
                 *long.lock().unwrap_or_else(|p| p.into_inner()) = Some(request);
             }
         }

@@ -7,7 +7,9 @@
 //! at the acquisition, the body or the release, no side stall with the main
 //! backend renewing through it, a lease length never used).
 //!
-//! They need `redis-server` on the PATH (`scripts/servers.sh up` installs it).
+//! They need `redis-server` on the PATH and, for the ZooKeeper run, `java` and
+//! Debian's ZooKeeper jars (`scripts/servers.sh up` installs them); a missing
+//! server fails the run, it is not skipped.
 
 use std::path::Path;
 use std::process::Command;
@@ -16,7 +18,8 @@ use std::sync::Mutex;
 /// One run at a time: eight worker processes each already share two cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn short_run(backend: &str, faults: u32) {
+/// One short run on `backend` with `faults` faults; its summary.
+fn short_run(backend: &str, faults: u32) -> serde_json::Value {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let out = tempfile::tempdir().unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
@@ -95,6 +98,7 @@ fn short_run(backend: &str, faults: u32) {
     assert_eq!(field("lost_updates"), 0);
     assert_eq!(summary["keys_left"].as_u64(), Some(0));
     assert_eq!(summary["side_keys_left"].as_u64(), Some(0));
+    summary
 }
 
 fn read_summary(dir: &Path) -> serde_json::Value {
@@ -106,7 +110,7 @@ fn read_summary(dir: &Path) -> serde_json::Value {
 
 // Every fault kind of a backend comes once per round of the nemesis' schedule,
 // so each run below (with at least as many faults as its backend has kinds:
-// 3, 7 and 5) stalls the side backend at least once.
+// 3, 7, 5 and 8) stalls the side backend at least once.
 
 #[test]
 fn sqlite_under_pauses_kills_and_side_stalls() {
@@ -121,4 +125,24 @@ fn redis_under_server_kills_partitions_pauses_kills_and_side_stalls() {
 #[test]
 fn redlock_under_node_outages_pauses_kills_and_side_stalls() {
     short_run("redlock", 8);
+}
+
+#[test]
+fn zookeeper_under_server_kills_partitions_session_expiries_pauses_kills_and_side_stalls() {
+    let summary = short_run("zk", 9);
+    for kind in [
+        "sigstop",
+        "sigkill_worker",
+        "kill_server",
+        "proxy_delay",
+        "proxy_blackhole",
+        "proxy_reset",
+        "session_expiry",
+        "side_stall",
+    ] {
+        assert!(
+            summary["faults"][kind].as_u64().unwrap_or(0) >= 1,
+            "no {kind} fault: {summary}"
+        );
+    }
 }

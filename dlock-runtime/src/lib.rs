@@ -73,6 +73,8 @@ pub use backend::sql::MysqlBackend;
 pub use backend::sql::PostgresBackend;
 #[cfg(feature = "sqlite")]
 pub use backend::sql::SqliteBackend;
+#[cfg(feature = "zookeeper")]
+pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{LockBackend, connect};
 pub use context::{CurrentLock, current};
 pub use dlock_macros::distributed_lock;

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -57,46 +57,43 @@ pub struct ShutdownReport {
 /// shutdown releases and waits for.
 #[derive(Debug, Default)]
 pub(crate) struct Leases {
-    state: Mutex<LeasesState>,
+    live: Mutex<HashMap<u64, Weak<HeldLease>>>,
+    /// Releases asked for and not yet finished.
+    releasing: AtomicUsize,
     settled: Notify,
     closing: AtomicBool,
 }
 
-#[derive(Debug, Default)]
-struct LeasesState {
-    live: HashMap<u64, Weak<HeldLease>>,
-    releasing: usize,
-}
-
 impl Leases {
-    fn state(&self) -> MutexGuard<'_, LeasesState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn live_map(&self) -> MutexGuard<'_, HashMap<u64, Weak<HeldLease>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn track(&self, lease: &Arc<HeldLease>) {
-        self.state().live.insert(lease.id, Arc::downgrade(lease));
+        self.live_map().insert(lease.id, Arc::downgrade(lease));
     }
 
     pub(crate) fn release_started(&self) {
-        self.state().releasing += 1;
+        self.releasing.fetch_add(1, Ordering::SeqCst);
     }
 
     pub(crate) fn release_finished(&self, id: u64) {
-        let mut state = self.state();
-        state.live.remove(&id);
-        state.releasing -= 1;
-        drop(state);
-        self.settled.notify_waiters();
+        self.live_map().remove(&id);
+        self.releasing.fetch_sub(1, Ordering::SeqCst);
+        if self.is_closing() {
+            // Only shutdown waits on it.
+            self.settled.notify_waiters();
+        }
     }
 
     pub(crate) fn is_closing(&self) -> bool {
-        self.closing.load(Ordering::Acquire)
+        self.closing.load(Ordering::SeqCst)
     }
 
     fn live(&self) -> usize {
-        let mut state = self.state();
-        state.live.retain(|_, l| l.strong_count() > 0);
-        state.live.len()
+        let mut live = self.live_map();
+        live.retain(|_, l| l.strong_count() > 0);
+        live.len()
     }
 }
 
@@ -190,10 +187,9 @@ impl Registry {
     /// ```
     pub async fn shutdown(&self, deadline: Duration) -> ShutdownReport {
         let leases = &self.inner.leases;
-        leases.closing.store(true, Ordering::Release);
+        leases.closing.store(true, Ordering::SeqCst);
         let held: Vec<Arc<HeldLease>> = leases
-            .state()
-            .live
+            .live_map()
             .values()
             .filter_map(Weak::upgrade)
             .collect();
@@ -207,7 +203,7 @@ impl Registry {
             let settled = leases.settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
-            let unfinished = leases.state().releasing;
+            let unfinished = leases.releasing.load(Ordering::SeqCst);
             if unfinished == 0 || Instant::now() >= until {
                 tracing::info!(released, unfinished, "dlock registry shut down");
                 return ShutdownReport {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{FencingToken, LockError, distributed_lock, lock};
+use dlock_runtime::{FencingToken, LockError, MIN_LEASE, distributed_lock, lock};
 
 use crate::{Harness, unique_key};
 
@@ -752,4 +752,79 @@ pub async fn unknown_backend_is_an_error(_h: &Harness) {
         matches!(result, Err(LockError::UnknownBackend { .. })),
         "{result:?}"
     );
+}
+
+/// `wait(Duration::MAX)` waits for ever (no overflow): on a free key, and on a
+/// key released 200 ms later. A lease below `MIN_LEASE` is a configuration
+/// error; a lease of exactly `MIN_LEASE` is kept by the watchdog.
+pub async fn wait_forever_and_the_minimum_lease(h: &Harness) {
+    let key = unique_key("wait-forever");
+    let holder = lock(&key)
+        .wait(Duration::MAX)
+        .acquire()
+        .await
+        .expect("a free key");
+    let started = Instant::now();
+    let releaser = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        holder.release().await
+    });
+    let next = tokio::time::timeout(5 * SECOND, lock(&key).wait(Duration::MAX).acquire())
+        .await
+        .expect("handed over when released")
+        .expect("acquire");
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    releaser.await.expect("task").expect("release");
+    next.release().await.expect("release");
+
+    let short = lock(&key).lease(MIN_LEASE / 2).acquire().await;
+    assert!(
+        matches!(short, Err(LockError::Config { .. })),
+        "a lease below MIN_LEASE: {short:?}"
+    );
+    let guard = lock(&key)
+        .lease(MIN_LEASE)
+        .acquire()
+        .await
+        .expect("MIN_LEASE");
+    tokio::time::sleep(SECOND).await;
+    assert!(
+        !guard.is_lost(),
+        "a MIN_LEASE lease is kept by the watchdog"
+    );
+    assert!(h.faults.is_held(&h.stored(&key)).await);
+    guard.release().await.expect("release");
+}
+
+/// A waiter whose caller gives up (a timeout around `acquire`) stops waiting:
+/// when the holder releases later, the key stays free.
+pub async fn an_abandoned_waiter_takes_nothing(h: &Harness) {
+    let key = unique_key("abandoned-waiter");
+    let guard = lock(&key)
+        .lease(30 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let started = Instant::now();
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move {
+            tokio::time::timeout(SECOND, lock(&key).wait(60 * SECOND).acquire())
+                .await
+                .is_err()
+        }
+    });
+    assert!(
+        waiter.await.expect("task"),
+        "the key was busy for the whole second"
+    );
+    tokio::time::sleep_until((started + Duration::from_millis(1500)).into()).await;
+    guard.release().await.expect("release");
+    tokio::time::sleep_until((started + 2 * SECOND).into()).await;
+    assert_free(
+        h,
+        &key,
+        "the abandoned waiter took the key after its caller had gone",
+    )
+    .await;
 }

@@ -12,6 +12,7 @@
 //! also shows that a registry keeps working across runtimes.
 
 pub mod conformance;
+pub mod scenarios;
 
 use std::sync::Arc;
 
@@ -51,6 +52,22 @@ impl Harness {
     }
 }
 
+/// [`Faults`] of a [`MemoryBackend`](dlock_runtime::MemoryBackend): `revoke`
+/// is `expire_now`, `is_held` looks at its held keys.
+pub struct MemoryFaults(pub dlock_runtime::MemoryBackend);
+
+impl Faults for MemoryFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.0.expire_now(stored_key);
+        })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move { self.0.held_keys().iter().any(|k| k == stored_key) })
+    }
+}
+
 /// A key unique to this test run, so that runs against a persistent server
 /// never see each other's leases.
 pub fn unique_key(case: &str) -> String {
@@ -87,7 +104,9 @@ macro_rules! conformance_suite {
             invalid_keys_are_rejected,
             fuzzed_keys_never_collide,
             fuzzed_template_values_reach_the_backend_verbatim,
-            unknown_backend_is_an_error
+            unknown_backend_is_an_error,
+            wait_forever_and_the_minimum_lease,
+            an_abandoned_waiter_takes_nothing
         );
     };
     (@cases $harness:path; $($case:ident),* $(,)?) => {
@@ -103,6 +122,8 @@ macro_rules! conformance_suite {
 
 #[cfg(feature = "redis")]
 pub mod redis_support;
+#[cfg(feature = "zookeeper")]
+pub mod zk_support;
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_support;

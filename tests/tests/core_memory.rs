@@ -496,38 +496,6 @@ async fn spawned_task_does_not_inherit_the_hold() {
 // ---------------------------------------------------------------------------
 // 4. Durations saturate; a lease has a minimum.
 
-/// Item 4. `wait(Duration::MAX)` means "wait for ever": on a free key and on
-/// a key released 200 ms later.
-///
-/// Old main: `Instant::now() + Duration::MAX` panicked (overflow) in the wait loop.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_max_does_not_panic() {
-    let backend = MemoryBackend::new();
-    let reg = registry(&backend);
-    let key = unique_key("wait-max");
-    let holder = reg
-        .lock(&key)
-        .wait(Duration::MAX)
-        .acquire()
-        .await
-        .expect("a free key");
-    let started = Instant::now();
-    let releaser = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        holder.release().await
-    });
-    let next = tokio::time::timeout(
-        Duration::from_secs(5),
-        reg.lock(&key).wait(Duration::MAX).acquire(),
-    )
-    .await
-    .expect("handed over when released")
-    .expect("acquire");
-    assert!(started.elapsed() >= Duration::from_millis(150));
-    releaser.await.expect("task").expect("release");
-    next.release().await.expect("release");
-}
-
 /// Item 4. A lease below [`MIN_LEASE`] is a configuration error; a lease of
 /// exactly `MIN_LEASE` works and is renewed (held for a whole second).
 ///
@@ -770,77 +738,19 @@ async fn state_is_bounded() {
 
 /// Item 10. `shutdown` releases every held lease at once (the keys are free
 /// on the backend when it returns), tells a running body its lease is lost,
-/// and refuses new acquisitions.
+/// and refuses new acquisitions (`dlock_tests::scenarios::graceful_shutdown`).
 ///
 /// Old main: there was no shutdown; held leases stayed until they expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_releases_every_lease() {
     let backend = MemoryBackend::new();
-    let reg = registry(&backend);
-    let keys: Vec<String> = (0..3)
-        .map(|i| unique_key(&format!("shutdown-{i}")))
-        .collect();
-    let lease = Duration::from_secs(30);
-    let g0 = reg
-        .lock(&keys[0])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let g1 = reg
-        .lock(&keys[1])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
-    let body = tokio::spawn({
-        let (reg, key) = (reg.clone(), keys[2].clone());
-        async move {
-            let guard = reg
-                .lock(&key)
-                .lease(lease)
-                .acquire()
-                .await
-                .expect("acquire");
-            let lost = guard.lost();
-            let outcome = guard
-                .scope(async {
-                    entered_tx.send(()).expect("test waits");
-                    tokio::select! {
-                        () = lost => "lost",
-                        () = tokio::time::sleep(Duration::from_secs(30)) => "ran to the end",
-                    }
-                })
-                .await;
-            (outcome, guard.release().await)
-        }
-    });
-    entered_rx.await.expect("the body runs");
-    assert_eq!(reg.held_leases(), 3);
-    assert_eq!(backend.held_keys().len(), 3);
-
-    let report = tokio::time::timeout(Duration::from_secs(3), reg.shutdown(Duration::from_secs(2)))
-        .await
-        .expect("shutdown returns by its deadline");
-    assert_eq!((report.released, report.unfinished), (3, 0), "{report:?}");
-    assert!(
-        backend.held_keys().is_empty() && backend.entries() == 0,
-        "keys still held after shutdown: {:?}",
-        backend.held_keys()
-    );
-    let (outcome, _release) = tokio::time::timeout(Duration::from_secs(1), body)
-        .await
-        .expect("the body hears of the shutdown")
-        .expect("task");
-    assert_eq!(outcome, "lost");
-    let refused = reg.lock(unique_key("after-shutdown")).acquire().await;
-    assert!(
-        matches!(refused, Err(LockError::ShutDown)),
-        "acquire after shutdown: {refused:?}"
-    );
-    assert_eq!(reg.held_leases(), 0);
-    drop((g0, g1));
+    dlock_tests::scenarios::graceful_shutdown(
+        &registry(&backend),
+        &registry(&backend),
+        &dlock_tests::MemoryFaults(backend.clone()),
+    )
+    .await;
+    assert_eq!(backend.entries(), 0);
 }
 
 /// Item 10. A guard dropped just before `shutdown` hands its release to the

@@ -9,7 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, RedisBackend, Registry};
+use dlock_runtime::{RedisBackend, Registry};
+use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults};
 use dlock_tests::{server_url, servers_missing, unique_key};
 use redis::AsyncCommands;
 
@@ -125,168 +126,17 @@ async fn cancelled_release_leaves_no_renewed_lease() {
         .expect("release");
 }
 
-/// Item 4. `wait(Duration::MAX)` waits for ever without panicking, on a free
-/// key and on one released 200 ms later.
-///
-/// Old main: the Redis wait loop computed `Instant::now() + wait` and
-/// panicked (overflow).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_max_does_not_panic() {
-    let reg = registry().await;
-    let key = unique_key("wait-max");
-    let holder = reg
-        .lock(&key)
-        .wait(Duration::MAX)
-        .acquire()
-        .await
-        .expect("a free key");
-    let started = Instant::now();
-    let releaser = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        holder.release().await
-    });
-    let next = tokio::time::timeout(
-        Duration::from_secs(5),
-        reg.lock(&key).wait(Duration::MAX).acquire(),
-    )
-    .await
-    .expect("handed over when released")
-    .expect("acquire");
-    assert!(started.elapsed() >= Duration::from_millis(150));
-    releaser.await.expect("task").expect("release");
-    next.release().await.expect("release");
-}
-
-/// Item 6. A waiter whose caller gave up (its future dropped after 1 s of a
-/// 60 s wait) stops waiting: when the holder releases, the key stays free.
-///
-/// Old main: Redis waits ran inline in the caller's future, so dropping it
-/// already stopped them (and an owner-checked release followed); kept as a
-/// guard for the rework's shared wait loop.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn abandoned_acquisition_stops() {
-    let (holder, waiter) = (registry().await, registry().await);
-    let mut conn = admin().await;
-    let key = unique_key("abandoned");
-    let guard = holder
-        .lock(&key)
-        .lease(Duration::from_secs(30))
-        .acquire()
-        .await
-        .expect("acquire");
-    let started = Instant::now();
-    let gave_up = tokio::time::timeout(
-        Duration::from_secs(1),
-        waiter.lock(&key).wait(Duration::from_secs(60)).acquire(),
-    )
-    .await;
-    assert!(gave_up.is_err(), "the key was busy for the whole second");
-    tokio::time::sleep_until((started + Duration::from_millis(1500)).into()).await;
-    guard.release().await.expect("release");
-    tokio::time::sleep_until((started + Duration::from_secs(2)).into()).await;
-    assert!(
-        !exists(&mut conn, &key).await,
-        "the abandoned waiter took the key after its caller had gone"
-    );
-    holder
-        .lock(&key)
-        .acquire()
-        .await
-        .expect("free at once")
-        .release()
-        .await
-        .expect("release");
-}
-
 /// Item 10. `shutdown` deletes every held key on the server before it
 /// returns, tells a running body its lease is lost, and refuses new
 /// acquisitions; a guard dropped just before it has its background release
-/// waited for.
+/// waited for (`dlock_tests::scenarios::graceful_shutdown`).
 ///
 /// Old main: there was no shutdown; held keys stayed until their leases ran out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_releases_every_lease() {
-    let reg = registry().await;
-    let mut conn = admin().await;
-    let keys: Vec<String> = (0..3)
-        .map(|i| unique_key(&format!("shutdown-{i}")))
-        .collect();
-    let lease = Duration::from_secs(30);
-    let g0 = reg
-        .lock(&keys[0])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let g1 = reg
-        .lock(&keys[1])
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire");
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
-    let body = tokio::spawn({
-        let (reg, key) = (reg.clone(), keys[2].clone());
-        async move {
-            let guard = reg
-                .lock(&key)
-                .lease(lease)
-                .acquire()
-                .await
-                .expect("acquire");
-            let lost = guard.lost();
-            let outcome = guard
-                .scope(async {
-                    entered_tx.send(()).expect("test waits");
-                    tokio::select! {
-                        () = lost => "lost",
-                        () = tokio::time::sleep(Duration::from_secs(30)) => "ran to the end",
-                    }
-                })
-                .await;
-            (outcome, guard.release().await)
-        }
-    });
-    entered_rx.await.expect("the body runs");
-    for key in &keys {
-        assert!(exists(&mut conn, key).await);
-    }
-    let report = tokio::time::timeout(Duration::from_secs(3), reg.shutdown(Duration::from_secs(2)))
-        .await
-        .expect("shutdown returns by its deadline");
-    assert_eq!((report.released, report.unfinished), (3, 0), "{report:?}");
-    for key in &keys {
-        assert!(
-            !exists(&mut conn, key).await,
-            "{key} still held on the server after shutdown"
-        );
-    }
-    let (outcome, _release) = tokio::time::timeout(Duration::from_secs(1), body)
-        .await
-        .expect("the body hears of the shutdown")
-        .expect("task");
-    assert_eq!(outcome, "lost");
-    let refused = reg.lock(unique_key("after-shutdown")).acquire().await;
-    assert!(
-        matches!(refused, Err(LockError::ShutDown)),
-        "acquire after shutdown: {refused:?}"
-    );
-    drop((g0, g1));
-
-    // A guard dropped just before shutdown: its release is waited for.
-    let reg = registry().await;
-    let key = unique_key("shutdown-dropped");
-    drop(
-        reg.lock(&key)
-            .lease(lease)
-            .acquire()
-            .await
-            .expect("acquire"),
-    );
-    let report = reg.shutdown(Duration::from_secs(2)).await;
-    assert_eq!(report.unfinished, 0, "{report:?}");
-    assert!(
-        !exists(&mut conn, &key).await,
-        "shutdown returned before the dropped guard's release reached the server"
-    );
+    let faults = RedisKeyFaults {
+        redis: RedisFaults::nodes(&[url()]).await,
+        layout: dlock_tests::redis_support::hash_tagged,
+    };
+    dlock_tests::scenarios::graceful_shutdown(&registry().await, &registry().await, &faults).await;
 }

@@ -135,39 +135,6 @@ async fn stalled_database_does_not_starve_another() {
     drop(guard_long);
 }
 
-/// Item 4. `wait(Duration::MAX)` waits for ever without panicking, on a free
-/// key and on one released 200 ms later.
-///
-/// Old main: the SQLite wait loop computed `Instant::now() + wait` and
-/// panicked (overflow).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_max_does_not_panic() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let reg = registry(&url(&db(&dir, "wait.db"))).await;
-    let key = unique_key("wait-max");
-    let holder = reg
-        .lock(&key)
-        .wait(Duration::MAX)
-        .acquire()
-        .await
-        .expect("a free key");
-    let started = Instant::now();
-    let releaser = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        holder.release().await
-    });
-    let next = tokio::time::timeout(
-        Duration::from_secs(5),
-        reg.lock(&key).wait(Duration::MAX).acquire(),
-    )
-    .await
-    .expect("handed over when released")
-    .expect("acquire");
-    assert!(started.elapsed() >= Duration::from_millis(150));
-    releaser.await.expect("task").expect("release");
-    next.release().await.expect("release");
-}
-
 /// Item 6. A waiter whose caller gave up (its future dropped after 1 s of a
 /// 60 s wait) stops waiting: when the holder releases, the key stays free.
 ///

@@ -4,23 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, MemoryBackend, Registry, lock};
-use dlock_tests::{Faults, Harness, unique_key};
-use futures_util::future::BoxFuture;
+use dlock_tests::{Harness, MemoryFaults, unique_key};
 use tokio::sync::OnceCell;
-
-struct MemoryFaults(MemoryBackend);
-
-impl Faults for MemoryFaults {
-    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            self.0.expire_now(stored_key);
-        })
-    }
-
-    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
-        Box::pin(async move { self.0.held_keys().iter().any(|k| k == stored_key) })
-    }
-}
 
 fn backend() -> &'static MemoryBackend {
     static BACKEND: std::sync::OnceLock<MemoryBackend> = std::sync::OnceLock::new();

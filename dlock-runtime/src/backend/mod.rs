@@ -14,6 +14,7 @@
 //! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
 //! | [`sql::postgres`] | `postgres://`, `postgresql://` | `postgres` |
 //! | [`sql::mysql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
+//! | [`zookeeper`] | `zk://h1:p1,h2:p2/chroot` | `zookeeper` |
 //!
 //! The wait loop every backend shares is in [`wait`].
 
@@ -34,6 +35,8 @@ pub mod redis;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub mod sql;
 pub mod wait;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper;
 
 pub use wait::WakeSource;
 
@@ -282,10 +285,9 @@ const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+clus
 /// Opens the backend a URL names.
 ///
 /// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
-/// `redis+cluster://` and `redlock://` (feature `redis`), `postgres://`
-/// (feature `postgres`) and `mysql://` (feature `mysql`) are available in this
-/// release; `zk://` is recognised and answers a [`LockError::Config`] that
-/// says it is not built yet.
+/// `redis+cluster://` and `redlock://` (feature `redis`), `zk://` (feature
+/// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
+/// `mysql`) are available in this release.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     let scheme = url
         .split_once(':')
@@ -330,11 +332,12 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
         "mysql" | "mariadb" => Err(LockError::config(format!(
             "the `{scheme}` backend is disabled: enable the `mysql` feature of dlock-runtime"
         ))),
-        "zk" => Err(LockError::config(format!(
-            "the `{scheme}` backend is not built yet in this release of dlock-runtime \
-             (available: memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-             redlock://, postgres://, mysql://)"
-        ))),
+        #[cfg(feature = "zookeeper")]
+        "zk" => Ok(Arc::new(zookeeper::ZooKeeperBackend::connect(url).await?)),
+        #[cfg(not(feature = "zookeeper"))]
+        "zk" => Err(LockError::config(
+            "the `zk` backend is disabled: enable the `zookeeper` feature of dlock-runtime",
+        )),
         _ => Err(LockError::config(format!(
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
             redact_url(url)

@@ -219,7 +219,7 @@ impl HeldLease {
     /// limit), then frees the key — or, with `hold_at_least`, lets it expire
     /// that long from now.
     async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
-        loop {
+        while self.sched().machine.renewal_in_flight() {
             let settled = self.renewal_settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();

@@ -6,8 +6,8 @@ pub(crate) mod state;
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -262,7 +262,7 @@ pub(crate) async fn acquire(
     // the registry shuts down (a waiter woken by shutdown's own release) is
     // never handed out.
     if registry.inner.leases.is_closing() {
-        drop(guard);
+        let _ = guard.release().await;
         return Err(LockError::ShutDown);
     }
     Ok(guard)
@@ -453,8 +453,9 @@ pub struct LockGuard {
     /// For a nested hold: its turn at the gate of the scope it entered.
     nested: Option<OwnedSemaphorePermit>,
     /// The gate of this guard's scopes: nested acquisitions inside them pass
-    /// it one at a time (siblings take turns, across all of this guard's scopes).
-    gate: Arc<Semaphore>,
+    /// it one at a time (siblings take turns, across all of this guard's
+    /// scopes). Made by the first `scope`.
+    gate: OnceLock<Arc<Semaphore>>,
 }
 
 impl fmt::Debug for LockGuard {
@@ -476,7 +477,7 @@ impl LockGuard {
         LockGuard {
             held: Some(held),
             nested,
-            gate: Arc::new(Semaphore::new(1)),
+            gate: OnceLock::new(),
         }
     }
 
@@ -522,7 +523,11 @@ impl LockGuard {
     pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
         let held = self.held().clone();
         let span = held.span.clone();
-        crate::context::scope(held, self.gate.clone(), future.instrument(span))
+        let gate = self
+            .gate
+            .get_or_init(|| Arc::new(Semaphore::new(1)))
+            .clone();
+        crate::context::scope(held, gate, future.instrument(span))
     }
 
     /// Releases the lock now (or, with `hold_at_least`, lets it expire then) and

@@ -1,0 +1,360 @@
+//! Node names: keys escaped into node names, Curator's protected child
+//! names, and the order of sequence numbers (serial-number arithmetic).
+
+use std::fmt::Write as _;
+
+/// The lock name of Curator's `InterProcessMutex` children (`_c_{uuid}-lock-{seq}`).
+const LOCK_NAME: &str = "lock-";
+
+/// The prefix of Curator's protected names.
+const PROTECTED: &str = "_c_";
+
+/// Whether ZooKeeper refuses `c` in a path: the ranges of its programmer's
+/// guide, and every character outside the Basic Multilingual Plane, which
+/// the (Java) server sees as a surrogate pair, inside the refused
+/// U+D800–U+F8FF.
+fn forbidden(c: char) -> bool {
+    matches!(u32::from(c),
+        0x0000..=0x001f | 0x007f..=0x009f | 0xd800..=0xf8ff | 0xfff0..)
+}
+
+/// The node name a stored key is kept under: the key itself, with `%`, `/`
+/// and every character ZooKeeper refuses percent-encoded (their UTF-8
+/// bytes), and the names ZooKeeper gives a meaning (`.`, `..`, `zookeeper`)
+/// made ordinary by encoding their first character. Since `%` is always
+/// encoded, decoding is unambiguous: two keys never share a node.
+pub(super) fn escape_key(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    let special = matches!(key, "." | ".." | "zookeeper");
+    for (i, c) in key.chars().enumerate() {
+        if c == '%' || c == '/' || forbidden(c) || (special && i == 0) {
+            let mut bytes = [0u8; 4];
+            for b in c.encode_utf8(&mut bytes).bytes() {
+                let _ = write!(out, "%{b:02X}");
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Whether `name` is a node name ZooKeeper accepts (one path component).
+pub(super) fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains('/')
+        && !name.chars().any(forbidden)
+}
+
+/// Whether `path` is an absolute path ZooKeeper accepts (`/` alone is the root).
+pub(super) fn valid_path(path: &str) -> bool {
+    match path.strip_prefix('/') {
+        Some("") => true,
+        Some(rest) => rest.split('/').all(valid_name),
+        None => false,
+    }
+}
+
+/// The GUID of Curator's protected names, from the acquisition's owner
+/// token: the token itself in UUID form when it is 128 bits of hex (what the
+/// runtime issues), else a 128-bit hash of it. Derived, not stored: the
+/// same owner finds its node again after a lost create reply.
+pub(super) fn guid_for(owner: &str) -> String {
+    let hex: String = if owner.len() == 32 && owner.bytes().all(|b| b.is_ascii_hexdigit()) {
+        owner.to_ascii_lowercase()
+    } else {
+        // FNV-1a, twice with different offsets: deterministic, 128 bits.
+        let fnv = |offset: u64| {
+            owner.bytes().fold(offset, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+        };
+        format!(
+            "{:016x}{:016x}",
+            fnv(0xcbf2_9ce4_8422_2325),
+            fnv(0x6c62_272e_07bb_0142)
+        )
+    };
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// The path the create of an acquisition is sent with; the server appends
+/// the sequence number.
+pub(super) fn child_prefix(container: &str, guid: &str) -> String {
+    format!("{container}/{PROTECTED}{guid}-{LOCK_NAME}")
+}
+
+/// The start of every child name an acquisition with this GUID creates.
+pub(super) fn guid_prefix(guid: &str) -> String {
+    format!("{PROTECTED}{guid}-")
+}
+
+/// The sequence number of a lock child (`…lock-0000000042`,
+/// `…lock--2147483648` after the counter wrapped), or `None` for a child
+/// that is not a lock node. Like Curator, the number is what follows the
+/// last `lock-`.
+pub(super) fn sequence_of(name: &str) -> Option<i32> {
+    let at = name.rfind(LOCK_NAME)?;
+    let digits = &name[at + LOCK_NAME.len()..];
+    let unsigned = digits.strip_prefix('-').unwrap_or(digits);
+    if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse::<i32>().ok()
+}
+
+/// Whether sequence `a` was issued before `b`. The server's sequence is a
+/// signed 32-bit counter that wraps from 2147483647 to -2147483648, so the
+/// order is serial-number arithmetic (RFC 1982): `a` is earlier when `b`
+/// is less than 2³¹ steps after it. Live queue nodes are never that far
+/// apart; plain integer or string order would put the node created just
+/// after the wrap first, granting the lock twice.
+pub(super) fn precedes(a: i32, b: i32) -> bool {
+    a.wrapping_sub(b) < 0
+}
+
+/// Where our node stands among the children of its key.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Position<'a> {
+    /// Ours is the earliest lock node: we hold the key.
+    Holder,
+    /// The lock node just ahead of ours (the one to watch).
+    Behind(&'a str),
+    /// Our node is not among the children (deleted, or its session ended).
+    Missing,
+}
+
+/// Our position in the queue of `children`, ordered by sequence.
+pub(super) fn position<'a>(children: &'a [String], ours: &str, our_seq: i32) -> Position<'a> {
+    let mut present = false;
+    let mut closest: Option<(&'a str, i32)> = None;
+    for name in children {
+        if name == ours {
+            present = true;
+            continue;
+        }
+        let Some(seq) = sequence_of(name) else {
+            continue;
+        };
+        if precedes(seq, our_seq) && closest.is_none_or(|(_, best)| precedes(best, seq)) {
+            closest = Some((name, seq));
+        }
+    }
+    match (present, closest) {
+        (false, _) => Position::Missing,
+        (true, None) => Position::Holder,
+        (true, Some((name, _))) => Position::Behind(name),
+    }
+}
+
+/// How many lock nodes of `children` were issued before `our_seq`.
+pub(super) fn ahead_of(children: &[String], our_seq: i32) -> usize {
+    children
+        .iter()
+        .filter_map(|name| sequence_of(name))
+        .filter(|seq| precedes(*seq, our_seq))
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unescape(s: &str) -> String {
+        let bytes = s.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'%' {
+                out.push(u8::from_str_radix(&s[i + 1..i + 3], 16).unwrap());
+                i += 3;
+            } else {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn escaping_is_valid_and_reversible() {
+        for key in [
+            "dlock:order:42",
+            ".",
+            "..",
+            "...",
+            "zookeeper",
+            "zookeeper2",
+            "a/b",
+            "a/../b",
+            "/",
+            "%2F",
+            "%",
+            "100%",
+            "\u{e000}",
+            "\u{fffd}",
+            "\u{7f}x",
+            "\u{85}",
+            "ключ 🔒",
+            "e\u{301}",
+            "",
+        ] {
+            let escaped = escape_key(key);
+            assert_eq!(unescape(&escaped), key, "{key:?} -> {escaped:?}");
+            if !key.is_empty() {
+                assert!(valid_name(&escaped), "{key:?} -> {escaped:?}");
+            }
+        }
+        assert_eq!(escape_key("a/b"), "a%2Fb");
+        assert_eq!(escape_key("%2F"), "%252F");
+        assert_eq!(escape_key(".."), "%2E.");
+        assert_eq!(escape_key("zookeeper"), "%7Aookeeper");
+        assert_eq!(escape_key("\u{e000}"), "%EE%80%80");
+        assert_eq!(escape_key("🔒"), "%F0%9F%94%92");
+    }
+
+    #[test]
+    fn escaping_is_injective_on_fuzzed_keys() {
+        use rand::Rng as _;
+        use rand::SeedableRng as _;
+        let pieces = [
+            "%",
+            "/",
+            ".",
+            "..",
+            "2F",
+            "2E",
+            "%2",
+            "z",
+            "zookeeper",
+            "\u{e000}",
+            "\u{fffd}",
+            "a",
+            "A",
+            "é",
+            "\u{7f}",
+            "\u{9f}",
+            "_",
+            "-",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut seen = std::collections::HashMap::new();
+        for _ in 0..20_000 {
+            let n = rng.random_range(1..6);
+            let key: String = (0..n)
+                .map(|_| pieces[rng.random_range(0..pieces.len())])
+                .collect();
+            let escaped = escape_key(&key);
+            assert!(valid_name(&escaped), "{key:?} -> {escaped:?}");
+            if let Some(other) = seen.insert(escaped.clone(), key.clone()) {
+                assert_eq!(other, key, "two keys share {escaped:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn guids_are_uuid_shaped_and_stable() {
+        let owner = "0123456789abcdef0123456789ABCDEF";
+        assert_eq!(guid_for(owner), "01234567-89ab-cdef-0123-456789abcdef");
+        let other = guid_for("bench-owner-1");
+        assert_eq!(other.len(), 36);
+        assert_eq!(other, guid_for("bench-owner-1"));
+        assert_ne!(other, guid_for("bench-owner-2"));
+        assert_eq!(
+            child_prefix("/k", &guid_for(owner)),
+            "/k/_c_01234567-89ab-cdef-0123-456789abcdef-lock-"
+        );
+    }
+
+    #[test]
+    fn sequences_parse_like_curator() {
+        assert_eq!(sequence_of("_c_x-lock-0000000042"), Some(42));
+        assert_eq!(sequence_of("_c_x-lock-2147483647"), Some(i32::MAX));
+        assert_eq!(sequence_of("_c_x-lock--2147483648"), Some(i32::MIN));
+        assert_eq!(sequence_of("_c_x-lock--000000001"), Some(-1));
+        assert_eq!(sequence_of("lock-7"), Some(7));
+        assert_eq!(sequence_of("_c_x-lock-"), None);
+        assert_eq!(sequence_of("_c_x-lock-12a"), None);
+        assert_eq!(sequence_of("other"), None);
+        assert_eq!(sequence_of("_c_x-lock-99999999999"), None);
+    }
+
+    #[test]
+    fn serial_order_across_the_wrap() {
+        assert!(precedes(1, 2));
+        assert!(!precedes(2, 1));
+        assert!(!precedes(5, 5));
+        // 2147483647 is issued just before -2147483648.
+        assert!(precedes(i32::MAX, i32::MIN));
+        assert!(!precedes(i32::MIN, i32::MAX));
+        assert!(precedes(i32::MAX - 1, i32::MIN + 1));
+        assert!(precedes(-1, 0));
+    }
+
+    #[test]
+    fn positions_across_the_wrap() {
+        let names = |seqs: &[i32]| -> Vec<String> {
+            seqs.iter()
+                .enumerate()
+                .map(|(i, s)| format!("_c_{i}-lock-{s:010}"))
+                .collect()
+        };
+        // Created in this order: 2147483646, 2147483647, -2147483648, -2147483647.
+        let children = names(&[i32::MIN + 1, i32::MAX, i32::MIN, i32::MAX - 1]);
+        let first = &children[3];
+        assert_eq!(position(&children, first, i32::MAX - 1), Position::Holder);
+        assert_eq!(
+            position(&children, &children[1], i32::MAX),
+            Position::Behind(first.as_str())
+        );
+        assert_eq!(
+            position(&children, &children[2], i32::MIN),
+            Position::Behind(children[1].as_str())
+        );
+        assert_eq!(
+            position(&children, &children[0], i32::MIN + 1),
+            Position::Behind(children[2].as_str())
+        );
+        // Ordered as strings (kazoo, older Curator), the suffix "-2147483647"
+        // of the newest node comes first: it must not hold.
+        let by_string = children
+            .iter()
+            .min_by_key(|name| &name[name.rfind("lock-").unwrap() + 5..])
+            .unwrap();
+        assert!(by_string.ends_with("lock--2147483647"));
+        assert_eq!(
+            position(&children, by_string, sequence_of(by_string).unwrap()),
+            Position::Behind(children[2].as_str())
+        );
+        assert_eq!(
+            position(&children, "_c_z-lock-0000000001", 1),
+            Position::Missing
+        );
+        // Children that are not lock nodes are ignored.
+        let mixed = vec!["readme".to_owned(), "_c_a-lock-0000000003".to_owned()];
+        assert_eq!(
+            position(&mixed, "_c_a-lock-0000000003", 3),
+            Position::Holder
+        );
+    }
+
+    #[test]
+    fn paths() {
+        assert!(valid_path("/"));
+        assert!(valid_path("/a/b"));
+        assert!(!valid_path("a"));
+        assert!(!valid_path("/a/"));
+        assert!(!valid_path("/a//b"));
+        assert!(!valid_path("/a/./b"));
+        assert!(!valid_path("/a/.."));
+    }
+}
