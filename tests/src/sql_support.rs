@@ -578,11 +578,15 @@ pub async fn sigkill_and_restart(server: &'static str, registries: &[dlock_runti
     };
     let restart = RestartOnDrop(start);
     servers_sh(&[&format!("stop-{server}"), "kill"]);
-    for (guard, acquired) in &guards {
+    for (i, (guard, acquired)) in guards.iter().enumerate() {
         tokio::time::timeout(lease, guard.lost())
             .await
             .expect("a holder learns of the loss before its lease ends");
-        assert!(acquired.elapsed() < lease);
+        let noticed = acquired.elapsed();
+        assert!(
+            noticed < lease,
+            "holder {i} learned of the loss {noticed:?} after its grant (lease {lease:?})"
+        );
     }
     let wait = Duration::from_secs(1);
     for registry in registries {
