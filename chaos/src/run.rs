@@ -76,8 +76,11 @@ pub(crate) struct RunArgs {
     /// Share of the workers' iterations that also hold a lock on the side backend.
     #[arg(long, default_value_t = 0.15)]
     pub(crate) side_rate: f64,
-    /// First loopback port of the Redis servers the harness runs.
-    #[arg(long, default_value_t = 48379)]
+    /// First loopback port of the servers the harness runs. Below Linux's
+    /// ephemeral range (32768–60999): a port in it can be taken at any moment
+    /// by the local end of some outgoing connection, and a restarted server
+    /// then cannot bind it again.
+    #[arg(long, default_value_t = 28379)]
     pub(crate) port_base: u16,
     /// Give up (and fail) after this long.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
