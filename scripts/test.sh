@@ -34,8 +34,8 @@ cargo fmt --all --check
 step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 
-step "cargo test --workspace --all-features $*"
-cargo test --workspace --all-features "$@"
+step "cargo test --workspace --all-features --no-fail-fast $*"
+cargo test --workspace --all-features --no-fail-fast "$@"
 
 step "cargo doc --workspace --no-deps --all-features (RUSTDOCFLAGS=-Dwarnings)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --all-features
