@@ -19,6 +19,7 @@ fn pg_url() -> String {
 }
 
 #[cfg(feature = "mysql")]
+#[allow(dead_code)]
 fn my_url() -> String {
     server_url(
         "DLOCK_TEST_MYSQL_URL",
