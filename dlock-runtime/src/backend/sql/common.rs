@@ -289,15 +289,22 @@ pub(crate) fn session_hash(key: &str) -> i64 {
 /// statement: worth trying again, and the connection is not to be reused.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn is_connection_error(err: &sqlx::Error) -> bool {
-    matches!(
-        err,
+    match err {
         sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed
-    )
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        // The server ended the session with a message (PostgreSQL sends a
+        // FATAL before closing: terminated, shut down, idle-session
+        // timeout; SQLSTATE class 08: connection exception): the
+        // connection is dead like any other.
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03" | "57P05")
+        }),
+        _ => false,
+    }
 }
 
 /// The waiters of this backend that registered a wake-up source (the wait
