@@ -184,7 +184,10 @@ impl std::error::Error for BackendError {
     }
 }
 
-/// Removes the password from a URL-like string before it goes into an error or a log.
+/// Removes the passwords from a URL-like string before it goes into an error
+/// or a log: the user info's (`user:***@`), query parameters that carry one
+/// (`?password=`, `?sslpassword=`), and those of URLs nested in the query
+/// (`?listen_url=postgres%3A%2F%2Fu%3Apw%40…`).
 pub(crate) fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
@@ -193,19 +196,57 @@ pub(crate) fn redact_url(url: &str) -> String {
         Some(i) => rest.split_at(i),
         None => (rest, ""),
     };
-    match authority.rfind('@') {
+    let authority = match authority.rfind('@') {
         Some(at) => {
             let userinfo = &authority[..at];
             let user = userinfo.split(':').next().unwrap_or("");
             let host = &authority[at + 1..];
             if userinfo.contains(':') {
-                format!("{scheme}://{user}:***@{host}{tail}")
+                format!("{user}:***@{host}")
             } else {
-                format!("{scheme}://{user}@{host}{tail}")
+                format!("{user}@{host}")
             }
         }
-        None => url.to_owned(),
+        None => authority.to_owned(),
+    };
+    format!("{scheme}://{authority}{}", redact_query(tail))
+}
+
+/// The path, query and fragment of a URL with the query's secrets redacted.
+fn redact_query(tail: &str) -> String {
+    let Some((path, query)) = tail.split_once('?') else {
+        return tail.to_owned();
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (query, None),
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|param| {
+            let Some((name, value)) = param.split_once('=') else {
+                return param.to_owned();
+            };
+            let lower = name.to_ascii_lowercase();
+            if lower.contains("password") || lower == "pass" || lower == "passwd" {
+                return format!("{name}=***");
+            }
+            let decoded = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+            if decoded.contains("://") {
+                let redacted = redact_url(&decoded);
+                if redacted != decoded {
+                    return format!("{name}={redacted}");
+                }
+            }
+            param.to_owned()
+        })
+        .collect();
+    let mut out = format!("{path}?{}", params.join("&"));
+    if let Some(fragment) = fragment {
+        out.push('#');
+        out.push_str(fragment);
     }
+    out
 }
 
 #[cfg(test)]
@@ -221,6 +262,23 @@ mod tests {
         assert_eq!(redact_url("redis://:pw@h/"), "redis://:***@h/");
         assert_eq!(redact_url("sqlite://a/b.db"), "sqlite://a/b.db");
         assert_eq!(redact_url("memory://"), "memory://");
+        assert_eq!(
+            redact_url("postgres://u@h/db?password=s3cret&timeout=1s"),
+            "postgres://u@h/db?password=***&timeout=1s"
+        );
+        assert_eq!(
+            redact_url("postgres://h/db?sslpassword=s3cret#x"),
+            "postgres://h/db?sslpassword=***#x"
+        );
+        let nested = redact_url(
+            "postgres://h/db?listen_url=postgres%3A%2F%2Fu%3As3cret%40d%3A6432%2Fdb&x=1",
+        );
+        assert!(!nested.contains("s3cret"), "{nested}");
+        assert!(nested.contains("u:***@d:6432/db"), "{nested}");
+        assert_eq!(
+            redact_url("postgres://h/db?listen_url=postgres%3A%2F%2Fd%2Fdb"),
+            "postgres://h/db?listen_url=postgres%3A%2F%2Fd%2Fdb"
+        );
     }
 
     #[test]

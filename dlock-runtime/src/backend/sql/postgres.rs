@@ -927,7 +927,7 @@ impl SessionDb for PgSessions {
             };
             let token: Option<i64> = match sqlx::query_scalar(AssertSqlSafe(self.lock_sql.clone()))
                 .bind(session_hash(key))
-                .bind(millis(ttl).to_string())
+                .bind(idle_limit(ttl))
                 .bind(wait)
                 .fetch_optional(&mut *conn)
                 .await
@@ -957,7 +957,7 @@ impl SessionDb for PgSessions {
         Box::pin(async move {
             if self.idle_limit {
                 sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
-                    .bind(millis(ttl).to_string())
+                    .bind(idle_limit(ttl))
                     .execute(&mut *conn)
                     .await?;
             } else {
@@ -1004,9 +1004,34 @@ impl SessionDb for PgSessions {
     }
 }
 
+/// `idle_session_timeout` for a session lock of `ttl` (ms, as text): the
+/// server ends the session of a holder that goes quiet for its whole lease.
+/// PostgreSQL takes at most 2³¹−1 ms (about 24.8 days); a longer lease gets no
+/// server-side limit (`0`) rather than a shorter one, which could free the
+/// key while its holder still counts on it (`watchdog = false` sends no
+/// ping). Such a holder's key is then freed when its connection closes.
+fn idle_limit(ttl: Duration) -> String {
+    let ms = millis(ttl);
+    if ms > i64::from(i32::MAX) {
+        "0".to_owned()
+    } else {
+        ms.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_limits_fit_postgres() {
+        assert_eq!(idle_limit(Duration::from_millis(1500)), "1500");
+        assert_eq!(
+            idle_limit(Duration::from_millis(i32::MAX as u64)),
+            "2147483647"
+        );
+        assert_eq!(idle_limit(Duration::from_secs(30 * 86_400)), "0");
+    }
 
     #[test]
     fn urls() {
