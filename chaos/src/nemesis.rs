@@ -389,7 +389,13 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 steals += 1;
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
-                let key = cluster.tracker.lock().expect("tracker").keys.get(&w).cloned();
+                let key = cluster
+                    .tracker
+                    .lock()
+                    .expect("tracker")
+                    .keys
+                    .get(&w)
+                    .cloned();
                 cluster.fault(id, fault, Phase::Start, vec![w], format!("lease {lease:?}"));
                 let outcome = match key {
                     None => format!("worker {w} was not inside the lock"),
@@ -399,8 +405,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                         if kind == Kind::SessionKill {
                             end_session(cluster.args.backend, &url, &stored).await?
                         } else {
-                            steal_row(cluster.args.backend, &url, &stored, steals % 2 == 1)
-                                .await?
+                            steal_row(cluster.args.backend, &url, &stored, steals % 2 == 1).await?
                         }
                     }
                 };
@@ -462,11 +467,12 @@ async fn end_session(backend: Backend, url: &str, stored_key: &str) -> anyhow::R
         return Ok(format!("{ended} backends terminated"));
     }
     let mut conn = sqlx::MySqlConnection::connect(url).await?;
-    let holder: Option<u64> =
-        sqlx::query_scalar("SELECT IS_USED_LOCK(CONCAT('dlock:', LEFT(SHA2(?, 256), 16)))")
-            .bind(stored_key)
-            .fetch_one(&mut conn)
-            .await?;
+    let holder: Option<i64> = sqlx::query_scalar(
+        "SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LEFT(SHA2(?, 256), 16))) AS SIGNED)",
+    )
+    .bind(stored_key)
+    .fetch_one(&mut conn)
+    .await?;
     let outcome = match holder {
         Some(id) => {
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
@@ -515,7 +521,11 @@ async fn steal_row(
     };
     Ok(format!(
         "{rows} rows {}",
-        if delete { "deleted" } else { "given another owner" }
+        if delete {
+            "deleted"
+        } else {
+            "given another owner"
+        }
     ))
 }
 

@@ -197,9 +197,7 @@ impl Cluster {
                 self.run_id,
                 ZK_SESSION_TIMEOUT.as_millis()
             ),
-            Backend::Postgres | Backend::Mysql => {
-                sql_url(&self.args, self.proxies[id].port())
-            }
+            Backend::Postgres | Backend::Mysql => sql_url(&self.args, self.proxies[id].port()),
             Backend::Url => self.args.url.clone().unwrap_or_default(),
         }
     }
@@ -377,7 +375,9 @@ fn append(history: &SyncMutex<std::io::BufWriter<std::fs::File>>, record: &Recor
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     let sql = matches!(args.backend, Backend::Postgres | Backend::Mysql);
     if args.mode == SqlMode::Session && !sql {
-        bail!("--mode session is for --backend postgres and mysql (with --backend url, put ?mode=session in the URL)");
+        bail!(
+            "--mode session is for --backend postgres and mysql (with --backend url, put ?mode=session in the URL)"
+        );
     }
     let backend_name = match args.backend {
         Backend::Url => args
@@ -702,11 +702,10 @@ async fn pg_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
         }
         SqlMode::Session => (0,),
     };
-    let (locks,): (i64,) = sqlx::query_as(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
-    )
-    .fetch_one(&mut conn)
-    .await?;
+    let (locks,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+            .fetch_one(&mut conn)
+            .await?;
     conn.close().await?;
     Ok(usize::try_from(rows + locks)?)
 }
@@ -733,7 +732,7 @@ async fn mysql_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
     };
     let (locks,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM performance_schema.metadata_locks
-         WHERE OBJECT_TYPE = 'USER LEVEL LOCK'",
+         WHERE OBJECT_TYPE = 'USER LEVEL LOCK' AND LOCK_STATUS = 'GRANTED'",
     )
     .fetch_one(&mut conn)
     .await?;

@@ -116,10 +116,7 @@ impl Server {
             .await
             .context("cannot run initdb")?;
         if !status.success() {
-            bail!(
-                "initdb failed ({status}; see {}/initdb.log)",
-                dir.display()
-            );
+            bail!("initdb failed ({status}; see {}/initdb.log)", dir.display());
         }
         let mut server = Self {
             flavor: Flavor::Postgres,
@@ -241,7 +238,10 @@ impl Server {
     /// The postmaster, in a process group of its own (its backends join it:
     /// [`Server::kill`] kills them all at once).
     async fn spawn_postgres(&mut self) -> anyhow::Result<()> {
-        let root = self.data.clone().context("PostgreSQL without a data directory")?;
+        let root = self
+            .data
+            .clone()
+            .context("PostgreSQL without a data directory")?;
         let user = nix::unistd::User::from_name("postgres")?.context("no `postgres` user")?;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -289,7 +289,10 @@ impl Server {
     /// `mariadbd`, running as root (it is told so) in a process group of its
     /// own.
     async fn spawn_mariadb(&mut self) -> anyhow::Result<()> {
-        let root = self.data.clone().context("MariaDB without a data directory")?;
+        let root = self
+            .data
+            .clone()
+            .context("MariaDB without a data directory")?;
         let dir = &self.dir;
         let child = Command::new("mariadbd")
             .arg("--no-defaults")
@@ -301,7 +304,11 @@ impl Server {
             .arg(format!("--pid-file={}", root.join("mariadb.pid").display()))
             .arg(format!("--log-error={}", dir.join("mariadb.log").display()))
             .arg(format!("--init-file={}", dir.join("init.sql").display()))
-            .args(["--skip-name-resolve", "--skip-log-bin", "--max-connections=300"])
+            .args([
+                "--skip-name-resolve",
+                "--skip-log-bin",
+                "--max-connections=300",
+            ])
             .args([
                 "--innodb-buffer-pool-size=64M",
                 "--innodb-log-file-size=32M",
