@@ -499,6 +499,27 @@ impl Server {
     }
 }
 
+/// A run that ends early (an error) leaves no PostgreSQL backend or MariaDB
+/// running, and no data directory behind.
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(root) = self.data.take() {
+            if let Some(pid) = self
+                .child
+                .as_ref()
+                .and_then(|c| c.id())
+                .and_then(|id| i32::try_from(id).ok())
+            {
+                let _ = nix::sys::signal::killpg(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = std::fs::remove_dir_all(root);
+        }
+    }
+}
+
 /// A fresh, empty directory for `flavor`'s data under the system's temporary
 /// directory, readable by other users (PostgreSQL's server runs as `postgres`).
 fn temp_root(flavor: &str, port: u16) -> anyhow::Result<PathBuf> {
