@@ -2,6 +2,7 @@
 //!
 //! ```sh
 //! cargo run -p dlock-chaos -- run --backend redis                 # short run
+//! cargo run -p dlock-chaos -- run --backend postgres --mode session # advisory locks
 //! cargo run --release -p dlock-chaos -- run --backend redis \
 //!     --acquisitions 100000 --faults 200                          # long run
 //! cargo run -p dlock-chaos -- check target/chaos/redis-1         # re-check a run

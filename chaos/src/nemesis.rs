@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use rand::seq::{IndexedRandom as _, SliceRandom as _};
@@ -16,7 +17,7 @@ use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 
 use crate::history::Phase;
 use crate::proxy::Fault;
-use crate::run::{Backend, Cluster};
+use crate::run::{Backend, Cluster, SqlMode};
 use crate::worker::{EXPIRE_REQUEST, LEASES, LONG_HOLD, LongRequest};
 use tokio::io::AsyncWriteExt as _;
 
@@ -47,6 +48,18 @@ enum Kind {
     /// server's expiry of the session does: its nodes go at once, and the worker
     /// hears `Expired` when it next talks to the server.
     SessionExpiry,
+    /// PostgreSQL or MySQL in session mode: the connection holding the lock of
+    /// a worker inside it (in the middle of a long stay) is ended by the
+    /// server (`pg_terminate_backend`, `KILL CONNECTION`): the lock goes at
+    /// once, and the holder hears of it when its connection closes or at its
+    /// next ping.
+    SessionKill,
+    /// PostgreSQL or MySQL in lease mode: the row of a worker inside the lock
+    /// (in the middle of a long stay) is deleted, then (next time) given
+    /// another owner, behind its back; its next renewal finds it gone. A
+    /// deleted row also makes the next holder's token come from the clock
+    /// alone.
+    RowStolen,
     /// Stall the side backend while a worker holds a side lock and a main lock
     /// across a long stay: a transaction holding SQLite's write lock for 1.5–3
     /// side leases, or a Lua busy loop that stalls the side Redis for 1–2 s. The
@@ -54,7 +67,7 @@ enum Kind {
     SideStall,
 }
 
-fn kinds(backend: Backend) -> &'static [Kind] {
+fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
     use Kind::*;
     match backend {
         Backend::Url => &[PauseHolder, KillWorker],
@@ -85,6 +98,28 @@ fn kinds(backend: Backend) -> &'static [Kind] {
             SessionExpiry,
             SideStall,
         ],
+        Backend::Postgres | Backend::Mysql => match mode {
+            SqlMode::Lease => &[
+                PauseHolder,
+                KillWorker,
+                KillServer,
+                ProxyDelay,
+                ProxyBlackhole,
+                ProxyReset,
+                RowStolen,
+                SideStall,
+            ],
+            SqlMode::Session => &[
+                PauseHolder,
+                KillWorker,
+                KillServer,
+                ProxyDelay,
+                ProxyBlackhole,
+                ProxyReset,
+                SessionKill,
+                SideStall,
+            ],
+        },
     }
 }
 
@@ -99,6 +134,8 @@ fn name(kind: Kind) -> &'static str {
         Kind::RedlockMinority => "redlock_minority_down",
         Kind::RedlockHolderMajority => "redlock_holder_majority_node",
         Kind::SessionExpiry => SESSION_EXPIRY,
+        Kind::SessionKill => "session_kill",
+        Kind::RowStolen => "row_stolen",
         Kind::SideStall => SIDE_STALL,
     }
 }
@@ -135,9 +172,10 @@ fn long(lease: Duration) -> LongRequest {
 /// Injects `--faults` faults, every kind of the backend in turn (shuffled per round).
 pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(cluster.args.seed);
-    let all = kinds(cluster.args.backend);
+    let all = kinds(cluster.args.backend, cluster.args.mode);
     let mut round = Vec::new();
     let mut server_kills = 0u32;
+    let mut steals = 0u32;
     let mut pauses = 0usize;
     for id in 1..=cluster.args.faults {
         if round.is_empty() {
@@ -192,14 +230,21 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             }
             Kind::KillServer => {
                 server_kills += 1;
-                // ZooKeeper always restarts from its snapshot and transaction log.
-                let keep = server_kills % 2 == 1 || cluster.args.backend == Backend::Zk;
+                // ZooKeeper always restarts from its snapshot and transaction
+                // log, PostgreSQL and MariaDB from their write-ahead logs.
+                let keep = server_kills % 2 == 1
+                    || matches!(
+                        cluster.args.backend,
+                        Backend::Zk | Backend::Postgres | Backend::Mysql
+                    );
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 let mut servers = cluster.servers.lock().await;
                 servers[0].kill().await?;
                 let what = if cluster.args.backend == Backend::Zk {
                     "restart with its data and sessions"
+                } else if matches!(cluster.args.backend, Backend::Postgres | Backend::Mysql) {
+                    "restart with its data (crash recovery)"
                 } else if keep {
                     "restart from its append-only file"
                 } else {
@@ -340,6 +385,33 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(1500)).await;
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
             }
+            Kind::SessionKill | Kind::RowStolen => {
+                steals += 1;
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
+                let key = cluster
+                    .tracker
+                    .lock()
+                    .expect("tracker")
+                    .keys
+                    .get(&w)
+                    .cloned();
+                cluster.fault(id, fault, Phase::Start, vec![w], format!("lease {lease:?}"));
+                let outcome = match key {
+                    None => format!("worker {w} was not inside the lock"),
+                    Some(key) => {
+                        let stored = format!("dlock:chaos:{}:{key}", cluster.run_id);
+                        let url = cluster.sql_admin_url().await.context("no SQL server")?;
+                        if kind == Kind::SessionKill {
+                            end_session(cluster.args.backend, &url, &stored).await?
+                        } else {
+                            steal_row(cluster.args.backend, &url, &stored, steals % 2 == 1).await?
+                        }
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                cluster.fault(id, fault, Phase::Heal, vec![w], outcome);
+            }
             Kind::SideStall => {
                 // The main lease is short enough to be renewed several times during
                 // the stall; the side lease short enough to be lost in it.
@@ -351,7 +423,9 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 };
                 let w = long_holder(&cluster, &mut rng, None, request).await;
                 let span = match cluster.args.backend {
-                    Backend::Sqlite | Backend::Zk => leases(&mut rng, side, 1.5, 3.0),
+                    Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql => {
+                        leases(&mut rng, side, 1.5, 3.0)
+                    }
                     _ => Duration::from_millis(rng.random_range(1000..2000)),
                 };
                 let what = format!(
@@ -368,6 +442,93 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Ends the server connection that holds the session lock of `stored_key`
+/// (the key as the backend stores it): `pg_terminate_backend` of the
+/// advisory lock's holder (the lock's 64 bits are the first 8 bytes of the
+/// key's SHA-256, as `pg_locks` shows them: `classid` the high half, `objid`
+/// the low one), or `KILL CONNECTION` of the `GET_LOCK` holder (the lock is
+/// named `dlock:` and those bytes in hex). Says what it did.
+async fn end_session(backend: Backend, url: &str, stored_key: &str) -> anyhow::Result<String> {
+    use sqlx::Connection as _;
+    if backend == Backend::Postgres {
+        let mut conn = sqlx::PgConnection::connect(url).await?;
+        let (ended,): (i64,) = sqlx::query_as(
+            "WITH h AS (SELECT ('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))
+                               ::bit(64)::bigint AS k)
+             SELECT count(*) FILTER (WHERE pg_terminate_backend(l.pid)) FROM pg_locks l, h
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+               AND l.classid = ((h.k >> 32) & 4294967295)::oid
+               AND l.objid = (h.k & 4294967295)::oid",
+        )
+        .bind(stored_key)
+        .fetch_one(&mut conn)
+        .await?;
+        conn.close().await?;
+        return Ok(format!("{ended} backends terminated"));
+    }
+    let mut conn = sqlx::MySqlConnection::connect(url).await?;
+    let holder: Option<i64> = sqlx::query_scalar(
+        "SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LEFT(SHA2(?, 256), 16))) AS SIGNED)",
+    )
+    .bind(stored_key)
+    .fetch_one(&mut conn)
+    .await?;
+    let outcome = match holder {
+        Some(id) => {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                .execute(&mut conn)
+                .await?;
+            format!("connection {id} killed")
+        }
+        None => "no connection held the lock".to_owned(),
+    };
+    conn.close().await?;
+    Ok(outcome)
+}
+
+/// Deletes the lease row of `stored_key` (`delete`), or gives it another
+/// owner, behind its holder's back. Says what it did.
+async fn steal_row(
+    backend: Backend,
+    url: &str,
+    stored_key: &str,
+    delete: bool,
+) -> anyhow::Result<String> {
+    use sqlx::Connection as _;
+    let rows = if backend == Backend::Postgres {
+        let mut conn = sqlx::PgConnection::connect(url).await?;
+        let sql = if delete {
+            "DELETE FROM dlock_leases WHERE key = $1 AND owner IS NOT NULL"
+        } else {
+            "UPDATE dlock_leases SET owner = 'chaos-nemesis' WHERE key = $1 AND owner IS NOT NULL"
+        };
+        let done = sqlx::query(sql).bind(stored_key).execute(&mut conn).await?;
+        conn.close().await?;
+        done.rows_affected()
+    } else {
+        let mut conn = sqlx::MySqlConnection::connect(url).await?;
+        let sql = if delete {
+            "DELETE FROM dlock_leases WHERE k = ? AND owner IS NOT NULL"
+        } else {
+            "UPDATE dlock_leases SET owner = 'chaos-nemesis' WHERE k = ? AND owner IS NOT NULL"
+        };
+        let done = sqlx::query(sql)
+            .bind(stored_key.as_bytes())
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        done.rows_affected()
+    };
+    Ok(format!(
+        "{rows} rows {}",
+        if delete {
+            "deleted"
+        } else {
+            "given another owner"
+        }
+    ))
+}
+
 /// Stalls the side backend for `span`, calling `started` just before: holds
 /// SQLite's write lock in a `BEGIN IMMEDIATE` transaction, or runs a Lua busy
 /// loop on the side Redis (a script stalls the whole server; it ends by itself
@@ -377,7 +538,6 @@ async fn stall_side(
     span: Duration,
     started: impl FnOnce(),
 ) -> anyhow::Result<()> {
-    use anyhow::Context as _;
     use sqlx::Connection as _;
     let url = cluster.side_url().context("no side backend to stall")?;
     if url.starts_with("sqlite:") {

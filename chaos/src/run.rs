@@ -38,8 +38,25 @@ pub(crate) enum Backend {
     /// server kills and restarts, delays, black holes, resets and forced session
     /// expiries); the side backend is a SQLite file.
     Zk,
+    /// One PostgreSQL the harness runs, behind a fault proxy per worker (adds
+    /// server kills and restarts, delays, black holes, resets; in lease mode a
+    /// holder's row deleted or taken over behind its back, in session mode its
+    /// connection terminated); the side backend is a SQLite file.
+    Postgres,
+    /// One MariaDB the harness runs, with the same faults as `postgres`
+    /// (`KILL` of a holder's connection in session mode).
+    Mysql,
     /// `--url`: any backend the workers can reach (faults: pauses and kills of workers).
     Url,
+}
+
+/// How the SQL backends (`postgres`, `mysql`) lock: their URL's `?mode=`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SqlMode {
+    /// A row per key in the lease table, on the database's clock.
+    Lease,
+    /// PostgreSQL advisory locks, MySQL `GET_LOCK`: on a connection per held lock.
+    Session,
 }
 
 /// `dlock-chaos run`.
@@ -51,6 +68,9 @@ pub(crate) struct RunArgs {
     /// Backend URL, with `--backend url`.
     #[arg(long, required_if_eq("backend", "url"))]
     pub(crate) url: Option<String>,
+    /// With `--backend postgres` or `mysql`: the lease table or session locks.
+    #[arg(long, value_enum, default_value_t = SqlMode::Lease)]
+    pub(crate) mode: SqlMode,
     /// Worker processes.
     #[arg(long, default_value_t = 8)]
     pub(crate) workers: usize,
@@ -76,10 +96,11 @@ pub(crate) struct RunArgs {
     /// Share of the workers' iterations that also hold a lock on the side backend.
     #[arg(long, default_value_t = 0.15)]
     pub(crate) side_rate: f64,
-    /// First loopback port of the servers the harness runs. Below Linux's
-    /// ephemeral range (32768–60999): a port in it can be taken at any moment
-    /// by the local end of some outgoing connection, and a restarted server
-    /// then cannot bind it again.
+    /// First loopback port of the servers the harness runs (Redis from here,
+    /// the side Redis at +6, ZooKeeper at +7, PostgreSQL at +8, MariaDB at +9).
+    /// Below Linux's ephemeral range (32768–60999): a port in it can be taken
+    /// at any moment by the local end of some outgoing connection, and a
+    /// restarted server then cannot bind it again.
     #[arg(long, default_value_t = 28379)]
     pub(crate) port_base: u16,
     /// Give up (and fail) after this long.
@@ -98,6 +119,8 @@ pub(crate) struct Tracker {
     /// Worker slot → how long it stays after its read (`None` before the read),
     /// while inside the lock.
     pub(crate) inside: HashMap<usize, Option<u64>>,
+    /// Worker slot → the key (as the worker names it) it is inside.
+    pub(crate) keys: HashMap<usize, String>,
 }
 
 /// A running worker process.
@@ -134,6 +157,20 @@ fn zk_port(args: &RunArgs) -> u16 {
     args.port_base + 7
 }
 
+/// Port of the PostgreSQL server, after ZooKeeper.
+fn pg_port(args: &RunArgs) -> u16 {
+    args.port_base + 8
+}
+
+/// Port of the MariaDB server, after PostgreSQL.
+fn mysql_port(args: &RunArgs) -> u16 {
+    args.port_base + 9
+}
+
+/// The SQL backends' `?timeout=` (bounds every statement): far above a
+/// loopback round trip and the proxy's longest delay, below the workers' wait.
+const SQL_TIMEOUT: &str = "1s";
+
 /// The session timeout of the workers' ZooKeeper sessions: longer than the
 /// longest lease, so that a lease is renewed several times per session timeout,
 /// and short enough that a killed holder's key frees within the other workers'
@@ -163,15 +200,29 @@ impl Cluster {
                 self.run_id,
                 ZK_SESSION_TIMEOUT.as_millis()
             ),
+            Backend::Postgres | Backend::Mysql => sql_url(&self.args, self.proxies[id].port()),
             Backend::Url => self.args.url.clone().unwrap_or_default(),
         }
+    }
+
+    /// A plain URL of the run's PostgreSQL or MariaDB itself (not through a
+    /// proxy), as the user `dlock`, for the harness's own statements; `None`
+    /// on other backends.
+    pub(crate) async fn sql_admin_url(&self) -> Option<String> {
+        let scheme = match self.args.backend {
+            Backend::Postgres => "postgres",
+            Backend::Mysql => "mysql",
+            _ => return None,
+        };
+        let port = self.servers.lock().await.first()?.port();
+        Some(format!("{scheme}://dlock:dlock@127.0.0.1:{port}/dlock"))
     }
 
     /// The side backend's URL: a second SQLite file, or a Redis of its own; none
     /// with `--backend url` (the harness cannot stall what it does not own).
     pub(crate) fn side_url(&self) -> Option<String> {
         match self.args.backend {
-            Backend::Sqlite | Backend::Zk => {
+            Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql => {
                 Some(format!("sqlite://{}", self.out.join("side.db").display()))
             }
             Backend::Redis | Backend::Redlock => Some(format!(
@@ -279,11 +330,26 @@ impl Cluster {
     }
 }
 
+/// The URL of the SQL backend of the run (`postgres` or `mysql`, in its
+/// `--mode`) on `port`: a worker's proxy, or the server itself.
+fn sql_url(args: &RunArgs, port: u16) -> String {
+    let scheme = match args.backend {
+        Backend::Mysql => "mysql",
+        _ => "postgres",
+    };
+    let mode = match args.mode {
+        SqlMode::Lease => "",
+        SqlMode::Session => "&mode=session",
+    };
+    format!("{scheme}://dlock:dlock@127.0.0.1:{port}/dlock?timeout={SQL_TIMEOUT}{mode}")
+}
+
 fn track(tracker: &mut Tracker, event: &WorkerEvent) {
     match &event.ev {
         Step::Acquired { .. } => {
             tracker.acquisitions += 1;
             tracker.inside.insert(event.w, None);
+            tracker.keys.insert(event.w, event.key.clone());
         }
         Step::Read { hold_ms, .. } => {
             if let Some(inside) = tracker.inside.get_mut(&event.w) {
@@ -296,6 +362,7 @@ fn track(tracker: &mut Tracker, event: &WorkerEvent) {
         | Step::Fenced
         | Step::GaveUp { .. } => {
             tracker.inside.remove(&event.w);
+            tracker.keys.remove(&event.w);
         }
         _ => {}
     }
@@ -309,6 +376,12 @@ fn append(history: &SyncMutex<std::io::BufWriter<std::fs::File>>, record: &Recor
 
 /// Runs one chaos run and checks it.
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
+    let sql = matches!(args.backend, Backend::Postgres | Backend::Mysql);
+    if args.mode == SqlMode::Session && !sql {
+        bail!(
+            "--mode session is for --backend postgres and mysql (with --backend url, put ?mode=session in the URL)"
+        );
+    }
     let backend_name = match args.backend {
         Backend::Url => args
             .url
@@ -316,6 +389,9 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
             .and_then(|u| u.split("://").next())
             .unwrap_or("url")
             .to_owned(),
+        other if args.mode == SqlMode::Session => {
+            format!("{}-session", format!("{other:?}").to_lowercase())
+        }
         other => format!("{other:?}").to_lowercase(),
     };
     let out = match &args.out {
@@ -383,16 +459,25 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Backend::Zk => {
             servers.push(Server::zookeeper(zk_port(&args), &out.join("zookeeper")).await?)
         }
+        Backend::Postgres => {
+            servers.push(Server::postgres(pg_port(&args), &out.join("postgres")).await?)
+        }
+        Backend::Mysql => {
+            servers.push(Server::mariadb(mysql_port(&args), &out.join("mariadb")).await?)
+        }
         Backend::Sqlite | Backend::Url => {}
     }
     let side_server = match args.backend {
         Backend::Redis | Backend::Redlock => {
             Some(Server::redis(side_port(&args), &out.join("side-redis")).await?)
         }
-        Backend::Sqlite | Backend::Zk | Backend::Url => None,
+        Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql | Backend::Url => None,
     };
     let mut proxies = Vec::new();
-    if matches!(args.backend, Backend::Redis | Backend::Zk) {
+    if matches!(
+        args.backend,
+        Backend::Redis | Backend::Zk | Backend::Postgres | Backend::Mysql
+    ) {
         for _ in 0..args.workers {
             proxies.push(Proxy::start(servers[0].port()).await?);
         }
@@ -410,10 +495,18 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         proxies,
         args: args.clone(),
     });
-    if matches!(args.backend, Backend::Sqlite | Backend::Zk) {
+    if matches!(
+        args.backend,
+        Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql
+    ) {
         // Create the tables once, so that eight processes do not race to.
-        if args.backend == Backend::Sqlite {
-            drop(dlock_runtime::connect(&cluster.worker_url(0)).await?);
+        match args.backend {
+            Backend::Sqlite => drop(dlock_runtime::connect(&cluster.worker_url(0)).await?),
+            Backend::Postgres | Backend::Mysql => {
+                let port = cluster.servers.lock().await[0].port();
+                drop(dlock_runtime::connect(&sql_url(&args, port)).await?);
+            }
+            _ => {}
         }
         if let Some(side) = cluster.side_url() {
             drop(dlock_runtime::connect(&side).await?);
@@ -490,6 +583,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     cluster.history.lock().expect("history").flush()?;
     for server in cluster.servers.lock().await.iter_mut() {
         server.kill().await?;
+        server.discard_data()?;
     }
     if let Some(server) = cluster.side_server.lock().await.as_mut() {
         server.kill().await?;
@@ -534,6 +628,8 @@ async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
             sqlite_keys_left(cluster, &cluster.worker_url(0)).await?,
         )),
         Backend::Zk => Ok(Some(zk_nodes_left(cluster).await?)),
+        Backend::Postgres => Ok(Some(pg_keys_left(cluster).await?)),
+        Backend::Mysql => Ok(Some(mysql_keys_left(cluster).await?)),
         Backend::Url => Ok(None),
     }
 }
@@ -586,6 +682,65 @@ async fn zk_nodes_left(cluster: &Cluster) -> anyhow::Result<usize> {
         }
     }
     Ok(left)
+}
+
+/// Leases of this run still live in PostgreSQL's lease table (an owner and
+/// an expiry in the future; lease mode: session mode has no such table), plus
+/// every advisory lock still held on the server (`pg_locks`; the harness's
+/// server serves this run only): the session mode's locks, and any a
+/// lease-mode backend would have left.
+async fn pg_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
+    use sqlx::Connection as _;
+    let url = cluster.sql_admin_url().await.context("no PostgreSQL")?;
+    let mut conn = sqlx::PgConnection::connect(&url).await?;
+    let (rows,): (i64,) = match cluster.args.mode {
+        SqlMode::Lease => {
+            sqlx::query_as(
+                "SELECT count(*) FROM dlock_leases WHERE key LIKE $1 AND owner IS NOT NULL
+                 AND expires_at > clock_timestamp()",
+            )
+            .bind(format!("dlock:chaos:{}:%", cluster.run_id))
+            .fetch_one(&mut conn)
+            .await?
+        }
+        SqlMode::Session => (0,),
+    };
+    let (locks,): (i64,) =
+        sqlx::query_as("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+            .fetch_one(&mut conn)
+            .await?;
+    conn.close().await?;
+    Ok(usize::try_from(rows + locks)?)
+}
+
+/// Leases of this run still live in MariaDB's lease table (lease mode), plus every
+/// `GET_LOCK` lock still held on the server: the performance schema's
+/// metadata locks of type `USER LEVEL LOCK` (the server runs with the
+/// metadata-lock instrument on; it serves this run only).
+async fn mysql_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
+    use sqlx::Connection as _;
+    let url = cluster.sql_admin_url().await.context("no MariaDB")?;
+    let mut conn = sqlx::MySqlConnection::connect(&url).await?;
+    let (rows,): (i64,) = match cluster.args.mode {
+        SqlMode::Lease => {
+            sqlx::query_as(
+                "SELECT count(*) FROM dlock_leases WHERE k LIKE ? AND owner IS NOT NULL
+                 AND expires_us > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+            )
+            .bind(format!("dlock:chaos:{}:%", cluster.run_id).into_bytes())
+            .fetch_one(&mut conn)
+            .await?
+        }
+        SqlMode::Session => (0,),
+    };
+    let (locks,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM performance_schema.metadata_locks
+         WHERE OBJECT_TYPE = 'USER LEVEL LOCK' AND LOCK_STATUS = 'GRANTED'",
+    )
+    .fetch_one(&mut conn)
+    .await?;
+    conn.close().await?;
+    Ok(usize::try_from(rows + locks)?)
 }
 
 async fn sqlite_keys_left(cluster: &Cluster, url: &str) -> anyhow::Result<usize> {

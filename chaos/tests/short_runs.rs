@@ -7,8 +7,11 @@
 //! at the acquisition, the body or the release, no side stall with the main
 //! backend renewing through it, a lease length never used).
 //!
-//! They need `redis-server` on the PATH and, for the ZooKeeper run, `java` and
-//! Debian's ZooKeeper jars (`scripts/servers.sh up` installs them); a missing
+//! They need `redis-server` on the PATH, for the ZooKeeper run `java` and
+//! Debian's ZooKeeper jars, for the PostgreSQL runs Debian's PostgreSQL 15 (in
+//! `/usr/lib/postgresql/15/bin`, and a `postgres` user) and for the MySQL runs
+//! `mariadbd` and `mariadb-install-db` (`scripts/servers.sh up` installs them
+//! all; the harness runs servers of its own, on its own ports); a missing
 //! server fails the run, it is not skipped.
 
 use std::path::Path;
@@ -20,6 +23,12 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// One short run on `backend` with `faults` faults; its summary.
 fn short_run(backend: &str, faults: u32) -> serde_json::Value {
+    short_run_in(backend, None, faults)
+}
+
+/// One short run on `backend` (with `--mode`, if given) with `faults` faults;
+/// its summary.
+fn short_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let out = tempfile::tempdir().unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
@@ -33,6 +42,7 @@ fn short_run(backend: &str, faults: u32) -> serde_json::Value {
             "1",
         ])
         .args(["--faults", &faults.to_string(), "--max-duration", "4m"])
+        .args(mode.map(|mode| ["--mode", mode]).into_iter().flatten())
         .arg("--out")
         .arg(out.path())
         .status()
@@ -101,6 +111,16 @@ fn short_run(backend: &str, faults: u32) -> serde_json::Value {
     summary
 }
 
+/// Fails unless every fault of `kinds` struck at least once.
+fn assert_faults(summary: &serde_json::Value, kinds: &[&str]) {
+    for kind in kinds {
+        assert!(
+            summary["faults"][kind].as_u64().unwrap_or(0) >= 1,
+            "no {kind} fault: {summary}"
+        );
+    }
+}
+
 fn read_summary(dir: &Path) -> serde_json::Value {
     std::fs::read(dir.join("summary.json"))
         .ok()
@@ -110,7 +130,7 @@ fn read_summary(dir: &Path) -> serde_json::Value {
 
 // Every fault kind of a backend comes once per round of the nemesis' schedule,
 // so each run below (with at least as many faults as its backend has kinds:
-// 3, 7, 5 and 8) stalls the side backend at least once.
+// 3, 7, 5, 8, and 8 for each SQL run) stalls the side backend at least once.
 
 #[test]
 fn sqlite_under_pauses_kills_and_side_stalls() {
@@ -130,19 +150,57 @@ fn redlock_under_node_outages_pauses_kills_and_side_stalls() {
 #[test]
 fn zookeeper_under_server_kills_partitions_session_expiries_pauses_kills_and_side_stalls() {
     let summary = short_run("zk", 9);
-    for kind in [
-        "sigstop",
-        "sigkill_worker",
-        "kill_server",
-        "proxy_delay",
-        "proxy_blackhole",
-        "proxy_reset",
-        "session_expiry",
-        "side_stall",
-    ] {
-        assert!(
-            summary["faults"][kind].as_u64().unwrap_or(0) >= 1,
-            "no {kind} fault: {summary}"
-        );
-    }
+    assert_faults(
+        &summary,
+        &[
+            "sigstop",
+            "sigkill_worker",
+            "kill_server",
+            "proxy_delay",
+            "proxy_blackhole",
+            "proxy_reset",
+            "session_expiry",
+            "side_stall",
+        ],
+    );
+}
+
+/// The faults of a SQL run besides its mode's own (`row_stolen`, `session_kill`).
+const SQL_FAULTS: [&str; 7] = [
+    "sigstop",
+    "sigkill_worker",
+    "kill_server",
+    "proxy_delay",
+    "proxy_blackhole",
+    "proxy_reset",
+    "side_stall",
+];
+
+#[test]
+fn postgres_lease_under_server_kills_partitions_stolen_rows_pauses_kills_and_side_stalls() {
+    let summary = short_run("postgres", 9);
+    assert_faults(&summary, &SQL_FAULTS);
+    assert_faults(&summary, &["row_stolen"]);
+}
+
+#[test]
+fn postgres_session_under_server_kills_partitions_terminated_backends_pauses_kills_and_side_stalls()
+{
+    let summary = short_run_in("postgres", Some("session"), 9);
+    assert_faults(&summary, &SQL_FAULTS);
+    assert_faults(&summary, &["session_kill"]);
+}
+
+#[test]
+fn mysql_lease_under_server_kills_partitions_stolen_rows_pauses_kills_and_side_stalls() {
+    let summary = short_run("mysql", 9);
+    assert_faults(&summary, &SQL_FAULTS);
+    assert_faults(&summary, &["row_stolen"]);
+}
+
+#[test]
+fn mysql_session_under_server_kills_partitions_killed_connections_pauses_kills_and_side_stalls() {
+    let summary = short_run_in("mysql", Some("session"), 9);
+    assert_faults(&summary, &SQL_FAULTS);
+    assert_faults(&summary, &["session_kill"]);
 }
