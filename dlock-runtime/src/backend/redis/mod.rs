@@ -2,12 +2,12 @@
 //!
 //! One round trip per operation, each a script that checks the owner:
 //!
-//! - **acquire**: `SET lock owner NX PX lease`, and on success `INCR` of the
-//!   key's fence counter — the fencing token. When the counter is missing (first
-//!   use, or a server restarted without persistence), it is seeded from the
-//!   server's clock in microseconds, so tokens keep growing across such a
-//!   restart instead of starting again at 1. When busy, the script answers the
-//!   holder's remaining TTL.
+//! - **acquire**: `SET lock owner NX PX lease`, and on success the fencing
+//!   token: the larger of the fence counter + 1 and the server's clock
+//!   (`TIME`) in microseconds, written back to the counter. A counter lost (a
+//!   restart without persistence, a `DEL`) or behind (a replica promoted before
+//!   it heard the last grants) therefore never hands out a token again. When
+//!   busy, the script answers the holder's remaining TTL.
 //! - **release**: compare-and-delete, then `PUBLISH` on the key's release channel.
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
@@ -19,10 +19,15 @@
 //! runs out, so a crashed holder or a lost message costs at most the rest of
 //! its lease, never the whole `wait`.
 //!
-//! A lock `K` (the registry's prefix included) is stored as `{K}`, its counter
-//! as `{K}:fence`, its channel is `{K}:released`: the hash tag puts both keys in
-//! one slot, so the same code runs on **Redis Cluster**. Keys are passed as
-//! `KEYS[]`, so ACL key patterns apply (`~{dlock:*`, channels `&{dlock:*`).
+//! A lock `K` (the registry's prefix included) is stored as `{K}` and its
+//! release channel is `{K}:released`. The fence counters are shared, so the
+//! server keeps **no key per lock name** once its lock is released: one
+//! counter `dlock-fence` per server (and database), or on **Redis Cluster**
+//! one per hash slot, `dlock-fence:{<tag>}`, with the tag chosen so that the
+//! counter is in the slot of the lock keys it serves (one script touches both;
+//! see [`slots`]). Keys are passed as `KEYS[]`, so ACL key patterns apply:
+//! `~{dlock:*` (the locks, default prefix), `~dlock-fence` and
+//! `~dlock-fence:*` (the counters), channels `&{dlock:*`.
 //!
 //! **Server settings a lock needs.** A lock key that the server drops is a
 //! lock lost without notice until the next renewal:
@@ -34,8 +39,8 @@
 //! - Persistence (`appendonly yes`, `appendfsync always` or `everysec`) if a
 //!   restart must not free held keys: a server restarted empty lets another
 //!   client take a key whose holder still believes it holds it (until its
-//!   next renewal fails). Fencing tokens stay safe either way: a lost
-//!   counter is seeded again from the server clock in µs.
+//!   next renewal fails). Fencing tokens stay safe either way: a token is
+//!   never below the server clock in µs.
 //! - Replication is asynchronous: a replica promoted before it received a
 //!   grant does not know the lock. Where failover matters, use Redlock over
 //!   independent masters, or a backend with synchronous replication.
@@ -49,7 +54,9 @@
 mod connections;
 mod listener;
 pub mod redlock;
+mod slots;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -68,7 +75,7 @@ use crate::token::FencingToken;
 
 /// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
 /// Answers `{1, token}` or `{0, holder's remaining ms}`. Sent twice for one
-/// owner (a retry), it answers the same grant.
+/// owner (a retry), it grants again (lease from now, a larger token).
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
@@ -123,6 +130,16 @@ pub(super) fn millis(d: Duration) -> u64 {
 
 fn lock_key(stored: &str) -> String {
     format!("{{{stored}}}")
+}
+
+/// The fence counter that serves `lock_key`: the server's one, or on a
+/// cluster the one of the key's hash slot.
+fn fence_key(cluster: bool, lock_key: &str) -> Cow<'static, str> {
+    if cluster {
+        Cow::Owned(slots::cluster_fence_key(lock_key))
+    } else {
+        Cow::Borrowed(slots::SINGLE_FENCE_KEY)
+    }
 }
 
 /// How the nodes of a URL relate.
@@ -324,7 +341,7 @@ impl RedisBackend {
             .invoke(
                 ACQUIRE
                     .key(&key)
-                    .key(format!("{key}:fence"))
+                    .key(fence_key(self.conns.is_cluster(), &key).as_ref())
                     .arg(&request.owner)
                     .arg(millis(request.lease)),
             )
@@ -400,8 +417,8 @@ impl LockBackend for RedisBackend {
 
     fn check_key(&self, key: &str) -> Result<(), String> {
         if self.conns.is_cluster() && key.starts_with('}') {
-            // `{}…}` would be an empty hash tag: the lock and its counter
-            // would land in different slots.
+            // `{}…}` would be an empty hash tag: the lock and its release
+            // channel would land in different slots.
             return Err("on Redis Cluster a stored key cannot start with `}`".into());
         }
         Ok(())
