@@ -45,6 +45,15 @@
 //!   grant does not know the lock. Where failover matters, use Redlock over
 //!   independent masters, or a backend with synchronous replication.
 //!
+//! **Outages.** An acquisition that meets a transient failure (connection
+//! refused or dropped, a timeout, `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`,
+//! `MASTERDOWN`) is tried again with a doubling back-off (25 ms up to 500 ms)
+//! while its `wait` lasts, so a server restarting within `wait` costs a delay,
+//! not an error; the error is the answer only once `wait` has run out. A retry
+//! that finds the key already ours (the failed attempt did reach the server)
+//! takes it again from now, with a new token. Permanent errors (`NOPERM`, a
+//! wrong password) are answered at once.
+//!
 //! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
 //! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`. Option
 //! `timeout` (default 2 s) bounds every command; the connection reconnects in
@@ -87,6 +96,9 @@ pub(super) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("release.lua")));
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The first pause after an attempt that failed transiently (the wait loop
+/// doubles it while the server stays away).
+const OUTAGE_RETRY: Duration = Duration::from_millis(25);
 
 /// The Redis backend. See the [module docs](self).
 pub struct RedisBackend {
@@ -334,10 +346,12 @@ impl RedisBackend {
         .map_err(redis_error)
     }
 
-    /// One attempt: the lease, or how long the holder's lease has left.
+    /// One attempt: the lease, or how long the holder's lease has left. A
+    /// transient failure (the server down, restarting, or too slow) is
+    /// [`Attempt::Unavailable`]: the wait loop tries again while `wait` lasts.
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let key = lock_key(&request.key);
-        let (taken, value): (i64, i64) = self
+        let answer: Result<(i64, i64), BackendError> = self
             .invoke(
                 ACQUIRE
                     .key(&key)
@@ -345,7 +359,17 @@ impl RedisBackend {
                     .arg(&request.owner)
                     .arg(millis(request.lease)),
             )
-            .await?;
+            .await;
+        let (taken, value) = match answer {
+            Ok(answer) => answer,
+            Err(error) if error.is_retryable() => {
+                return Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                });
+            }
+            Err(error) => return Err(error),
+        };
         if taken == 1 {
             Ok(Attempt::Held(Lease::new(
                 request,
