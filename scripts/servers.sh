@@ -51,11 +51,13 @@ ACL_PASS=dlock-secret
 ACL_RULES=(
     '~{dlock:*' '~dlock-fence' '~dlock-fence:*' '&{dlock:*' -@all
     +eval +evalsha '+script|load' '+script|exists' +publish +subscribe +unsubscribe
+    # Sharded pub/sub: the release messages on Redis Cluster (Redis >= 7).
+    +spublish +ssubscribe +sunsubscribe
     +ping +hello +auth '+client|setname' +select +pttl +info
     # Redis checks every redis.call() of a script against the caller's ACL
     # too, so the commands the backend's Lua scripts run must be allowed as
     # well (dlock-runtime/src/backend/redis/*.lua; PTTL and PUBLISH are above).
-    +get +set +del +incr +pexpire +time
+    +get +set +del +pexpire +time
     # Topology discovery, which a cluster client does on connect.
     '+cluster|slots' '+cluster|shards'
 )

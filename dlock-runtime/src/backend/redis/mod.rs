@@ -8,11 +8,15 @@
 //!   restart without persistence, a `DEL`) or behind (a replica promoted before
 //!   it heard the last grants) therefore never hands out a token again. When
 //!   busy, the script answers the holder's remaining TTL.
-//! - **release**: compare-and-delete, then `PUBLISH` on the key's release channel.
+//! - **release**: compare-and-delete, then a message on the key's release
+//!   channel: `PUBLISH` on one server, `SPUBLISH` on Redis Cluster (a plain
+//!   `PUBLISH` is broadcast to every node of a cluster; a sharded message
+//!   reaches only the key's shard, where the waiters `SSUBSCRIBE`d).
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
 //!
-//! Waiters are woken by the release message. A busy waiter subscribes to the
+//! Waiters are woken by the release message (`SSUBSCRIBE`d on Redis Cluster,
+//! on the key's shard; see [`listener`]). A busy waiter subscribes to the
 //! key's channel and then tries again before it waits, so a release between its
 //! first try and its subscription is never missed (the uncontended path does
 //! not pay for a subscription). Waiters also try again when the holder's TTL
@@ -27,7 +31,8 @@
 //! counter is in the slot of the lock keys it serves (one script touches both;
 //! see [`slots`]). Keys are passed as `KEYS[]`, so ACL key patterns apply:
 //! `~{dlock:*` (the locks, default prefix), `~dlock-fence` and
-//! `~dlock-fence:*` (the counters), channels `&{dlock:*`.
+//! `~dlock-fence:*` (the counters), channels `&{dlock:*` (sharded channels
+//! on a cluster: `SPUBLISH`, `SSUBSCRIBE`, `SUNSUBSCRIBE` allowed).
 //!
 //! **Server settings a lock needs.** A lock key that the server drops is a
 //! lock lost without notice until the next renewal:
@@ -74,7 +79,7 @@ use futures_util::future::BoxFuture;
 use redis::{Client, RedisError, Script};
 
 use connections::{Conn, Connections};
-pub(super) use listener::Listener;
+pub(super) use listener::{Listener, Source};
 
 use crate::backend::{
     AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
@@ -91,9 +96,16 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("ac
 pub(super) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("renew.lua")));
 
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if deleted.
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if
+/// deleted. Wakes waiters with `PUBLISH` (one server, Redlock's masters).
 pub(super) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("release.lua")));
+
+/// [`RELEASE`] for Redis Cluster: `SPUBLISH`, so the message reaches only
+/// the shard of the key (the channel is in the lock key's slot), where a
+/// `PUBLISH` would be broadcast to every node.
+static RELEASE_SHARDED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'")));
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first pause after an attempt that failed transiently (the wait loop
@@ -293,12 +305,21 @@ impl RedisBackend {
             backend: "redis",
             source: BackendError::transient(format!("cannot connect to {shown_url}: {e}")),
         };
-        let pubsub_client = client(&target.nodes[0], &target.tls_ca)
-            .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?;
+        let source = if target.topology == Topology::Cluster {
+            Source::Sharded {
+                nodes: target.nodes.clone(),
+                tls_ca: target.tls_ca.clone(),
+            }
+        } else {
+            Source::Plain(
+                client(&target.nodes[0], &target.tls_ca)
+                    .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?,
+            )
+        };
         let conns = Connections::open(&target, timeout).await.map_err(fail)?;
         let backend = RedisBackend {
             conns,
-            listener: Listener::start(pubsub_client, timeout),
+            listener: Listener::start(source, timeout),
             shown_url,
             timeout,
         };
@@ -531,9 +552,14 @@ impl LockBackend for RedisBackend {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let key = lock_key(&lease.key);
+            let script = if self.conns.is_cluster() {
+                &*RELEASE_SHARDED
+            } else {
+                &*RELEASE
+            };
             let _: i64 = self
                 .invoke(
-                    RELEASE
+                    script
                         .key(&key)
                         .arg(&lease.owner)
                         .arg(format!("{key}:released")),
@@ -553,6 +579,13 @@ impl LockBackend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cluster_release_script_publishes_to_the_shard() {
+        let sharded = include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'");
+        assert!(sharded.contains("redis.call('SPUBLISH', ARGV[2], '1')"));
+        assert!(!sharded.contains("redis.call('PUBLISH'"));
+    }
 
     #[test]
     fn urls() {
