@@ -42,19 +42,22 @@ PG_BIN=/usr/lib/postgresql/15/bin   # Debian's own; /usr/local/bin/postgres may 
 ZK_JARS=(/usr/share/java/zookeeper.jar /usr/share/java/slf4j-simple.jar)
 
 # The least-privileged user the Redis backend's tests log in as. The backend
-# keeps a lock at `{<prefix><key>}` and its fence counter at
-# `{<prefix><key>}:fence` (default prefix `dlock:`), and wakes waiters over
-# pub/sub channels under the same prefix.
+# keeps a lock at `{<prefix><key>}` (default prefix `dlock:`), the shared fence
+# counters at `dlock-fence` (one server) and `dlock-fence:{<tag>}` (one per
+# hash slot on a cluster), and wakes waiters over pub/sub channels under the
+# lock's name (sharded channels on a cluster).
 ACL_USER=dlock
 ACL_PASS=dlock-secret
 ACL_RULES=(
-    '~{dlock:*' '&{dlock:*' -@all
+    '~{dlock:*' '~dlock-fence' '~dlock-fence:*' '&{dlock:*' -@all
     +eval +evalsha '+script|load' '+script|exists' +publish +subscribe +unsubscribe
+    # Sharded pub/sub: the release messages on Redis Cluster (Redis >= 7).
+    +spublish +ssubscribe +sunsubscribe
     +ping +hello +auth '+client|setname' +select +pttl +info
     # Redis checks every redis.call() of a script against the caller's ACL
     # too, so the commands the backend's Lua scripts run must be allowed as
     # well (dlock-runtime/src/backend/redis/*.lua; PTTL and PUBLISH are above).
-    +get +set +del +incr +pexpire +time
+    +get +set +del +pexpire +time
     # Topology discovery, which a cluster client does on connect.
     '+cluster|slots' '+cluster|shards'
 )

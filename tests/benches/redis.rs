@@ -185,7 +185,7 @@ async fn bench() -> anyhow::Result<()> {
                             let (taken, _token): (i64, i64) = c
                                 .acquire_lua
                                 .key(&key)
-                                .key(format!("{key}:fence"))
+                                .key("dlock-fence")
                                 .arg(&owner)
                                 .arg(30_000)
                                 .invoke_async(&mut conn)

@@ -189,3 +189,113 @@ impl Drop for RestartRedisOnDrop {
         }
     }
 }
+
+/// A `redis-server` of a test's own on a loopback port (29400–29420 by
+/// convention), without persistence: killed, it comes back empty. Killed when
+/// dropped. For tests that restart, promote or stop a server, which the
+/// shared servers of `scripts/servers.sh` must not suffer.
+pub struct OwnRedis {
+    port: u16,
+    dir: std::path::PathBuf,
+    extra: Vec<String>,
+    child: Option<std::process::Child>,
+}
+
+impl OwnRedis {
+    /// Starts `redis-server` on `port` with `extra` arguments (e.g.
+    /// `["--replicaof", "127.0.0.1", "29402"]`) and waits until it answers.
+    pub async fn start(port: u16, extra: &[&str]) -> OwnRedis {
+        let dir =
+            std::env::temp_dir().join(format!("dlock-test-redis-{port}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory for the test's redis-server");
+        let mut server = OwnRedis {
+            port,
+            dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            child: None,
+        };
+        server.spawn().await;
+        server
+    }
+
+    /// `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
+    async fn spawn(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--dir", &self.dir.display().to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--protected-mode", "no", "--daemonize", "no"])
+            .args([
+                "--logfile",
+                &self.dir.join("redis.log").display().to_string(),
+            ])
+            .args(&self.extra)
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| crate::servers_missing(&self.url(), e));
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            if let Ok(client) = redis::Client::open(self.url())
+                && let Ok(Ok(mut conn)) = tokio::time::timeout(
+                    std::time::Duration::from_millis(500),
+                    client.get_multiplexed_async_connection(),
+                )
+                .await
+                && redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!(
+            "redis-server on port {} did not answer within 10 s (see {}/redis.log)",
+            self.port,
+            self.dir.display()
+        );
+    }
+
+    /// SIGKILL: no shutdown, no save (it keeps no data anyway).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port, empty, and waits until it answers.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+
+    /// A plain connection to it.
+    pub async fn admin(&self) -> redis::aio::MultiplexedConnection {
+        node(&self.url()).await
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -93,9 +93,12 @@ async fn tokens_keep_growing_when_the_counter_is_lost() {
     let first = registry.lock(&key).acquire().await.expect("acquire");
     let before = first.fencing_token().expect("token");
     first.release().await.expect("release");
-    // A restart without persistence, or an operator's FLUSHALL, loses the counter.
-    let fence = format!("{}:fence", hash_tagged(&h.stored(&key)));
-    RedisFaults::nodes(&[url()]).await.delete(&fence).await;
+    // A restart without persistence, or an operator's FLUSHALL, loses the
+    // counter (one per server, shared by every key).
+    RedisFaults::nodes(&[url()])
+        .await
+        .delete("dlock-fence")
+        .await;
     let second = registry.lock(&key).acquire().await.expect("acquire");
     assert!(second.fencing_token().expect("token") > before);
     second.release().await.expect("release");

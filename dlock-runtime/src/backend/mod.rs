@@ -142,9 +142,11 @@ pub enum Attempt {
         /// remaining lease, or a back-off. `None`: only when woken (or polled).
         retry_in: Option<Duration>,
     },
-    /// The backend could not decide now (too few Redlock nodes answered).
-    /// The wait loop tries again after `retry_in`; if the wait budget runs
-    /// out first, `error` is the answer instead of [`LockError::Busy`].
+    /// The backend could not decide now (a server down or restarting, too
+    /// few Redlock nodes answered). The wait loop tries again after
+    /// `retry_in`, doubled for every further unavailable answer in a row (up
+    /// to [`wait::UNAVAILABLE_BACKOFF_MAX`]); if the wait budget runs out
+    /// first, `error` is the answer instead of [`LockError::Busy`].
     Unavailable {
         /// Why.
         error: BackendError,

@@ -13,6 +13,13 @@
 //!    backend's back-off, with a little jitter), the polling interval and the
 //!    deadline; repeat.
 //!
+//! An attempt the backend could not decide ([`Attempt::Unavailable`]: a
+//! server down or restarting, too few Redlock nodes) is tried again with a
+//! back-off that doubles from the backend's `retry_in` up to
+//! [`UNAVAILABLE_BACKOFF_MAX`], until the server answers or the deadline
+//! passes; only then is the backend's error the answer. A short outage is
+//! ridden out within `wait`.
+//!
 //! Deadlines saturate: `wait = Duration::MAX` waits forever. Dropping the
 //! future stops the loop at its current `.await`; the runtime then sends an
 //! owner-checked release in case an attempt was granted on the wire.
@@ -122,6 +129,18 @@ impl Armed {
     }
 }
 
+/// The longest pause between two attempts while the backend stays
+/// unavailable: a server back from a restart is noticed within this.
+pub const UNAVAILABLE_BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+/// The pause after the `streak`-th unavailable answer in a row (from 1):
+/// `retry_in` doubled each time, capped at [`UNAVAILABLE_BACKOFF_MAX`] (or at
+/// `retry_in` when the backend asked for more).
+fn unavailable_backoff(retry_in: Duration, streak: u32) -> Duration {
+    let doubled = retry_in.saturating_mul(1 << streak.saturating_sub(1).min(16));
+    doubled.min(UNAVAILABLE_BACKOFF_MAX.max(retry_in))
+}
+
 /// The answer of the wait loop.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -134,7 +153,8 @@ pub enum Acquired {
 
 /// Acquires `request.key`, waiting up to `request.wait`: the loop described
 /// in the [module docs](self). Errors of an attempt end the loop at once,
-/// except [`Attempt::Unavailable`], which is retried until the deadline.
+/// except [`Attempt::Unavailable`], which is retried with a growing back-off
+/// until the deadline.
 pub async fn acquire(
     backend: &dyn LockBackend,
     request: &AcquireRequest,
@@ -142,11 +162,15 @@ pub async fn acquire(
     let deadline = saturating_add(Instant::now(), request.wait);
     let drift = backend.drift(request.lease);
     let mut source: Option<WakeSource> = None;
+    let mut unavailable_streak = 0u32;
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
         let sent = Instant::now();
         let attempt = backend.try_acquire(request).await?;
         let now = Instant::now();
+        if !matches!(attempt, Attempt::Unavailable { .. }) {
+            unavailable_streak = 0;
+        }
         let (retry_in, unavailable) = match attempt {
             Attempt::Held(mut lease) => {
                 lease.valid_until = valid_until(sent, request.lease, drift);
@@ -169,7 +193,13 @@ pub async fn acquire(
                 (Some(Duration::ZERO), Some(late))
             }
             Attempt::Busy { retry_in } => (retry_in, None),
-            Attempt::Unavailable { error, retry_in } => (Some(retry_in), Some(error)),
+            Attempt::Unavailable { error, retry_in } => {
+                unavailable_streak += 1;
+                (
+                    Some(unavailable_backoff(retry_in, unavailable_streak)),
+                    Some(error),
+                )
+            }
         };
         let now = Instant::now();
         if now >= deadline {
@@ -313,6 +343,19 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), armed.fired())
             .await
             .expect("the wake-up sent after arming is kept");
+    }
+
+    #[test]
+    fn unavailable_backoff_doubles_up_to_its_cap() {
+        let ms = Duration::from_millis;
+        let steps: Vec<_> = (1..=7).map(|n| unavailable_backoff(ms(25), n)).collect();
+        assert_eq!(
+            steps,
+            [ms(25), ms(50), ms(100), ms(200), ms(400), ms(500), ms(500)]
+        );
+        assert_eq!(unavailable_backoff(ms(25), u32::MAX), ms(500));
+        // A backend that asks for a longer pause gets it, not more.
+        assert_eq!(unavailable_backoff(ms(900), 3), ms(900));
     }
 
     #[test]

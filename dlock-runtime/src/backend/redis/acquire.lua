@@ -1,18 +1,26 @@
--- Acquire: KEYS[1] lock, KEYS[2] fence counter; ARGV[1] owner, ARGV[2] lease (ms).
--- Answers {1, token} or {0, the holder's remaining ms}; sent twice for one owner
--- (a retry), it answers the same grant. A missing counter (first use, or a
--- server restarted without persistence) is seeded from the server clock in µs,
--- so tokens keep growing across such a restart.
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local token = redis.call('INCR', KEYS[2])
-  if token == 1 then
-    local now = redis.call('TIME')
-    token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    redis.call('SET', KEYS[2], token)
+-- Acquire: KEYS[1] lock, KEYS[2] fence counter (one per hash slot on a
+-- cluster, one per server otherwise: never a key per lock name); ARGV[1]
+-- owner, ARGV[2] lease (ms). Answers {1, token} or {0, the holder's remaining
+-- ms}. The token is the larger of the counter + 1 and the server clock in µs,
+-- so a counter lost (a restart without persistence, a DEL) or behind (a
+-- replica promoted before it heard the last grants) never repeats a token.
+-- Sent twice for one owner (a retry), it grants again: the lease restarts
+-- from now and a new, larger token is issued.
+local function next_token()
+  local now = redis.call('TIME')
+  local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local last = tonumber(redis.call('GET', KEYS[2]))
+  if last and last >= token then
+    token = last + 1
   end
-  return {1, token}
+  redis.call('SET', KEYS[2], token)
+  return token
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, next_token()}
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return {1, tonumber(redis.call('GET', KEYS[2]))}
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, next_token()}
 end
 return {0, redis.call('PTTL', KEYS[1])}

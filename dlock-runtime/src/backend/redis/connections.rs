@@ -50,18 +50,11 @@ impl Opener {
     /// Opens a connection whose driver runs on the current runtime.
     async fn open(&self) -> Result<Conn, RedisError> {
         if self.cluster {
-            let mut builder = redis::cluster::ClusterClient::builder(self.nodes.clone())
-                .connection_timeout(self.timeout)
-                .response_timeout(self.timeout)
-                .retries(1);
-            if let Some(ca) = &self.tls_ca {
-                builder = builder.certs(redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(ca.clone()),
-                });
-            }
             Ok(Conn::Cluster(
-                builder.build()?.get_async_connection().await?,
+                cluster_builder(&self.nodes, &self.tls_ca, self.timeout)
+                    .build()?
+                    .get_async_connection()
+                    .await?,
             ))
         } else {
             let config = ConnectionManagerConfig::new()
@@ -75,6 +68,26 @@ impl Opener {
             Ok(Conn::Single(manager))
         }
     }
+}
+
+/// A cluster client for the seed `nodes`: every command bounded by `timeout`,
+/// tried once more after a redirection or a reconnection.
+pub(super) fn cluster_builder(
+    nodes: &[String],
+    tls_ca: &Option<Vec<u8>>,
+    timeout: Duration,
+) -> redis::cluster::ClusterClientBuilder {
+    let mut builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
+        .connection_timeout(timeout)
+        .response_timeout(timeout)
+        .retries(1);
+    if let Some(ca) = tls_ca {
+        builder = builder.certs(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.clone()),
+        });
+    }
+    builder
 }
 
 enum Local {

@@ -1,12 +1,25 @@
 //! Wake-ups for waiters: the release channels this process listens to.
+//!
+//! On one server, the release script `PUBLISH`es and the listener
+//! `SUBSCRIBE`s over one pub/sub connection. On Redis Cluster a `PUBLISH` is
+//! broadcast to every node of the cluster; there the script `SPUBLISH`es
+//! instead and the listener `SSUBSCRIBE`s over a cluster connection (RESP3),
+//! which sends each subscription to the node that owns the channel's slot
+//! (the lock key's slot): a release only reaches the key's shard. That
+//! connection subscribes again by itself after a node reconnects or a slot
+//! moves; the waiters of a channel are woken when it does (a release may
+//! have gone unheard meanwhile).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::Client;
+use redis::cluster_async::ClusterConnection;
+use redis::{Client, PushInfo, PushKind, RedisResult, Value};
 use tokio::sync::{Notify, mpsc, oneshot};
+
+use super::connections::cluster_builder;
 
 /// The release channels this process waits on, over one pub/sub connection.
 ///
@@ -59,12 +72,88 @@ impl Drop for LeaveOnDrop {
 struct Channel {
     waiters: usize,
     notify: Arc<Notify>,
+    /// Whether the server confirmed the subscription once (sharded only): a
+    /// later confirmation is a subscription made again after a reconnection.
+    confirmed: bool,
+}
+
+/// Where the release messages come from.
+pub(in crate::backend) enum Source {
+    /// One server: `SUBSCRIBE` over a pub/sub connection.
+    Plain(Client),
+    /// Redis Cluster through its seed nodes: `SSUBSCRIBE` on each channel's shard.
+    Sharded {
+        nodes: Vec<String>,
+        tls_ca: Option<Vec<u8>>,
+    },
+}
+
+/// An open subscriber connection.
+enum PubSub {
+    Plain(redis::aio::PubSubSink, redis::aio::PubSubStream),
+    Sharded {
+        conn: ClusterConnection,
+        pushes: mpsc::UnboundedReceiver<PushInfo>,
+    },
+}
+
+/// What the subscriber connection heard.
+enum Heard {
+    /// A release message on this channel.
+    Message(String),
+    /// The server confirmed a subscription to this channel (sharded only).
+    Subscribed(String),
+    /// A node's connection dropped; the cluster connection reconnects and
+    /// subscribes again by itself (sharded only).
+    Disconnected,
+    /// The connection is gone.
+    Closed,
+}
+
+impl PubSub {
+    async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self {
+            PubSub::Plain(sink, _) => sink.subscribe(channel).await,
+            PubSub::Sharded { conn, .. } => conn.ssubscribe(channel).await,
+        }
+    }
+
+    async fn unsubscribe(&mut self, channel: &str) -> RedisResult<()> {
+        match self {
+            PubSub::Plain(sink, _) => sink.unsubscribe(channel).await,
+            PubSub::Sharded { conn, .. } => conn.sunsubscribe(channel).await,
+        }
+    }
+
+    async fn next(&mut self) -> Heard {
+        match self {
+            PubSub::Plain(_, stream) => match stream.next().await {
+                Some(message) => Heard::Message(message.get_channel_name().to_owned()),
+                None => Heard::Closed,
+            },
+            PubSub::Sharded { pushes, .. } => loop {
+                let Some(push) = pushes.recv().await else {
+                    return Heard::Closed;
+                };
+                let channel = match push.data.first() {
+                    Some(Value::BulkString(name)) => String::from_utf8_lossy(name).into_owned(),
+                    _ => String::new(),
+                };
+                match push.kind {
+                    PushKind::SMessage => return Heard::Message(channel),
+                    PushKind::SSubscribe => return Heard::Subscribed(channel),
+                    PushKind::Disconnection => return Heard::Disconnected,
+                    _ => {}
+                }
+            },
+        }
+    }
 }
 
 impl Listener {
-    pub(in crate::backend) fn start(client: Client, timeout: Duration) -> Listener {
+    pub(in crate::backend) fn start(source: Source, timeout: Duration) -> Listener {
         let (commands, receiver) = mpsc::unbounded_channel();
-        crate::driver::handle().spawn(listen(client, timeout, receiver));
+        crate::driver::handle().spawn(listen(source, timeout, receiver));
         Listener { commands }
     }
 
@@ -95,13 +184,13 @@ impl Listener {
     }
 }
 
-async fn listen(client: Client, timeout: Duration, mut commands: mpsc::UnboundedReceiver<Command>) {
+async fn listen(source: Source, timeout: Duration, mut commands: mpsc::UnboundedReceiver<Command>) {
     let mut channels: HashMap<String, Channel> = HashMap::new();
-    let mut connection: Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> = None;
+    let mut connection: Option<PubSub> = None;
     let mut reconnect_at = tokio::time::Instant::now();
     loop {
         if connection.is_none() && tokio::time::Instant::now() >= reconnect_at {
-            connection = connect_pubsub(&client, timeout, channels.keys()).await;
+            connection = connect(&source, timeout, channels.keys()).await;
             if connection.is_some() {
                 // Releases during the outage were not heard: let everyone look again.
                 for channel in channels.values() {
@@ -120,13 +209,14 @@ async fn listen(client: Client, timeout: Duration, mut commands: mpsc::Unbounded
                     let entry = channels.entry(channel.clone()).or_insert_with(|| Channel {
                         waiters: 0,
                         notify: Arc::new(Notify::new()),
+                        confirmed: false,
                     });
                     entry.waiters += 1;
                     let notify = entry.notify.clone();
                     if entry.waiters == 1
-                        && let Some((sink, _)) = connection.as_mut()
+                        && let Some(pubsub) = connection.as_mut()
                         && !matches!(
-                            tokio::time::timeout(timeout, sink.subscribe(&channel)).await,
+                            tokio::time::timeout(timeout, pubsub.subscribe(&channel)).await,
                             Ok(Ok(()))
                         )
                     {
@@ -139,9 +229,10 @@ async fn listen(client: Client, timeout: Duration, mut commands: mpsc::Unbounded
                         entry.waiters -= 1;
                         if entry.waiters == 0 {
                             channels.remove(&channel);
-                            if let Some((sink, _)) = connection.as_mut()
+                            if let Some(pubsub) = connection.as_mut()
                                 && !matches!(
-                                    tokio::time::timeout(timeout, sink.unsubscribe(&channel)).await,
+                                    tokio::time::timeout(timeout, pubsub.unsubscribe(&channel))
+                                        .await,
                                     Ok(Ok(()))
                                 )
                             {
@@ -151,18 +242,33 @@ async fn listen(client: Client, timeout: Duration, mut commands: mpsc::Unbounded
                     }
                 }
             },
-            message = async {
+            heard = async {
                 match connection.as_mut() {
-                    Some((_, stream)) => stream.next().await,
+                    Some(pubsub) => pubsub.next().await,
                     None => std::future::pending().await,
                 }
-            } => match message {
-                Some(message) => {
-                    if let Some(channel) = channels.get(message.get_channel_name()) {
+            } => match heard {
+                Heard::Message(name) => {
+                    if let Some(channel) = channels.get(&name) {
                         channel.notify.notify_waiters();
                     }
                 }
-                None => {
+                Heard::Subscribed(name) => {
+                    if let Some(channel) = channels.get_mut(&name) {
+                        if channel.confirmed {
+                            // Subscribed again after a reconnection or a slot
+                            // move: a release may have gone unheard.
+                            channel.notify.notify_waiters();
+                        }
+                        channel.confirmed = true;
+                    }
+                }
+                Heard::Disconnected => {
+                    for channel in channels.values() {
+                        channel.notify.notify_waiters();
+                    }
+                }
+                Heard::Closed => {
                     connection = None;
                     for channel in channels.values() {
                         channel.notify.notify_waiters();
@@ -174,22 +280,49 @@ async fn listen(client: Client, timeout: Duration, mut commands: mpsc::Unbounded
     }
 }
 
-async fn connect_pubsub<'a>(
-    client: &Client,
+/// Opens the subscriber connection and subscribes to `channels` again.
+async fn connect<'a>(
+    source: &Source,
     timeout: Duration,
     channels: impl Iterator<Item = &'a String>,
-) -> Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
-    let pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
-        .await
-        .ok()?
-        .ok()?;
-    let (mut sink, stream) = pubsub.split();
+) -> Option<PubSub> {
     let channels: Vec<&String> = channels.collect();
-    if !channels.is_empty() {
-        tokio::time::timeout(timeout, sink.subscribe(channels))
-            .await
-            .ok()?
-            .ok()?;
+    match source {
+        Source::Plain(client) => {
+            let pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
+                .await
+                .ok()?
+                .ok()?;
+            let (mut sink, stream) = pubsub.split();
+            if !channels.is_empty() {
+                tokio::time::timeout(timeout, sink.subscribe(channels))
+                    .await
+                    .ok()?
+                    .ok()?;
+            }
+            Some(PubSub::Plain(sink, stream))
+        }
+        Source::Sharded { nodes, tls_ca } => {
+            let (sender, pushes) = mpsc::unbounded_channel();
+            let client = cluster_builder(nodes, tls_ca, timeout)
+                .use_protocol(redis::ProtocolVersion::RESP3)
+                .push_sender(sender)
+                .build()
+                .ok()?;
+            let conn = tokio::time::timeout(timeout, client.get_async_connection())
+                .await
+                .ok()?
+                .ok()?;
+            let mut pubsub = PubSub::Sharded { conn, pushes };
+            // One command per channel: channels of different slots live on
+            // different nodes.
+            for channel in channels {
+                tokio::time::timeout(timeout, pubsub.subscribe(channel))
+                    .await
+                    .ok()?
+                    .ok()?;
+            }
+            Some(pubsub)
+        }
     }
-    Some((sink, stream))
 }

@@ -2,27 +2,37 @@
 //!
 //! One round trip per operation, each a script that checks the owner:
 //!
-//! - **acquire**: `SET lock owner NX PX lease`, and on success `INCR` of the
-//!   key's fence counter — the fencing token. When the counter is missing (first
-//!   use, or a server restarted without persistence), it is seeded from the
-//!   server's clock in microseconds, so tokens keep growing across such a
-//!   restart instead of starting again at 1. When busy, the script answers the
-//!   holder's remaining TTL.
-//! - **release**: compare-and-delete, then `PUBLISH` on the key's release channel.
+//! - **acquire**: `SET lock owner NX PX lease`, and on success the fencing
+//!   token: the larger of the fence counter + 1 and the server's clock
+//!   (`TIME`) in microseconds, written back to the counter. A counter lost (a
+//!   restart without persistence, a `DEL`) or behind (a replica promoted before
+//!   it heard the last grants) therefore never hands out a token again. When
+//!   busy, the script answers the holder's remaining TTL.
+//! - **release**: compare-and-delete, then a message on the key's release
+//!   channel: `PUBLISH` on one server, `SPUBLISH` on Redis Cluster (a plain
+//!   `PUBLISH` is broadcast to every node of a cluster; a sharded message
+//!   reaches only the key's shard, where the waiters `SSUBSCRIBE`d).
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
 //!
-//! Waiters are woken by the release message. A busy waiter subscribes to the
+//! Waiters are woken by the release message (`SSUBSCRIBE`d on Redis Cluster,
+//! on the key's shard; see [`listener`]). A busy waiter subscribes to the
 //! key's channel and then tries again before it waits, so a release between its
 //! first try and its subscription is never missed (the uncontended path does
 //! not pay for a subscription). Waiters also try again when the holder's TTL
 //! runs out, so a crashed holder or a lost message costs at most the rest of
 //! its lease, never the whole `wait`.
 //!
-//! A lock `K` (the registry's prefix included) is stored as `{K}`, its counter
-//! as `{K}:fence`, its channel is `{K}:released`: the hash tag puts both keys in
-//! one slot, so the same code runs on **Redis Cluster**. Keys are passed as
-//! `KEYS[]`, so ACL key patterns apply (`~{dlock:*`, channels `&{dlock:*`).
+//! A lock `K` (the registry's prefix included) is stored as `{K}` and its
+//! release channel is `{K}:released`. The fence counters are shared, so the
+//! server keeps **no key per lock name** once its lock is released: one
+//! counter `dlock-fence` per server (and database), or on **Redis Cluster**
+//! one per hash slot, `dlock-fence:{<tag>}`, with the tag chosen so that the
+//! counter is in the slot of the lock keys it serves (one script touches both;
+//! see [`slots`]). Keys are passed as `KEYS[]`, so ACL key patterns apply:
+//! `~{dlock:*` (the locks, default prefix), `~dlock-fence` and
+//! `~dlock-fence:*` (the counters), channels `&{dlock:*` (sharded channels
+//! on a cluster: `SPUBLISH`, `SSUBSCRIBE`, `SUNSUBSCRIBE` allowed).
 //!
 //! **Server settings a lock needs.** A lock key that the server drops is a
 //! lock lost without notice until the next renewal:
@@ -34,11 +44,20 @@
 //! - Persistence (`appendonly yes`, `appendfsync always` or `everysec`) if a
 //!   restart must not free held keys: a server restarted empty lets another
 //!   client take a key whose holder still believes it holds it (until its
-//!   next renewal fails). Fencing tokens stay safe either way: a lost
-//!   counter is seeded again from the server clock in µs.
+//!   next renewal fails). Fencing tokens stay safe either way: a token is
+//!   never below the server clock in µs.
 //! - Replication is asynchronous: a replica promoted before it received a
 //!   grant does not know the lock. Where failover matters, use Redlock over
 //!   independent masters, or a backend with synchronous replication.
+//!
+//! **Outages.** An acquisition that meets a transient failure (connection
+//! refused or dropped, a timeout, `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`,
+//! `MASTERDOWN`) is tried again with a doubling back-off (25 ms up to 500 ms)
+//! while its `wait` lasts, so a server restarting within `wait` costs a delay,
+//! not an error; the error is the answer only once `wait` has run out. A retry
+//! that finds the key already ours (the failed attempt did reach the server)
+//! takes it again from now, with a new token. Permanent errors (`NOPERM`, a
+//! wrong password) are answered at once.
 //!
 //! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
 //! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`. Option
@@ -49,7 +68,9 @@
 mod connections;
 mod listener;
 pub mod redlock;
+mod slots;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -58,7 +79,7 @@ use futures_util::future::BoxFuture;
 use redis::{Client, RedisError, Script};
 
 use connections::{Conn, Connections};
-pub(super) use listener::Listener;
+pub(super) use listener::{Listener, Source};
 
 use crate::backend::{
     AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
@@ -68,18 +89,28 @@ use crate::token::FencingToken;
 
 /// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
 /// Answers `{1, token}` or `{0, holder's remaining ms}`. Sent twice for one
-/// owner (a retry), it answers the same grant.
+/// owner (a retry), it grants again (lease from now, a larger token).
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
 pub(super) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("renew.lua")));
 
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if deleted.
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if
+/// deleted. Wakes waiters with `PUBLISH` (one server, Redlock's masters).
 pub(super) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("release.lua")));
 
+/// [`RELEASE`] for Redis Cluster: `SPUBLISH`, so the message reaches only
+/// the shard of the key (the channel is in the lock key's slot), where a
+/// `PUBLISH` would be broadcast to every node.
+static RELEASE_SHARDED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'")));
+
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The first pause after an attempt that failed transiently (the wait loop
+/// doubles it while the server stays away).
+const OUTAGE_RETRY: Duration = Duration::from_millis(25);
 
 /// The Redis backend. See the [module docs](self).
 pub struct RedisBackend {
@@ -123,6 +154,16 @@ pub(super) fn millis(d: Duration) -> u64 {
 
 fn lock_key(stored: &str) -> String {
     format!("{{{stored}}}")
+}
+
+/// The fence counter that serves `lock_key`: the server's one, or on a
+/// cluster the one of the key's hash slot.
+fn fence_key(cluster: bool, lock_key: &str) -> Cow<'static, str> {
+    if cluster {
+        Cow::Owned(slots::cluster_fence_key(lock_key))
+    } else {
+        Cow::Borrowed(slots::SINGLE_FENCE_KEY)
+    }
 }
 
 /// How the nodes of a URL relate.
@@ -264,12 +305,21 @@ impl RedisBackend {
             backend: "redis",
             source: BackendError::transient(format!("cannot connect to {shown_url}: {e}")),
         };
-        let pubsub_client = client(&target.nodes[0], &target.tls_ca)
-            .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?;
+        let source = if target.topology == Topology::Cluster {
+            Source::Sharded {
+                nodes: target.nodes.clone(),
+                tls_ca: target.tls_ca.clone(),
+            }
+        } else {
+            Source::Plain(
+                client(&target.nodes[0], &target.tls_ca)
+                    .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?,
+            )
+        };
         let conns = Connections::open(&target, timeout).await.map_err(fail)?;
         let backend = RedisBackend {
             conns,
-            listener: Listener::start(pubsub_client, timeout),
+            listener: Listener::start(source, timeout),
             shown_url,
             timeout,
         };
@@ -317,18 +367,30 @@ impl RedisBackend {
         .map_err(redis_error)
     }
 
-    /// One attempt: the lease, or how long the holder's lease has left.
+    /// One attempt: the lease, or how long the holder's lease has left. A
+    /// transient failure (the server down, restarting, or too slow) is
+    /// [`Attempt::Unavailable`]: the wait loop tries again while `wait` lasts.
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let key = lock_key(&request.key);
-        let (taken, value): (i64, i64) = self
+        let answer: Result<(i64, i64), BackendError> = self
             .invoke(
                 ACQUIRE
                     .key(&key)
-                    .key(format!("{key}:fence"))
+                    .key(fence_key(self.conns.is_cluster(), &key).as_ref())
                     .arg(&request.owner)
                     .arg(millis(request.lease)),
             )
-            .await?;
+            .await;
+        let (taken, value) = match answer {
+            Ok(answer) => answer,
+            Err(error) if error.is_retryable() => {
+                return Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                });
+            }
+            Err(error) => return Err(error),
+        };
         if taken == 1 {
             Ok(Attempt::Held(Lease::new(
                 request,
@@ -400,8 +462,8 @@ impl LockBackend for RedisBackend {
 
     fn check_key(&self, key: &str) -> Result<(), String> {
         if self.conns.is_cluster() && key.starts_with('}') {
-            // `{}…}` would be an empty hash tag: the lock and its counter
-            // would land in different slots.
+            // `{}…}` would be an empty hash tag: the lock and its release
+            // channel would land in different slots.
             return Err("on Redis Cluster a stored key cannot start with `}`".into());
         }
         Ok(())
@@ -490,9 +552,14 @@ impl LockBackend for RedisBackend {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let key = lock_key(&lease.key);
+            let script = if self.conns.is_cluster() {
+                &*RELEASE_SHARDED
+            } else {
+                &*RELEASE
+            };
             let _: i64 = self
                 .invoke(
-                    RELEASE
+                    script
                         .key(&key)
                         .arg(&lease.owner)
                         .arg(format!("{key}:released")),
@@ -512,6 +579,13 @@ impl LockBackend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cluster_release_script_publishes_to_the_shard() {
+        let sharded = include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'");
+        assert!(sharded.contains("redis.call('SPUBLISH', ARGV[2], '1')"));
+        assert!(!sharded.contains("redis.call('PUBLISH'"));
+    }
 
     #[test]
     fn urls() {

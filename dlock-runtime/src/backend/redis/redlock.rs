@@ -58,7 +58,7 @@ use redis::{Client, Script};
 use tokio::sync::watch;
 
 use super::{
-    Listener, RELEASE, RENEW, Topology, client, install_crypto_provider, millis, parse_url,
+    Listener, RELEASE, RENEW, Source, Topology, client, install_crypto_provider, millis, parse_url,
     redis_error,
 };
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
@@ -153,7 +153,7 @@ impl Node {
             number,
             address: client.get_connection_info().addr().to_string(),
             state: receiver,
-            listener: Listener::start(client, timeout),
+            listener: Listener::start(Source::Plain(client), timeout),
         }
     }
 
