@@ -243,3 +243,32 @@ async fn abandoned_acquisitions_leave_no_key() {
         );
     }
 }
+
+/// The same at the moment commands switch connections: a backend's first
+/// commands from a runtime go over its home connection while a local one
+/// opens, later ones over the local one. An acquisition abandoned on one and
+/// released over the other must still leave no key (ten fresh backends, each
+/// with acquisitions abandoned from its first command on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_acquisitions_leave_no_key_while_connections_switch() {
+    let h = harness().await;
+    let mut keys = Vec::new();
+    for _ in 0..10 {
+        let fresh = other_process().await;
+        for i in 0..40u64 {
+            let key = unique_key(&format!("abandoned-switch-{i}"));
+            let attempt = fresh.lock(&key).lease(Duration::from_secs(30)).acquire();
+            let _ = tokio::time::timeout(Duration::from_micros(50 * (i % 8)), attempt).await;
+            keys.push(key);
+            tokio::task::yield_now().await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut held = Vec::new();
+    for key in keys {
+        if h.faults.is_held(&h.stored(&key)).await {
+            held.push(key);
+        }
+    }
+    assert!(held.is_empty(), "still held: {held:?}");
+}

@@ -557,14 +557,21 @@ impl LockBackend for RedisBackend {
             } else {
                 &*RELEASE
             };
-            let _: i64 = self
-                .invoke(
-                    script
-                        .key(&key)
-                        .arg(&lease.owner)
-                        .arg(format!("{key}:released")),
-                )
-                .await?;
+            let mut invocation = script.key(&key);
+            invocation.arg(&lease.owner).arg(format!("{key}:released"));
+            let _: i64 = self.invoke(&invocation).await?;
+            if lease.token.is_none() {
+                // The release of an acquisition dropped on the wire (a grant
+                // always has a token): its command may have gone over the
+                // other connection (the local one opened, or went, in
+                // between), so release over the home connection too — on
+                // each, the release then follows the abandoned command.
+                let _: i64 = match self.conns.home() {
+                    Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+                    Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+                }
+                .map_err(redis_error)?;
+            }
             Ok(())
         })
     }
