@@ -16,7 +16,7 @@
 //!   pipeline per backend (one round trip for every lease due).
 //!
 //! Waiters are woken by the release message (`SSUBSCRIBE`d on Redis Cluster,
-//! on the key's shard; see [`listener`]). A busy waiter subscribes to the
+//! on the key's shard; see `listener.rs`). A busy waiter subscribes to the
 //! key's channel and then tries again before it waits, so a release between its
 //! first try and its subscription is never missed (the uncontended path does
 //! not pay for a subscription). Waiters also try again when the holder's TTL
@@ -29,7 +29,7 @@
 //! counter `dlock-fence` per server (and database), or on **Redis Cluster**
 //! one per hash slot, `dlock-fence:{<tag>}`, with the tag chosen so that the
 //! counter is in the slot of the lock keys it serves (one script touches both;
-//! see [`slots`]). Keys are passed as `KEYS[]`, so ACL key patterns apply:
+//! see `slots.rs`). Keys are passed as `KEYS[]`, so ACL key patterns apply:
 //! `~{dlock:*` (the locks, default prefix), `~dlock-fence` and
 //! `~dlock-fence:*` (the counters), channels `&{dlock:*` (sharded channels
 //! on a cluster: `SPUBLISH`, `SSUBSCRIBE`, `SUNSUBSCRIBE` allowed).
