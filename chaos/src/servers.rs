@@ -275,12 +275,16 @@ impl Server {
             .context("cannot run postgres (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
         let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
-        self.await_sql("PostgreSQL", "postgres.log", || {
+        self.await_ready("PostgreSQL", "postgres.log", || {
             let url = url.clone();
             async move {
-                let mut conn = sqlx::PgConnection::connect(&url).await?;
-                sqlx::query("SELECT 1").execute(&mut conn).await?;
-                conn.close().await
+                let answered: Result<(), sqlx::Error> = async {
+                    let mut conn = sqlx::PgConnection::connect(&url).await?;
+                    sqlx::query("SELECT 1").execute(&mut conn).await?;
+                    conn.close().await
+                }
+                .await;
+                answered.is_ok()
             }
         })
         .await
@@ -327,27 +331,31 @@ impl Server {
             .context("cannot run mariadbd (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
         let url = format!("mysql://dlock:dlock@127.0.0.1:{}/dlock", self.port);
-        self.await_sql("MariaDB", "mariadb.log", || {
+        self.await_ready("MariaDB", "mariadb.log", || {
             let url = url.clone();
             async move {
-                let mut conn = sqlx::MySqlConnection::connect(&url).await?;
-                sqlx::query("SELECT 1").execute(&mut conn).await?;
-                conn.close().await
+                let answered: Result<(), sqlx::Error> = async {
+                    let mut conn = sqlx::MySqlConnection::connect(&url).await?;
+                    sqlx::query("SELECT 1").execute(&mut conn).await?;
+                    conn.close().await
+                }
+                .await;
+                answered.is_ok()
             }
         })
         .await
     }
 
-    /// Waits up to 60 s (a crash recovery included) for `probe` to succeed,
-    /// failing early if the server exits.
-    async fn await_sql<F, Fut>(&mut self, what: &str, log: &str, probe: F) -> anyhow::Result<()>
+    /// Waits up to 60 s (a JVM start or a crash recovery included) for
+    /// `probe` to answer true, failing early if the server exits.
+    async fn await_ready<F, Fut>(&mut self, what: &str, log: &str, probe: F) -> anyhow::Result<()>
     where
         F: Fn() -> Fut,
-        Fut: std::future::Future<Output = Result<(), sqlx::Error>>,
+        Fut: std::future::Future<Output = bool>,
     {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(1), probe()).await {
+            if let Ok(true) = tokio::time::timeout(Duration::from_secs(1), probe()).await {
                 return Ok(());
             }
             if let Some(status) = self
@@ -387,29 +395,9 @@ impl Server {
             .context("cannot run java (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
         // A JVM, then the data and the sessions to load.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            if zk_serving(self.port).await {
-                return Ok(());
-            }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                bail!(
-                    "ZooKeeper on port {} exited ({status}; is it installed? scripts/servers.sh up; see {}/zookeeper.log)",
-                    self.port,
-                    self.dir.display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        bail!(
-            "ZooKeeper on port {} did not serve within 60 s (see {}/zookeeper.log)",
-            self.port,
-            self.dir.display()
-        )
+        let port = self.port;
+        self.await_ready("ZooKeeper", "zookeeper.log", || zk_serving(port))
+            .await
     }
 
     async fn spawn_redis(&mut self) -> anyhow::Result<()> {
