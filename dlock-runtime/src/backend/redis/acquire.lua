@@ -3,7 +3,8 @@
 -- owner, ARGV[2] lease (ms). Answers {1, token} or {0, the holder's remaining
 -- ms}. The token is the larger of the counter + 1 and the server clock in µs,
 -- so a counter lost (a restart without persistence, a DEL) or behind (a
--- replica promoted before it heard the last grants) never repeats a token.
+-- replica promoted before it heard the last grants) never repeats a token
+-- (given server clocks that agree within the replication lag).
 -- Sent twice for one owner (a retry), it grants again: the lease restarts
 -- from now and a new, larger token is issued.
 local function next_token()

@@ -6,7 +6,8 @@
 //!   token: the larger of the fence counter + 1 and the server's clock
 //!   (`TIME`) in microseconds, written back to the counter. A counter lost (a
 //!   restart without persistence, a `DEL`) or behind (a replica promoted before
-//!   it heard the last grants) therefore never hands out a token again. When
+//!   it heard the last grants) therefore never hands out a token again, as
+//!   long as the servers' clocks agree within the replication lag. When
 //!   busy, the script answers the holder's remaining TTL.
 //! - **release**: compare-and-delete, then a message on the key's release
 //!   channel: `PUBLISH` on one server, `SPUBLISH` on Redis Cluster (a plain
@@ -559,18 +560,23 @@ impl LockBackend for RedisBackend {
             };
             let mut invocation = script.key(&key);
             invocation.arg(&lease.owner).arg(format!("{key}:released"));
-            let _: i64 = self.invoke(&invocation).await?;
-            if lease.token.is_none() {
-                // The release of an acquisition dropped on the wire (a grant
-                // always has a token): its command may have gone over the
-                // other connection (the local one opened, or went, in
-                // between), so release over the home connection too — on
-                // each, the release then follows the abandoned command.
-                let _: i64 = match self.conns.home() {
-                    Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-                    Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
-                }
-                .map_err(redis_error)?;
+            let routed: Result<i64, BackendError> = self.invoke(&invocation).await;
+            if lease.token.is_some() {
+                routed?;
+                return Ok(());
+            }
+            // The release of an acquisition dropped on the wire (a grant
+            // always has a token): its command may have gone over the other
+            // connection (the local one opened, or went, in between), so
+            // release over the home connection too, whatever the first
+            // answered — on each, the release then follows the abandoned
+            // command. Either one succeeding is enough.
+            let home: Result<i64, RedisError> = match self.conns.home() {
+                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+            };
+            if routed.is_err() {
+                home.map_err(redis_error)?;
             }
             Ok(())
         })
