@@ -180,9 +180,15 @@ impl ZkProxy {
 }
 
 async fn serve(client: TcpStream, upstream: u16, shared: Arc<ProxyShared>) {
+    // Subscribed at accept, before any await: a reset sent while this
+    // connection is still being set up closes it too.
+    let resets = shared.resets.subscribe();
     let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
         return;
     };
+    if resets.has_changed().unwrap_or(true) {
+        return;
+    }
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
@@ -193,10 +199,18 @@ async fn serve(client: TcpStream, upstream: u16, shared: Arc<ProxyShared>) {
         client_read,
         server_write,
         shared.clone(),
+        resets.clone(),
         doomed.clone(),
         true,
     ));
-    let down = tokio::spawn(pump(server_read, client_write, shared, doomed, false));
+    let down = tokio::spawn(pump(
+        server_read,
+        client_write,
+        shared,
+        resets,
+        doomed,
+        false,
+    ));
     let _ = up.await;
     down.abort();
 }
@@ -208,12 +222,11 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: Arc<ProxyShared>,
+    mut resets: watch::Receiver<u64>,
     doomed: Arc<AtomicBool>,
     client_side: bool,
 ) {
     let mut flow = shared.flow.subscribe();
-    let mut resets = shared.resets.subscribe();
-    resets.borrow_and_update();
     let mut buf = vec![0u8; 64 * 1024];
     // Client side: bytes of the frame being read, and whether the connect
     // request (the first frame) is past.
