@@ -43,6 +43,13 @@ async fn admin(url: &str) -> redis::aio::MultiplexedConnection {
         .unwrap_or_else(|e| servers_missing(url, e))
 }
 
+async fn dbsize(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    redis::cmd("DBSIZE")
+        .query_async(conn)
+        .await
+        .expect("DBSIZE")
+}
+
 /// The keys of the database other than the shared counter, counted
 /// atomically (another test of this file deletes the counter meanwhile).
 async fn keys_besides_the_counter(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
