@@ -68,7 +68,9 @@ impl WakeSource {
         Self::default()
     }
 
-    /// Woken by `notify` (`notify_waiters` on a release).
+    /// Woken by `notify`: `notify_waiters` wakes every waiter (a local
+    /// release), `notify_one` one of them (a release message: see
+    /// [`acquire`] for how a wake-up is never lost with the waiter).
     pub fn notify(notify: Arc<Notify>) -> Self {
         Self::default().also(notify)
     }
@@ -129,6 +131,31 @@ impl Armed {
     }
 }
 
+/// A wake-up taken by a waiter that has not yet made the attempt it was
+/// woken for. Backends that wake one waiter per release (`notify_one`) rely
+/// on that waiter to look: if it leaves first (its future dropped, an error,
+/// the deadline), the wake-up goes to the next waiter, so a free key is never
+/// left waiting for its holder's old expiry. Tokio forwards a `notify_one`
+/// whose `Notified` is dropped before it completes; this covers the gap after
+/// it completed.
+struct OwedWake(Option<Vec<Arc<Notify>>>);
+
+impl OwedWake {
+    /// The attempt was made and answered held or busy: nothing is owed (a
+    /// busy key's holder will wake the next waiter when it releases).
+    fn settled(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for OwedWake {
+    fn drop(&mut self) {
+        for notify in self.0.iter().flatten() {
+            notify.notify_one();
+        }
+    }
+}
+
 /// The longest pause between two attempts while the backend stays
 /// unavailable: a server back from a restart is noticed within this.
 pub const UNAVAILABLE_BACKOFF_MAX: Duration = Duration::from_millis(500);
@@ -163,6 +190,7 @@ pub async fn acquire(
     let drift = backend.drift(request.lease);
     let mut source: Option<WakeSource> = None;
     let mut unavailable_streak = 0u32;
+    let mut owed = OwedWake(None);
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
         let sent = Instant::now();
@@ -170,6 +198,7 @@ pub async fn acquire(
         let now = Instant::now();
         if !matches!(attempt, Attempt::Unavailable { .. }) {
             unavailable_streak = 0;
+            owed.settled();
         }
         let (retry_in, unavailable) = match attempt {
             Attempt::Held(mut lease) => {
@@ -224,7 +253,7 @@ pub async fn acquire(
         let wake_at = sleep.map_or(deadline, |s| deadline.min(saturating_add(now, s)));
         let armed = armed.unwrap_or(Armed(Vec::new()));
         tokio::select! {
-            () = armed.fired() => {}
+            () = armed.fired() => owed.0 = Some(registered.notifies.clone()),
             () = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }

@@ -249,8 +249,12 @@ async fn listen(source: Source, timeout: Duration, mut commands: mpsc::Unbounded
                 }
             } => match heard {
                 Heard::Message(name) => {
+                    // One release frees the key for one waiter: wake one (per
+                    // process) rather than every waiter racing for it. The
+                    // wait loop passes the wake-up on if that waiter leaves
+                    // before it has looked.
                     if let Some(channel) = channels.get(&name) {
-                        channel.notify.notify_waiters();
+                        channel.notify.notify_one();
                     }
                 }
                 Heard::Subscribed(name) => {
