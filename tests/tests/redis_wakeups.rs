@@ -38,6 +38,7 @@ const LONG: Duration = Duration::from_secs(30);
 
 /// The Redis backend, counting attempts; the next attempt of a request whose
 /// `wait` is [`HANG_WAIT`] hangs once `hang` is set.
+#[derive(Debug)]
 struct Counted {
     inner: RedisBackend,
     attempts: AtomicUsize,
