@@ -18,7 +18,8 @@
 # are already running are left alone. Meant for Debian 12 (root for installs).
 #
 # Redis: five standalone instances (46379-46383; 46379 is also the one with
-# the ACL user), a three-master Redis Cluster (47001-47003, bus ports
+# the ACL user), a primary with one replica (46384 -> 46385, for
+# `?replicas=N`), a three-master Redis Cluster (47001-47003, bus ports
 # 57001-57003) and a TLS-only instance (46390, throwaway CA in <state>/tls).
 # The ACL user `dlock` (see ACL_RULES) is set on 46379, the cluster nodes and
 # the TLS instance at every `up`/`start-redis`: Redis keeps no ACL on disk here.
@@ -32,6 +33,8 @@ START_TIMEOUT=${DLOCK_SERVERS_TIMEOUT:-60}   # seconds to wait for a server to a
 
 HOST=127.0.0.1
 REDIS_PORTS=(46379 46380 46381 46382 46383)
+PRIMARY_PORT=46384   # has one replica:
+REPLICA_PORT=46385
 CLUSTER_PORTS=(47001 47002 47003)   # cluster bus: port + 10000
 TLS_PORT=46390
 ZK_PORT=42181
@@ -277,6 +280,8 @@ start_redis() {
                 cluster_conf_check "$port" "$dir/nodes-$port.conf"
                 mode+=(--cluster-enabled yes --cluster-config-file "$dir/nodes-$port.conf"
                     --cluster-node-timeout 2000)
+            elif [[ $port == "$REPLICA_PORT" ]]; then
+                mode+=(--replicaof "$HOST" "$PRIMARY_PORT")
             elif [[ $port == "$TLS_PORT" ]]; then
                 local tls
                 tls=$(tls_dir)
@@ -295,18 +300,25 @@ start_redis() {
         fi
         wait_for "redis:$port" "$dir/redis.log" "$dir/redis.pid" redis_ping "$port"
     fi
+    if [[ $port == "$REPLICA_PORT" ]]; then
+        wait_for "redis:$port (replication link)" "$dir/redis.log" "$dir/redis.pid" \
+            redis_replica_linked "$port"
+    fi
     ! wants_acl "$port" || redis_set_acl "$port"
 }
+
+# redis_replica_linked PORT: the replica on PORT is in sync with its primary.
+redis_replica_linked() { rcli "$1" info replication 2>/dev/null | grep -q '^master_link_status:up'; }
 
 # SIGTERM makes Redis shut down cleanly (nothing to save: no persistence).
 stop_redis() { stop_pid "redis:$1" "$(redis_dir "$1")/redis.pid" 10; }
 
 check_redis_port() {
     local p
-    for p in "${REDIS_PORTS[@]}" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do
+    for p in "${REDIS_PORTS[@]}" "$PRIMARY_PORT" "$REPLICA_PORT" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do
         [[ $1 == "$p" ]] && return 0
     done
-    die "not one of the project's Redis ports (${REDIS_PORTS[*]} ${CLUSTER_PORTS[*]} $TLS_PORT): ${1:-<none>}"
+    die "not one of the project's Redis ports (${REDIS_PORTS[*]} $PRIMARY_PORT $REPLICA_PORT ${CLUSTER_PORTS[*]} $TLS_PORT): ${1:-<none>}"
 }
 
 # --------------------------------------------------------- Redis: ACL user ---
@@ -757,6 +769,8 @@ print_urls() {
     for p in "${CLUSTER_PORTS[@]}"; do nodes+=("$HOST:$p"); done
     printf 'DLOCK_TEST_REDIS_CLUSTER_URL=redis+cluster://%s\n' "$(IFS=,; printf '%s' "${nodes[*]}")"
     printf 'DLOCK_TEST_REDIS_ACL_URL=redis://%s:%s@%s:%s/\n' "$ACL_USER" "$ACL_PASS" "$HOST" "${REDIS_PORTS[0]}"
+    printf 'DLOCK_TEST_REDIS_PRIMARY_URL=redis://%s:%s/\n' "$HOST" "$PRIMARY_PORT"
+    printf 'DLOCK_TEST_REDIS_REPLICA_URL=redis://%s:%s/\n' "$HOST" "$REPLICA_PORT"
     if redis_has_tls; then
         printf 'DLOCK_TEST_REDIS_TLS_URL=rediss://%s:%s/\n' "$HOST" "$TLS_PORT"
         printf 'DLOCK_TEST_REDIS_TLS_CA=%s/ca.crt\n' "$(tls_dir)"
@@ -771,6 +785,8 @@ cmd_up() {
     local p
     for p in "${REDIS_PORTS[@]}"; do start_redis "$p"; done
     redis_acl_check "${REDIS_PORTS[0]}"
+    start_redis "$PRIMARY_PORT"
+    start_redis "$REPLICA_PORT"
     for p in "${CLUSTER_PORTS[@]}"; do start_redis "$p"; done
     ensure_cluster
     redis_acl_check "${CLUSTER_PORTS[0]}" -c
@@ -786,7 +802,9 @@ cmd_up() {
 cmd_down() {
     take_lock
     local p
-    for p in "${REDIS_PORTS[@]}" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do stop_redis "$p"; done
+    for p in "${REDIS_PORTS[@]}" "$REPLICA_PORT" "$PRIMARY_PORT" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do
+        stop_redis "$p"
+    done
     stop_zookeeper
     stop_postgres
     stop_mariadb
@@ -804,9 +822,12 @@ cmd_status() {
             all_up=1
         fi
     }
-    for p in "${REDIS_PORTS[@]}"; do
+    for p in "${REDIS_PORTS[@]}" "$PRIMARY_PORT"; do
         report "redis:$p" "$(redis_dir "$p")/redis.pid" redis_ping "$p"
     done
+    report "redis:$REPLICA_PORT" "$(redis_dir "$REPLICA_PORT")/redis.pid" \
+        redis_replica_linked "$REPLICA_PORT"
+
     for p in "${CLUSTER_PORTS[@]}"; do
         report "redis:$p" "$(redis_dir "$p")/redis.pid" redis_ping "$p"
     done

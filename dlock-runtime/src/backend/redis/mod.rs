@@ -73,7 +73,7 @@ mod slots;
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -119,7 +119,50 @@ pub struct RedisBackend {
     listener: Listener,
     shown_url: String,
     timeout: Duration,
+    acks: Option<ReplicaAcks>,
 }
+
+/// `?replicas=N`: a grant counts once `N` replicas have acknowledged it
+/// (`WAIT N timeout` after the acquire script, on the connection that sent it).
+///
+/// The grants go over a connection of their own: `WAIT` blocks the
+/// connection's later commands on the server until it answers, and a replica
+/// that is down would otherwise hold up the renewals and releases sharing it.
+struct ReplicaAcks {
+    replicas: u32,
+    /// `WAIT`'s own timeout: half the command timeout, so the server answers
+    /// (with the count so far) before the client gives up on the command.
+    wait: Duration,
+    conns: Connections,
+}
+
+/// A lock's names on the server, built once per attempt and kept with its lease.
+#[derive(Clone)]
+struct Keys {
+    /// `{K}`.
+    lock: String,
+    /// `{K}:released`.
+    channel: String,
+}
+
+impl Keys {
+    fn new(stored: &str) -> Self {
+        let lock = format!("{{{stored}}}");
+        let channel = format!("{lock}:released");
+        Keys { lock, channel }
+    }
+
+    /// The lease's names: kept with it at the grant, built again for a lease
+    /// the runtime made itself (the release of an abandoned acquisition).
+    fn of(lease: &Lease) -> Cow<'_, Keys> {
+        match lease.extra.as_ref().and_then(|e| e.downcast_ref::<Keys>()) {
+            Some(keys) => Cow::Borrowed(keys),
+            None => Cow::Owned(Keys::new(&lease.key)),
+        }
+    }
+}
+
+
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -127,6 +170,7 @@ impl fmt::Debug for RedisBackend {
             .field("url", &self.shown_url)
             .field("cluster", &self.conns.is_cluster())
             .field("timeout", &self.timeout)
+            .field("replicas", &self.acks.as_ref().map(|a| a.replicas))
             .finish_non_exhaustive()
     }
 }
@@ -151,10 +195,6 @@ pub(super) fn redis_error(err: RedisError) -> BackendError {
 /// Redis still accepts it.
 pub(super) fn millis(d: Duration) -> u64 {
     ceil_millis(d).min(i64::MAX as u64 / 2)
-}
-
-fn lock_key(stored: &str) -> String {
-    format!("{{{stored}}}")
 }
 
 /// The fence counter that serves `lock_key`: the server's one, or on a
@@ -187,6 +227,8 @@ pub(super) struct Target {
     /// The URL's `timeout` option, if given.
     pub(super) timeout: Option<Duration>,
     pub(super) tls_ca: Option<Vec<u8>>,
+    /// `replicas=N`: how many replicas must acknowledge a grant.
+    pub(super) replicas: Option<u32>,
 }
 
 pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
@@ -211,6 +253,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
     let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
     let mut timeout = None;
     let mut tls_ca = None;
+    let mut replicas = None;
     let mut passed_on = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
@@ -223,6 +266,21 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
                             LockError::config(format!("bad `timeout={value}` in `{shown}`"))
                         })?,
                 );
+            }
+            Some(("replicas", value)) => {
+                if topology == Topology::Redlock {
+                    return Err(LockError::config(format!(
+                        "`replicas` is an option of redis:// and redis+cluster://, not of \
+                         Redlock (its masters are independent): `{shown}`"
+                    )));
+                }
+                replicas = Some(value.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(
+                    || {
+                        LockError::config(format!(
+                            "bad `replicas={value}` in `{shown}` (a number of replicas, at least 1)"
+                        ))
+                    },
+                )?);
             }
             Some(("tls_ca", path)) => {
                 tls_ca =
@@ -266,6 +324,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
         nodes,
         timeout,
         tls_ca,
+        replicas,
     })
 }
 
@@ -318,11 +377,20 @@ impl RedisBackend {
             )
         };
         let conns = Connections::open(&target, timeout).await.map_err(fail)?;
+        let acks = match target.replicas {
+            Some(replicas) => Some(ReplicaAcks {
+                replicas,
+                wait: timeout / 2,
+                conns: Connections::open(&target, timeout).await.map_err(fail)?,
+            }),
+            None => None,
+        };
         let backend = RedisBackend {
             conns,
             listener: Listener::start(source, timeout),
             shown_url,
             timeout,
+            acks,
         };
         // One round trip now: a wrong password or a missing ACL permission is
         // an error of `connect`, not of the first lock.
@@ -351,15 +419,6 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
-        async fn call<T: redis::FromRedisValue>(
-            conn: Conn,
-            invocation: &redis::ScriptInvocation<'_>,
-        ) -> Result<T, RedisError> {
-            match conn {
-                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
-            }
-        }
         let route = self.conns.route();
         match call(route.conn.clone(), invocation).await {
             Err(_) if route.died() => call(self.conns.home(), invocation).await,
@@ -371,17 +430,22 @@ impl RedisBackend {
     /// One attempt: the lease, or how long the holder's lease has left. A
     /// transient failure (the server down, restarting, or too slow) is
     /// [`Attempt::Unavailable`]: the wait loop tries again while `wait` lasts.
+    /// With `?replicas=N`, so is a grant too few replicas acknowledged
+    /// (undone first).
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
-        let key = lock_key(&request.key);
-        let answer: Result<(i64, i64), BackendError> = self
-            .invoke(
-                ACQUIRE
-                    .key(&key)
-                    .key(fence_key(self.conns.is_cluster(), &key).as_ref())
-                    .arg(&request.owner)
-                    .arg(millis(request.lease)),
-            )
-            .await;
+        let keys = Keys::new(&request.key);
+        let fence = fence_key(self.conns.is_cluster(), &keys.lock);
+        let mut invocation = ACQUIRE.key(&keys.lock);
+        invocation
+            .key(fence.as_ref())
+            .arg(&request.owner)
+            .arg(millis(request.lease));
+        let answer: Result<(i64, i64), BackendError> = match &self.acks {
+            None => self.invoke(&invocation).await,
+            Some(acks) => call(acks.conns.home(), &invocation)
+                .await
+                .map_err(redis_error),
+        };
         let (taken, value) = match answer {
             Ok(answer) => answer,
             Err(error) if error.is_retryable() => {
@@ -393,10 +457,21 @@ impl RedisBackend {
             Err(error) => return Err(error),
         };
         if taken == 1 {
-            Ok(Attempt::Held(Lease::new(
-                request,
-                Some(FencingToken::new(value as u64)),
-            )))
+            if let Some(acks) = &self.acks
+                && let Err(error) = acks.acknowledged(&keys.lock).await
+            {
+                // Not on enough replicas: a failover now could lose it. Undo
+                // (owner-checked; the waiters hear the key is free again).
+                let _ = self.release_keys(&keys, &request.owner).await;
+                return Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                });
+            }
+            Ok(Attempt::Held(
+                Lease::new(request, Some(FencingToken::new(value as u64)))
+                    .with_extra(Arc::new(keys)),
+            ))
         } else {
             // -1: no expiry (never set by dlock), -2: gone since; look again soon.
             Ok(Attempt::Busy {
@@ -439,12 +514,74 @@ impl RedisBackend {
         let extended: i64 = self
             .invoke(
                 RENEW
-                    .key(lock_key(&lease.key))
+                    .key(&Keys::of(lease).lock)
                     .arg(&lease.owner)
                     .arg(millis(ttl)),
             )
             .await?;
         Ok(renewal(extended))
+    }
+
+    /// The release script for `keys`: `SPUBLISH` on a cluster.
+    fn release_invocation(&self, keys: &Keys, owner: &str) -> redis::ScriptInvocation<'static> {
+        let script = if self.conns.is_cluster() {
+            &*RELEASE_SHARDED
+        } else {
+            &*RELEASE
+        };
+        let mut invocation = script.key(&keys.lock);
+        invocation.arg(owner).arg(&keys.channel);
+        invocation
+    }
+
+    /// Owner-checked release over the usual route.
+    async fn release_keys(&self, keys: &Keys, owner: &str) -> Result<i64, BackendError> {
+        self.invoke(&self.release_invocation(keys, owner)).await
+    }
+}
+
+impl ReplicaAcks {
+    /// `WAIT replicas timeout` on the connection that sent the grant (on a
+    /// cluster, to the master of the key's slot): an error unless at least
+    /// `replicas` replicas acknowledged every write sent before it.
+    async fn acknowledged(&self, lock_key: &str) -> Result<(), BackendError> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(self.replicas).arg(millis(self.wait));
+        let answer: Result<i64, RedisError> = match self.conns.home() {
+            Conn::Single(mut c) => wait.query_async(&mut c).await,
+            Conn::Cluster(mut c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let slot = slots::key_slot(lock_key.as_bytes());
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::new(slot, SlotAddr::Master),
+                ));
+                c.route_command(wait, route)
+                    .await
+                    .and_then(|v| redis::from_redis_value(v).map_err(RedisError::from))
+            }
+        };
+        match answer {
+            Ok(n) if n >= i64::from(self.replicas) => Ok(()),
+            Ok(n) => Err(BackendError::transient(format!(
+                "redis: only {n} of the {} replicas asked for (`replicas={}`) acknowledged the \
+                 grant within {:?}; undone",
+                self.replicas, self.replicas, self.wait
+            ))),
+            Err(e) => Err(BackendError::transient(format!(
+                "redis: the replicas' acknowledgement (`WAIT {}`) failed: {e}; grant undone",
+                self.replicas
+            ))),
+        }
+    }
+}
+
+async fn call<T: redis::FromRedisValue>(
+    conn: Conn,
+    invocation: &redis::ScriptInvocation<'_>,
+) -> Result<T, RedisError> {
+    match conn {
+        Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+        Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
     }
 }
 
@@ -480,7 +617,7 @@ impl LockBackend for RedisBackend {
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
         let key = &request.key;
         Box::pin(async move {
-            let channel = format!("{}:released", lock_key(key));
+            let channel = Keys::new(key).channel;
             match self.listener.join(channel).await {
                 Some(subscription) => {
                     WakeSource::notify(subscription.notify.clone()).keep_alive(subscription)
@@ -517,7 +654,7 @@ impl LockBackend for RedisBackend {
             for (lease, ttl) in batch {
                 pipe.invoke_script(
                     RENEW
-                        .key(lock_key(&lease.key))
+                        .key(&Keys::of(lease).lock)
                         .arg(&lease.owner)
                         .arg(millis(*ttl)),
                 );
@@ -552,30 +689,25 @@ impl LockBackend for RedisBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            let key = lock_key(&lease.key);
-            let script = if self.conns.is_cluster() {
-                &*RELEASE_SHARDED
-            } else {
-                &*RELEASE
-            };
-            let mut invocation = script.key(&key);
-            invocation.arg(&lease.owner).arg(format!("{key}:released"));
+            let keys = Keys::of(lease);
+            let invocation = self.release_invocation(&keys, &lease.owner);
             let routed: Result<i64, BackendError> = self.invoke(&invocation).await;
             if lease.token.is_some() {
                 routed?;
                 return Ok(());
             }
             // The release of an acquisition dropped on the wire (a grant
-            // always has a token): its command may have gone over the other
-            // connection (the local one opened, or went, in between), so
-            // release over the home connection too, whatever the first
-            // answered — on each, the release then follows the abandoned
-            // command. Either one succeeding is enough.
-            let home: Result<i64, RedisError> = match self.conns.home() {
-                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+            // always has a token): its command may have gone over another
+            // connection (the local one opened, or went, in between; the
+            // grants' own with `replicas`), so release over those too,
+            // whatever the first answered — on each, the release then
+            // follows the abandoned command. Any one succeeding is enough.
+            let home: Result<i64, RedisError> = call(self.conns.home(), &invocation).await;
+            let acks: Option<Result<i64, RedisError>> = match &self.acks {
+                Some(acks) => Some(call(acks.conns.home(), &invocation).await),
+                None => None,
             };
-            if routed.is_err() {
+            if routed.is_err() && !matches!(acks, Some(Ok(_))) {
                 home.map_err(redis_error)?;
             }
             Ok(())
@@ -613,6 +745,14 @@ mod tests {
             ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]
         );
         assert!(parse_url("redis://a:1,b:2").is_err());
+        assert_eq!(parse_url("redis://h:1?replicas=2").unwrap().replicas, Some(2));
+        assert_eq!(parse_url("redis://h:1").unwrap().replicas, None);
+        for bad in ["redis://h?replicas=0", "redis://h?replicas=two", "redlock://a,b,c?replicas=1"] {
+            let Err(err) = parse_url(bad) else {
+                panic!("`{bad}` must be refused")
+            };
+            assert!(err.to_string().contains("replicas"), "{err}");
+        }
         assert!(parse_url("redis://h?timeout=soon").is_err());
         // `Target` holds credentials and has no `Debug` on purpose.
         let Err(err) = parse_url("redis://u:hunter2@a:1,b:2") else {
