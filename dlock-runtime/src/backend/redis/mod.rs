@@ -48,23 +48,39 @@
 //!   next renewal fails). Fencing tokens stay safe either way: a token is
 //!   never below the server clock in µs.
 //! - Replication is asynchronous: a replica promoted before it received a
-//!   grant does not know the lock. Where failover matters, use Redlock over
-//!   independent masters, or a backend with synchronous replication.
+//!   grant does not know the lock. Where failover matters, ask for replica
+//!   acknowledgements (`?replicas=N`, below), use Redlock over independent
+//!   masters, or a backend with synchronous replication.
 //!
 //! **Outages.** An acquisition that meets a transient failure (connection
 //! refused or dropped, a timeout, `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`,
-//! `MASTERDOWN`) is tried again with a doubling back-off (25 ms up to 500 ms)
-//! while its `wait` lasts, so a server restarting within `wait` costs a delay,
-//! not an error; the error is the answer only once `wait` has run out. A retry
-//! that finds the key already ours (the failed attempt did reach the server)
-//! takes it again from now, with a new token. Permanent errors (`NOPERM`, a
-//! wrong password) are answered at once.
+//! `MASTERDOWN`, `BUSY`, `READONLY`, `NOREPLICAS`) is tried again with a
+//! doubling back-off (25 ms up to 500 ms) while its `wait` lasts, so a server
+//! restarting within `wait` costs a delay, not an error; the error is the
+//! answer only once `wait` has run out. A retry that finds the key already
+//! ours (the failed attempt did reach the server) takes it again from now,
+//! with a new token. Permanent errors (`NOPERM`, a wrong password) are
+//! answered at once.
+//!
+//! **Replica acknowledgement** (`?replicas=N`, Redisson's guard against a
+//! failover that loses a fresh lock): after a grant, `WAIT N timeout/2` on
+//! the connection that sent it (on a cluster, to the key's master). Fewer
+//! than `N` acknowledgements and the grant is undone (owner-checked release)
+//! and counts as a transient failure: tried again while `wait` lasts, then
+//! the error says how many replicas answered. Grants go over a connection of
+//! their own, because `WAIT` holds up the connection's later commands on the
+//! server, and a replica that is down must not delay renewals and releases.
+//! Renewals are not acknowledged (a renewal only extends a key the replicas
+//! already have). This narrows the window, it does not close it: replication
+//! stays asynchronous, and a replica promoted before it heard a renewal can
+//! still expire a lease early.
 //!
 //! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
-//! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`. Option
-//! `timeout` (default 2 s) bounds every command; the connection reconnects in
-//! the background, and while it is down renewals fail until the watchdog
-//! declares the lease lost, before it ends on the server.
+//! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`.
+//! Options: `timeout` (default 2 s) bounds every command; `replicas=N`
+//! (above). The connection reconnects in the background, and while it is
+//! down renewals fail until the watchdog declares the lease lost, before it
+//! ends on the server.
 
 mod connections;
 mod listener;
@@ -182,7 +198,18 @@ pub(super) fn redis_error(err: RedisError) -> BackendError {
         || err.is_io_error()
         || matches!(
             err.code(),
-            Some("TRYAGAIN" | "LOADING" | "CLUSTERDOWN" | "MASTERDOWN")
+            Some(
+                "TRYAGAIN"
+                    | "LOADING"
+                    | "CLUSTERDOWN"
+                    | "MASTERDOWN"
+                    // A script running past its time limit: the server is stalled.
+                    | "BUSY"
+                    // A failover in progress: this node is a replica now.
+                    | "READONLY"
+                    // `min-replicas-to-write` not met: replicas reconnecting.
+                    | "NOREPLICAS"
+            )
         )
     {
         BackendError::transient(err)
