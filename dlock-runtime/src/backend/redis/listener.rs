@@ -6,9 +6,11 @@
 //! instead and the listener `SSUBSCRIBE`s over a cluster connection (RESP3),
 //! which sends each subscription to the node that owns the channel's slot
 //! (the lock key's slot): a release only reaches the key's shard. That
-//! connection subscribes again by itself after a node reconnects or a slot
-//! moves; the waiters of a channel are woken when it does (a release may
-//! have gone unheard meanwhile).
+//! connection subscribes again by itself after a node reconnects; when a
+//! node gives a slot away (a migration, a demotion) it sends `SUNSUBSCRIBE`
+//! for the slot's channels, and the listener subscribes again itself. Either
+//! way the channel's waiters are woken (a release may have gone unheard
+//! meanwhile).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -103,6 +105,10 @@ enum Heard {
     Message(String),
     /// The server confirmed a subscription to this channel (sharded only).
     Subscribed(String),
+    /// The server dropped this channel's subscription (sharded only): the
+    /// answer to our own `SUNSUBSCRIBE`, or the node no longer serves the
+    /// channel's slot (a slot migrated, a master demoted).
+    Unsubscribed(String),
     /// A node's connection dropped; the cluster connection reconnects and
     /// subscribes again by itself (sharded only).
     Disconnected,
@@ -142,6 +148,7 @@ impl PubSub {
                 match push.kind {
                     PushKind::SMessage => return Heard::Message(channel),
                     PushKind::SSubscribe => return Heard::Subscribed(channel),
+                    PushKind::SUnsubscribe => return Heard::Unsubscribed(channel),
                     PushKind::Disconnection => return Heard::Disconnected,
                     _ => {}
                 }
@@ -265,6 +272,25 @@ async fn listen(source: Source, timeout: Duration, mut commands: mpsc::Unbounded
                             channel.notify.notify_waiters();
                         }
                         channel.confirmed = true;
+                    }
+                }
+                Heard::Unsubscribed(name) => {
+                    // Still waited on: the node gave the slot away. The
+                    // cluster connection does not subscribe again by itself
+                    // (nothing disconnected), so subscribe again (it routes
+                    // to the slot's new owner, following the redirection),
+                    // and let the waiters look (a release may have gone to
+                    // the new owner meanwhile).
+                    if let Some(channel) = channels.get(&name) {
+                        channel.notify.notify_waiters();
+                        if let Some(pubsub) = connection.as_mut()
+                            && !matches!(
+                                tokio::time::timeout(timeout, pubsub.subscribe(&name)).await,
+                                Ok(Ok(()))
+                            )
+                        {
+                            connection = None;
+                        }
                     }
                 }
                 Heard::Disconnected => {
