@@ -133,3 +133,191 @@ async fn a_release_wakes_a_waiter_through_the_keys_shard() {
         handoffs[2]
     );
 }
+
+const CLUSTER_PORTS: [u16; 3] = [47001, 47002, 47003];
+
+async fn node(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("node")
+}
+
+async fn node_id(port: u16) -> String {
+    redis::cmd("CLUSTER")
+        .arg("MYID")
+        .query_async(&mut node(port).await)
+        .await
+        .expect("CLUSTER MYID")
+}
+
+/// The port of the master that owns `slot`, from `CLUSTER NODES`.
+async fn slot_owner(slot: u16) -> u16 {
+    let nodes: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut node(CLUSTER_PORTS[0]).await)
+        .await
+        .expect("CLUSTER NODES");
+    for line in nodes.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let port = fields[1]
+            .split('@')
+            .next()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse().ok())
+            .expect("ip:port@bus");
+        for range in &fields[8..] {
+            if range.starts_with('[') {
+                continue;
+            }
+            let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+            let (lo, hi): (u16, u16) = (lo.parse().expect("slot"), hi.parse().expect("slot"));
+            if (lo..=hi).contains(&slot) {
+                return port;
+            }
+        }
+    }
+    panic!("nobody owns slot {slot}:\n{nodes}")
+}
+
+/// Moves `slot` (and its keys) from the master on `from` to the one on `to`,
+/// the way `redis-cli --cluster reshard` does.
+async fn move_slot(slot: u16, from: u16, to: u16) {
+    let (from_id, to_id) = (node_id(from).await, node_id(to).await);
+    let (mut src, mut dst) = (node(from).await, node(to).await);
+    let _: () = redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(slot)
+        .arg("IMPORTING")
+        .arg(&from_id)
+        .query_async(&mut dst)
+        .await
+        .expect("SETSLOT IMPORTING");
+    let _: () = redis::cmd("CLUSTER")
+        .arg("SETSLOT")
+        .arg(slot)
+        .arg("MIGRATING")
+        .arg(&to_id)
+        .query_async(&mut src)
+        .await
+        .expect("SETSLOT MIGRATING");
+    loop {
+        let keys: Vec<String> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(slot)
+            .arg(100)
+            .query_async(&mut src)
+            .await
+            .expect("GETKEYSINSLOT");
+        if keys.is_empty() {
+            break;
+        }
+        let _: redis::Value = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(to)
+            .arg("")
+            .arg(0)
+            .arg(5000)
+            .arg("KEYS")
+            .arg(&keys)
+            .query_async(&mut src)
+            .await
+            .expect("MIGRATE");
+    }
+    // The new owner first, then the old one (which then drops the slot's
+    // sharded subscriptions), then the third master.
+    for port in [to, from]
+        .into_iter()
+        .chain(CLUSTER_PORTS.into_iter().filter(|p| *p != to && *p != from))
+    {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("NODE")
+            .arg(&to_id)
+            .query_async(&mut node(port).await)
+            .await
+            .expect("SETSLOT NODE");
+    }
+}
+
+/// The slot of a waited-on key moves to another master while a waiter is
+/// subscribed to its release channel. The old owner drops the sharded
+/// subscription (`SUNSUBSCRIBE`); the listener must subscribe again on the
+/// new owner, so the release (which now goes to the new owner) still wakes
+/// the waiter at once rather than at the end of the holder's 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_follows_its_channels_slot_to_another_master() {
+    let h = harness().await;
+    let (holder, waiter) = (other_process().await, other_process().await);
+    let key = dlock_tests::unique_key("slot-moves");
+    let lock_key = hash_tagged(&h.stored(&key));
+    let channel = format!("{lock_key}:released");
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&lock_key)
+        .query_async(&mut node(CLUSTER_PORTS[0]).await)
+        .await
+        .expect("CLUSTER KEYSLOT");
+    let home = slot_owner(slot).await;
+    let away = *CLUSTER_PORTS.iter().find(|p| **p != home).expect("3 masters");
+
+    let guard = holder
+        .lock(&key)
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiting = tokio::spawn({
+        let (waiter, key) = (waiter.clone(), key.clone());
+        async move {
+            let g = waiter
+                .lock(&key)
+                .wait(Duration::from_secs(25))
+                .acquire()
+                .await;
+            (g, Instant::now())
+        }
+    });
+    let subscribed_on = |port: u16, channel: String| async move {
+        let (_, n): (String, i64) = redis::cmd("PUBSUB")
+            .arg("SHARDNUMSUB")
+            .arg(&channel)
+            .query_async(&mut node(port).await)
+            .await
+            .expect("PUBSUB SHARDNUMSUB");
+        n
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while subscribed_on(home, channel.clone()).await != 1 {
+        assert!(Instant::now() < deadline, "the waiter never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    move_slot(slot, home, away).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut resubscribed = false;
+    while Instant::now() < deadline {
+        if subscribed_on(away, channel.clone()).await == 1 {
+            resubscribed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let released = Instant::now();
+    guard.release().await.expect("release after the move");
+    let (next, acquired) = waiting.await.expect("task");
+    let next = next.expect("handed over");
+    let took = acquired.saturating_duration_since(released);
+    next.release().await.expect("release");
+    move_slot(slot, away, home).await;
+    assert!(
+        resubscribed,
+        "the waiter did not subscribe again on the slot's new owner (port {away})"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "the release after the move woke the waiter only after {took:?}"
+    );
+}
