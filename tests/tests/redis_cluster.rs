@@ -261,7 +261,10 @@ async fn a_waiter_follows_its_channels_slot_to_another_master() {
         .await
         .expect("CLUSTER KEYSLOT");
     let home = slot_owner(slot).await;
-    let away = *CLUSTER_PORTS.iter().find(|p| **p != home).expect("3 masters");
+    let away = *CLUSTER_PORTS
+        .iter()
+        .find(|p| **p != home)
+        .expect("3 masters");
 
     let guard = holder
         .lock(&key)

@@ -85,20 +85,24 @@ async fn a_grant_counts_once_a_replica_acknowledged_it() {
     let reattach = ReattachOnDrop;
     let key = unique_key("replicas-detached");
     let started = Instant::now();
-    let err = reg
+    let Err(err) = reg
         .lock(&key)
         .wait(Duration::from_millis(700))
         .acquire()
         .await
-        .err()
-        .expect("no replica acknowledges: the acquisition must fail");
+    else {
+        panic!("no replica acknowledges: the acquisition must fail")
+    };
     let took = started.elapsed();
     let text = err.to_string();
     assert!(
         text.contains("replicas") && text.contains("undone"),
         "the error says why: {text}"
     );
-    assert!(err.is_retryable(), "a missing acknowledgement is transient: {err:?}");
+    assert!(
+        err.is_retryable(),
+        "a missing acknowledgement is transient: {err:?}"
+    );
     assert!(
         took >= Duration::from_millis(700) && took < Duration::from_millis(700 + 1500),
         "retried within wait, answered soon after it (took {took:?})"
@@ -152,12 +156,9 @@ async fn more_replicas_than_exist_fail_and_leave_no_key() {
     let mut primary = admin(&primary_url()).await;
     let key = unique_key("replicas-two");
     let started = Instant::now();
-    let err = reg
-        .lock(&key)
-        .acquire()
-        .await
-        .err()
-        .expect("one replica cannot acknowledge for two");
+    let Err(err) = reg.lock(&key).acquire().await else {
+        panic!("one replica cannot acknowledge for two")
+    };
     assert!(
         err.to_string().contains("of the 2 replicas"),
         "the error counts the acknowledgements: {err}"

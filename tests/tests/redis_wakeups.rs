@@ -12,9 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::backend::{
-    AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource,
-};
+use dlock_runtime::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use dlock_runtime::{BackendError, RedisBackend, Registry};
 use dlock_tests::{server_url, servers_missing, unique_key};
 use futures_util::future::BoxFuture;
@@ -178,7 +176,11 @@ async fn a_release_wakes_one_waiter_per_process() {
             asleep + turn + 1,
             "release {turn} woke more than one waiter (attempts {now}, holders so far {order:?})"
         );
-        go[n].take().expect("one turn each").send(()).expect("the holder listens");
+        go[n]
+            .take()
+            .expect("one turn each")
+            .send(())
+            .expect("the holder listens");
     }
     for task in tasks {
         task.await.expect("a waiter task");

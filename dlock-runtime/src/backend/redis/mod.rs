@@ -178,8 +178,6 @@ impl Keys {
     }
 }
 
-
-
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
@@ -772,9 +770,16 @@ mod tests {
             ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]
         );
         assert!(parse_url("redis://a:1,b:2").is_err());
-        assert_eq!(parse_url("redis://h:1?replicas=2").unwrap().replicas, Some(2));
+        assert_eq!(
+            parse_url("redis://h:1?replicas=2").unwrap().replicas,
+            Some(2)
+        );
         assert_eq!(parse_url("redis://h:1").unwrap().replicas, None);
-        for bad in ["redis://h?replicas=0", "redis://h?replicas=two", "redlock://a,b,c?replicas=1"] {
+        for bad in [
+            "redis://h?replicas=0",
+            "redis://h?replicas=two",
+            "redlock://a,b,c?replicas=1",
+        ] {
             let Err(err) = parse_url(bad) else {
                 panic!("`{bad}` must be refused")
             };
