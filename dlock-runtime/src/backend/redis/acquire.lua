@@ -7,14 +7,16 @@
 -- (given server clocks that agree within the replication lag).
 -- Sent twice for one owner (a retry), it grants again: the lease restarts
 -- from now and a new, larger token is issued.
+-- The counter is read and written by one `SET … GET` (Redis >= 6.2); only
+-- when it is ahead of the clock is it written a second time.
 local function next_token()
   local now = redis.call('TIME')
   local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('GET', KEYS[2]))
+  local last = tonumber(redis.call('SET', KEYS[2], token, 'GET'))
   if last and last >= token then
     token = last + 1
+    redis.call('SET', KEYS[2], token)
   end
-  redis.call('SET', KEYS[2], token)
   return token
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then

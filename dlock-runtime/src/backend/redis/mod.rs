@@ -4,7 +4,8 @@
 //!
 //! - **acquire**: `SET lock owner NX PX lease`, and on success the fencing
 //!   token: the larger of the fence counter + 1 and the server's clock
-//!   (`TIME`) in microseconds, written back to the counter. A counter lost (a
+//!   (`TIME`) in microseconds, written back to the counter (one `SET … GET`:
+//!   Redis ≥ 6.2, checked at `connect`). A counter lost (a
 //!   restart without persistence, a `DEL`) or behind (a replica promoted before
 //!   it heard the last grants) therefore never hands out a token again, as
 //!   long as the servers' clocks agree within the replication lag. When
@@ -423,6 +424,7 @@ impl RedisBackend {
             backend: "redis",
             source: e,
         })?;
+        backend.check_version().await?;
         backend.warn_if_keys_can_be_evicted().await;
         Ok(backend)
     }
@@ -503,6 +505,38 @@ impl RedisBackend {
                 retry_in: Some(Duration::from_millis(value.max(1) as u64)),
             })
         }
+    }
+
+    /// Refuses a server older than 6.2: the acquire script reads and writes
+    /// the fence counter with one `SET … GET`. An ACL user without `INFO` is
+    /// not checked (the first acquisition would then fail with Redis's own
+    /// syntax error).
+    async fn check_version(&self) -> Result<(), LockError> {
+        let Conn::Single(mut conn) = self.conns.home() else {
+            // Redis Cluster needs 7.0 for SPUBLISH anyway (see the docs).
+            return Ok(());
+        };
+        let Ok(info) = redis::cmd("INFO")
+            .arg("server")
+            .query_async::<String>(&mut conn)
+            .await
+        else {
+            return Ok(());
+        };
+        let version = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .map(str::trim)
+            .unwrap_or_default();
+        let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        if !version.is_empty() && (major, minor) < (6, 2) {
+            return Err(LockError::config(format!(
+                "{} runs Redis {version}; dlock needs Redis >= 6.2 (7.0 for Redis Cluster)",
+                self.shown_url
+            )));
+        }
+        Ok(())
     }
 
     /// Warns when the server may evict lock keys to make room: a lock key
