@@ -116,8 +116,11 @@ async fn a_grant_counts_once_a_replica_acknowledged_it() {
         assert!(Instant::now() < deadline, "the replica did not resync");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The replica's side of the link is up before the primary counts it as
+    // online: the first grants may still be undone, and are retried within `wait`.
     let guard = reg
         .lock(&key)
+        .wait(Duration::from_secs(10))
         .acquire()
         .await
         .expect("acknowledged again once the replica is back");
