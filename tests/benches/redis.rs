@@ -89,6 +89,8 @@ const THROUGHPUT_ROUNDS: usize = 8;
 const C1_PAIRS: u64 = 10_000;
 const C64_PAIRS: u64 = 20_000;
 const WARMUP_PAIRS: u64 = 500;
+/// Rounds of the split of a pair into its halves.
+const SPLIT_ROUNDS: usize = 3;
 /// The server's fence counter key on a single server (never one per name).
 const FENCE_KEY: &str = "dlock-fence";
 
@@ -186,10 +188,12 @@ struct Contenders {
     release_lua: Script,
     rslock: rslock::LockManager,
     run: u64,
+    /// The server's process id (for its threads' run-queue waits).
+    server_pid: u32,
 }
 
 impl Contenders {
-    async fn connect(url: &str, run: u64) -> anyhow::Result<Arc<Contenders>> {
+    async fn connect(url: &str, run: u64, server_pid: u32) -> anyhow::Result<Arc<Contenders>> {
         let client = redis::Client::open(url)?;
         Ok(Arc::new(Contenders {
             dlock: Registry::builder()
@@ -206,6 +210,7 @@ impl Contenders {
             release_lua: Script::new(RELEASE_LUA),
             rslock: rslock::LockManager::new(vec![url.to_owned()]),
             run,
+            server_pid,
         }))
     }
 }
@@ -325,6 +330,113 @@ async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
     }
 }
 
+/// The halves of a pair, measured apart (all acquisitions, then all
+/// releases) to split the server's cost between them.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    FloorSet,
+    FloorUnlock,
+    SameAcquire,
+    SameRelease,
+}
+
+impl Step {
+    fn name(self) -> &'static str {
+        match self {
+            Step::FloorSet => "hand-written floor: SET NX PX",
+            Step::FloorUnlock => "hand-written floor: compare-and-delete script",
+            Step::SameAcquire => "dlock's acquire.lua (by hand)",
+            Step::SameRelease => "dlock's release.lua (by hand)",
+        }
+    }
+}
+
+/// One half of a pair on key `i` of `tag` (the owner is derived from `i`).
+async fn step(c: &Contenders, s: Step, tag: &str, i: u64) {
+    let mut conn = c.floor.clone();
+    let owner = format!("{:032x}", u128::from(i) ^ u128::from(c.run));
+    match s {
+        Step::FloorSet | Step::FloorUnlock => {
+            let key = format!("bench:split-floor:{}:{tag}:{i}", c.run);
+            if matches!(s, Step::FloorSet) {
+                assert!(
+                    floor_try(&mut conn, &key, &owner).await,
+                    "split: SET NX found {key} taken"
+                );
+            } else {
+                assert!(
+                    floor_unlock(c, &mut conn, &key, &owner).await,
+                    "split: the unlock script did not delete {key}"
+                );
+            }
+        }
+        Step::SameAcquire => {
+            let key = format!("{{bench:split-same:{}:{tag}:{i}}}", c.run);
+            let (taken, _token): (i64, i64) = c
+                .acquire_lua
+                .key(&key)
+                .key(FENCE_KEY)
+                .arg(&owner)
+                .arg(30_000)
+                .invoke_async(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("split: acquire.lua failed: {e}"));
+            assert_eq!(taken, 1, "split: {key} was taken");
+        }
+        Step::SameRelease => {
+            let key = format!("{{bench:split-same:{}:{tag}:{i}}}", c.run);
+            let released: i64 = c
+                .release_lua
+                .key(&key)
+                .arg(&owner)
+                .arg(format!("{key}:released"))
+                .invoke_async(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("split: release.lua failed: {e}"));
+            assert_eq!(released, 1, "split: {key} not deleted");
+        }
+    }
+}
+
+/// `n` steps over distinct keys by `concurrency` tasks; answers the server's
+/// CPU µs per step and the commands per step (calls, usec).
+async fn measure_steps(
+    c: &Arc<Contenders>,
+    s: Step,
+    concurrency: u64,
+    n: u64,
+    tag: &str,
+) -> anyhow::Result<(f64, Commands)> {
+    let mut admin = c.admin.clone();
+    let () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut admin)
+        .await?;
+    let before = server_cpu_seconds(&mut admin).await?;
+    let tag: Arc<str> = tag.into();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|t| {
+            let (c, tag) = (c.clone(), tag.clone());
+            tokio::spawn(async move {
+                for i in (t..n).step_by(concurrency as usize) {
+                    step(&c, s, &tag, i).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        join(task).await;
+    }
+    let after = server_cpu_seconds(&mut admin).await?;
+    let commands = commandstats(&mut admin)
+        .await?
+        .into_iter()
+        .filter(|(name, _)| !matches!(name.as_str(), "info" | "config|resetstat"))
+        .map(|(name, (calls, usec))| (name, (calls as f64 / n as f64, usec as f64 / n as f64)))
+        .collect();
+    Ok(((after - before) * 1e6 / n as f64, commands))
+}
+
 /// Awaits a task; a panic in it goes on in the caller (the run aborts).
 async fn join<T>(task: tokio::task::JoinHandle<T>) -> T {
     match task.await {
@@ -352,6 +464,9 @@ async fn run_pairs(c: &Arc<Contenders>, who: Who, concurrency: u64, n: u64, tag:
     }
 }
 
+/// `INFO commandstats` per operation: command → (calls, usec).
+type Commands = BTreeMap<String, (f64, f64)>;
+
 /// One run of one contender, per pair.
 #[derive(Clone, Debug, Default)]
 struct Sample {
@@ -360,6 +475,10 @@ struct Sample {
     client_us: f64,
     /// The server's CPU time (`INFO cpu`), µs.
     server_us: f64,
+    /// Time this process's threads and the server's spent runnable but
+    /// waiting for a CPU (schedstat), µs: the machine's other load.
+    client_wait_us: f64,
+    server_wait_us: f64,
     /// `INFO commandstats`: command → (calls, usec) per pair.
     commands: BTreeMap<String, (f64, f64)>,
 }
@@ -388,22 +507,34 @@ impl Sample {
             .map(|(name, (calls, usec))| format!("{name}={calls}/{usec}"))
             .collect();
         format!(
-            "{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}",
             self.pairs_per_s,
             self.client_us,
             self.server_us,
+            self.client_wait_us,
+            self.server_wait_us,
             commands.join(",")
         )
     }
 
     fn decode(fields: &[&str]) -> anyhow::Result<Sample> {
-        let [pairs_per_s, client_us, server_us, commands] = fields else {
+        let [
+            pairs_per_s,
+            client_us,
+            server_us,
+            client_wait_us,
+            server_wait_us,
+            commands,
+        ] = fields
+        else {
             anyhow::bail!("bad sample {fields:?}");
         };
         let mut sample = Sample {
             pairs_per_s: pairs_per_s.parse()?,
             client_us: client_us.parse()?,
             server_us: server_us.parse()?,
+            client_wait_us: client_wait_us.parse()?,
+            server_wait_us: server_wait_us.parse()?,
             commands: BTreeMap::new(),
         };
         for entry in commands.split(',').filter(|e| !e.is_empty()) {
@@ -436,13 +567,18 @@ async fn measure(
         .arg("RESETSTAT")
         .query_async(&mut admin)
         .await?;
+    let server_pid = c.server_pid.to_string();
     let server_before = server_cpu_seconds(&mut admin).await?;
-    let client_before = client_cpu_ns()?;
+    let server_sched_before = schedstat(&server_pid)?;
+    let client_before = schedstat("self")?;
     let started = Instant::now();
     run_pairs(c, who, concurrency, n, tag).await;
     let elapsed = started.elapsed();
-    let client_after = client_cpu_ns()?;
+    let client_after = schedstat("self")?;
+    let server_sched_after = schedstat(&server_pid)?;
     let server_after = server_cpu_seconds(&mut admin).await?;
+    let per_pair =
+        |before: u64, after: u64| after.saturating_sub(before) as f64 / 1000.0 / n as f64;
     let commands = commandstats(&mut admin)
         .await?
         .into_iter()
@@ -452,8 +588,10 @@ async fn measure(
         .collect();
     Ok(Sample {
         pairs_per_s: n as f64 / elapsed.as_secs_f64(),
-        client_us: client_after.saturating_sub(client_before) as f64 / 1000.0 / n as f64,
+        client_us: per_pair(client_before.0, client_after.0),
         server_us: (server_after - server_before) * 1e6 / n as f64,
+        client_wait_us: per_pair(client_before.1, client_after.1),
+        server_wait_us: per_pair(server_sched_before.1, server_sched_after.1),
         commands,
     })
 }
@@ -495,6 +633,8 @@ struct Medians {
     pairs_per_s: f64,
     client_us: f64,
     server_us: f64,
+    client_wait_us: f64,
+    server_wait_us: f64,
     command_us: f64,
     /// Command → (calls, usec) per pair, medians.
     commands: BTreeMap<String, (f64, f64)>,
@@ -524,6 +664,8 @@ fn medians(samples: &[(usize, Who, Sample)]) -> BTreeMap<Who, Medians> {
                 pairs_per_s: of(&|s| s.pairs_per_s),
                 client_us: of(&|s| s.client_us),
                 server_us: of(&|s| s.server_us),
+                client_wait_us: of(&|s| s.client_wait_us),
+                server_wait_us: of(&|s| s.server_wait_us),
                 command_us: of(&|s| s.command_us(who)),
                 commands,
             },
@@ -556,13 +698,13 @@ impl CpuCheck {
     }
 }
 
-/// The pinned concurrency-1 section's child: `URL RUN`. Prints its affinity,
+/// The pinned concurrency-1 section's child: `URL RUN SERVER_PID`. Prints its affinity,
 /// one `sample` line per run and a CPU cross-check line.
 async fn pinned_child(args: &[String]) -> anyhow::Result<()> {
-    let [url, run] = args else {
-        anyhow::bail!("usage: --pinned-c1 URL RUN");
+    let [url, run, server_pid] = args else {
+        anyhow::bail!("usage: --pinned-c1 URL RUN SERVER_PID");
     };
-    let c = Contenders::connect(url, run.parse()?).await?;
+    let c = Contenders::connect(url, run.parse()?, server_pid.parse()?).await?;
     println!("affinity\t{}", cpus_allowed("self")?);
     let check = CpuCheck::start()?;
     let samples = throughput_rounds(&c, 1, C1_PAIRS).await?;
@@ -585,8 +727,8 @@ struct C1 {
 /// server to [`PINNED_CPU`] when `taskset` is there.
 fn concurrency_1(url: &str, server_pid: u32, run: u64) -> anyhow::Result<C1> {
     let exe = std::env::current_exe()?;
-    let run = run.to_string();
-    let child_args = ["--pinned-c1", url, &run];
+    let (run, pid) = (run.to_string(), server_pid.to_string());
+    let child_args = ["--pinned-c1", url, &run, &pid];
     let pinned = has_taskset();
     let (output, _pin) = if pinned {
         let pin = PinnedServer::pin(server_pid, PINNED_CPU)?;
@@ -751,7 +893,7 @@ async fn bench() -> anyhow::Result<()> {
             .build(),
     )?;
     let run: u64 = rand::random();
-    let c = Contenders::connect(&url, run).await?;
+    let c = Contenders::connect(&url, run, server_pid).await?;
     let mut admin = c.admin.clone();
 
     let mut out = String::new();
@@ -780,9 +922,9 @@ async fn bench() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| concurrency | contender | pairs/s | × floor | client CPU µs/pair | server CPU µs/pair | × floor's server CPU | server command µs/pair |"
+        "| concurrency | contender | pairs/s | × floor | client CPU µs/pair | server CPU µs/pair | × floor's server CPU | server command µs/pair | waiting for a CPU µs/pair, client / server |"
     )?;
-    writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|")?;
     for (label, _, m) in &sections {
         let floor = &m[&Who::Floor];
         let mut bars = Vec::new();
@@ -790,14 +932,16 @@ async fn bench() -> anyhow::Result<()> {
             let x = &m[&who];
             writeln!(
                 out,
-                "| {label} | {} | {:.0} | {:.2}× | {:.1} | {:.1} | {:.2}× | {:.1} |",
+                "| {label} | {} | {:.0} | {:.2}× | {:.1} | {:.1} | {:.2}× | {:.1} | {:.1} / {:.1} |",
                 who.name(),
                 x.pairs_per_s,
                 x.pairs_per_s / floor.pairs_per_s,
                 x.client_us,
                 x.server_us,
                 x.server_us / floor.server_us,
-                x.command_us
+                x.command_us,
+                x.client_wait_us,
+                x.server_wait_us
             )?;
             bars.push(Bar {
                 name: who.name().into(),
@@ -812,7 +956,8 @@ async fn bench() -> anyhow::Result<()> {
         out,
         "\n{THROUGHPUT_ROUNDS} interleaved rounds (order rotated each round) after a warm-up; \
          {C1_PAIRS} pairs per run at c=1, {C64_PAIRS} at c=64; medians. \
-         CPU per pair measured around each run only."
+         CPU per pair measured around each run only. \
+         Waiting for a CPU: time runnable but not running (schedstat), the machine's other load."
     )?;
     writeln!(
         out,
@@ -831,23 +976,80 @@ async fn bench() -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "| concurrency | contender | command | calls/pair | µs/pair | µs/call |"
+        "| concurrency | contender | its scripts and direct commands, µs/pair | commands: calls/pair × µs/call |"
     )?;
-    writeln!(out, "|---|---|---|---:|---:|---:|")?;
+    writeln!(out, "|---|---|---:|---|")?;
     for (label, _, m) in &sections {
         for who in [Who::Dlock, Who::Same, Who::Floor, Who::Rslock] {
-            for (name, (calls, usec)) in &m[&who].commands {
-                if *calls < 0.01 {
-                    continue;
-                }
-                writeln!(
-                    out,
-                    "| {label} | {} | {name} | {calls:.2} | {usec:.2} | {:.2} |",
-                    who.name(),
-                    usec / calls
-                )?;
+            let commands: Vec<String> = m[&who]
+                .commands
+                .iter()
+                .filter(|(_, (calls, _))| *calls >= 0.01)
+                .map(|(name, (calls, usec))| format!("{name} {calls:.2} × {:.2}", usec / calls))
+                .collect();
+            writeln!(
+                out,
+                "| {label} | {} | {:.1} | {} |",
+                who.name(),
+                m[&who].command_us,
+                commands.join(", ")
+            )?;
+        }
+    }
+
+    // Where the server's time goes: each half of a pair on its own, c=64.
+    writeln!(
+        out,
+        "\n## The server's cost of each half, c=64 ({C64_PAIRS} steps, acquisitions then releases; medians of {SPLIT_ROUNDS})\n"
+    )?;
+    writeln!(
+        out,
+        "| step | server CPU µs/step | commands: calls/step × µs/call |"
+    )?;
+    writeln!(out, "|---|---:|---|")?;
+    let mut split: BTreeMap<&str, (Vec<f64>, Vec<Commands>)> = BTreeMap::new();
+    for round in 0..SPLIT_ROUNDS {
+        for (acquire, release) in [
+            (Step::FloorSet, Step::FloorUnlock),
+            (Step::SameAcquire, Step::SameRelease),
+        ] {
+            let tag = format!("split:{round}");
+            for s in [acquire, release] {
+                let (cpu, commands) = measure_steps(&c, s, 64, C64_PAIRS, &tag).await?;
+                let entry = split.entry(s.name()).or_default();
+                entry.0.push(cpu);
+                entry.1.push(commands);
             }
         }
+    }
+    for s in [
+        Step::FloorSet,
+        Step::FloorUnlock,
+        Step::SameAcquire,
+        Step::SameRelease,
+    ] {
+        let (cpu, runs) = &split[s.name()];
+        let names: std::collections::BTreeSet<&String> =
+            runs.iter().flat_map(|r| r.keys()).collect();
+        let commands: Vec<String> = names
+            .into_iter()
+            .filter_map(|name| {
+                let get = |i: usize| {
+                    runs.iter()
+                        .map(|r| r.get(name).map_or(0.0, |v| [v.0, v.1][i]))
+                        .collect()
+                };
+                let (calls, usec) = (median(get(0)), median(get(1)));
+                (calls >= 0.01).then(|| format!("{name} {calls:.2} × {:.2}", usec / calls))
+            })
+            .collect();
+        writeln!(
+            out,
+            "| {} | {:.1} | {} |",
+            s.name(),
+            median(cpu.clone()),
+            commands.join(", ")
+        )?;
     }
 
     // The comparison table of before, with the handoff, watchdog and macro rows.
@@ -1359,28 +1561,37 @@ async fn server_cpu_seconds(conn: &mut MultiplexedConnection) -> anyhow::Result<
     }
 }
 
-/// This process's CPU time in ns: the sum over its threads of the first field
-/// of `/proc/self/task/*/schedstat` (time on CPU). Threads never exit
-/// meanwhile (the runtimes keep theirs alive); a thread that appears counts
-/// from zero.
+/// This process's CPU time in ns (see [`schedstat`]).
 fn client_cpu_ns() -> anyhow::Result<u64> {
-    let mut total = 0u64;
-    for task in std::fs::read_dir("/proc/self/task")? {
+    Ok(schedstat("self")?.0)
+}
+
+/// A process's (`self` or a pid) time on a CPU and time runnable but waiting
+/// for one, in ns: the sums over its threads of the first two fields of
+/// `/proc/PID/task/*/schedstat`. Our threads never exit meanwhile (the
+/// runtimes keep theirs alive), nor do the server's; a thread that appears
+/// counts from zero.
+fn schedstat(pid: &str) -> anyhow::Result<(u64, u64)> {
+    let (mut on_cpu, mut waiting) = (0u64, 0u64);
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let path = task?.path().join("schedstat");
         match std::fs::read_to_string(&path) {
             Ok(stat) => {
-                total += stat
-                    .split_whitespace()
-                    .next()
-                    .ok_or_else(|| anyhow::anyhow!("empty {}", path.display()))?
-                    .parse::<u64>()?;
+                let mut fields = stat.split_whitespace().map(str::parse::<u64>);
+                match (fields.next(), fields.next()) {
+                    (Some(Ok(run)), Some(Ok(wait))) => {
+                        on_cpu += run;
+                        waiting += wait;
+                    }
+                    _ => anyhow::bail!("unexpected {}: {stat:?}", path.display()),
+                }
             }
             // A thread that exited between the listing and the read.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(total)
+    Ok((on_cpu, waiting))
 }
 
 /// Clock ticks per second of `/proc/*/stat` (`getconf CLK_TCK`, normally 100).
