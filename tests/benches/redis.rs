@@ -43,6 +43,9 @@
 //!      `CONFIG RESETSTAT` before each run, `INFO commandstats` tells where
 //!      the server's command time goes (commands run by a script are counted
 //!      on their own rows too, and inside the script's).
+//!    - **Each half apart** at concurrency 64: all acquisitions, then all
+//!      releases, for the floor and dlock's scripts, to show which half the
+//!      server's extra CPU goes to.
 //! 2. **Handoff** on one hot key: a convoy of 16 tasks that start together,
 //!    each acquires once, holds 1 ms and releases. Per handoff =
 //!    (wall time − the holds) / 15, the holds as measured (tokio's timer makes
