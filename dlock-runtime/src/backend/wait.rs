@@ -131,18 +131,20 @@ impl Armed {
     }
 }
 
-/// A wake-up taken by a waiter that has not yet made the attempt it was
-/// woken for. Backends that wake one waiter per release (`notify_one`) rely
-/// on that waiter to look: if it leaves first (its future dropped, an error,
-/// the deadline), the wake-up goes to the next waiter, so a free key is never
-/// left waiting for its holder's old expiry. Tokio forwards a `notify_one`
-/// whose `Notified` is dropped before it completes; this covers the gap after
-/// it completed.
+/// A wake-up taken by a waiter that has not taken the key since. Backends
+/// that wake one waiter per release (`notify_one`) rely on that waiter to
+/// look, and to learn when the key's next holder expires: if it leaves
+/// without the key (its future dropped, an error, the deadline), the wake-up
+/// goes to the next waiter, which then looks itself. Otherwise a waiter that
+/// was not woken would sleep until the expiry of the holder it last saw, even
+/// after a new holder that never releases (a crashed process) expired.
+/// Tokio forwards a `notify_one` whose `Notified` is dropped before it
+/// completes; this covers the time after it completed.
 struct OwedWake(Option<Vec<Arc<Notify>>>);
 
 impl OwedWake {
-    /// The attempt was made and answered held or busy: nothing is owed (a
-    /// busy key's holder will wake the next waiter when it releases).
+    /// The waiter holds the key: nothing is owed (it wakes the next waiter
+    /// when it releases).
     fn settled(&mut self) {
         self.0 = None;
     }
@@ -198,6 +200,8 @@ pub async fn acquire(
         let now = Instant::now();
         if !matches!(attempt, Attempt::Unavailable { .. }) {
             unavailable_streak = 0;
+        }
+        if matches!(attempt, Attempt::Held(_)) {
             owed.settled();
         }
         let (retry_in, unavailable) = match attempt {

@@ -55,13 +55,14 @@
 //!
 //! **Outages.** An acquisition that meets a transient failure (connection
 //! refused or dropped, a timeout, `LOADING`, `TRYAGAIN`, `CLUSTERDOWN`,
-//! `MASTERDOWN`, `BUSY`, `READONLY`, `NOREPLICAS`) is tried again with a
+//! `MASTERDOWN`, `BUSY`, `NOREPLICAS`) is tried again with a
 //! doubling back-off (25 ms up to 500 ms) while its `wait` lasts, so a server
 //! restarting within `wait` costs a delay, not an error; the error is the
 //! answer only once `wait` has run out. A retry that finds the key already
 //! ours (the failed attempt did reach the server) takes it again from now,
-//! with a new token. Permanent errors (`NOPERM`, a wrong password) are
-//! answered at once.
+//! with a new token. Permanent errors (`NOPERM`, a wrong password,
+//! `READONLY`: the connection reached a replica, and does not move by itself)
+//! are answered at once.
 //!
 //! **Replica acknowledgement** (`?replicas=N`, Redisson's guard against a
 //! failover that loses a fresh lock): after a grant, `WAIT N timeout/2` on
@@ -204,8 +205,6 @@ pub(super) fn redis_error(err: RedisError) -> BackendError {
                     | "MASTERDOWN"
                     // A script running past its time limit: the server is stalled.
                     | "BUSY"
-                    // A failover in progress: this node is a replica now.
-                    | "READONLY"
                     // `min-replicas-to-write` not met: replicas reconnecting.
                     | "NOREPLICAS"
             )
