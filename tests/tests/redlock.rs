@@ -532,7 +532,10 @@ async fn twenty_thousand_names_leave_no_key_on_any_node() {
         let after = dbsize(url).await;
         println!("{url}: DBSIZE {before} before, {after} after; {left} keys under the prefix");
         assert_eq!(left, 0, "{url}: {left} keys left under {prefix}");
-        assert!(after <= before, "{url}: DBSIZE {before} before, {after} after");
+        assert!(
+            after <= before,
+            "{url}: DBSIZE {before} before, {after} after"
+        );
     }
 }
 
@@ -633,7 +636,11 @@ async fn calls_from_the_application_runtime_take_a_local_connection() {
     }
     let local = wait_for_new_connections(&registry, "warm-up", DB, &home).await;
     for (url, new) in urls.iter().zip(&local) {
-        assert_eq!(new.len(), 1, "{url}: one local connection per node: {new:?}");
+        assert_eq!(
+            new.len(),
+            1,
+            "{url}: one local connection per node: {new:?}"
+        );
     }
     // A second later, a hundred locks: every command over the local ones.
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -721,30 +728,46 @@ fn a_runtime_shut_down_under_its_local_connections_does_not_break_the_next() {
             .await
             .expect("an acquisition on the second runtime hung")
             .expect("acquire on the second runtime");
-            guard.release().await.expect("release on the second runtime");
+            guard
+                .release()
+                .await
+                .expect("release on the second runtime");
         }
-        println!(
-            "50 pairs on the second runtime in {:?}",
-            started.elapsed()
-        );
+        println!("50 pairs on the second runtime in {:?}", started.elapsed());
         // The second runtime gets local connections of its own.
         wait_for_new_connections(&registry, "second", DB, &seen).await;
     });
 }
 
-/// Not a check: Redlock acquire+release pairs/s at concurrency 1 and 32
-/// over the local connections (from the runtime that opened them) and over
-/// the home ones (from another runtime, whose calls go home: the way every
-/// call went before the local connections), in interleaved rounds, on a
-/// current-thread and on a two-worker runtime. Run it with
-/// `cargo test --release -p dlock-tests --features redis --test redlock --
-/// --ignored --nocapture redlock_throughput_local_vs_home`.
+/// The CPU time this process has used so far, all threads (ns resolution).
+fn process_cpu() -> Duration {
+    let tasks = std::fs::read_dir("/proc/self/task").expect("/proc/self/task");
+    Duration::from_nanos(
+        tasks
+            .filter_map(|task| {
+                let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+                stat.split(' ').next()?.parse::<u64>().ok()
+            })
+            .sum(),
+    )
+}
+
+/// Not a check: Redlock acquire+release pairs/s, and this process's CPU µs
+/// per pair, at concurrency 1 and 32 over the local connections (from the
+/// runtime that opened them) and over the home ones (from another runtime,
+/// whose calls go home: the way every call went before the local
+/// connections), in interleaved rounds, on a current-thread and on a
+/// two-worker runtime. Run it with `cargo test --release -p dlock-tests
+/// --features redis --test redlock -- --ignored --nocapture
+/// redlock_throughput_local_vs_home`.
 #[test]
 #[ignore = "a measurement, not a check"]
 fn redlock_throughput_local_vs_home() {
-    const ROUND: Duration = Duration::from_secs(2);
-    const ROUNDS: usize = 5;
-    async fn pairs_per_second(registry: &Registry, tasks: usize) -> f64 {
+    const ROUND: Duration = Duration::from_secs(1);
+    const ROUNDS: usize = 9;
+    /// Pairs/s and CPU µs per pair.
+    async fn round(registry: &Registry, tasks: usize) -> (f64, f64) {
+        let cpu = process_cpu();
         let started = Instant::now();
         let stop = started + ROUND;
         let pairs: usize = futures_util::future::join_all((0..tasks).map(|t| async move {
@@ -763,7 +786,15 @@ fn redlock_throughput_local_vs_home() {
         .await
         .into_iter()
         .sum();
-        pairs as f64 / started.elapsed().as_secs_f64()
+        let cpu = (process_cpu() - cpu).as_secs_f64() * 1e6;
+        (
+            pairs as f64 / started.elapsed().as_secs_f64(),
+            cpu / pairs as f64,
+        )
+    }
+    fn median(mut values: Vec<f64>) -> f64 {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
     }
     for flavor in ["current_thread", "multi_thread(2)"] {
         let runtime = || {
@@ -787,25 +818,25 @@ fn redlock_throughput_local_vs_home() {
             }
             registry
         }));
-        let mut figures: std::collections::BTreeMap<(usize, &str), Vec<f64>> = Default::default();
+        let mut figures: std::collections::BTreeMap<(usize, &str), Vec<(f64, f64)>> =
+            Default::default();
         for _ in 0..ROUNDS {
             for tasks in [1, 32] {
                 for (path, rt) in [("local", &local), ("home", &home)] {
-                    let rate = rt.block_on(pairs_per_second(&registry, tasks));
-                    figures.entry((tasks, path)).or_default().push(rate);
+                    let figure = rt.block_on(round(&registry, tasks));
+                    figures.entry((tasks, path)).or_default().push(figure);
                 }
             }
         }
-        for ((tasks, path), rates) in &figures {
-            let mut sorted = rates.clone();
-            sorted.sort_by(f64::total_cmp);
+        for ((tasks, path), rounds) in &figures {
             println!(
-                "{flavor}, concurrency {tasks:>2}, {path:>5}: median {:>6.0} pairs/s \
-                 (rounds: {})",
-                sorted[sorted.len() / 2],
-                rates
+                "{flavor}, concurrency {tasks:>2}, {path:>5}: median {:>6.0} pairs/s, \
+                 {:>5.0} client CPU µs/pair (pairs/s by round: {})",
+                median(rounds.iter().map(|r| r.0).collect()),
+                median(rounds.iter().map(|r| r.1).collect()),
+                rounds
                     .iter()
-                    .map(|r| format!("{r:.0}"))
+                    .map(|r| format!("{:.0}", r.0))
                     .collect::<Vec<_>>()
                     .join(", ")
             );

@@ -126,7 +126,10 @@ static GRANTED: LazyLock<Arc<dyn Any + Send + Sync>> = LazyLock::new(|| Arc::new
 
 /// Whether `lease` is one that Redlock granted (its acquire was answered).
 fn was_granted(lease: &Lease) -> bool {
-    lease.extra.as_ref().is_some_and(|extra| extra.is::<Granted>())
+    lease
+        .extra
+        .as_ref()
+        .is_some_and(|extra| extra.is::<Granted>())
 }
 
 /// The default bound on one node's answer (the URL's `timeout` overrides it).
