@@ -84,7 +84,7 @@ pub(super) struct Opener {
 enum How {
     Single {
         client: Client,
-        config: ConnectionManagerConfig,
+        config: Box<ConnectionManagerConfig>,
     },
     Cluster {
         nodes: Vec<String>,
@@ -103,7 +103,10 @@ impl Opener {
             .set_number_of_retries(1)
             .set_max_delay(max_delay);
         Opener {
-            how: How::Single { client, config },
+            how: How::Single {
+                client,
+                config: Box::new(config),
+            },
             timeout,
         }
     }
@@ -123,7 +126,7 @@ impl Opener {
             )),
             How::Single { client, config } => Ok(Conn::Single(
                 client
-                    .get_connection_manager_with_config(config.clone())
+                    .get_connection_manager_with_config((**config).clone())
                     .await?,
             )),
         }

@@ -418,7 +418,8 @@ impl RedlockBackend {
         let acquire = &acquire;
         // Each node's route is chosen once: a roll-back follows its acquire
         // over the same connection.
-        let (routes, answers): (Vec<Option<Route>>, Vec<Result<(i64, i64), BackendError>>) =
+        type Answer = Result<(i64, i64), BackendError>;
+        let (routes, answers): (Vec<Option<Route>>, Vec<Answer>) =
             join_all(self.nodes.iter().map(|node| async move {
                 match node.route() {
                     Ok(route) => {
