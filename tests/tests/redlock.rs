@@ -440,3 +440,408 @@ async fn nodes_that_never_answered_cost_no_wait_and_one_reconnect_loop() {
         "a dropped backend still reconnects to its dead nodes"
     );
 }
+
+/// The Redlock URL on database `db` of each node: the tests below that count
+/// keys or connections use a database of their own (no other test of the
+/// repository uses 12–14), which `CLIENT LIST` shows as `db=N`.
+fn url_on_db(db: u32) -> String {
+    format!("redlock://{}/{db}", node_hosts().join(","))
+}
+
+/// The `redis://` URL of each node on database `db`.
+fn node_urls_on_db(db: u32) -> Vec<String> {
+    node_hosts()
+        .iter()
+        .map(|h| format!("redis://{h}/{db}"))
+        .collect()
+}
+
+async fn registry_on_db(db: u32, prefix: &str) -> Registry {
+    let url = url_on_db(db);
+    Registry::builder()
+        .default_backend(
+            RedlockBackend::connect(&url)
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        )
+        .key_prefix(prefix)
+        .build()
+}
+
+/// The keys matching `pattern` in the database `url` names (`SCAN`).
+async fn count_keys(url: &str, pattern: &str) -> usize {
+    let mut conn = node(url).await;
+    let mut keys = conn
+        .scan_match::<_, String>(pattern)
+        .await
+        .expect("SCAN MATCH");
+    let mut count = 0;
+    while keys.next_item().await.is_some() {
+        count += 1;
+    }
+    count
+}
+
+async fn dbsize(url: &str) -> u64 {
+    redis::cmd("DBSIZE")
+        .query_async(&mut node(url).await)
+        .await
+        .expect("DBSIZE")
+}
+
+/// Redlock keeps no key per lock name: 20,000 distinct names locked and
+/// released (32 at a time) leave every node's database as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_thousand_names_leave_no_key_on_any_node() {
+    const DB: u32 = 12;
+    const NAMES: usize = 20_000;
+    const TASKS: usize = 32;
+    let prefix = format!("{}:", unique_key("bounded"));
+    let registry = Arc::new(registry_on_db(DB, &prefix).await);
+    let urls = node_urls_on_db(DB);
+    let mut baseline = Vec::new();
+    for url in &urls {
+        baseline.push(dbsize(url).await);
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let registry = registry.clone();
+            tokio::spawn(async move {
+                for i in (t..NAMES).step_by(TASKS) {
+                    let guard = registry
+                        .lock(format!("order:{i}"))
+                        .acquire()
+                        .await
+                        .expect("acquire");
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let took = started.elapsed();
+    println!(
+        "{NAMES} names locked and released in {took:?} ({:.0}/s)",
+        NAMES as f64 / took.as_secs_f64()
+    );
+    for (url, before) in urls.iter().zip(baseline) {
+        let left = count_keys(url, &format!("{prefix}*")).await;
+        let after = dbsize(url).await;
+        println!("{url}: DBSIZE {before} before, {after} after; {left} keys under the prefix");
+        assert_eq!(left, 0, "{url}: {left} keys left under {prefix}");
+        assert!(
+            after <= before,
+            "{url}: DBSIZE {before} before, {after} after"
+        );
+    }
+}
+
+/// One connection as `CLIENT LIST` shows it.
+#[derive(Debug, Clone)]
+struct ClientInfo {
+    id: u64,
+    db: u32,
+    idle: u64,
+    cmd: String,
+    pubsub: bool,
+}
+
+/// The connections on the node `url` names, on database `db`, other than
+/// pub/sub ones (`url` itself is on database 0: this one is not counted).
+async fn command_connections(url: &str, db: u32) -> Vec<ClientInfo> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut node(url).await)
+        .await
+        .expect("CLIENT LIST");
+    list.lines()
+        .map(|line| {
+            let field = |name: &str| {
+                line.split(' ')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            let subscribed = ["sub", "psub", "ssub"]
+                .iter()
+                .any(|f| field(f).parse::<u64>().unwrap_or(0) > 0);
+            ClientInfo {
+                id: field("id").parse().expect("id"),
+                db: field("db").parse().expect("db"),
+                idle: field("idle").parse().expect("idle"),
+                cmd: field("cmd"),
+                pubsub: subscribed || field("flags").contains('P'),
+            }
+        })
+        .filter(|c| c.db == db && !c.pubsub)
+        .collect()
+}
+
+/// Waits until every node shows a command connection on `db` that is not in
+/// `seen` (one set of ids per node), locking and releasing `key` meanwhile so
+/// that a local connection gets opened; answers the new ones.
+async fn wait_for_new_connections(
+    registry: &Registry,
+    key: &str,
+    db: u32,
+    seen: &[Vec<u64>],
+) -> Vec<Vec<ClientInfo>> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let guard = registry.lock(key).acquire().await.expect("acquire");
+        guard.release().await.expect("release");
+        let mut fresh = Vec::new();
+        for (url, seen) in node_urls().iter().zip(seen) {
+            let new: Vec<ClientInfo> = command_connections(url, db)
+                .await
+                .into_iter()
+                .filter(|c| !seen.contains(&c.id))
+                .collect();
+            fresh.push(new);
+        }
+        if fresh.iter().all(|new| !new.is_empty()) {
+            return fresh;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no local connection opened on every node: {fresh:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Calls from the application's runtime reach each node over a connection
+/// of that runtime's own (no hop to dlock's I/O runtime): the first call
+/// opens it in the background on every node, and from then on the home
+/// connection opened by `connect` carries none of that runtime's commands.
+#[tokio::test]
+async fn calls_from_the_application_runtime_take_a_local_connection() {
+    const DB: u32 = 13;
+    let registry = registry_on_db(DB, &format!("{}:", unique_key("fast-path"))).await;
+    let urls = node_urls();
+    // Only the home connections so far (and whatever a previous run of this
+    // test left closing).
+    let mut home = Vec::new();
+    for url in &urls {
+        let ids: Vec<u64> = command_connections(url, DB)
+            .await
+            .iter()
+            .map(|c| c.id)
+            .collect();
+        assert!(!ids.is_empty(), "{url}: no connection on db {DB}");
+        home.push(ids);
+    }
+    let local = wait_for_new_connections(&registry, "warm-up", DB, &home).await;
+    for (url, new) in urls.iter().zip(&local) {
+        assert_eq!(
+            new.len(),
+            1,
+            "{url}: one local connection per node: {new:?}"
+        );
+    }
+    // A second later, a hundred locks: every command over the local ones.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for i in 0..100 {
+        let guard = registry
+            .lock(format!("pair:{i}"))
+            .acquire()
+            .await
+            .expect("acquire");
+        guard.release().await.expect("release");
+    }
+    for ((url, home), local) in urls.iter().zip(&home).zip(&local) {
+        let now = command_connections(url, DB).await;
+        let local = now
+            .iter()
+            .find(|c| c.id == local[0].id)
+            .unwrap_or_else(|| panic!("{url}: the local connection closed: {now:?}"));
+        assert!(
+            local.idle == 0 && local.cmd == "evalsha",
+            "{url}: the local connection did not carry the locks: {local:?}"
+        );
+        for c in now.iter().filter(|c| home.contains(&c.id)) {
+            assert!(
+                c.idle >= 1,
+                "{url}: the home connection carried commands of the application's runtime: {c:?}"
+            );
+        }
+    }
+}
+
+/// A runtime shut down under its local connections (each `#[tokio::test]`
+/// has its own): the next runtime's calls go home at once, then over local
+/// connections of their own, and none fails.
+#[test]
+fn a_runtime_shut_down_under_its_local_connections_does_not_break_the_next() {
+    const DB: u32 = 14;
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let first = runtime();
+    let (registry, seen) = first.block_on(async {
+        let registry = registry_on_db(DB, &format!("{}:", unique_key("shut-down"))).await;
+        let mut home = Vec::new();
+        for url in node_urls() {
+            home.push(
+                command_connections(&url, DB)
+                    .await
+                    .iter()
+                    .map(|c| c.id)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let local = wait_for_new_connections(&registry, "first", DB, &home).await;
+        let seen: Vec<Vec<u64>> = home
+            .into_iter()
+            .zip(local)
+            .map(|(mut ids, new)| {
+                ids.extend(new.iter().map(|c| c.id));
+                ids
+            })
+            .collect();
+        for i in 0..10 {
+            let guard = registry
+                .lock(format!("on-a:{i}"))
+                .acquire()
+                .await
+                .expect("acquire on the first runtime");
+            guard.release().await.expect("release");
+        }
+        (registry, seen)
+    });
+    drop(first);
+
+    let second = runtime();
+    second.block_on(async {
+        let started = Instant::now();
+        for i in 0..50 {
+            let guard = tokio::time::timeout(
+                Duration::from_secs(2),
+                registry.lock(format!("on-b:{i}")).acquire(),
+            )
+            .await
+            .expect("an acquisition on the second runtime hung")
+            .expect("acquire on the second runtime");
+            guard
+                .release()
+                .await
+                .expect("release on the second runtime");
+        }
+        println!("50 pairs on the second runtime in {:?}", started.elapsed());
+        // The second runtime gets local connections of its own.
+        wait_for_new_connections(&registry, "second", DB, &seen).await;
+    });
+}
+
+/// The CPU time this process has used so far, all threads (ns resolution).
+fn process_cpu() -> Duration {
+    let tasks = std::fs::read_dir("/proc/self/task").expect("/proc/self/task");
+    Duration::from_nanos(
+        tasks
+            .filter_map(|task| {
+                let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+                stat.split(' ').next()?.parse::<u64>().ok()
+            })
+            .sum(),
+    )
+}
+
+/// Not a check: Redlock acquire+release pairs/s, and this process's CPU µs
+/// per pair, at concurrency 1 and 32 over the local connections (from the
+/// runtime that opened them) and over the home ones (from another runtime,
+/// whose calls go home: the way every call went before the local
+/// connections), in interleaved rounds, on a current-thread and on a
+/// two-worker runtime. Run it with `cargo test --release -p dlock-tests
+/// --features redis --test redlock -- --ignored --nocapture
+/// redlock_throughput_local_vs_home`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn redlock_throughput_local_vs_home() {
+    const ROUND: Duration = Duration::from_secs(1);
+    const ROUNDS: usize = 9;
+    /// Pairs/s and CPU µs per pair.
+    async fn round(registry: &Registry, tasks: usize) -> (f64, f64) {
+        let cpu = process_cpu();
+        let started = Instant::now();
+        let stop = started + ROUND;
+        let pairs: usize = futures_util::future::join_all((0..tasks).map(|t| async move {
+            let mut pairs = 0;
+            while Instant::now() < stop {
+                let guard = registry
+                    .lock(format!("pairs:{t}"))
+                    .acquire()
+                    .await
+                    .expect("acquire");
+                guard.release().await.expect("release");
+                pairs += 1;
+            }
+            pairs
+        }))
+        .await
+        .into_iter()
+        .sum();
+        let cpu = (process_cpu() - cpu).as_secs_f64() * 1e6;
+        (
+            pairs as f64 / started.elapsed().as_secs_f64(),
+            cpu / pairs as f64,
+        )
+    }
+    fn median(mut values: Vec<f64>) -> f64 {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    }
+    for flavor in ["current_thread", "multi_thread(2)"] {
+        let runtime = || {
+            let mut builder = if flavor == "current_thread" {
+                tokio::runtime::Builder::new_current_thread()
+            } else {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(2);
+                b
+            };
+            builder.enable_all().build().expect("runtime")
+        };
+        let (local, home) = (runtime(), runtime());
+        let registry = Arc::new(local.block_on(async {
+            let registry = registry_on_db(0, &format!("{}:", unique_key("throughput"))).await;
+            // The local connections open on this runtime, in the background.
+            for _ in 0..10 {
+                let guard = registry.lock("warm-up").acquire().await.expect("acquire");
+                guard.release().await.expect("release");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            registry
+        }));
+        let mut figures: std::collections::BTreeMap<(usize, &str), Vec<(f64, f64)>> =
+            Default::default();
+        for _ in 0..ROUNDS {
+            for tasks in [1, 32] {
+                for (path, rt) in [("local", &local), ("home", &home)] {
+                    let figure = rt.block_on(round(&registry, tasks));
+                    figures.entry((tasks, path)).or_default().push(figure);
+                }
+            }
+        }
+        for ((tasks, path), rounds) in &figures {
+            println!(
+                "{flavor}, concurrency {tasks:>2}, {path:>5}: median {:>6.0} pairs/s, \
+                 {:>5.0} client CPU µs/pair (pairs/s by round: {})",
+                median(rounds.iter().map(|r| r.0).collect()),
+                median(rounds.iter().map(|r| r.1).collect()),
+                rounds
+                    .iter()
+                    .map(|r| format!("{:.0}", r.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        drop(registry);
+        drop((local, home));
+    }
+}

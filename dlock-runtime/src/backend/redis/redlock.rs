@@ -36,27 +36,52 @@
 //! `?tls_ca=/path/ca.pem` to trust a private CA); at least three nodes.
 //! Option `timeout` (default 200 ms) bounds each node's answer.
 //!
-//! **Connections.** Each node has one connection task on dlock's I/O runtime,
-//! started with the backend: it connects, and while the node has never
-//! answered it tries again with a capped exponential back-off (100 ms doubling
-//! up to 2 s, with jitter). Once open, the node's managed connection
-//! reconnects by itself and the task ends; it also ends when the backend is
-//! dropped. Calls never wait for a connection: a node that is not connected
-//! fails its vote at once with a transient "node N is down (reconnecting)"
-//! error, however many calls are made, and counts again once its task has
-//! connected. `connect` waits for each node's first attempt (within the
-//! timeout) and needs a majority of the nodes to answer.
+//! **Connections.** Each node has a *home* connection on dlock's I/O runtime,
+//! opened by a connection task started with the backend: it connects, and
+//! while the node has never answered it tries again with a capped exponential
+//! back-off (100 ms doubling up to 2 s, with jitter). Once open, the node's
+//! managed connection reconnects by itself and the task ends; it also ends
+//! when the backend is dropped. Calls never wait for a connection: a node
+//! whose home connection is not open fails its vote at once with a transient
+//! "node N is down (reconnecting)" error, however many calls are made, and
+//! counts again once its task has connected. `connect` waits for each node's
+//! first attempt (within the timeout) and needs a majority of the nodes to
+//! answer.
+//!
+//! Once a node's home connection is open, each node also gets a *local*
+//! connection on the application's runtime, as `redis://` does (see
+//! `connections.rs`): opened in the background by the first call from that
+//! runtime, used only by calls from there, so that they reach the socket
+//! without a hop between runtimes; until it is ready (and for calls from any
+//! other runtime, and the watchdog's renewals, which run on dlock's I/O
+//! runtime) commands go home. A command whose local connection died under it
+//! (its runtime shut down) is sent once more over home, within the same
+//! per-node timeout: every script here is idempotent for its owner.
+//!
+//! Which connection carried a command matters only while its answer is
+//! outstanding: a command sent later on the other connection may overtake it.
+//! So an attempt's roll-back goes over the very connection its acquire went
+//! over, node by node (home if that local one died), and only to the nodes
+//! the acquire was sent to. A lease that Redlock granted is marked (in
+//! [`Lease::extra`]): its acquire was answered, so its release goes over
+//! whichever connection is at hand. A release without the mark is the
+//! runtime's clean-up after an abandoned acquisition (its answer never came):
+//! when it goes over a local connection it is also sent over home, since the
+//! abandoned acquire may have gone there (the local connection opened in
+//! between). On each connection the owner-checked delete then follows the
+//! acquire it undoes; a delete that finds nothing is harmless.
 
+use std::any::Any;
 use std::fmt;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use futures_util::future::{BoxFuture, join_all};
 use rand::Rng;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Script};
+use redis::{Client, Script, ScriptInvocation};
 use tokio::sync::watch;
 
+use super::connections::{Conn, Local, Opener, Route};
 use super::{
     Listener, RELEASE, RENEW, Source, Topology, client, install_crypto_provider, millis, parse_url,
     redis_error,
@@ -92,6 +117,21 @@ return 0
     )
 });
 
+/// Kept with every lease Redlock grants ([`Lease::extra`]): a release
+/// without it is the clean-up of an abandoned acquisition. See the
+/// [module docs](self).
+struct Granted;
+
+static GRANTED: LazyLock<Arc<dyn Any + Send + Sync>> = LazyLock::new(|| Arc::new(Granted));
+
+/// Whether `lease` is one that Redlock granted (its acquire was answered).
+fn was_granted(lease: &Lease) -> bool {
+    lease
+        .extra
+        .as_ref()
+        .is_some_and(|extra| extra.is::<Granted>())
+}
+
 /// The default bound on one node's answer (the URL's `timeout` overrides it).
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(200);
 /// The floor of the per-node timeout for very short leases.
@@ -104,6 +144,8 @@ const BACKOFF: std::ops::RangeInclusive<u64> = 5..=50;
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
 /// The longest pause between two connection attempts to a node that has never answered.
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
+/// The longest pause between two reconnections of an open managed connection.
+const MANAGED_RECONNECT_MAX: Duration = Duration::from_millis(200);
 
 /// The Redlock backend. See the [module docs](self).
 pub struct RedlockBackend {
@@ -124,13 +166,14 @@ impl fmt::Debug for RedlockBackend {
     }
 }
 
-/// One master: its connection, as its connection task publishes it, and its
-/// pub/sub listener.
+/// One master: its home connection, as its connection task publishes it, its
+/// local connection, and its pub/sub listener.
 struct Node {
     /// The node's place in the URL (from 1) and its address, for messages.
     number: usize,
     address: String,
     state: watch::Receiver<NodeState>,
+    local: Local,
     listener: Listener,
 }
 
@@ -141,26 +184,32 @@ enum NodeState {
     /// The last attempt failed (why); the next one is scheduled.
     Down(String),
     /// Open: the manager reconnects by itself from now on.
-    Up(ConnectionManager),
+    Up(Conn),
 }
 
 impl Node {
     /// Starts the node's connection task and its listener on dlock's I/O runtime.
     fn start(number: usize, client: Client, timeout: Duration) -> Node {
+        let opener = Arc::new(Opener::single(
+            client.clone(),
+            timeout,
+            MANAGED_RECONNECT_MAX,
+        ));
         let (state, receiver) = watch::channel(NodeState::Connecting);
-        crate::driver::handle().spawn(keep_connecting(client.clone(), timeout, state));
+        crate::driver::handle().spawn(keep_connecting(opener.clone(), timeout, state));
         Node {
             number,
             address: client.get_connection_info().addr().to_string(),
             state: receiver,
+            local: Local::new(opener),
             listener: Listener::start(Source::Plain(client), timeout),
         }
     }
 
-    /// The node's managed connection, at once, or a transient error while the
+    /// The node's home connection, at once, or a transient error while the
     /// node has never answered (its connection task is still trying). Never
     /// waits for a connection.
-    fn connection(&self) -> Result<ConnectionManager, BackendError> {
+    fn home(&self) -> Result<Conn, BackendError> {
         match &*self.state.borrow() {
             NodeState::Up(conn) => Ok(conn.clone()),
             NodeState::Connecting => Err(BackendError::transient(format!(
@@ -183,24 +232,52 @@ impl Node {
             .await;
     }
 
-    /// One call of `script` on `key`, bounded by `timeout`.
+    /// The connection for a command from the current thread: the local one
+    /// when it is open on this runtime, else the home one. A transient error,
+    /// at once, while the node has never answered. Never waits for a
+    /// connection.
+    fn route(&self) -> Result<Route, BackendError> {
+        let home = self.home()?;
+        Ok(self.local.route().unwrap_or_else(|| Route::home(home)))
+    }
+
+    /// One call of `invocation` over `route`, sent once more over home if
+    /// `route` was a local connection that died under it; both bounded by
+    /// `timeout`.
     async fn invoke<T: redis::FromRedisValue>(
         &self,
-        script: &Script,
-        key: &str,
-        args: &[&str],
+        route: &Route,
+        invocation: &ScriptInvocation<'_>,
         timeout: Duration,
     ) -> Result<T, BackendError> {
         tokio::time::timeout(timeout, async {
-            let mut conn = self.connection()?;
-            let mut invocation = script.key(key);
-            for arg in args {
-                invocation.arg(*arg);
+            match invocation.invoke_async(&mut route.conn.clone()).await {
+                Err(_) if route.died() => invocation
+                    .invoke_async(&mut self.home()?)
+                    .await
+                    .map_err(redis_error),
+                answer => answer.map_err(redis_error),
             }
-            invocation
-                .invoke_async(&mut conn)
-                .await
-                .map_err(redis_error)
+        })
+        .await
+        .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+    }
+
+    /// [`invoke`](Self::invoke) for a pipeline.
+    async fn query<T: redis::FromRedisValue>(
+        &self,
+        route: &Route,
+        pipe: &redis::Pipeline,
+        timeout: Duration,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout(timeout, async {
+            match pipe.query_async(&mut route.conn.clone()).await {
+                Err(_) if route.died() => pipe
+                    .query_async(&mut self.home()?)
+                    .await
+                    .map_err(redis_error),
+                answer => answer.map_err(redis_error),
+            }
         })
         .await
         .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
@@ -209,21 +286,13 @@ impl Node {
 
 /// Connects to one node on dlock's I/O runtime until it answers once, with a
 /// capped exponential back-off between attempts, and publishes the outcome of
-/// every attempt in `state`. Once open, the [`ConnectionManager`] reconnects by
+/// every attempt in `state`. Once open, the managed connection reconnects by
 /// itself and the task ends; it also ends when the backend (every receiver of
 /// `state`) is dropped.
-async fn keep_connecting(client: Client, timeout: Duration, state: watch::Sender<NodeState>) {
-    let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(Some(timeout))
-        .set_number_of_retries(1)
-        .set_max_delay(Duration::from_millis(200));
+async fn keep_connecting(opener: Arc<Opener>, timeout: Duration, state: watch::Sender<NodeState>) {
     let mut pause = RECONNECT_FIRST;
     loop {
-        let attempt = tokio::time::timeout(
-            timeout,
-            client.get_connection_manager_with_config(config.clone()),
-        );
+        let attempt = tokio::time::timeout(timeout, opener.open());
         let outcome = tokio::select! {
             () = state.closed() => return,
             outcome = attempt => outcome,
@@ -302,7 +371,7 @@ impl RedlockBackend {
         let pings = join_all(backend.nodes.iter().map(|node| async move {
             tokio::time::timeout(timeout, async {
                 node.first_attempt().await;
-                let mut conn = node.connection()?;
+                let mut conn = node.home()?;
                 redis::cmd("PING")
                     .query_async::<String>(&mut conn)
                     .await
@@ -344,24 +413,36 @@ impl RedlockBackend {
     async fn attempt(&self, request: &AcquireRequest) -> Attempt {
         let timeout = self.node_timeout(request.lease);
         let started = Instant::now();
-        let lease_ms = millis(request.lease).to_string();
-        let args = [request.owner.as_str(), lease_ms.as_str()];
-        let answers: Vec<Result<(i64, i64), BackendError>> = join_all(
-            self.nodes
-                .iter()
-                .map(|node| node.invoke(&ACQUIRE, &request.key, &args, timeout)),
-        )
-        .await;
+        let mut acquire = ACQUIRE.key(&request.key);
+        acquire.arg(&request.owner).arg(millis(request.lease));
+        let acquire = &acquire;
+        // Each node's route is chosen once: a roll-back follows its acquire
+        // over the same connection.
+        type Answer = Result<(i64, i64), BackendError>;
+        let (routes, answers): (Vec<Option<Route>>, Vec<Answer>) =
+            join_all(self.nodes.iter().map(|node| async move {
+                match node.route() {
+                    Ok(route) => {
+                        let answer = node.invoke(&route, acquire, timeout).await;
+                        (Some(route), answer)
+                    }
+                    Err(down) => (None, Err(down)),
+                }
+            }))
+            .await
+            .into_iter()
+            .unzip();
         let granted = answers.iter().filter(|a| matches!(a, Ok((1, _)))).count();
         let validity = request
             .lease
             .checked_sub(started.elapsed() + Self::drift(request.lease));
         if granted >= self.quorum && validity.is_some_and(|v| !v.is_zero()) {
-            return Attempt::Held(Lease::new(request, None));
+            return Attempt::Held(Lease::new(request, None).with_extra(GRANTED.clone()));
         }
         if granted > 0 || answers.iter().any(Result::is_err) {
-            // A node that timed out may have granted: undo everywhere, quietly.
-            self.rollback_everywhere(&request.key, &request.owner, timeout)
+            // A node that timed out may have granted: undo wherever the
+            // acquire went, quietly.
+            self.roll_back(&routes, &request.key, &request.owner, timeout)
                 .await;
         }
         let mut answered = 0;
@@ -400,28 +481,48 @@ impl RedlockBackend {
         }
     }
 
-    /// Owner-checked delete without a release message on every node (undoing
-    /// a failed attempt).
-    async fn rollback_everywhere(&self, key: &str, owner: &str, timeout: Duration) {
-        let args = [owner];
+    /// Owner-checked delete without a release message (undoing a failed
+    /// attempt) on every node the attempt's acquire was sent to, over the
+    /// connection it went over (`routes`, one per node).
+    async fn roll_back(&self, routes: &[Option<Route>], key: &str, owner: &str, timeout: Duration) {
+        let mut rollback = ROLLBACK.key(key);
+        rollback.arg(owner);
+        let rollback = &rollback;
         join_all(
             self.nodes
                 .iter()
-                .map(|node| node.invoke::<i64>(&ROLLBACK, key, &args, timeout)),
+                .zip(routes)
+                .filter_map(|(node, route)| Some((node, route.as_ref()?)))
+                .map(|(node, route)| node.invoke::<i64>(route, rollback, timeout)),
         )
         .await;
     }
 
     /// Owner-checked delete (and release message) on every node; answers how
-    /// many nodes answered.
-    async fn release_everywhere(&self, key: &str, owner: &str, timeout: Duration) -> usize {
-        let channel = format!("{key}:released");
-        let args = [owner, channel.as_str()];
-        join_all(
-            self.nodes
-                .iter()
-                .map(|node| node.invoke::<i64>(&RELEASE, key, &args, timeout)),
-        )
+    /// many nodes answered. `granted`: the lease's acquire was answered (else
+    /// the delete also goes over home where the route is a local connection,
+    /// see the [module docs](self)).
+    async fn release_everywhere(
+        &self,
+        key: &str,
+        owner: &str,
+        granted: bool,
+        timeout: Duration,
+    ) -> usize {
+        let mut release = RELEASE.key(key);
+        release.arg(owner).arg(format!("{key}:released"));
+        let release = &release;
+        join_all(self.nodes.iter().map(|node| async move {
+            let route = node.route()?;
+            let routed = node.invoke::<i64>(&route, release, timeout).await;
+            if granted || !route.is_local() {
+                return routed;
+            }
+            let home = node
+                .invoke::<i64>(&Route::home(node.home()?), release, timeout)
+                .await;
+            routed.or(home)
+        }))
         .await
         .iter()
         .filter(|answer| answer.is_ok())
@@ -486,27 +587,21 @@ impl LockBackend for RedlockBackend {
             let timeout = self.node_timeout(shortest);
             let started = Instant::now();
             // One pipeline per node: every lease due, one round trip.
+            // The watchdog calls from dlock's I/O runtime: these go home.
+            let mut pipe = redis::pipe();
+            pipe.load_script(&RENEW).ignore();
+            for (lease, ttl) in batch {
+                pipe.invoke_script(RENEW.key(&lease.key).arg(&lease.owner).arg(millis(*ttl)));
+            }
+            let pipe = &pipe;
             let per_node: Vec<Result<Vec<i64>, BackendError>> =
                 join_all(self.nodes.iter().map(|node| async move {
-                    tokio::time::timeout(timeout, async {
-                        let mut conn = node.connection()?;
-                        let mut pipe = redis::pipe();
-                        pipe.load_script(&RENEW).ignore();
-                        for (lease, ttl) in batch {
-                            pipe.invoke_script(
-                                RENEW.key(&lease.key).arg(&lease.owner).arg(millis(*ttl)),
-                            );
-                        }
-                        let answers: Vec<i64> =
-                            pipe.query_async(&mut conn).await.map_err(redis_error)?;
-                        if answers.len() == batch.len() {
-                            Ok(answers)
-                        } else {
-                            Err(BackendError::permanent("redlock: short pipeline answer"))
-                        }
-                    })
-                    .await
-                    .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
+                    let answers: Vec<i64> = node.query(&node.route()?, pipe, timeout).await?;
+                    if answers.len() == batch.len() {
+                        Ok(answers)
+                    } else {
+                        Err(BackendError::permanent("redlock: short pipeline answer"))
+                    }
                 }))
                 .await;
             let elapsed = started.elapsed();
@@ -541,7 +636,7 @@ impl LockBackend for RedlockBackend {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let answered = self
-                .release_everywhere(&lease.key, &lease.owner, self.timeout)
+                .release_everywhere(&lease.key, &lease.owner, was_granted(lease), self.timeout)
                 .await;
             if answered == 0 {
                 // The copies expire with the lease.
@@ -554,7 +649,8 @@ impl LockBackend for RedlockBackend {
     }
 
     fn needs_io_runtime(&self) -> bool {
-        // The connections' driver tasks live on dlock's I/O runtime already.
+        // The home connections' driver tasks live on dlock's I/O runtime, the
+        // local ones on the caller's: calls go straight from the caller.
         false
     }
 }
@@ -609,7 +705,9 @@ mod tests {
             .expect("the first attempt ends within its bound");
         let started = Instant::now();
         for _ in 0..1000 {
-            let err = node.connection().unwrap_err();
+            let Err(err) = node.route() else {
+                panic!("a node that never answered has no connection")
+            };
             assert!(err.is_retryable(), "{err}");
             assert!(
                 err.to_string()
