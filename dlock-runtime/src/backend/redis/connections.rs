@@ -255,6 +255,7 @@ pub(super) struct Connections {
 }
 
 /// The connection for one command, and how to tell that it died under it.
+#[derive(Clone)]
 pub(super) struct Route {
     pub(super) conn: Conn,
     alive: Option<CancellationToken>,

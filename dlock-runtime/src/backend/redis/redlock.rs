@@ -56,15 +56,19 @@
 //! other runtime, and the watchdog's renewals, which run on dlock's I/O
 //! runtime) commands go home. A command whose local connection died under it
 //! (its runtime shut down) is sent once more over home, within the same
-//! per-node timeout: every script here is idempotent for its owner.
+//! per-node timeout: every script here is idempotent for its owner (an
+//! acquire that finds its owner's own vote grants it again).
 //!
 //! Which connection carried a command matters only while its answer is
 //! outstanding: a command sent later on the other connection may overtake it.
 //! So an attempt's roll-back goes over the very connection its acquire went
 //! over, node by node (home if that local one died), and only to the nodes
 //! the acquire was sent to. A lease that Redlock granted is marked (in
-//! [`Lease::extra`]): its acquire was answered, so its release goes over
-//! whichever connection is at hand. A release without the mark is the
+//! [`Lease::extra`]) with the connections of the nodes whose acquire had not
+//! answered in time (a minority, still possibly on the wire): its release
+//! goes over whichever connection is at hand and, on those nodes, over the
+//! acquire's connection too, so it cannot overtake a late `SET`. A release
+//! without the mark is the
 //! runtime's clean-up after an abandoned acquisition (its answer never came):
 //! when it goes over a local connection it is also sent over home, since the
 //! abandoned acquire may have gone there (the local connection opened in
@@ -90,11 +94,17 @@ use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeS
 use crate::error::{BackendError, LockError, redact_url};
 
 /// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` lease (ms).
-/// Answers `{1, 0}` or `{0, holder's remaining ms}`.
+/// Answers `{1, 0}` or `{0, holder's remaining ms}`. Sent twice for one owner
+/// (resent home, or a vote an earlier attempt of the same acquisition left
+/// behind), it grants again from now: the vote is ours.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, 0}
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, 0}
 end
 return {0, redis.call('PTTL', KEYS[1])}
@@ -120,16 +130,16 @@ return 0
 /// Kept with every lease Redlock grants ([`Lease::extra`]): a release
 /// without it is the clean-up of an abandoned acquisition. See the
 /// [module docs](self).
-struct Granted;
+struct Granted {
+    /// Per node: the route of an acquire that was NOT answered.
+    late: Vec<Option<Route>>,
+}
 
-static GRANTED: LazyLock<Arc<dyn Any + Send + Sync>> = LazyLock::new(|| Arc::new(Granted));
-
-/// Whether `lease` is one that Redlock granted (its acquire was answered).
-fn was_granted(lease: &Lease) -> bool {
+fn was_granted(lease: &Lease) -> Option<&Granted> {
     lease
         .extra
         .as_ref()
-        .is_some_and(|extra| extra.is::<Granted>())
+        .and_then(|extra| extra.downcast_ref::<Granted>())
 }
 
 /// The default bound on one node's answer (the URL's `timeout` overrides it).
@@ -437,7 +447,15 @@ impl RedlockBackend {
             .lease
             .checked_sub(started.elapsed() + Self::drift(request.lease));
         if granted >= self.quorum && validity.is_some_and(|v| !v.is_zero()) {
-            return Attempt::Held(Lease::new(request, None).with_extra(GRANTED.clone()));
+            let late = routes
+                .into_iter()
+                .zip(&answers)
+                .map(|(route, answer)| if answer.is_err() { route } else { None })
+                .collect();
+            return Attempt::Held(
+                Lease::new(request, None)
+                    .with_extra(Arc::new(Granted { late }) as Arc<dyn Any + Send + Sync>),
+            );
         }
         if granted > 0 || answers.iter().any(Result::is_err) {
             // A node that timed out may have granted: undo wherever the
@@ -506,16 +524,23 @@ impl RedlockBackend {
         &self,
         key: &str,
         owner: &str,
-        granted: bool,
+        granted: Option<&Granted>,
         timeout: Duration,
     ) -> usize {
         let mut release = RELEASE.key(key);
         release.arg(owner).arg(format!("{key}:released"));
         let release = &release;
-        join_all(self.nodes.iter().map(|node| async move {
+        join_all(self.nodes.iter().enumerate().map(|(i, node)| async move {
             let route = node.route()?;
             let routed = node.invoke::<i64>(&route, release, timeout).await;
-            if granted || !route.is_local() {
+            if let Some(granted) = granted {
+                if let Some(Some(late)) = granted.late.get(i) {
+                    let behind = node.invoke::<i64>(late, release, timeout).await;
+                    return routed.or(behind);
+                }
+                return routed;
+            }
+            if !route.is_local() {
                 return routed;
             }
             let home = node

@@ -1,0 +1,313 @@
+//! Adversarial tests of Redlock's local-connection fast path: each node has a
+//! home connection (dlock's I/O runtime) and a local one (the caller's
+//! runtime), and a command on one connection can overtake a command still
+//! outstanding on the other.
+//!
+//! The servers are the test's own (`OwnRedis`, ports 29460–29469), reached
+//! through a small TCP proxy that can hold back, on one connection, the first
+//! command carrying a given key: the connection's later bytes queue behind it
+//! (TCP order), every other connection flows. That is a slow node as Redlock
+//! sees it — a node that answers after the per-node timeout — but on one of
+//! its two connections only.
+#![cfg(feature = "redis")]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{RedlockBackend, Registry};
+use dlock_tests::redis_support::OwnRedis;
+use redis::AsyncCommands;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Holds back the first client→server chunk that contains `needle` and an
+/// `EVALSHA`/`EVAL` (a script call on the key, not a SUBSCRIBE), for `hold`.
+#[derive(Default)]
+struct Trap {
+    armed: Option<(Vec<u8>, Duration)>,
+    /// Which accepted connection (from 1) the held chunk came on, once sprung.
+    sprung_on: Option<usize>,
+}
+
+/// A TCP proxy in front of one redis-server.
+struct Proxy {
+    port: u16,
+    trap: Arc<Mutex<Trap>>,
+    accepted: Arc<AtomicUsize>,
+}
+
+impl Proxy {
+    async fn start(upstream: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let port = listener.local_addr().unwrap().port();
+        let trap = Arc::new(Mutex::new(Trap::default()));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (t, a) = (trap.clone(), accepted.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let number = a.fetch_add(1, Ordering::SeqCst) + 1;
+                let trap = t.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+                        return;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                        let _ = cw.shutdown().await;
+                    });
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let chunk = &buf[..n];
+                        let hold = {
+                            let mut trap = trap.lock().unwrap();
+                            match &trap.armed {
+                                Some((needle, hold))
+                                    if contains(chunk, needle) && contains(chunk, b"EVAL") =>
+                                {
+                                    let hold = *hold;
+                                    trap.armed = None;
+                                    trap.sprung_on = Some(number);
+                                    Some(hold)
+                                }
+                                _ => None,
+                            }
+                        };
+                        if let Some(hold) = hold {
+                            tokio::time::sleep(hold).await;
+                        }
+                        // Even if the client has gone since: the server still
+                        // gets (and runs) what was sent to it.
+                        if sw.write_all(chunk).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = sw.shutdown().await;
+                });
+            }
+        });
+        Proxy {
+            port,
+            trap,
+            accepted,
+        }
+    }
+
+    /// Holds back the next script call carrying `needle` for `hold`.
+    fn arm(&self, needle: &str, hold: Duration) {
+        let mut trap = self.trap.lock().unwrap();
+        trap.armed = Some((needle.as_bytes().to_vec(), hold));
+        trap.sprung_on = None;
+    }
+
+    fn sprung_on(&self) -> Option<usize> {
+        self.trap.lock().unwrap().sprung_on
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Three nodes of the test's own (ports `first`, `first+1`, `first+2`); the
+/// third behind a [`Proxy`].
+struct Nodes {
+    servers: Vec<OwnRedis>,
+    proxy: Proxy,
+}
+
+impl Nodes {
+    async fn start(first: u16) -> Nodes {
+        let mut servers = Vec::new();
+        for port in first..first + 3 {
+            servers.push(OwnRedis::start(port, &[]).await);
+        }
+        let proxy = Proxy::start(servers[2].port()).await;
+        Nodes { servers, proxy }
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+            self.servers[0].port(),
+            self.servers[1].port(),
+            self.proxy.port
+        )
+    }
+
+    async fn registry(&self) -> Registry {
+        let backend = RedlockBackend::connect(&self.url())
+            .await
+            .expect("redlock over the test's own nodes");
+        Registry::builder().default_backend(backend).build()
+    }
+
+    /// `(node number, value, PTTL)` of every node that holds `stored` (read
+    /// directly from the servers, not through the proxy).
+    async fn holders(&self, stored: &str) -> Vec<(usize, String, i64)> {
+        let mut held = Vec::new();
+        for (i, server) in self.servers.iter().enumerate() {
+            let mut conn = server.admin().await;
+            let value: Option<String> = conn.get(stored).await.expect("GET");
+            let ttl: i64 = conn.pttl(stored).await.expect("PTTL");
+            if let Some(value) = value {
+                held.push((i + 1, value, ttl));
+            }
+        }
+        held
+    }
+}
+
+/// Locks and releases a throw-away key: loads the scripts on every node, and
+/// (from this runtime) starts opening the local connections.
+async fn warm_up(registry: &Registry, name: &str) {
+    for i in 0..2 {
+        let guard = registry
+            .lock(format!("adv-redlock:warm-up:{name}:{i}"))
+            .acquire()
+            .await
+            .expect("warm-up lock");
+        guard.release().await.expect("warm-up release");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn unique(case: &str) -> String {
+    format!("adv-redlock:{case}:{:016x}", rand::random::<u64>())
+}
+
+/// Steady state: the caller's runtime has its local connections open, so the
+/// acquire goes local. Node 3 answers it late (after the per-node timeout);
+/// nodes 1 and 2 are a majority, so the lock is granted — and marked as
+/// "granted", which tells `release` that any connection will do. The guard
+/// is dropped (the usual `let _guard = …;` end of scope): the release goes
+/// from dlock's I/O runtime over the HOME connections, overtakes node 3's
+/// acquire still outstanding on the LOCAL one, finds nothing there — and the
+/// late `SET NX PX` then lands. Node 3 holds the key, in our name, for a full
+/// lease after the release (with one more slow or down node, nobody can lock
+/// the key for that long). Before the fast path both went over node 3's one
+/// connection, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
+    let nodes = Nodes::start(29460).await;
+    let registry = nodes.registry().await;
+    warm_up(&registry, "drop").await;
+    // home + pub/sub listener + local, at least.
+    assert!(
+        nodes.proxy.accepted() >= 3,
+        "{} connections",
+        nodes.proxy.accepted()
+    );
+
+    let key = unique("dropped-guard");
+    let stored = format!("{}{key}", registry.key_prefix());
+    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    let lease = Duration::from_secs(20);
+    let guard = registry
+        .lock(&key)
+        .lease(lease)
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .expect("nodes 1 and 2 are a majority of three");
+    let sprung_on = nodes.proxy.sprung_on();
+    assert!(sprung_on.is_some(), "node 3's acquire was not held back");
+    drop(guard);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let holders = nodes.holders(&stored).await;
+    assert!(
+        holders.is_empty(),
+        "2.5 s after the guard was dropped (the acquire on node 3 was held on proxy connection \
+         #{} of {}), the key is still held (node, owner, PTTL ms): {holders:?}",
+        sprung_on.unwrap(),
+        nodes.proxy.accepted(),
+    );
+}
+
+/// The other direction: the first lock from a runtime goes HOME (its local
+/// connections are only opening). Node 3 answers late; the lock is granted by
+/// nodes 1 and 2. By the time the caller releases — explicitly, awaiting, on
+/// the same runtime — the local connections are open, so the release goes
+/// LOCAL, overtakes node 3's acquire still outstanding on HOME, and the late
+/// acquire leaves node 3 holding the key for a full lease after a release
+/// that reported success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
+    let nodes = Nodes::start(29463).await;
+    // Another backend over the same nodes loads the scripts on every node (a
+    // held-back EVALSHA must not come back NOSCRIPT); ours stays untouched:
+    // its local connections are not open yet.
+    warm_up(&nodes.registry().await, "first-call").await;
+    let registry = nodes.registry().await;
+    let before = nodes.proxy.accepted();
+
+    let key = unique("first-call");
+    let stored = format!("{}{key}", registry.key_prefix());
+    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    let guard = registry
+        .lock(&key)
+        .lease(Duration::from_secs(20))
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .expect("nodes 1 and 2 are a majority of three");
+    let sprung_on = nodes.proxy.sprung_on();
+    assert!(sprung_on.is_some(), "node 3's acquire was not held back");
+    guard.release().await.expect("the release reports success");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let holders = nodes.holders(&stored).await;
+    assert!(
+        holders.is_empty(),
+        "2.5 s after an awaited release returned Ok (node 3's acquire was held on proxy \
+         connection #{}; connections {before} before the lock, {} after), the key is still \
+         held (node, owner, PTTL ms): {holders:?}",
+        sprung_on.unwrap(),
+        nodes.proxy.accepted(),
+    );
+}
+
+/// The designed case, kept as a regression test: an acquisition abandoned
+/// while its acquire is outstanding (on HOME: the first call from this
+/// runtime) is cleaned up over local AND home, and on home the clean-up
+/// follows the acquire, so no key is left — well before the 3 s backstop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
+    let nodes = Nodes::start(29466).await;
+    warm_up(&nodes.registry().await, "abandoned").await;
+    let registry = nodes.registry().await;
+
+    let key = unique("abandoned");
+    let stored = format!("{}{key}", registry.key_prefix());
+    nodes.proxy.arm(&stored, Duration::from_millis(600));
+    let started = Instant::now();
+    // Dropped after node 1 and 2 have answered, while node 3's acquire is held.
+    let outcome = tokio::time::timeout(
+        Duration::from_millis(100),
+        registry
+            .lock(&key)
+            .lease(Duration::from_secs(20))
+            .wait(Duration::ZERO)
+            .acquire(),
+    )
+    .await;
+    assert!(outcome.is_err(), "the caller gave up: {outcome:?}");
+    assert!(nodes.proxy.sprung_on().is_some());
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(started.elapsed())).await;
+    let holders = nodes.holders(&stored).await;
+    assert!(
+        holders.is_empty(),
+        "1.5 s after an abandoned acquisition (backstop at 3 s), still held: {holders:?}"
+    );
+}
