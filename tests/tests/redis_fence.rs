@@ -6,7 +6,8 @@
 //!
 //! The key count is taken on a database of this test's own (`/11`) of the
 //! shared server; restarts and promotions use `redis-server`s of the test's
-//! own on ports 29400–29403.
+//! own on ports 29401–29403 and 29409 (29400 stays free: the "master that
+//! does not exist").
 #![cfg(feature = "redis")]
 
 use std::sync::Arc;
@@ -219,5 +220,50 @@ async fn tokens_increase_across_a_lagging_replica_promotion() {
     assert!(
         next > last,
         "token {next} on the promoted replica, {last} issued by the old master"
+    );
+}
+
+/// A counter ahead of the server clock (a clock stepped back, or tokens
+/// issued by a server whose clock ran ahead): the tokens go on from the
+/// counter, one by one, and the counter keeps up with them. And a counter
+/// that is not a number (written by someone else) is overwritten, not an
+/// error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_go_on_from_a_counter_ahead_of_the_clock() {
+    let server = OwnRedis::start(29409, &[]).await;
+    let registry = registry(&server.url()).await;
+    let mut admin = server.admin().await;
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros() as u64;
+    let ahead = now_us + 3_600_000_000; // an hour ahead
+    let _: () = redis::cmd("SET")
+        .arg("dlock-fence")
+        .arg(ahead)
+        .query_async(&mut admin)
+        .await
+        .expect("SET");
+    let key = unique_key("counter-ahead");
+    for n in 1..=5 {
+        assert_eq!(token_of(&registry, &key).await, ahead + n);
+    }
+    let counter: u64 = redis::cmd("GET")
+        .arg("dlock-fence")
+        .query_async(&mut admin)
+        .await
+        .expect("GET");
+    assert_eq!(counter, ahead + 5);
+
+    let _: () = redis::cmd("SET")
+        .arg("dlock-fence")
+        .arg("not a number")
+        .query_async(&mut admin)
+        .await
+        .expect("SET");
+    let token = token_of(&registry, &key).await;
+    assert!(
+        token > now_us && token < ahead,
+        "from the clock again: {token}"
     );
 }

@@ -7,23 +7,25 @@
 -- (given server clocks that agree within the replication lag).
 -- Sent twice for one owner (a retry), it grants again: the lease restarts
 -- from now and a new, larger token is issued.
--- The counter is read and written by one `SET … GET` (Redis >= 6.2); only
--- when it is ahead of the clock is it written a second time.
-local function next_token()
-  local now = redis.call('TIME')
-  local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local last = tonumber(redis.call('SET', KEYS[2], token, 'GET'))
-  if last and last >= token then
-    token = last + 1
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return {0, redis.call('PTTL', KEYS[1])}
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+-- The clock in µs as decimal text, built from TIME's two strings: handing
+-- Redis a Lua number costs a float-to-text conversion on every grant.
+local now = redis.call('TIME')
+local token = now[1] .. string.rep('0', 6 - #now[2]) .. now[2]
+-- One SET … GET (Redis >= 6.2) reads and writes the counter. Only when it was
+-- ahead of the clock (same-length decimal text compares as numbers) is it
+-- written again, with its value + 1.
+local last = redis.call('SET', KEYS[2], token, 'GET')
+if last and (#last > #token or (#last == #token and last >= token)) then
+  local ahead = tonumber(last)
+  if ahead then
+    token = ahead + 1
     redis.call('SET', KEYS[2], token)
   end
-  return token
 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, next_token()}
-end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, next_token()}
-end
-return {0, redis.call('PTTL', KEYS[1])}
+return {1, tonumber(token)}
