@@ -67,6 +67,8 @@ pub mod postgres;
 mod session;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(feature = "sqlite")]
+mod sqlite_doorbell;
 
 #[cfg(feature = "mysql")]
 pub use mysql::MysqlBackend;

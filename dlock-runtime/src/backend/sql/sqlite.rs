@@ -1,10 +1,24 @@
 //! The lease table on SQLite (`sqlite://path`): the embedded default.
 //!
 //! Works between processes on one machine (the database file is the shared
-//! state; WAL mode, a busy timeout). SQLite has no server to push a release to
-//! other processes, so waiters in *this* process are woken at once by the
-//! releasing call, and waiters elsewhere look again every `poll` (25 ms by
-//! default, `sqlite://path?poll=10ms`) and when the holder's lease runs out.
+//! state; WAL mode, a busy timeout). SQLite has no server to push a release
+//! to other processes, so dlock rings a doorbell instead: waiters in *this*
+//! process are woken at once by the releasing call, and waiters in other
+//! processes by a file-change notification on the key's bell file in
+//! `<database>.dlock-bells/` (at most 256 files; inotify on Linux), which the
+//! releasing process writes after its commit — a handoff between processes
+//! takes about a millisecond, not a polling interval (the protocol is in
+//! `sqlite_doorbell.rs`).
+//!
+//! Waiters still look again every `poll` (25 ms by default,
+//! `sqlite://path?poll=10ms`) and when the holder's lease runs out. The poll
+//! is the fallback for a ring that does not arrive — a process whose watcher
+//! could not be set up (no inotify, its watch limit reached, a read-only
+//! directory), a release by an older dlock, a filesystem that does not report
+//! writes made elsewhere — so it stays at 25 ms: a missed ring costs at most
+//! what every cross-process handoff cost before the doorbells, and a poll is
+//! one indexed read per waiter. Set `?poll=1s` or longer where every process
+//! is known to hear the bells.
 //!
 //! Tokens are hybrid — the larger of the row's token + 1 and the database
 //! clock in microseconds — so they keep growing when a row is deleted (by an
@@ -23,6 +37,7 @@ use sqlx::sqlite::{
 };
 
 use super::common::{Collector, DEFAULT_RETENTION, UrlOptions, millis};
+use super::sqlite_doorbell::Doorbells;
 use crate::backend::wait::Waiters;
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError};
@@ -69,21 +84,27 @@ const RELEASE: &str = "UPDATE dlock_leases
 const COLLECT: &str = "DELETE FROM dlock_leases
     WHERE expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1";
 
-/// How often waiters in other processes look again by default.
+/// How often waiters look again by default, doorbell or not: the fallback
+/// for a ring that does not arrive (see the [module docs](self)).
 const DEFAULT_POLL: Duration = Duration::from_millis(25);
 
 /// The lease table in a SQLite file (`sqlite://path`): the embedded default.
 ///
 /// Works between processes on one machine (WAL mode, a busy timeout). Waiters
 /// in this process are woken by the releasing call; waiters in other processes
-/// look again every `poll` (25 ms by default, `sqlite://path?poll=10ms`) and
-/// when the holder's lease runs out. See [the SQL backends](super) for the table.
+/// by the doorbell the release rings (a file-change notification on
+/// `<database>.dlock-bells/`, about a millisecond). All of them also look
+/// again every `poll` (25 ms by default, `sqlite://path?poll=10ms`), the
+/// fallback for a ring that does not arrive, and when the holder's lease runs
+/// out. See [the SQL backends](super) for the table.
 #[derive(Clone)]
 pub struct SqliteBackend {
     pool: SqlitePool,
     path: PathBuf,
     poll: Duration,
     local_waiters: Arc<Waiters>,
+    /// Wakes waiters in other processes (and hears their releases).
+    doorbells: Arc<Doorbells>,
     /// When and which free rows are collected.
     collector: Arc<Collector>,
 }
@@ -182,10 +203,11 @@ impl SqliteBackend {
         })?;
         Ok(SqliteBackend {
             pool,
-            path,
             poll,
             local_waiters: Arc::default(),
+            doorbells: Arc::new(Doorbells::new(&path)),
             collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
+            path,
         })
     }
 
@@ -200,6 +222,19 @@ impl SqliteBackend {
         .await
         .map(|n| n as u64)
         .map_err(|e| sql_error(e).into_lock_error("sqlite"))
+    }
+
+    /// Whether this backend hears other processes' releases through the
+    /// doorbells: false until one of its waiters first waits, and when the
+    /// watcher could not be set up (then its waiters poll).
+    pub fn hears_doorbells(&self) -> bool {
+        self.doorbells.watching()
+    }
+
+    /// Doorbell buckets this backend's waiters listen on right now (at most
+    /// one per bucket with waiters), for tests of bounded state.
+    pub fn doorbell_waits(&self) -> usize {
+        self.doorbells.waited_buckets()
     }
 
     /// Deletes rows free (or expired) for longer than the retention, at most
@@ -254,10 +289,13 @@ impl LockBackend for SqliteBackend {
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
         let key = &request.key;
-        // Releases in this process wake at once; other processes' are polled.
-        Box::pin(std::future::ready(
-            self.local_waiters.source(key).poll_every(self.poll),
-        ))
+        // Releases in this process wake at once, other processes' ring the
+        // key's doorbell; the poll catches a ring that does not arrive.
+        let mut source = self.local_waiters.source(key).poll_every(self.poll);
+        if let Some(bell) = self.doorbells.source(key) {
+            source = source.merge(bell);
+        }
+        Box::pin(std::future::ready(source))
     }
 
     fn renew<'a>(
@@ -283,13 +321,17 @@ impl LockBackend for SqliteBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            sqlx::query(RELEASE)
+            let done = sqlx::query(RELEASE)
                 .bind(&lease.key)
                 .bind(&lease.owner)
                 .execute(&self.pool)
                 .await
                 .map_err(sql_error)?;
             self.local_waiters.wake(&lease.key);
+            if done.rows_affected() > 0 {
+                // Committed: waiters elsewhere may look now.
+                self.doorbells.ring(&lease.key);
+            }
             self.collect_free_rows().await;
             Ok(())
         })
