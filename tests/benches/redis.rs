@@ -417,19 +417,14 @@ async fn measure_steps(
         .await?;
     let before = server_cpu_seconds(&mut admin).await?;
     let tag: Arc<str> = tag.into();
-    let tasks: Vec<_> = (0..concurrency)
-        .map(|t| {
+    spread(concurrency, n, {
+        let c = c.clone();
+        move |i| {
             let (c, tag) = (c.clone(), tag.clone());
-            tokio::spawn(async move {
-                for i in (t..n).step_by(concurrency as usize) {
-                    step(&c, s, &tag, i).await;
-                }
-            })
-        })
-        .collect();
-    for task in tasks {
-        join(task).await;
-    }
+            async move { step(&c, s, &tag, i).await }
+        }
+    })
+    .await;
     let after = server_cpu_seconds(&mut admin).await?;
     let commands = commandstats(&mut admin)
         .await?
@@ -452,12 +447,29 @@ async fn join<T>(task: tokio::task::JoinHandle<T>) -> T {
 /// `n` pairs of `who` over distinct keys, by `concurrency` tasks at once.
 async fn run_pairs(c: &Arc<Contenders>, who: Who, concurrency: u64, n: u64, tag: &str) {
     let tag: Arc<str> = tag.into();
+    spread(concurrency, n, {
+        let c = c.clone();
+        move |i| {
+            let (c, tag) = (c.clone(), tag.clone());
+            async move { pair(&c, who, &tag, i).await }
+        }
+    })
+    .await;
+}
+
+/// `op(i)` for every `i` below `n`, by `concurrency` tasks at once (task `t`
+/// takes `t`, `t + concurrency`, …); a panic in one goes on in the caller.
+async fn spread<F, Fut>(concurrency: u64, n: u64, op: F)
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
     let tasks: Vec<_> = (0..concurrency)
         .map(|t| {
-            let (c, tag) = (c.clone(), tag.clone());
+            let op = op.clone();
             tokio::spawn(async move {
                 for i in (t..n).step_by(concurrency as usize) {
-                    pair(&c, who, &tag, i).await;
+                    op(i).await;
                 }
             })
         })
