@@ -276,6 +276,7 @@ impl LockBackend for SqliteBackend {
                     Some(FencingToken::new(token as u64)),
                 )));
             }
+            self.doorbells.relisten_if_lost();
             let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
                 .bind(&request.key)
                 .fetch_optional(&self.pool)

@@ -22,11 +22,19 @@
 //!   one entry per bucket with waiters). A queue overflow wakes every bucket.
 //! - **Falling back.** If the watcher cannot be set up (no inotify, the watch
 //!   limit reached, a read-only directory, a file where the directory should
-//!   be), the backend says so once at `warn` and its waiters keep polling
-//!   every `poll`, as they always do: the poll stays as the fallback for a
+//!   be), the backend says so once at `warn`, its waiters keep polling every
+//!   `poll`, as they always do, and the next waiter a second later tries
+//!   again: the poll stays as the fallback for a
 //!   ring that never arrives (a release by an older dlock, a ring that failed,
 //!   a filesystem that does not report other machines' writes, the directory
-//!   removed — then the next waiter sets up a new watcher).
+//!   removed — then the next attempt of any waiter sets up a new watcher).
+//! - **Never blocking a release.** Bells are written by one thread of the
+//!   process (`dlock-sqlite-bells`), not on an async worker: a hung
+//!   filesystem stalls only the rings (at most one pending per bell), never
+//!   the locks. A bell that is not a regular file is not rung.
+//! - **One database, one set of bells.** The directory is named after the
+//!   database file's canonical path, so a relative path or a symbolic link
+//!   reaches the same bells.
 //!
 //! Every mistake here costs time, never safety: the lease table decides who
 //! holds a key. A bell shared by two keys, a stale bell, or the releasing
@@ -40,6 +48,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use notify::event::{EventKind, ModifyKind};
 use notify::{Event, RecommendedWatcher, RecursiveMode, Watcher};
@@ -80,6 +89,8 @@ pub(super) struct Doorbells {
     dir: PathBuf,
     buckets: Arc<Buckets>,
     watch: Mutex<Watch>,
+    /// The failure to watch was reported (once per backend).
+    warned: AtomicBool,
 }
 
 enum Watch {
@@ -87,9 +98,15 @@ enum Watch {
     NotYet,
     /// Dropping the watcher ends the watch and its thread.
     Watching { _watcher: RecommendedWatcher },
-    /// The watcher could not be set up: waiters poll.
-    Unavailable,
+    /// The watcher could not be set up: waiters poll. Tried again from
+    /// `retry_at` (the obstacle may be brief: the inotify limit reached for a
+    /// moment, a stray file where the directory goes).
+    Unavailable { retry_at: Instant },
 }
+
+/// How long a backend whose watcher could not be set up polls before it
+/// tries again.
+const RETRY_WATCH_AFTER: Duration = Duration::from_secs(1);
 
 /// Waiters per bucket, shared with the watcher's thread.
 #[derive(Default)]
@@ -178,19 +195,38 @@ impl Doorbells {
     /// The doorbells of the database at `db`: `<db>.dlock-bells/`. Touches
     /// nothing until a waiter waits or a release rings.
     pub(super) fn new(db: &Path) -> Self {
+        // The database file itself, however it was named (a relative path, a
+        // symbolic link): every process then rings and watches the same
+        // bells, and the watcher's event paths (absolute) compare equal to
+        // `dir`. The file exists by now (the pool has connected). A hard link
+        // to the database would still get bells of its own: its waiters poll.
+        let db = std::fs::canonicalize(db)
+            .or_else(|_| std::path::absolute(db))
+            .unwrap_or_else(|_| db.to_owned());
         let mut dir = OsString::from(db.as_os_str());
         dir.push(".dlock-bells");
         Doorbells {
             dir: PathBuf::from(dir),
             buckets: Arc::default(),
             watch: Mutex::new(Watch::NotYet),
+            warned: AtomicBool::new(false),
         }
     }
 
     /// Rings `key`'s bell: tells waiters in other processes that it was
-    /// released. Called after the release committed; never fails.
+    /// released. Called after the release committed; never fails, never
+    /// blocks: the file is written by the process's ringer thread.
     pub(super) fn ring(&self, key: &str) {
-        let path = self.dir.join(bell_name(bucket(key)));
+        ringer::ring(self.dir.join(bell_name(bucket(key))));
+    }
+
+    /// Writes one bell (on the ringer thread). Anything but a regular file
+    /// (a FIFO would block the open) is left alone.
+    fn ring_path(path: &Path) {
+        if std::fs::symlink_metadata(path).is_ok_and(|m| !m.is_file()) {
+            tracing::debug!(bell = %path.display(), "dlock sqlite: a doorbell is not a regular file; not rung");
+            return;
+        }
         let rung = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
@@ -244,21 +280,38 @@ impl Doorbells {
             tracing::debug!(dir = %self.dir.display(), "dlock sqlite: doorbells removed; watching anew");
             *watch = Watch::NotYet;
         }
+        if matches!(*watch, Watch::Unavailable { retry_at } if Instant::now() >= retry_at) {
+            *watch = Watch::NotYet;
+        }
         if matches!(*watch, Watch::NotYet) {
             *watch = match self.watch() {
                 Ok(watcher) => Watch::Watching { _watcher: watcher },
                 Err(err) => {
-                    tracing::warn!(
-                        dir = %self.dir.display(),
-                        error = %err,
-                        "dlock sqlite: cannot watch the doorbells; waiters in this process \
-                         hear other processes' releases only by polling"
-                    );
-                    Watch::Unavailable
+                    if !self.warned.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            dir = %self.dir.display(),
+                            error = %err,
+                            "dlock sqlite: cannot watch the doorbells; waiters in this process \
+                             hear other processes' releases by polling (tried again every {:?})",
+                            RETRY_WATCH_AFTER
+                        );
+                    }
+                    Watch::Unavailable {
+                        retry_at: Instant::now() + RETRY_WATCH_AFTER,
+                    }
                 }
             };
         }
         matches!(*watch, Watch::Watching { .. })
+    }
+
+    /// Sets up a new watcher if the last one lost its directory: called by
+    /// every busy attempt, so waiters already waiting move to the new
+    /// directory (the removal woke them all).
+    pub(super) fn relisten_if_lost(&self) {
+        if self.buckets.lost.load(Ordering::Relaxed) {
+            let _ = self.listen();
+        }
     }
 
     fn watch(&self) -> Result<RecommendedWatcher, String> {
@@ -284,6 +337,58 @@ impl Doorbells {
     /// Buckets with waiters right now.
     pub(super) fn waited_buckets(&self) -> usize {
         self.buckets.map().len()
+    }
+}
+
+/// The process's ringer: one thread that writes the bells, so a release
+/// never does blocking file I/O on an async worker (a hung filesystem would
+/// stall every lock of the process). Rings wait in a set, so a ringer stuck
+/// on one file holds at most one pending ring per bell.
+mod ringer {
+    use std::collections::BTreeSet;
+    use std::path::PathBuf;
+    use std::sync::{Condvar, LazyLock, Mutex};
+
+    struct Pending {
+        bells: Mutex<BTreeSet<PathBuf>>,
+        rung: Condvar,
+    }
+
+    static PENDING: LazyLock<&'static Pending> = LazyLock::new(|| {
+        let pending: &'static Pending = Box::leak(Box::new(Pending {
+            bells: Mutex::new(BTreeSet::new()),
+            rung: Condvar::new(),
+        }));
+        let started = std::thread::Builder::new()
+            .name("dlock-sqlite-bells".into())
+            .spawn(move || {
+                loop {
+                    let next = {
+                        let mut bells = pending.bells.lock().unwrap_or_else(|p| p.into_inner());
+                        loop {
+                            if let Some(bell) = bells.pop_first() {
+                                break bell;
+                            }
+                            bells = pending.rung.wait(bells).unwrap_or_else(|p| p.into_inner());
+                        }
+                    };
+                    super::Doorbells::ring_path(&next);
+                }
+            });
+        if let Err(err) = started {
+            tracing::warn!(error = %err, "dlock sqlite: no doorbell thread; waiters elsewhere will poll");
+        }
+        pending
+    });
+
+    pub(super) fn ring(bell: PathBuf) {
+        let pending = *PENDING;
+        pending
+            .bells
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(bell);
+        pending.rung.notify_one();
     }
 }
 
