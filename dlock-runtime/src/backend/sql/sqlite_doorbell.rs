@@ -231,7 +231,7 @@ impl Doorbells {
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&path)
+            .open(path)
             .and_then(|mut file| file.write_all(&[1]));
         match rung {
             Ok(()) => {}
