@@ -174,3 +174,35 @@ async fn more_replicas_than_exist_fail_and_leave_no_key() {
     let left: bool = primary.exists(redis_key(&key)).await.expect("EXISTS");
     assert!(!left, "the grant is undone");
 }
+
+/// The caller gives up while its grant waits for the replicas (`WAIT` blocks:
+/// two replicas asked for, one exists): the grant must not stay on the
+/// server — the runtime's owner-checked release follows the abandoned
+/// attempt, over the grants' own connection too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_gives_up_during_wait_leaves_no_key() {
+    let reg = registry("replicas=2&timeout=2s").await;
+    let mut primary = admin(&primary_url()).await;
+    for round in 0..5 {
+        let key = unique_key("replicas-cancelled");
+        // WAIT blocks for 1 s (timeout/2); give up 100–500 ms into it.
+        let give_up = Duration::from_millis(100 + 100 * round);
+        let outcome = tokio::time::timeout(give_up, reg.lock(&key).acquire()).await;
+        assert!(
+            outcome.is_err(),
+            "the acquisition cannot finish within {give_up:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(1);
+        loop {
+            let held: bool = primary.exists(redis_key(&key)).await.expect("EXISTS");
+            if !held {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: the abandoned grant is still on the server 1 s after the caller gave up"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
