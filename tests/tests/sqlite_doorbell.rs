@@ -40,6 +40,31 @@ fn bells_dir(db: &Path) -> PathBuf {
     dir.into()
 }
 
+/// Removes the bells directory as a `/tmp` cleaner or an operator would. The
+/// process's ringer thread writes bells after a release has returned, so a
+/// ring may create a bell file while the directory is being emptied
+/// ("Directory not empty"): the removal goes on until the directory is gone.
+/// A ring never creates the directory itself, so this ends once the ringer
+/// is idle.
+fn remove_bells(db: &Path) {
+    let dir = bells_dir(db);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => return,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
+            Err(err) if err.kind() == std::io::ErrorKind::DirectoryNotEmpty => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the bells directory kept filling for 10 s: {err}"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(err) => panic!("remove the bells: {err}"),
+        }
+    }
+}
+
 async fn backend(url: &str) -> (SqliteBackend, Registry) {
     let backend = SqliteBackend::connect(url).await.expect("open sqlite");
     let registry = Registry::builder().default_backend(backend.clone()).build();
@@ -408,7 +433,7 @@ async fn a_removed_bells_directory_is_watched_anew() {
         taken.release().await.expect("release");
         assert!(waiting.hears_doorbells());
         if round == 0 {
-            std::fs::remove_dir_all(bells_dir(&db)).expect("remove the bells");
+            remove_bells(&db);
             // Let the watcher hear that its directory is gone.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -599,7 +624,7 @@ async fn a_relative_path_loses_the_bells_after_they_are_removed() {
              waiter: {recreated}"
         );
         if round == 0 {
-            std::fs::remove_dir_all(bells_dir(&db)).expect("remove the bells");
+            remove_bells(&db);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -633,7 +658,7 @@ async fn waiters_waiting_when_the_bells_are_recreated_are_not_rung() {
     assert!(!waits.is_finished(), "the key was not busy");
     assert!(waiting.hears_doorbells());
 
-    std::fs::remove_dir_all(bells_dir(&db)).expect("remove the bells");
+    remove_bells(&db);
     // Let the watcher hear it (and wake its waiter, which finds the key busy).
     tokio::time::sleep(Duration::from_millis(100)).await;
 
@@ -921,7 +946,12 @@ fn dropped_backends_leave_no_watcher() {
             drop(waiter);
             drop(waiting);
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // A dropped watcher's thread ends (and closes its descriptor) on its
+        // own time: wait for it, generously, then compare.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while (inotify_fds() > fds0 || watcher_threads() > threads0) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let (fds, threads) = (inotify_fds(), watcher_threads());
         println!(
             "inotify fds: {fds0} before, peak {}, {fds} after; watcher threads: \
