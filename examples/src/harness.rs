@@ -39,7 +39,7 @@ use anyhow::{Context, bail};
 
 use crate::Args;
 use crate::copies::Copies;
-use crate::counter::{Counter, Event, Holder};
+use crate::counter::{Counter, Event, Holder, State};
 
 const USAGE: &str = "quickstart [--workers N (4)] [--rounds M (25)] [--kill-one]";
 
@@ -152,6 +152,72 @@ struct Killed {
     next: Option<(Holder, Duration)>,
 }
 
+/// Everything the coordinator observed during a run.
+#[derive(Default)]
+struct Observed {
+    stats: BTreeMap<u32, WorkerStats>,
+    /// Accepted writes so far.
+    increments: u32,
+    killed: Option<Killed>,
+    /// Two live workers inside at once: (the one entering, the one it found).
+    overlaps: Vec<(Holder, Holder)>,
+    /// The killed worker's mark, found by the next holder.
+    stale_marks: Vec<(Holder, Holder)>,
+    /// Workers that exited with an error (a killed one aside).
+    failed: Vec<String>,
+}
+
+impl Observed {
+    /// Takes one event into account.
+    fn record(&mut self, event: Event, lease: Duration) {
+        match event {
+            Event::Holds(me) => {
+                self.stats
+                    .entry(me.worker)
+                    .or_default()
+                    .tokens
+                    .push(me.token);
+                if let Some(k) = &mut self.killed
+                    && k.next.is_none()
+                    && me.worker != k.victim.worker
+                {
+                    k.next = Some((me, k.at.elapsed()));
+                    println!(
+                        "  worker {} got the lock {:.2} s later, with token {} (the lease is {} s)",
+                        me.worker,
+                        k.at.elapsed().as_secs_f64(),
+                        me.token,
+                        lease.as_secs_f64()
+                    );
+                }
+            }
+            Event::FoundInside { me, other } => match &self.killed {
+                // The dead worker's mark, found by the next holder: a stale
+                // holder cleaned up, not two workers inside at once.
+                Some(k) if other.worker == k.victim.worker && other.token >= k.victim.token => {
+                    self.stale_marks.push((me, other));
+                }
+                _ => self.overlaps.push((me, other)),
+            },
+            Event::Wrote { me, .. } => {
+                self.stats
+                    .entry(me.worker)
+                    .or_default()
+                    .wrote
+                    .insert(me.token);
+                self.increments += 1;
+            }
+            Event::Refused { me } => self.stats.entry(me.worker).or_default().refused += 1,
+        }
+    }
+
+    fn was_killed(&self, worker: u32) -> bool {
+        self.killed
+            .as_ref()
+            .is_some_and(|k| k.victim.worker == worker)
+    }
+}
+
 /// Starts the workers, reads the store's lines, prints the verdict.
 async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result<bool> {
     let started = Instant::now();
@@ -183,93 +249,74 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
         }),
     )?;
 
-    let total_rounds = opts.workers * opts.rounds;
-    let mut stats: BTreeMap<u32, WorkerStats> = BTreeMap::new();
-    let mut killed: Option<Killed> = None;
-    let mut overlaps = Vec::new();
-    let mut stale_marks = Vec::new();
-    let mut increments = 0;
-
+    let mut seen = Observed::default();
     while let Some((id, line)) = workers.next_line().await {
         let Some(event) = Event::parse(&line) else {
             println!("  worker {id}: {line}");
             continue;
         };
-        match event {
-            Event::Holds(me) => {
-                stats.entry(me.worker).or_default().tokens.push(me.token);
-                if let Some(k) = &mut killed
-                    && k.next.is_none()
-                    && me.worker != k.victim.worker
-                {
-                    k.next = Some((me, k.at.elapsed()));
-                    println!(
-                        "  worker {} got the lock {:.2} s later, with token {} (the lease is {} s)",
-                        me.worker,
-                        k.at.elapsed().as_secs_f64(),
-                        me.token,
-                        lease.as_secs_f64()
-                    );
-                }
-                // Kill a holder once a quarter of the rounds are done.
-                if opts.kill_one && killed.is_none() && increments >= total_rounds / 4 {
-                    workers.kill(me.worker).await?;
-                    let at = Instant::now();
-                    println!(
-                        "  killed worker {} (SIGKILL) while it held the lock with token {}",
-                        me.worker, me.token
-                    );
-                    // Its last write may have reached the store just before it
-                    // could print it: nobody else can write until its lease
-                    // runs out, so the store tells.
-                    if let Some(last) = store.state()?.last_write
-                        && last.worker == me.worker
-                    {
-                        stats.entry(me.worker).or_default().wrote.insert(last.token);
-                    }
-                    killed = Some(Killed {
-                        victim: me,
-                        at,
-                        next: None,
-                    });
-                }
+        seen.record(event, lease);
+        // Kill a holder once a quarter of the rounds are done.
+        if let Event::Holds(me) = event
+            && opts.kill_one
+            && seen.killed.is_none()
+            && seen.increments >= opts.workers * opts.rounds / 4
+        {
+            workers.kill(me.worker).await?;
+            let at = Instant::now();
+            println!(
+                "  killed worker {} (SIGKILL) while it held the lock with token {}",
+                me.worker, me.token
+            );
+            // Its last write may have reached the store just before it could
+            // print it: nobody else can write until its lease runs out, so the
+            // store tells.
+            if let Some(last) = store.state()?.last_write
+                && last.worker == me.worker
+            {
+                let stats = seen.stats.entry(me.worker).or_default();
+                stats.wrote.insert(last.token);
             }
-            Event::FoundInside { me, other } => match &killed {
-                // The dead worker's mark, found by the next holder: a stale
-                // holder cleaned up, not two workers inside at once.
-                Some(k) if other.worker == k.victim.worker && other.token >= k.victim.token => {
-                    stale_marks.push((me, other));
-                }
-                _ => overlaps.push((me, other)),
-            },
-            Event::Wrote { me, .. } => {
-                stats.entry(me.worker).or_default().wrote.insert(me.token);
-                increments += 1;
-            }
-            Event::Refused { me } => stats.entry(me.worker).or_default().refused += 1,
+            seen.killed = Some(Killed {
+                victim: me,
+                at,
+                next: None,
+            });
         }
     }
 
     // Every worker but the killed one must have finished cleanly.
-    let mut failed_workers = Vec::new();
     for (id, status) in workers.wait().await? {
-        let was_killed = killed.as_ref().is_some_and(|k| k.victim.worker == id);
-        if !status.success() && !was_killed {
-            failed_workers.push(format!("worker {id} exited with {status}"));
+        if !status.success() && !seen.was_killed(id) {
+            seen.failed
+                .push(format!("worker {id} exited with {status}"));
         }
     }
     let state = store.state()?;
     let _ = std::fs::remove_dir_all(&dir);
 
-    // One line per worker.
-    if killed.is_some() {
+    print_workers(&mut seen, &opts);
+    let passed = print_verdict(&seen, &opts, &state, lease);
+    println!();
+    println!(
+        "{} in {:.1} s",
+        if passed { "PASS" } else { "FAIL" },
+        started.elapsed().as_secs_f64()
+    );
+    Ok(passed)
+}
+
+/// Prints one line per worker: its rounds, increments and fencing tokens.
+fn print_workers(seen: &mut Observed, opts: &Options) {
+    if seen.killed.is_some() {
         println!();
     }
     println!("worker  rounds        increments  fencing tokens");
     for id in 1..=opts.workers {
-        let s = stats.entry(id).or_default();
+        let killed = seen.was_killed(id);
+        let s = seen.stats.entry(id).or_default();
         let mut rounds = s.rounds().to_string();
-        if killed.as_ref().is_some_and(|k| k.victim.worker == id) {
+        if killed {
             rounds.push_str(" (killed)");
         }
         let tokens = match (s.tokens.first(), s.tokens.last()) {
@@ -279,8 +326,11 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
         println!("{id:>6}  {rounds:<12}  {:>10}  {tokens}", s.wrote.len());
     }
     println!();
+}
 
-    // The verdict: one line per check, `ok`/`FAIL` where it decides the exit code.
+/// Prints the verdict, one line per check (`ok`/`FAIL` where it decides the
+/// outcome); true if every check passed.
+fn print_verdict(seen: &Observed, opts: &Options, state: &State, lease: Duration) -> bool {
     let line = |ok: Option<bool>, what: &str, value: String, note: &str| {
         let mark = match ok {
             Some(true) => "ok",
@@ -289,14 +339,13 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
         };
         println!("{mark:<4}  {what:<28}  {value:>6}  {note}");
     };
-    let expected: usize = stats.values().map(|s| s.wrote.len()).sum();
-    let done: usize = stats.values().map(WorkerStats::rounds).sum();
+    let expected: usize = seen.stats.values().map(|s| s.wrote.len()).sum();
+    let done: usize = seen.stats.values().map(WorkerStats::rounds).sum();
     let unfinished = opts.workers as usize * opts.rounds as usize - done;
-    let seen = usize::try_from(state.row.value)?;
-    let no_lost_update = expected == seen;
-    let no_overlap = overlaps.is_empty();
+    let no_lost_update = expected as u64 == state.row.value;
+    let no_overlap = seen.overlaps.is_empty();
 
-    let why = match &killed {
+    let why = match &seen.killed {
         Some(k) => format!(
             "{} × {} rounds, minus the {unfinished} that killed worker {} never ran",
             opts.workers, opts.rounds, k.victim.worker
@@ -317,20 +366,20 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
     line(
         Some(no_lost_update),
         "counter value in the store",
-        seen.to_string(),
+        state.row.value.to_string(),
         note,
     );
     line(
         Some(no_overlap),
         "overlapping holders",
-        overlaps.len().to_string(),
+        seen.overlaps.len().to_string(),
         "times two live workers were inside `bump` at once",
     );
-    for (me, other) in overlaps.iter().take(5) {
+    for (me, other) in seen.overlaps.iter().take(5) {
         println!("        {me} found {other} inside");
     }
-    if overlaps.len() > 5 {
-        println!("        … and {} more", overlaps.len() - 5);
+    if seen.overlaps.len() > 5 {
+        println!("        … and {} more", seen.overlaps.len() - 5);
     }
     line(
         None,
@@ -340,15 +389,15 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
     );
 
     let mut resumed = true;
-    if let Some(k) = &killed {
-        let note = match stale_marks.first() {
+    if let Some(k) = &seen.killed {
+        let note = match seen.stale_marks.first() {
             Some((me, other)) => format!("{me} replaced the mark of dead {other}"),
             None => format!("worker {} died after clearing its mark", k.victim.worker),
         };
         line(
             None,
             "dead holder's mark replaced",
-            stale_marks.len().to_string(),
+            seen.stale_marks.len().to_string(),
             &note,
         );
         // The next holder gets the lock when the dead one's lease runs out: at
@@ -373,16 +422,8 @@ async fn coordinate(url: &str, lease: Duration, opts: Options) -> anyhow::Result
             }
         }
     }
-    for failure in &failed_workers {
+    for failure in &seen.failed {
         line(Some(false), "worker failed", String::new(), failure);
     }
-
-    let passed = no_lost_update && no_overlap && resumed && failed_workers.is_empty();
-    println!();
-    println!(
-        "{} in {:.1} s",
-        if passed { "PASS" } else { "FAIL" },
-        started.elapsed().as_secs_f64()
-    );
-    Ok(passed)
+    no_lost_update && no_overlap && resumed && seen.failed.is_empty()
 }

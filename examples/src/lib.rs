@@ -109,9 +109,7 @@ impl Args {
             .args
             .next()
             .with_context(|| format!("{name} needs a value"))?;
-        value
-            .parse()
-            .with_context(|| format!("{name} {value}: usage: {}", self.usage))
+        value.parse().with_context(|| format!("{name} {value}"))
     }
 
     /// The error for an argument the example does not know.
