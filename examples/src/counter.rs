@@ -267,7 +267,7 @@ impl fmt::Display for Event {
 }
 
 impl Event {
-    /// Parses a line printed by [`Event::report`].
+    /// Parses a line the store printed (an event's `Display`).
     pub fn parse(line: &str) -> Option<Event> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let (me, rest) = words.split_at_checked(4)?;
@@ -290,5 +290,82 @@ impl Event {
     /// Prints the event for the coordinator (stdout is flushed at each newline).
     fn report(self) {
         println!("{self}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(worker: u32, token: u64) -> Holder {
+        Holder { worker, token }
+    }
+
+    #[test]
+    fn events_read_back_as_printed() {
+        let events = [
+            Event::Holds(holder(2, 17)),
+            Event::FoundInside {
+                me: holder(2, 17),
+                other: holder(3, 16),
+            },
+            Event::Wrote {
+                me: holder(2, 17),
+                value: 18,
+            },
+            Event::Refused { me: holder(2, 17) },
+        ];
+        for event in events {
+            let line = event.to_string();
+            let parsed = Event::parse(&line).expect("a printed event parses");
+            assert_eq!(parsed.to_string(), line);
+        }
+        assert!(Event::parse("worker 2 token 17 did something else").is_none());
+        assert!(Event::parse("a log line").is_none());
+    }
+
+    #[test]
+    fn the_state_reads_back_as_written() {
+        let state = State {
+            row: Row {
+                value: 41,
+                token: 9,
+            },
+            stale_refused: 2,
+            inside: Some(holder(1, 9)),
+            last_write: None,
+        };
+        let read: State = state.to_string().parse().expect("a written state parses");
+        assert_eq!(read.row, state.row);
+        assert_eq!(read.stale_refused, 2);
+        assert_eq!(read.inside, Some(holder(1, 9)));
+        assert_eq!(read.last_write, None);
+    }
+
+    #[test]
+    fn an_update_that_leaves_the_row_is_counted_as_refused() {
+        let dir = std::env::temp_dir().join(format!("dlock-counter-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("counter.txt");
+        Counter::create(&path).unwrap();
+        let counter = Counter::open(path, 1);
+
+        assert_eq!(counter.read().unwrap(), 0);
+        assert_eq!(counter.state().unwrap().inside, Some(holder(1, 0)));
+        counter
+            .update(|row| *row = Row { value: 1, token: 5 })
+            .unwrap();
+        assert!(!counter.last_write_refused());
+        let state = counter.state().unwrap();
+        assert_eq!(state.row, Row { value: 1, token: 5 });
+        assert_eq!(state.inside, None, "the update clears the caller's mark");
+        assert_eq!(state.last_write, Some(holder(1, 0)));
+
+        counter.update(|_| ()).unwrap();
+        assert!(counter.last_write_refused());
+        let state = counter.state().unwrap();
+        assert_eq!(state.row, Row { value: 1, token: 5 });
+        assert_eq!(state.stale_refused, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
