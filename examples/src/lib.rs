@@ -75,8 +75,8 @@ pub fn dlock_url_between_processes() -> anyhow::Result<String> {
     let url = dlock_url();
     if url.starts_with("memory:") {
         bail!(
-            "DLOCK_URL={url} is a lock inside one process, but this example's workers are \
-             separate processes: use a sqlite:// file (the default) or a server URL"
+            "DLOCK_URL={url} is a lock inside one process, but this example runs in several \
+             processes: use a sqlite:// file (the default) or a server URL"
         );
     }
     Ok(url)
