@@ -30,24 +30,22 @@
 //! single process.
 
 use std::collections::HashMap;
-use std::io;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use dlock_examples::Args;
 use dlock_runtime::{LockError, Registry, distributed_lock};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tracing_subscriber::EnvFilter;
 
 // ---------------------------------------------------------------------------
 // The locked operation and its error type: this is the part to copy.
@@ -268,60 +266,24 @@ async fn self_test(addr: SocketAddr) -> anyhow::Result<bool> {
 // Start-up.
 // ---------------------------------------------------------------------------
 
-/// The lock backend: `DLOCK_URL`, or a SQLite file in the workspace's `target/`.
-fn dlock_url() -> String {
-    std::env::var("DLOCK_URL").unwrap_or_else(|_| {
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("the examples crate lives in the workspace");
-        format!(
-            "sqlite://{}",
-            workspace.join("target/dlock-examples.db").display()
-        )
-    })
-}
-
-#[tokio::main]
-async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(io::stderr)
-        .init();
-
-    // Exit codes: 0 passed (or served until Ctrl-C), 1 the self-test failed, 2 could not run.
-    match run().await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::from(2)
-        }
-    }
+fn main() -> ExitCode {
+    dlock_examples::main(run())
 }
 
 /// Serves, or runs the self-test; `Ok(false)` if the self-test failed.
 async fn run() -> anyhow::Result<bool> {
     let mut addr: SocketAddr = ([127, 0, 0, 1], 0).into();
     let mut test = false;
-    let mut args = std::env::args().skip(1);
+    let mut args = Args::from_env("axum_handler [--addr HOST:PORT (127.0.0.1:0)] [--self-test]");
     while let Some(arg) = args.next() {
         match arg.as_str() {
-            "--addr" => {
-                let value = args.next().context("--addr needs a value")?;
-                addr = value.parse().context("--addr HOST:PORT")?;
-            }
+            "--addr" => addr = args.value("--addr")?,
             "--self-test" => test = true,
-            "-h" | "--help" => {
-                println!("usage: axum_handler [--addr HOST:PORT (127.0.0.1:0)] [--self-test]");
-                return Ok(true);
-            }
-            other => bail!("unknown argument `{other}` (try --help)"),
+            other => return Err(args.unknown(other)),
         }
     }
 
-    let url = dlock_url();
+    let url = dlock_examples::dlock_url();
     println!("lock backend: {url}");
     dlock_runtime::init(Registry::from_url(&url).await?)?;
 

@@ -35,20 +35,16 @@
 //! `memory://` (a lock inside one process) is refused.
 
 use std::collections::BTreeMap;
-use std::io;
-use std::path::Path;
-use std::process::{ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
+use dlock_examples::Args;
+use dlock_examples::copies::Copies;
 use dlock_runtime::{LockError, Registry, distributed_lock};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
-use tokio::sync::mpsc;
-use tracing_subscriber::EnvFilter;
 
 /// How many replicas the coordinator starts.
-const REPLICAS: u64 = 3;
+const REPLICAS: u32 = 3;
 
 /// How far apart, within a second, the replicas' timers fire.
 const SPREAD: Duration = Duration::from_millis(50);
@@ -97,12 +93,12 @@ enum AppError {
 // ---------------------------------------------------------------------------
 
 /// Runs the schedule of replica `replica`: ticks `from..from + ticks`.
-async fn replica(replica: u64, from: u64, ticks: u64) -> anyhow::Result<()> {
+async fn replica(replica: u32, from: u64, ticks: u64) -> anyhow::Result<()> {
     for tick in from..from + ticks {
         // Each replica fires at its own offset into the second; the order
         // rotates with the tick.
         let second = UNIX_EPOCH + Duration::from_secs(tick);
-        let offset = SPREAD * u32::try_from((replica + tick) % REPLICAS)?;
+        let offset = SPREAD * u32::try_from((u64::from(replica) + tick) % u64::from(REPLICAS))?;
         sleep_until(second + offset).await;
         // Milliseconds into the tick's second, to show when things happened.
         let ms = |t: SystemTime| t.duration_since(second).unwrap_or_default().as_millis();
@@ -163,34 +159,23 @@ async fn coordinate(url: &str, ticks: u64) -> anyhow::Result<bool> {
     );
     println!();
 
-    let exe = std::env::current_exe().context("locating this program")?;
-    let (lines_tx, mut lines) = mpsc::unbounded_channel::<String>();
-    let mut children = Vec::new();
-    for n in 1..=REPLICAS {
-        let mut child = Command::new(&exe)
-            .args(["replica", &n.to_string()])
-            .args(["--from", &from.to_string(), "--ticks", &ticks.to_string()])
-            .env("DLOCK_URL", url)
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .context("starting a replica")?;
-        let mut out = BufReader::new(child.stdout.take().expect("stdout is piped")).lines();
-        let tx = lines_tx.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = out.next_line().await {
-                let _ = tx.send(line);
-            }
-        });
-        children.push((n, child));
-    }
-    drop(lines_tx);
+    let (from_arg, ticks_arg) = (from.to_string(), ticks.to_string());
+    let mut replicas = Copies::start(
+        url,
+        (1..=REPLICAS).map(|n| {
+            let n_arg = n.to_string();
+            let args = [
+                "replica", &n_arg, "--from", &from_arg, "--ticks", &ticks_arg,
+            ];
+            (n, args.map(String::from))
+        }),
+    )?;
 
     let mut outcomes: BTreeMap<u64, TickOutcome> = (from..from + ticks)
         .map(|t| (t, TickOutcome::default()))
         .collect();
     let mut problems = Vec::new();
-    while let Some(line) = lines.recv().await {
+    while let Some((_, line)) = replicas.next_line().await {
         match parse_line(&line) {
             Some((replica, tick, outcome)) if outcomes.contains_key(&tick) => {
                 let entry = outcomes.entry(tick).or_default();
@@ -204,8 +189,7 @@ async fn coordinate(url: &str, ticks: u64) -> anyhow::Result<bool> {
             _ => println!("  {line}"),
         }
     }
-    for (n, mut child) in children {
-        let status = child.wait().await?;
+    for (n, status) in replicas.wait().await? {
         if !status.success() {
             problems.push(format!("replica {n} exited with {status}"));
         }
@@ -265,88 +249,44 @@ async fn coordinate(url: &str, ticks: u64) -> anyhow::Result<bool> {
 // Start-up.
 // ---------------------------------------------------------------------------
 
-enum Mode {
+/// What this process is.
+enum Role {
     Coordinator { ticks: u64 },
-    Replica { n: u64, from: u64, ticks: u64 },
+    Replica { n: u32, from: u64, ticks: u64 },
 }
 
-fn parse_args() -> anyhow::Result<Mode> {
-    let mut args = std::env::args().skip(1);
+fn parse_args() -> anyhow::Result<Role> {
+    let mut args = Args::from_env("scheduled_job [--ticks N (5)]");
     let (mut replica, mut from, mut ticks) = (None, None, 5);
     while let Some(arg) = args.next() {
-        let mut value = |name: &str| args.next().with_context(|| format!("{name} needs a value"));
         match arg.as_str() {
-            "replica" => replica = Some(value("replica")?.parse().context("replica <n>")?),
-            "--from" => from = Some(value("--from")?.parse().context("--from <tick>")?),
-            "--ticks" => ticks = value("--ticks")?.parse().context("--ticks N")?,
-            "-h" | "--help" => {
-                println!("usage: scheduled_job [--ticks N (5)]");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument `{other}` (try --help)"),
+            "replica" => replica = Some(args.value("replica")?),
+            "--from" => from = Some(args.value("--from")?),
+            "--ticks" => ticks = args.value("--ticks")?,
+            other => return Err(args.unknown(other)),
         }
     }
     if ticks == 0 {
         bail!("--ticks must be at least 1");
     }
     Ok(match replica {
-        Some(n) => Mode::Replica {
+        Some(n) => Role::Replica {
             n,
             from: from.context("a replica needs --from <tick>")?,
             ticks,
         },
-        None => Mode::Coordinator { ticks },
+        None => Role::Coordinator { ticks },
     })
 }
 
-/// The lock backend: `DLOCK_URL`, or a SQLite file in the workspace's `target/`.
-fn dlock_url() -> String {
-    std::env::var("DLOCK_URL").unwrap_or_else(|_| {
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("the examples crate lives in the workspace");
-        format!(
-            "sqlite://{}",
-            workspace.join("target/dlock-examples.db").display()
-        )
-    })
-}
-
-#[tokio::main]
-async fn main() -> ExitCode {
-    // Logs go to stderr: a replica's stdout is for its report lines.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(io::stderr)
-        .init();
-
-    // Exit codes: 0 passed, 1 the verdict failed, 2 could not run.
-    match run().await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::from(2)
+fn main() -> ExitCode {
+    dlock_examples::main(async {
+        let role = parse_args()?;
+        let url = dlock_examples::dlock_url_between_processes()?;
+        dlock_runtime::init(Registry::from_url(&url).await?)?;
+        match role {
+            Role::Replica { n, from, ticks } => replica(n, from, ticks).await.map(|()| true),
+            Role::Coordinator { ticks } => coordinate(&url, ticks).await,
         }
-    }
-}
-
-/// Runs this process's part; `Ok(false)` if the verdict failed.
-async fn run() -> anyhow::Result<bool> {
-    let mode = parse_args()?;
-    let url = dlock_url();
-    if url.starts_with("memory:") {
-        bail!(
-            "DLOCK_URL={url} is a lock inside one process, but scheduled_job's replicas are \
-             separate processes: use a sqlite:// file (the default) or a server URL"
-        );
-    }
-    dlock_runtime::init(Registry::from_url(&url).await?)?;
-
-    match mode {
-        Mode::Replica { n, from, ticks } => replica(n, from, ticks).await.map(|()| true),
-        Mode::Coordinator { ticks } => coordinate(&url, ticks).await,
-    }
+    })
 }
