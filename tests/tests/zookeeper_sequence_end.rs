@@ -1,0 +1,166 @@
+//! ZooKeeper at the end of a key's sequence counter: a server (in one JVM,
+//! `tests/java/CounterEndZooKeeper.java`) whose key container's child
+//! counter is set just below `2147483647`, where ZooKeeper 3.8 hands the same
+//! suffix to every later child and pipelined creates get `-2147483648` and
+//! up. Curator and dlock exclude each other up to the end; past it, dlock
+//! sessions still never hold the key together.
+#![cfg(feature = "zookeeper")]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dlock_runtime::{Registry, ZooKeeperBackend};
+use dlock_tests::unique_key;
+use dlock_tests::zk_support::{CounterEndZk, java_programs};
+use zookeeper_client::{Acls, Client, CreateMode};
+
+/// What the contenders share: a counter in a file, incremented by
+/// read-sleep-write, and a marker file that exists while someone holds the
+/// key (created with "must not exist": a second holder finds it).
+struct Shared {
+    dir: PathBuf,
+    overlaps: Mutex<u32>,
+    tokens: Mutex<Vec<u64>>,
+}
+
+impl Shared {
+    fn new(dir: &Path) -> Arc<Shared> {
+        std::fs::write(dir.join("counter"), "0").expect("counter file");
+        Arc::new(Shared {
+            dir: dir.to_owned(),
+            overlaps: Mutex::new(0),
+            tokens: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn counter(&self) -> u64 {
+        std::fs::read_to_string(self.dir.join("counter"))
+            .expect("counter file")
+            .trim()
+            .parse()
+            .expect("a number")
+    }
+
+    /// One turn of a holder: false if another holder was inside.
+    async fn turn(&self, hold: Duration) -> bool {
+        let inside = self.dir.join("inside");
+        if std::fs::File::create_new(&inside).is_err() {
+            *self.overlaps.lock().unwrap() += 1;
+            return false;
+        }
+        let n = self.counter();
+        tokio::time::sleep(hold).await;
+        std::fs::write(self.dir.join("counter"), (n + 1).to_string()).expect("counter file");
+        std::fs::remove_file(&inside).expect("marker file");
+        true
+    }
+}
+
+/// `tasks` tasks on `backend`, each taking `key` `rounds` times.
+fn contenders(
+    backend: &ZooKeeperBackend,
+    key: &str,
+    tasks: usize,
+    rounds: usize,
+    shared: &Arc<Shared>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let registry = Registry::builder().default_backend(backend.clone()).build();
+    (0..tasks)
+        .map(|_| {
+            let (registry, key, shared) = (registry.clone(), key.to_owned(), shared.clone());
+            tokio::spawn(async move {
+                for _ in 0..rounds {
+                    let guard = registry
+                        .lock(&key)
+                        .wait(Duration::from_secs(60))
+                        .acquire()
+                        .await
+                        .expect("acquire");
+                    let token = guard.fencing_token().map(u64::from).expect("a token");
+                    shared.tokens.lock().unwrap().push(token);
+                    shared.turn(Duration::from_millis(3)).await;
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_two_holders_at_the_sequence_counters_end() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    let mut server = CounterEndZk::start(&programs).await;
+    let url = server.url("/dlock-end?session_timeout=5s");
+    let first = ZooKeeperBackend::connect(&url).await.expect("connect");
+    let second = ZooKeeperBackend::connect(&url).await.expect("connect");
+    let key = unique_key("counter-end");
+    let container = first.container_path(&format!("dlock:{key}"));
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let shared = Shared::new(dir.path());
+
+    // Up to the end: Curator and two dlock sessions take turns, about 40
+    // creates from 2147483547 on.
+    server.set_counter(&container, i32::MAX - 100).await;
+    let hosts = format!("127.0.0.1:{}", server.port);
+    let dir_arg = dir.path().display().to_string();
+    let mut curator = programs.curator(
+        &hosts,
+        &container,
+        Duration::from_secs(5),
+        "count",
+        &[&dir_arg, "20", "3"],
+    );
+    assert_eq!(curator.line(Duration::from_secs(60)).await, "connected");
+    let mut tasks = contenders(&first, &key, 1, 10, &shared);
+    tasks.extend(contenders(&second, &key, 1, 10, &shared));
+    for task in tasks {
+        task.await.expect("contender");
+    }
+    assert_eq!(curator.line(Duration::from_secs(120)).await, "done");
+    assert_eq!(curator.wait(Duration::from_secs(30)).await, Some(0));
+    assert_eq!(
+        *shared.overlaps.lock().unwrap(),
+        0,
+        "Curator and dlock overlapped"
+    );
+    assert_eq!(shared.counter(), 40, "lost updates up to the counter's end");
+    shared.tokens.lock().unwrap().clear();
+
+    // Past the end: two sessions, two tasks each (pipelined creates), 120
+    // acquisitions, the last 60 or so with repeated or negative suffixes.
+    let mut tasks = contenders(&first, &key, 2, 30, &shared);
+    tasks.extend(contenders(&second, &key, 2, 30, &shared));
+    for task in tasks {
+        task.await.expect("contender");
+    }
+    assert_eq!(
+        *shared.overlaps.lock().unwrap(),
+        0,
+        "two dlock holders at once"
+    );
+    assert_eq!(shared.counter(), 160, "lost updates past the counter's end");
+    let tokens = shared.tokens.lock().unwrap().clone();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens not increasing: {tokens:?}"
+    );
+
+    // The counter is at its end: a new child still gets 2147483647.
+    let admin = Client::connector()
+        .with_session_timeout(Duration::from_secs(5))
+        .connect(&hosts)
+        .await
+        .expect("admin session");
+    let (_, sequence) = admin
+        .create(
+            &format!("{container}/probe-"),
+            b"",
+            &CreateMode::EphemeralSequential.with_acls(Acls::anyone_all()),
+        )
+        .await
+        .expect("probe");
+    assert_eq!(sequence.into_i64(), i64::from(i32::MAX));
+}
