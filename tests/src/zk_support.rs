@@ -5,10 +5,11 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::ZooKeeperBackend;
+use dlock_runtime::{Registry, ZooKeeperBackend};
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -672,4 +673,81 @@ impl CounterEndZk {
             "setting the counter of {path}"
         );
     }
+}
+
+/// What the contenders share: a counter in a file, incremented by
+/// read-sleep-write, and a marker file that exists while someone holds the
+/// key (created with "must not exist": a second holder finds it).
+pub struct Shared {
+    dir: PathBuf,
+    /// Turns that found another holder inside.
+    pub overlaps: Mutex<u32>,
+    /// The fencing tokens of the acquisitions, in the order they held.
+    pub tokens: Mutex<Vec<u64>>,
+}
+
+impl Shared {
+    /// Starts the counter at 0 in `dir`.
+    pub fn new(dir: &std::path::Path) -> Arc<Shared> {
+        std::fs::write(dir.join("counter"), "0").expect("counter file");
+        Arc::new(Shared {
+            dir: dir.to_owned(),
+            overlaps: Mutex::new(0),
+            tokens: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The counter's value.
+    pub fn counter(&self) -> u64 {
+        std::fs::read_to_string(self.dir.join("counter"))
+            .expect("counter file")
+            .trim()
+            .parse()
+            .expect("a number")
+    }
+
+    /// One turn of a holder: false if another holder was inside.
+    pub async fn turn(&self, hold: Duration) -> bool {
+        let inside = self.dir.join("inside");
+        if std::fs::File::create_new(&inside).is_err() {
+            *self.overlaps.lock().unwrap() += 1;
+            return false;
+        }
+        let n = self.counter();
+        tokio::time::sleep(hold).await;
+        std::fs::write(self.dir.join("counter"), (n + 1).to_string()).expect("counter file");
+        std::fs::remove_file(&inside).expect("marker file");
+        true
+    }
+}
+
+/// `tasks` tasks on `backend`, each taking `key` `rounds` times and taking
+/// a [`Shared::turn`] while it holds it.
+pub fn contenders(
+    backend: &ZooKeeperBackend,
+    key: &str,
+    tasks: usize,
+    rounds: usize,
+    shared: &Arc<Shared>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let registry = Registry::builder().default_backend(backend.clone()).build();
+    (0..tasks)
+        .map(|_| {
+            let (registry, key, shared) = (registry.clone(), key.to_owned(), shared.clone());
+            tokio::spawn(async move {
+                for _ in 0..rounds {
+                    let guard = registry
+                        .lock(&key)
+                        .wait(Duration::from_secs(60))
+                        .acquire()
+                        .await
+                        .expect("acquire");
+                    let token = guard.fencing_token().map(u64::from).expect("a token");
+                    shared.tokens.lock().unwrap().push(token);
+                    shared.turn(Duration::from_millis(3)).await;
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect()
 }

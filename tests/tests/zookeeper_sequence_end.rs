@@ -6,86 +6,13 @@
 //! sessions still never hold the key together.
 #![cfg(feature = "zookeeper")]
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::Path;
 use std::time::Duration;
 
-use dlock_runtime::{Registry, ZooKeeperBackend};
+use dlock_runtime::ZooKeeperBackend;
 use dlock_tests::unique_key;
-use dlock_tests::zk_support::{CounterEndZk, java_programs};
+use dlock_tests::zk_support::{CounterEndZk, Shared, contenders, java_programs};
 use zookeeper_client::{Acls, Client, CreateMode};
-
-/// What the contenders share: a counter in a file, incremented by
-/// read-sleep-write, and a marker file that exists while someone holds the
-/// key (created with "must not exist": a second holder finds it).
-struct Shared {
-    dir: PathBuf,
-    overlaps: Mutex<u32>,
-    tokens: Mutex<Vec<u64>>,
-}
-
-impl Shared {
-    fn new(dir: &Path) -> Arc<Shared> {
-        std::fs::write(dir.join("counter"), "0").expect("counter file");
-        Arc::new(Shared {
-            dir: dir.to_owned(),
-            overlaps: Mutex::new(0),
-            tokens: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn counter(&self) -> u64 {
-        std::fs::read_to_string(self.dir.join("counter"))
-            .expect("counter file")
-            .trim()
-            .parse()
-            .expect("a number")
-    }
-
-    /// One turn of a holder: false if another holder was inside.
-    async fn turn(&self, hold: Duration) -> bool {
-        let inside = self.dir.join("inside");
-        if std::fs::File::create_new(&inside).is_err() {
-            *self.overlaps.lock().unwrap() += 1;
-            return false;
-        }
-        let n = self.counter();
-        tokio::time::sleep(hold).await;
-        std::fs::write(self.dir.join("counter"), (n + 1).to_string()).expect("counter file");
-        std::fs::remove_file(&inside).expect("marker file");
-        true
-    }
-}
-
-/// `tasks` tasks on `backend`, each taking `key` `rounds` times.
-fn contenders(
-    backend: &ZooKeeperBackend,
-    key: &str,
-    tasks: usize,
-    rounds: usize,
-    shared: &Arc<Shared>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let registry = Registry::builder().default_backend(backend.clone()).build();
-    (0..tasks)
-        .map(|_| {
-            let (registry, key, shared) = (registry.clone(), key.to_owned(), shared.clone());
-            tokio::spawn(async move {
-                for _ in 0..rounds {
-                    let guard = registry
-                        .lock(&key)
-                        .wait(Duration::from_secs(60))
-                        .acquire()
-                        .await
-                        .expect("acquire");
-                    let token = guard.fencing_token().map(u64::from).expect("a token");
-                    shared.tokens.lock().unwrap().push(token);
-                    shared.turn(Duration::from_millis(3)).await;
-                    guard.release().await.expect("release");
-                }
-            })
-        })
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_two_holders_at_the_sequence_counters_end() {
