@@ -596,11 +596,21 @@ impl JavaProcess {
 
     /// The next line it prints, within `within` (panics on end or timeout).
     pub async fn line(&mut self, within: Duration) -> String {
+        match self.try_line(within).await {
+            Some(line) => line,
+            None => panic!(
+                "no line from the Java program within {within:?}: {:?}",
+                self.child.try_wait()
+            ),
+        }
+    }
+
+    /// The next line it prints within `within`, if any (none once it ended).
+    async fn try_line(&mut self, within: Duration) -> Option<String> {
         match tokio::time::timeout(within, self.lines.next_line()).await {
-            Ok(Ok(Some(line))) => line,
-            Ok(Ok(None)) => panic!("the Java program ended: {:?}", self.child.wait().await),
+            Ok(Ok(line)) => line,
             Ok(Err(e)) => panic!("reading the Java program's output: {e}"),
-            Err(_) => panic!("no line from the Java program within {within:?}"),
+            Err(_) => None,
         }
     }
 
@@ -631,25 +641,32 @@ pub struct CounterEndZk {
 }
 
 impl CounterEndZk {
-    /// Starts it and waits until it serves.
+    /// Starts it on a free port in 47000-47999 and waits until it serves
+    /// (on another port if that one was taken meanwhile).
     pub async fn start(programs: &JavaPrograms) -> CounterEndZk {
-        let port = (47000..48000)
-            .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
-            .expect("a free port in 47000-47999");
-        let dir = tempfile_dir::Dir::new("zk-counter-end");
-        let mut command = programs.command("CounterEndZooKeeper");
-        command
-            .arg(dir.path())
-            .arg(port.to_string())
-            .stdin(Stdio::piped());
-        let mut process = JavaProcess::spawn(command);
-        let ready = process.line(Duration::from_secs(60)).await;
-        assert_eq!(ready, "ready", "the counter-end server did not start");
-        CounterEndZk {
-            port,
-            process,
-            _dir: dir,
+        for _ in 0..5 {
+            let port = loop {
+                let port = rand::random_range(47000..48000);
+                if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                    break port;
+                }
+            };
+            let dir = tempfile_dir::Dir::new("zk-counter-end");
+            let mut command = programs.command("CounterEndZooKeeper");
+            command
+                .arg(dir.path())
+                .arg(port.to_string())
+                .stdin(Stdio::piped());
+            let mut process = JavaProcess::spawn(command);
+            if process.try_line(Duration::from_secs(60)).await.as_deref() == Some("ready") {
+                return CounterEndZk {
+                    port,
+                    process,
+                    _dir: dir,
+                };
+            }
         }
+        panic!("the counter-end ZooKeeper server did not start (5 tries)")
     }
 
     /// `zk://127.0.0.1:{port}{chroot_and_query}`.
