@@ -3,6 +3,7 @@ import java.nio.file.FileAlreadyExistsException;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.nio.file.Paths;
+import java.nio.file.StandardOpenOption;
 import java.util.concurrent.TimeUnit;
 
 import org.apache.curator.framework.CuratorFramework;
@@ -22,7 +23,8 @@ import org.apache.curator.retry.RetryNTimes;
  *
  * Prints "connected" once it has a session. count: takes the lock rounds times; each time creates dir/inside (it must
  * not exist: else prints "overlap" and exits 2), adds one to the number in
- * dir/counter (read, hold holdMs, write), deletes dir/inside, releases;
+ * dir/counter (read, hold holdMs, write), appends "c" to dir/turns, deletes
+ * dir/inside, releases;
  * prints "done". hold: takes the lock, prints "held", then sleeps until
  * killed. acquire: prints "held" and exits 0 if it gets the lock within
  * waitMs, else prints "timeout" and exits 3.
@@ -62,6 +64,8 @@ public final class CuratorLocker {
                             StandardCharsets.UTF_8).trim());
                     Thread.sleep(holdMs);
                     Files.write(counter, Long.toString(n + 1).getBytes(StandardCharsets.UTF_8));
+                    Files.write(dir.resolve("turns"), "c".getBytes(StandardCharsets.UTF_8),
+                            StandardOpenOption.CREATE, StandardOpenOption.APPEND);
                     Files.delete(dir.resolve("inside"));
                     mutex.release();
                 }

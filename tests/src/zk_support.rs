@@ -714,6 +714,13 @@ impl Shared {
         })
     }
 
+    /// How often the holder changed between dlock and Curator: the
+    /// `turns` file has a `d` per dlock turn, a `c` per Curator turn.
+    pub fn switches(&self) -> usize {
+        let turns = std::fs::read(self.dir.join("turns")).unwrap_or_default();
+        turns.windows(2).filter(|w| w[0] != w[1]).count()
+    }
+
     /// The counter's value.
     pub fn counter(&self) -> u64 {
         std::fs::read_to_string(self.dir.join("counter"))
@@ -733,6 +740,12 @@ impl Shared {
         let n = self.counter();
         tokio::time::sleep(hold).await;
         std::fs::write(self.dir.join("counter"), (n + 1).to_string()).expect("counter file");
+        let mut turns = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("turns"))
+            .expect("turns file");
+        std::io::Write::write_all(&mut turns, b"d").expect("turns file");
         std::fs::remove_file(&inside).expect("marker file");
         true
     }

@@ -53,6 +53,11 @@ async fn dlock_and_curator_increment_one_counter_without_lost_updates() {
         "Curator and dlock overlapped"
     );
     assert_eq!(shared.counter(), 60, "lost updates");
+    let switches = shared.switches();
+    assert!(
+        switches >= 2,
+        "dlock and Curator did not take turns ({switches} switches)"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,11 @@ async fn never_two_holders_at_the_sequence_counters_end() {
         "Curator and dlock overlapped"
     );
     assert_eq!(shared.counter(), 40, "lost updates up to the counter's end");
+    let switches = shared.switches();
+    assert!(
+        switches >= 2,
+        "dlock and Curator did not take turns ({switches} switches)"
+    );
     shared.tokens.lock().unwrap().clear();
 
     // Past the end: two sessions, two tasks each (pipelined creates), 120
