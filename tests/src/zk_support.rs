@@ -475,8 +475,8 @@ fn missing(what: &str) -> Option<JavaPrograms> {
     None
 }
 
-/// Compiles the Java programs of `tests/java` into `out_dir/java` (once per
-/// test process), or answers `None` — after printing why — when `javac`,
+/// Compiles the Java programs of `tests/java` into `out_dir` (once per
+/// version of their sources), or answers `None` — after printing why — when `javac`,
 /// `java` or a jar is missing outside CI. In CI a missing one fails.
 pub fn java_programs(out_dir: &std::path::Path) -> Option<JavaPrograms> {
     static COMPILED: std::sync::Mutex<Option<JavaPrograms>> = std::sync::Mutex::new(None);
@@ -508,24 +508,40 @@ pub fn java_programs(out_dir: &std::path::Path) -> Option<JavaPrograms> {
         .filter(|p| p.extension().is_some_and(|e| e == "java"))
         .collect();
     sources.sort();
-    // A directory per process: test binaries may compile at the same time.
-    let classes = out_dir.join(format!("java-{}", std::process::id()));
-    std::fs::create_dir_all(&classes).expect("classes directory");
+    // Compiled once per version of the sources: into a directory of this
+    // process, then renamed (test binaries may compile at the same time).
+    let digest = sources.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, source| {
+        std::fs::read(source)
+            .expect("a Java source")
+            .iter()
+            .fold(h, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+    });
+    let classes = out_dir.join(format!("java-{digest:016x}"));
     let jars = JAVA_JARS.join(":");
-    let output = Command::new("javac")
-        .arg("-nowarn")
-        .arg("-d")
-        .arg(&classes)
-        .arg("-cp")
-        .arg(&jars)
-        .args(&sources)
-        .output()
-        .expect("run javac");
-    assert!(
-        output.status.success(),
-        "javac failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    if !classes.exists() {
+        let building = out_dir.join(format!("java-{digest:016x}-{}", std::process::id()));
+        std::fs::create_dir_all(&building).expect("classes directory");
+        let output = Command::new("javac")
+            .arg("-nowarn")
+            .arg("-d")
+            .arg(&building)
+            .arg("-cp")
+            .arg(&jars)
+            .args(&sources)
+            .output()
+            .expect("run javac");
+        assert!(
+            output.status.success(),
+            "javac failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        if std::fs::rename(&building, &classes).is_err() {
+            // Another process got there first, with the same classes.
+            let _ = std::fs::remove_dir_all(&building);
+        }
+    }
     let programs = JavaPrograms {
         classpath: format!("{}:{jars}", classes.display()),
     };
