@@ -190,6 +190,10 @@ install_missing() {
     command -v redis-server >/dev/null && command -v redis-cli >/dev/null || pkgs+=(redis-server)
     command -v openssl >/dev/null || pkgs+=(openssl)
     zk_installed || pkgs+=(zookeeper)
+    # The ZooKeeper tests compile Java programs: Curator beside dlock, and a
+    # server whose sequence counters start near their end.
+    command -v javac >/dev/null || pkgs+=(default-jdk-headless)
+    [[ -f /usr/share/java/curator-recipes.jar ]] || pkgs+=(libcurator-recipes-java)
     for b in postgres pg_ctl initdb pg_isready psql; do
         [[ -x $PG_BIN/$b ]] || { pkgs+=(postgresql-15 postgresql-client-15); break; }
     done

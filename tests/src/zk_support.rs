@@ -5,10 +5,11 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::ZooKeeperBackend;
+use dlock_runtime::{Registry, ZooKeeperBackend};
 use futures_util::future::BoxFuture;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -439,4 +440,360 @@ pub async fn serving(port: u16) -> bool {
         .ok()
         .flatten()
         .unwrap_or(false)
+}
+
+/// The jars the Java programs of the tests (`tests/java`) run with: Debian's
+/// ZooKeeper and Curator (`scripts/servers.sh` installs them).
+const JAVA_JARS: [&str; 8] = [
+    "/usr/share/java/zookeeper.jar",
+    "/usr/share/java/zookeeper-jute.jar",
+    "/usr/share/java/curator-client.jar",
+    "/usr/share/java/curator-framework.jar",
+    "/usr/share/java/curator-recipes.jar",
+    "/usr/share/java/guava.jar",
+    "/usr/share/java/slf4j-api.jar",
+    "/usr/share/java/slf4j-nop.jar",
+];
+
+/// The test's Java programs (`tests/java/*.java`), compiled.
+#[derive(Debug, Clone)]
+pub struct JavaPrograms {
+    classpath: String,
+}
+
+/// Something a test needs is not installed: in CI (`CI=true`) the test
+/// fails; elsewhere it is skipped with the reason printed.
+fn missing(what: &str) -> Option<JavaPrograms> {
+    let reason = format!(
+        "{what}; install it with scripts/servers.sh (Debian's default-jdk-headless, \
+         zookeeper and libcurator-recipes-java)"
+    );
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{reason}");
+    }
+    println!("skipped: {reason}");
+    None
+}
+
+/// Compiles the Java programs of `tests/java` into `out_dir` (once per
+/// version of their sources), or answers `None` — after printing why — when `javac`,
+/// `java` or a jar is missing outside CI. In CI a missing one fails.
+pub fn java_programs(out_dir: &std::path::Path) -> Option<JavaPrograms> {
+    static COMPILED: std::sync::Mutex<Option<JavaPrograms>> = std::sync::Mutex::new(None);
+    let mut compiled = COMPILED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(programs) = compiled.as_ref() {
+        return Some(programs.clone());
+    }
+    for tool in ["java", "javac"] {
+        let found = Command::new(tool)
+            .arg("-version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            return missing(&format!("`{tool}` is not installed"));
+        }
+    }
+    if let Some(jar) = JAVA_JARS
+        .iter()
+        .find(|jar| !std::path::Path::new(jar).exists())
+    {
+        return missing(&format!("{jar} is missing"));
+    }
+    let sources_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("java");
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(&sources_dir)
+        .expect("tests/java")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "java"))
+        .collect();
+    sources.sort();
+    // Compiled once per version of the sources: into a directory of this
+    // process, then renamed (test binaries may compile at the same time).
+    let digest = sources.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, source| {
+        std::fs::read(source)
+            .expect("a Java source")
+            .iter()
+            .fold(h, |h, b| {
+                (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+    });
+    let classes = out_dir.join(format!("java-{digest:016x}"));
+    let jars = JAVA_JARS.join(":");
+    if !classes.exists() {
+        let building = out_dir.join(format!("java-{digest:016x}-{}", std::process::id()));
+        std::fs::create_dir_all(&building).expect("classes directory");
+        let output = Command::new("javac")
+            .arg("-nowarn")
+            .arg("-d")
+            .arg(&building)
+            .arg("-cp")
+            .arg(&jars)
+            .args(&sources)
+            .output()
+            .expect("run javac");
+        assert!(
+            output.status.success(),
+            "javac failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        if std::fs::rename(&building, &classes).is_err() {
+            // Another process got there first, with the same classes.
+            let _ = std::fs::remove_dir_all(&building);
+        }
+    }
+    let programs = JavaPrograms {
+        classpath: format!("{}:{jars}", classes.display()),
+    };
+    *compiled = Some(programs.clone());
+    Some(programs)
+}
+
+impl JavaPrograms {
+    /// `java` running the program `class` with these arguments.
+    pub fn command(&self, class: &str) -> tokio::process::Command {
+        let mut command = tokio::process::Command::new("java");
+        command
+            .arg("-Xmx96m")
+            .arg("-XX:+UseSerialGC")
+            .arg("-XX:TieredStopAtLevel=1")
+            .arg("-cp")
+            .arg(&self.classpath)
+            .arg(class)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        command
+    }
+
+    /// Apache Curator's `InterProcessMutex` on `lock_path` (a path from the
+    /// root), in a process of its own (`tests/java/CuratorLocker.java`):
+    /// `mode` and its arguments after the session timeout.
+    pub fn curator(
+        &self,
+        hosts: &str,
+        lock_path: &str,
+        session: Duration,
+        mode: &str,
+        args: &[&str],
+    ) -> JavaProcess {
+        let mut command = self.command("CuratorLocker");
+        command
+            .arg(mode)
+            .arg(hosts)
+            .arg(lock_path)
+            .arg(session.as_millis().to_string())
+            .args(args);
+        JavaProcess::spawn(command)
+    }
+}
+
+/// A running Java program whose stdout is read line by line. Killed when
+/// dropped.
+pub struct JavaProcess {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    stdin: Option<tokio::process::ChildStdin>,
+}
+
+impl JavaProcess {
+    fn spawn(mut command: tokio::process::Command) -> JavaProcess {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = command.spawn().expect("start java");
+        let stdout = child.stdout.take().expect("stdout");
+        let stdin = child.stdin.take();
+        JavaProcess {
+            child,
+            lines: tokio::io::BufReader::new(stdout).lines(),
+            stdin,
+        }
+    }
+
+    /// The next line it prints, within `within` (panics on end or timeout).
+    pub async fn line(&mut self, within: Duration) -> String {
+        match self.try_line(within).await {
+            Some(line) => line,
+            None => panic!(
+                "no line from the Java program within {within:?}: {:?}",
+                self.child.try_wait()
+            ),
+        }
+    }
+
+    /// The next line it prints within `within`, if any (none once it ended).
+    async fn try_line(&mut self, within: Duration) -> Option<String> {
+        match tokio::time::timeout(within, self.lines.next_line()).await {
+            Ok(Ok(line)) => line,
+            Ok(Err(e)) => panic!("reading the Java program's output: {e}"),
+            Err(_) => None,
+        }
+    }
+
+    /// Waits for it to end; its exit code.
+    pub async fn wait(&mut self, within: Duration) -> Option<i32> {
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .expect("the Java program did not end in time")
+            .expect("wait for java")
+            .code()
+    }
+
+    /// SIGKILLs it (a crash: no clean close of its session).
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// A ZooKeeper server of a test's own (`tests/java/CounterEndZooKeeper.java`,
+/// in-process in one JVM, no container reaping) on a free loopback port,
+/// whose containers' child counters can be set to any value — such as just
+/// below their end, `2147483647`.
+pub struct CounterEndZk {
+    /// Its client port.
+    pub port: u16,
+    process: JavaProcess,
+    _dir: tempfile_dir::Dir,
+}
+
+impl CounterEndZk {
+    /// Starts it on a free port in 47000-47999 and waits until it serves
+    /// (on another port if that one was taken meanwhile).
+    pub async fn start(programs: &JavaPrograms) -> CounterEndZk {
+        for _ in 0..5 {
+            let port = loop {
+                let port = rand::random_range(47000..48000);
+                if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                    break port;
+                }
+            };
+            let dir = tempfile_dir::Dir::new("zk-counter-end");
+            let mut command = programs.command("CounterEndZooKeeper");
+            command
+                .arg(dir.path())
+                .arg(port.to_string())
+                .stdin(Stdio::piped());
+            let mut process = JavaProcess::spawn(command);
+            if process.try_line(Duration::from_secs(60)).await.as_deref() == Some("ready") {
+                return CounterEndZk {
+                    port,
+                    process,
+                    _dir: dir,
+                };
+            }
+        }
+        panic!("the counter-end ZooKeeper server did not start (5 tries)")
+    }
+
+    /// `zk://127.0.0.1:{port}{chroot_and_query}`.
+    pub fn url(&self, chroot_and_query: &str) -> String {
+        format!("zk://127.0.0.1:{}{chroot_and_query}", self.port)
+    }
+
+    /// Creates the container `path` (a path from the root) if missing and
+    /// sets its child counter: its next sequential child gets `next`.
+    pub async fn set_counter(&mut self, path: &str, next: i32) {
+        let stdin = self.process.stdin.as_mut().expect("stdin");
+        stdin
+            .write_all(format!("counter {path} {next}\n").as_bytes())
+            .await
+            .expect("write to the counter-end server");
+        stdin.flush().await.expect("flush");
+        let answer = self.process.line(Duration::from_secs(30)).await;
+        assert_eq!(
+            answer,
+            format!("ok {next}"),
+            "setting the counter of {path}"
+        );
+    }
+}
+
+/// What the contenders share: a counter in a file, incremented by
+/// read-sleep-write, and a marker file that exists while someone holds the
+/// key (created with "must not exist": a second holder finds it).
+pub struct Shared {
+    dir: PathBuf,
+    /// Turns that found another holder inside.
+    pub overlaps: Mutex<u32>,
+    /// The fencing tokens of the acquisitions, in the order they held.
+    pub tokens: Mutex<Vec<u64>>,
+}
+
+impl Shared {
+    /// Starts the counter at 0 in `dir`.
+    pub fn new(dir: &std::path::Path) -> Arc<Shared> {
+        std::fs::write(dir.join("counter"), "0").expect("counter file");
+        Arc::new(Shared {
+            dir: dir.to_owned(),
+            overlaps: Mutex::new(0),
+            tokens: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// How often the holder changed between dlock and Curator: the
+    /// `turns` file has a `d` per dlock turn, a `c` per Curator turn.
+    pub fn switches(&self) -> usize {
+        let turns = std::fs::read(self.dir.join("turns")).unwrap_or_default();
+        turns.windows(2).filter(|w| w[0] != w[1]).count()
+    }
+
+    /// The counter's value.
+    pub fn counter(&self) -> u64 {
+        std::fs::read_to_string(self.dir.join("counter"))
+            .expect("counter file")
+            .trim()
+            .parse()
+            .expect("a number")
+    }
+
+    /// One turn of a holder: false if another holder was inside.
+    pub async fn turn(&self, hold: Duration) -> bool {
+        let inside = self.dir.join("inside");
+        if std::fs::File::create_new(&inside).is_err() {
+            *self.overlaps.lock().unwrap() += 1;
+            return false;
+        }
+        let n = self.counter();
+        tokio::time::sleep(hold).await;
+        std::fs::write(self.dir.join("counter"), (n + 1).to_string()).expect("counter file");
+        let mut turns = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("turns"))
+            .expect("turns file");
+        std::io::Write::write_all(&mut turns, b"d").expect("turns file");
+        std::fs::remove_file(&inside).expect("marker file");
+        true
+    }
+}
+
+/// `tasks` tasks on `backend`, each taking `key` `rounds` times and taking
+/// a [`Shared::turn`] while it holds it.
+pub fn contenders(
+    backend: &ZooKeeperBackend,
+    key: &str,
+    tasks: usize,
+    rounds: usize,
+    shared: &Arc<Shared>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let registry = Registry::builder().default_backend(backend.clone()).build();
+    (0..tasks)
+        .map(|_| {
+            let (registry, key, shared) = (registry.clone(), key.to_owned(), shared.clone());
+            tokio::spawn(async move {
+                for _ in 0..rounds {
+                    let guard = registry
+                        .lock(&key)
+                        .wait(Duration::from_secs(60))
+                        .acquire()
+                        .await
+                        .expect("acquire");
+                    let token = guard.fencing_token().map(u64::from).expect("a token");
+                    shared.tokens.lock().unwrap().push(token);
+                    shared.turn(Duration::from_millis(3)).await;
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect()
 }

@@ -4,8 +4,8 @@
 //! same keys): each stored key is a *container* node `{chroot}/{escaped key}`;
 //! each acquisition creates an `EPHEMERAL_SEQUENTIAL` child
 //! `_c_{guid}-lock-{sequence}` holding the owner token, where the GUID is the
-//! acquisition's owner token in UUID form. The child with the earliest
-//! sequence holds the key; every other one watches only the child just ahead
+//! acquisition's owner token in UUID form. The earliest-created child
+//! holds the key; every other one watches only the child just ahead
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
 //! served in arrival order. Uncontended, an acquisition is one round trip:
 //! the create and the listing of the key's children go out together, and the
@@ -13,12 +13,34 @@
 //! child ahead of it holds the key as soon as that child's deletion is
 //! notified, without reading the queue again (children created later come
 //! after it; a queued node deleted behind the waiter's back is found by the
-//! first renewal, as for a revoked holder). Sequences are compared with
-//! serial-number arithmetic: the server's counter is a signed 32-bit number
-//! that wraps from 2147483647 to -2147483648, where string or plain integer
-//! order would grant the key twice. The backend never deletes a container
-//! (the server reaps empty ones; deleting would race other creators) and
-//! creates it again when a create finds it reaped.
+//! first renewal, as for a revoked holder). The backend never deletes a
+//! container (the server reaps empty ones; deleting would race other
+//! creators) and creates it again when a create finds it reaped.
+//!
+//! **Queue order is creation order, up to and past the sequence counter's
+//! end.** The suffix is a signed 32-bit counter per container. Below its
+//! end (every lock child's suffix in `0..2147483647`) the suffixes are in
+//! creation order, and the queue is ordered by them, as Curator orders it.
+//! At the end they are not: ZooKeeper 3.8 hands `2147483647` to every later
+//! child (so several children share it), a create pipelined behind another
+//! gets `-2147483648` and up, and other versions wrap for good — where
+//! equal suffixes, or serial or string order, would grant the key twice.
+//! So as soon as a listing holds a suffix outside `0..2147483647`, the queue
+//! is ordered by each child's `czxid` instead, read in one multi-read: the
+//! id of the transaction that created it, a total order over the ensemble
+//! that agrees with the suffixes wherever those are in order, so holders
+//! and waiters reading the queue at different moments, one way or the
+//! other, agree on it. This was chosen over moving a key to a fresh node
+//! before its counter ends, which every client would have to agree on —
+//! Curator would not follow — and which still needs an order for the
+//! nodes already queued. A reaped container's counter starts again from 0
+//! with no child left from before. Curator's `InterProcessMutex` orders by
+//! suffix as a string, so it excludes dlock (and itself) while every suffix
+//! is below `2147483647`; past that, Curator may grant the key twice — even
+//! among Curator clients alone — while dlock clients still exclude each
+//! other. A key locked by Curator too should not reach its counter's end
+//! (2³¹ − 1 acquisitions while its container is never empty long enough to
+//! be reaped).
 //!
 //! **Fencing token**: the child's `czxid`, the 64-bit id of the transaction
 //! that created it, from the create's reply. Transaction ids are totally
@@ -182,7 +204,6 @@ pub struct ZooKeeperStats {
 #[derive(Debug, Clone)]
 struct OurNode {
     name: String,
-    seq: i32,
     czxid: i64,
 }
 
@@ -555,7 +576,14 @@ impl Inner {
                 }
                 continue;
             }
-            match path::position(&children, &node.name, node.seq) {
+            let queue = match self
+                .queue(&session, &pending.container, &children, &node)
+                .await
+            {
+                Ok(queue) => queue,
+                Err(err) => return unavailable("reading the lock's queue", err),
+            };
+            match path::position(&queue, &node.name) {
                 // The listing sent with the create is read after it on the
                 // server, so it shows our node; should it not, read again
                 // rather than forget a node that exists.
@@ -574,7 +602,7 @@ impl Inner {
                         // Tried once: the wait loop abandons, deleting our node.
                         return Ok(Attempt::Busy { retry_in: None });
                     }
-                    let alone = path::ahead_of(&children, node.seq) == 1;
+                    let alone = path::ahead_of(&queue, &node.name) == 1;
                     let ahead = format!("{}/{ahead}", pending.container);
                     match self.watch(&session, &pending, ahead, alone).await {
                         Ok(true) => {
@@ -643,12 +671,13 @@ impl Inner {
             match created {
                 Ok((stat, sequence)) => {
                     let name = format!("{}{sequence}", &prefix[pending.container.len() + 1..]);
-                    let seq = path::sequence_of(&name).ok_or_else(|| {
-                        ZkError::UnexpectedError(format!("lock node without a sequence: {name}"))
-                    })?;
+                    if path::sequence_of(&name).is_none() {
+                        return Err(ZkError::UnexpectedError(format!(
+                            "lock node without a sequence: {name}"
+                        )));
+                    }
                     let node = OurNode {
                         name,
-                        seq,
                         czxid: stat.czxid,
                     };
                     self.counters.nodes_created.fetch_add(1, Ordering::Relaxed);
@@ -661,6 +690,17 @@ impl Inner {
                     pending.state().maybe_created = false;
                     self.create_container(session, &pending.container).await?;
                 }
+                // At the counter's end every child gets the same sequence:
+                // a node of ours, created earlier, has this very name.
+                Err(ZkError::NodeExists) => {
+                    let Some(node) = self.find_ours(session, pending).await? else {
+                        return Err(ZkError::NodeExists);
+                    };
+                    let mut st = pending.state();
+                    st.node = Some(node.clone());
+                    st.maybe_created = false;
+                    return Ok((node, None));
+                }
                 Err(err) => return Err(err),
             }
         }
@@ -668,6 +708,68 @@ impl Inner {
             "the container {} kept disappearing",
             pending.container
         )))
+    }
+
+    /// The lock children of `children` in creation order (see
+    /// [`path::position`]): ranked by sequence number while those give the
+    /// order, else by `czxid`, read for every other child in one multi-read
+    /// (children gone meanwhile are left out).
+    async fn queue(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+        children: &[String],
+        ours: &OurNode,
+    ) -> Result<Vec<(String, i64)>, ZkError> {
+        let locks: Vec<(&String, i32)> = children
+            .iter()
+            .filter_map(|name| Some((name, path::sequence_of(name)?)))
+            .collect();
+        if path::in_sequence_order(locks.iter().map(|(_, seq)| *seq)) {
+            return Ok(locks
+                .into_iter()
+                .map(|(name, seq)| (name.clone(), i64::from(seq)))
+                .collect());
+        }
+        let others: Vec<&String> = locks
+            .iter()
+            .map(|(name, _)| *name)
+            .filter(|name| **name != ours.name)
+            .collect();
+        let mut queue = Vec::with_capacity(locks.len());
+        if others.len() < locks.len() {
+            queue.push((ours.name.clone(), ours.czxid));
+        }
+        if others.is_empty() {
+            return Ok(queue);
+        }
+        let mut reader = session.client.new_multi_reader();
+        for name in &others {
+            reader.add_get_data(&format!("{container}/{name}"))?;
+        }
+        let sent = Instant::now();
+        let request = reader.commit();
+        let results = session.finish(sent, request).await?;
+        if results.len() != others.len() {
+            return Err(ZkError::UnexpectedError(
+                "short multi-read answer".to_owned(),
+            ));
+        }
+        for (name, result) in others.into_iter().zip(results) {
+            match result {
+                MultiReadResult::Data { stat, .. } => queue.push((name.clone(), stat.czxid)),
+                MultiReadResult::Error {
+                    err: ZkError::NoNode,
+                } => {}
+                MultiReadResult::Error { err } => return Err(err),
+                other => {
+                    return Err(ZkError::UnexpectedError(format!(
+                        "unexpected multi-read answer {other:?}"
+                    )));
+                }
+            }
+        }
+        Ok(queue)
     }
 
     /// Our node among the key's children, by GUID, if it belongs to
@@ -690,10 +792,9 @@ impl Inner {
                 Ok((data, stat))
                     if stat.ephemeral_owner == session.id && data == pending.owner.as_bytes() =>
                 {
-                    if let Some(seq) = path::sequence_of(name) {
+                    if path::sequence_of(name).is_some() {
                         found.push(OurNode {
                             name: name.clone(),
-                            seq,
                             czxid: stat.czxid,
                         });
                     }
@@ -703,15 +804,7 @@ impl Inner {
                 Err(err) => return Err(err),
             }
         }
-        found.sort_by(|a, b| {
-            if a.seq == b.seq {
-                std::cmp::Ordering::Equal
-            } else if path::precedes(a.seq, b.seq) {
-                std::cmp::Ordering::Less
-            } else {
-                std::cmp::Ordering::Greater
-            }
-        });
+        found.sort_by_key(|node| node.czxid);
         let mut found = found.into_iter();
         let keep = found.next();
         for extra in found {

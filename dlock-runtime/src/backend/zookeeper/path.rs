@@ -112,14 +112,19 @@ pub(super) fn sequence_of(name: &str) -> Option<i32> {
     digits.parse::<i32>().ok()
 }
 
-/// Whether sequence `a` was issued before `b`. The server's sequence is a
-/// signed 32-bit counter that wraps from 2147483647 to -2147483648, so the
-/// order is serial-number arithmetic (RFC 1982): `a` is earlier when `b`
-/// is less than 2³¹ steps after it. Live queue nodes are never that far
-/// apart; plain integer or string order would put the node created just
-/// after the wrap first, granting the lock twice.
-pub(super) fn precedes(a: i32, b: i32) -> bool {
-    a.wrapping_sub(b) < 0
+/// Whether the sequence numbers of these lock children give their creation
+/// order: every one is in `0..2147483647`. The server numbers the children
+/// of one container in the order it creates them, so below its counter's
+/// end sequence order is creation order (and a reaped container's children
+/// are all gone before its counter starts again). At the end it is not:
+/// ZooKeeper 3.8 gives every later child `2147483647` (its data tree keeps
+/// the counter there), a create pipelined behind another one gets
+/// `-2147483648` and up (the wrapped value of the request processor), and
+/// other versions wrap for good.
+pub(super) fn in_sequence_order(sequences: impl IntoIterator<Item = i32>) -> bool {
+    sequences
+        .into_iter()
+        .all(|seq| (0..i32::MAX).contains(&seq))
 }
 
 /// Where our node stands among the children of its key.
@@ -133,36 +138,32 @@ pub(super) enum Position<'a> {
     Missing,
 }
 
-/// Our position in the queue of `children`, ordered by sequence.
-pub(super) fn position<'a>(children: &'a [String], ours: &str, our_seq: i32) -> Position<'a> {
-    let mut present = false;
-    let mut closest: Option<(&'a str, i32)> = None;
-    for name in children {
-        if name == ours {
-            present = true;
-            continue;
-        }
-        let Some(seq) = sequence_of(name) else {
-            continue;
-        };
-        if precedes(seq, our_seq) && closest.is_none_or(|(_, best)| precedes(best, seq)) {
-            closest = Some((name, seq));
-        }
-    }
-    match (present, closest) {
-        (false, _) => Position::Missing,
-        (true, None) => Position::Holder,
-        (true, Some((name, _))) => Position::Behind(name),
+/// Our position in `queue`: the key's lock children, each with its rank in
+/// creation order (its sequence number when [`in_sequence_order`], else its
+/// `czxid`; ranks are distinct).
+pub(super) fn position<'a>(queue: &'a [(String, i64)], ours: &str) -> Position<'a> {
+    let Some(our_rank) = rank_of(queue, ours) else {
+        return Position::Missing;
+    };
+    match queue
+        .iter()
+        .filter(|(_, rank)| *rank < our_rank)
+        .max_by_key(|(_, rank)| *rank)
+    {
+        None => Position::Holder,
+        Some((name, _)) => Position::Behind(name),
     }
 }
 
-/// How many lock nodes of `children` were issued before `our_seq`.
-pub(super) fn ahead_of(children: &[String], our_seq: i32) -> usize {
-    children
-        .iter()
-        .filter_map(|name| sequence_of(name))
-        .filter(|seq| precedes(*seq, our_seq))
-        .count()
+fn rank_of(queue: &[(String, i64)], name: &str) -> Option<i64> {
+    queue.iter().find(|(n, _)| n == name).map(|(_, rank)| *rank)
+}
+
+/// How many lock nodes of `queue` (as for [`position`]) are ahead of ours.
+pub(super) fn ahead_of(queue: &[(String, i64)], ours: &str) -> usize {
+    rank_of(queue, ours).map_or(0, |our_rank| {
+        queue.iter().filter(|(_, rank)| *rank < our_rank).count()
+    })
 }
 
 #[cfg(test)]
@@ -289,62 +290,70 @@ mod tests {
     }
 
     #[test]
-    fn serial_order_across_the_wrap() {
-        assert!(precedes(1, 2));
-        assert!(!precedes(2, 1));
-        assert!(!precedes(5, 5));
-        // 2147483647 is issued just before -2147483648.
-        assert!(precedes(i32::MAX, i32::MIN));
-        assert!(!precedes(i32::MIN, i32::MAX));
-        assert!(precedes(i32::MAX - 1, i32::MIN + 1));
-        assert!(precedes(-1, 0));
+    fn sequence_order_only_below_the_counters_end() {
+        assert!(in_sequence_order([0, 1, 42, i32::MAX - 1]));
+        assert!(in_sequence_order([]));
+        assert!(!in_sequence_order([5, i32::MAX]));
+        assert!(!in_sequence_order([i32::MIN, 7]));
+        assert!(!in_sequence_order([-1]));
+    }
+
+    fn queue(entries: &[(&str, i64)]) -> Vec<(String, i64)> {
+        entries.iter().map(|(n, r)| ((*n).to_owned(), *r)).collect()
     }
 
     #[test]
-    fn positions_across_the_wrap() {
-        let names = |seqs: &[i32]| -> Vec<String> {
-            seqs.iter()
-                .enumerate()
-                .map(|(i, s)| format!("_c_{i}-lock-{s:010}"))
-                .collect()
-        };
-        // Created in this order: 2147483646, 2147483647, -2147483648, -2147483647.
-        let children = names(&[i32::MIN + 1, i32::MAX, i32::MIN, i32::MAX - 1]);
-        let first = &children[3];
-        assert_eq!(position(&children, first, i32::MAX - 1), Position::Holder);
-        assert_eq!(
-            position(&children, &children[1], i32::MAX),
-            Position::Behind(first.as_str())
-        );
-        assert_eq!(
-            position(&children, &children[2], i32::MIN),
-            Position::Behind(children[1].as_str())
-        );
-        assert_eq!(
-            position(&children, &children[0], i32::MIN + 1),
-            Position::Behind(children[2].as_str())
-        );
-        // Ordered as strings (kazoo, older Curator), the suffix "-2147483647"
-        // of the newest node comes first: it must not hold.
-        let by_string = children
+    fn positions_follow_the_ranks() {
+        let q = queue(&[("c", 30), ("a", 10), ("d", 40), ("b", 20)]);
+        assert_eq!(position(&q, "a"), Position::Holder);
+        assert_eq!(position(&q, "b"), Position::Behind("a"));
+        assert_eq!(position(&q, "d"), Position::Behind("c"));
+        assert_eq!(position(&q, "z"), Position::Missing);
+        assert_eq!(ahead_of(&q, "a"), 0);
+        assert_eq!(ahead_of(&q, "c"), 2);
+        assert_eq!(ahead_of(&q, "z"), 0);
+    }
+
+    #[test]
+    fn equal_and_wrapped_sequences_are_ordered_by_czxid() {
+        // What ZooKeeper 3.8 hands out at its counter's end, in creation
+        // order: 2147483646, 2147483647, -2147483648 (pipelined), then
+        // 2147483647 again and again. Neither the sequences (equal) nor
+        // their serial or string order tell who came first; the czxid does.
+        let names = [
+            "_c_a-lock-2147483646",
+            "_c_b-lock-2147483647",
+            "_c_c-lock--2147483648",
+            "_c_d-lock-2147483647",
+            "_c_e-lock-2147483647",
+        ];
+        let sequences: Vec<i32> = names.iter().map(|n| sequence_of(n).unwrap()).collect();
+        assert!(!in_sequence_order(sequences));
+        let czxids = [
+            0x1_0000_0005,
+            0x1_0000_0009,
+            0x1_0000_000a,
+            0x1_0000_000c,
+            0x2_0000_0001,
+        ];
+        let q: Vec<(String, i64)> = names
             .iter()
-            .min_by_key(|name| &name[name.rfind("lock-").unwrap() + 5..])
-            .unwrap();
-        assert!(by_string.ends_with("lock--2147483647"));
-        assert_eq!(
-            position(&children, by_string, sequence_of(by_string).unwrap()),
-            Position::Behind(children[2].as_str())
-        );
-        assert_eq!(
-            position(&children, "_c_z-lock-0000000001", 1),
-            Position::Missing
-        );
-        // Children that are not lock nodes are ignored.
-        let mixed = vec!["readme".to_owned(), "_c_a-lock-0000000003".to_owned()];
-        assert_eq!(
-            position(&mixed, "_c_a-lock-0000000003", 3),
-            Position::Holder
-        );
+            .zip(czxids)
+            .rev()
+            .map(|(n, z)| ((*n).to_owned(), z))
+            .collect();
+        assert_eq!(position(&q, names[0]), Position::Holder);
+        for w in names.windows(2) {
+            assert_eq!(position(&q, w[1]), Position::Behind(w[0]));
+        }
+        // The first holder gone, exactly one node holds.
+        let rest: Vec<(String, i64)> = q.iter().filter(|(n, _)| n != names[0]).cloned().collect();
+        let holders: Vec<&str> = names[1..]
+            .iter()
+            .filter(|n| position(&rest, n) == Position::Holder)
+            .copied()
+            .collect();
+        assert_eq!(holders, [names[1]]);
     }
 
     #[test]

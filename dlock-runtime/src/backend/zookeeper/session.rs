@@ -370,14 +370,17 @@ pub(super) async fn monitor(
                 }
             }
             SessionState::Disconnected | SessionState::ConnectedReadOnly => {
-                let deadline = match policy {
-                    LossPolicy::Disconnect => Instant::now(),
-                    LossPolicy::Session => strong.last_heard() + strong.timeout * 2 / 3,
-                };
-                drop(strong);
-                tokio::select! {
-                    next = states.changed() => { state = next; continue; }
-                    () = tokio::time::sleep_until(deadline.into()) => {}
+                if policy == LossPolicy::Session {
+                    let deadline = strong.last_heard() + strong.timeout * 2 / 3;
+                    drop(strong);
+                    tokio::select! {
+                        next = states.changed() => { state = next; continue; }
+                        () = tokio::time::sleep_until(deadline.into()) => {}
+                    }
+                } else {
+                    // At once: a reconnection already reported must not
+                    // win a race against a deadline that has passed.
+                    drop(strong);
                 }
                 if let Some(strong) = session.upgrade() {
                     let why = match policy {
