@@ -83,3 +83,44 @@ impl Drop for Releasing {
         self.leases.release_finished();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Registry;
+    use crate::backend::AcquireRequest;
+    use crate::backend::memory::MemoryBackend;
+
+    #[tokio::test]
+    async fn shutdown_waits_for_a_release_in_the_background_until_it_has_run() {
+        let registry = Registry::builder()
+            .default_backend(MemoryBackend::new())
+            .build();
+        let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+        Releasing::new(&registry.inner.leases).spawn(async move {
+            let _ = finished.await;
+        });
+        let report = registry.shutdown(Duration::from_millis(50)).await;
+        assert_eq!(report.unfinished, 1, "the release in flight is waited for");
+        finish.send(()).expect("the release is still waiting");
+        let report = registry.shutdown(Duration::from_secs(5)).await;
+        assert_eq!(
+            report.unfinished, 0,
+            "a release that has run counts no more"
+        );
+    }
+
+    #[tokio::test]
+    async fn shutdown_waits_for_an_abandoned_acquisitions_release_but_not_its_backstop() {
+        let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+        let registry = Registry::builder().default_backend(backend.clone()).build();
+        let request = AcquireRequest::new("dlock:k", "owner", Duration::from_secs(1));
+        Releasing::new(&registry.inner.leases)
+            .spawn_after_abandoned(backend, Lease::new(&request, None));
+        let report = registry.shutdown(Duration::from_secs(1)).await;
+        assert_eq!(
+            report.unfinished, 0,
+            "the backstop, seconds later, is not waited for"
+        );
+    }
+}
