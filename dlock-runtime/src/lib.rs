@@ -46,16 +46,13 @@
 #![warn(missing_docs)]
 
 pub mod backend;
-mod context;
 mod driver;
 mod error;
 mod key;
-mod lock;
+mod lease;
 mod outcome;
-mod registry;
 mod time;
 mod token;
-mod watchdog;
 
 #[doc(hidden)]
 #[path = "private.rs"]
@@ -76,14 +73,13 @@ pub use backend::sql::SqliteBackend;
 #[cfg(feature = "zookeeper")]
 pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{LockBackend, connect};
-pub use context::{CurrentLock, current};
 pub use dlock_macros::distributed_lock;
 pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};
-pub use lock::{DEFAULT_LEASE, LockBuilder, LockGuard, lock};
-pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
-pub use registry::{
-    IntoBackend, Registry, RegistryBuilder, ShutdownReport, global, init, shutdown,
+pub use lease::{
+    CurrentLock, DEFAULT_LEASE, IntoBackend, LockBuilder, LockGuard, Registry, RegistryBuilder,
+    ShutdownReport, current, global, init, lock, shutdown,
 };
+pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
 pub use time::MIN_LEASE;
 pub use token::FencingToken;

@@ -11,7 +11,7 @@ pub use std::string::String;
 pub use std::time::Duration;
 
 use crate::error::LockError;
-use crate::lock::{LockOptions, acquire};
+use crate::lease::{LockOptions, acquire, global};
 
 /// What to do when the lock is busy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +76,7 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
     body: F,
     skipped: Option<fn() -> R>,
 ) -> R {
-    let Some(registry) = crate::registry::global() else {
+    let Some(registry) = global() else {
         return R::from_lock_error(LockError::NotInitialized);
     };
     let options = LockOptions {

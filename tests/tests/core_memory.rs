@@ -113,12 +113,11 @@ impl LockBackend for Knobbed {
         self.inner.wake_source(request)
     }
 
-    fn renew<'a>(
+    fn renew_all<'a>(
         &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        self.inner.renew(lease, ttl)
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        self.inner.renew_all(batch)
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {

@@ -108,12 +108,11 @@ impl LockBackend for Steered {
         self.inner.abandon(request)
     }
 
-    fn renew<'a>(
+    fn renew_all<'a>(
         &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        self.inner.renew(lease, ttl)
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        self.inner.renew_all(batch)
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {

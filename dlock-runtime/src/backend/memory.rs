@@ -168,6 +168,44 @@ impl MemoryBackend {
         let mut stall = self.inner.stall_renewals.subscribe();
         let _ = stall.wait_for(|stalled| !*stalled).await;
     }
+
+    /// Renews one lease (a call of its own: stalls and faults apply to each).
+    fn renew_one<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
+        Box::pin(async move {
+            self.inner.renewals.fetch_add(1, Ordering::SeqCst);
+            {
+                let keys = self.keys();
+                if keys
+                    .released
+                    .iter()
+                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
+                {
+                    self.inner
+                        .renewals_after_release
+                        .fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            self.stalled().await;
+            if self.inner.fail_renewals.load(Ordering::SeqCst) {
+                return Err(BackendError::transient(
+                    "memory backend: renewals are failing (fault injected)",
+                ));
+            }
+            let now = self.now();
+            let mut keys = self.keys();
+            match keys.held.get_mut(&lease.key) {
+                Some(entry) if entry.owner == lease.owner && entry.expires_at > now => {
+                    entry.expires_at = saturating_add(now, ttl);
+                    Ok(Renewal::Renewed)
+                }
+                _ => Ok(Renewal::Lost),
+            }
+        })
+    }
 }
 
 impl LockBackend for MemoryBackend {
@@ -216,41 +254,13 @@ impl LockBackend for MemoryBackend {
         Box::pin(std::future::ready(self.inner.waiters.source(key)))
     }
 
-    fn renew<'a>(
+    fn renew_all<'a>(
         &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        Box::pin(async move {
-            self.inner.renewals.fetch_add(1, Ordering::SeqCst);
-            {
-                let keys = self.keys();
-                if keys
-                    .released
-                    .iter()
-                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
-                {
-                    self.inner
-                        .renewals_after_release
-                        .fetch_add(1, Ordering::SeqCst);
-                }
-            }
-            self.stalled().await;
-            if self.inner.fail_renewals.load(Ordering::SeqCst) {
-                return Err(BackendError::transient(
-                    "memory backend: renewals are failing (fault injected)",
-                ));
-            }
-            let now = self.now();
-            let mut keys = self.keys();
-            match keys.held.get_mut(&lease.key) {
-                Some(entry) if entry.owner == lease.owner && entry.expires_at > now => {
-                    entry.expires_at = saturating_add(now, ttl);
-                    Ok(Renewal::Renewed)
-                }
-                _ => Ok(Renewal::Lost),
-            }
-        })
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        Box::pin(futures_util::future::join_all(
+            batch.iter().map(|(lease, ttl)| self.renew_one(lease, *ttl)),
+        ))
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {

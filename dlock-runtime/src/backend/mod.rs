@@ -16,7 +16,8 @@
 //! | [`sql::mysql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
 //! | [`zookeeper`] | `zk://h1:p1,h2:p2/chroot` | `zookeeper` |
 //!
-//! The wait loop every backend shares is in [`wait`].
+//! The wait loop every backend shares is in [`wait`]; [`connect`] opens the
+//! backend a URL names.
 
 use std::any::Any;
 use std::fmt;
@@ -26,9 +27,10 @@ use std::time::{Duration, Instant};
 use futures_util::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{BackendError, LockError, redact_url};
+use crate::error::BackendError;
 use crate::token::FencingToken;
 
+mod connect;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -38,6 +40,7 @@ pub mod wait;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
+pub use connect::connect;
 pub use wait::WakeSource;
 
 /// What the runtime asks a backend for when it acquires a lock.
@@ -146,7 +149,7 @@ pub enum Attempt {
     /// few Redlock nodes answered). The wait loop tries again after
     /// `retry_in`, doubled for every further unavailable answer in a row (up
     /// to [`wait::UNAVAILABLE_BACKOFF_MAX`]); if the wait budget runs out
-    /// first, `error` is the answer instead of [`LockError::Busy`].
+    /// first, `error` is the answer instead of [`LockError::Busy`](crate::LockError::Busy).
     Unavailable {
         /// Why.
         error: BackendError,
@@ -170,9 +173,9 @@ pub enum Renewal {
 /// A lock store. Object safe: the registry holds `Arc<dyn LockBackend>`.
 ///
 /// A backend implements **one attempt** ([`try_acquire`](Self::try_acquire)),
-/// its **wake-up source** ([`wake_source`](Self::wake_source)), renewal
-/// ([`renew`](Self::renew), batched with [`renew_all`](Self::renew_all)) and
-/// [`release`](Self::release). The runtime owns the rest, once for every
+/// its **wake-up source** ([`wake_source`](Self::wake_source)), batched
+/// renewal ([`renew_all`](Self::renew_all); [`renew`](Self::renew) is a batch
+/// of one) and [`release`](Self::release). The runtime owns the rest, once for every
 /// backend: the wait loop ([`wait::acquire`]), the lease's local validity,
 /// the watchdog, time-driven loss, reentrancy, release on drop.
 ///
@@ -234,22 +237,33 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Box::pin(std::future::ready(()))
     }
 
-    /// Extends the lease to `ttl` from now, if `lease.owner` still holds it.
+    /// Extends each lease of `batch` to its `ttl` from now, if its
+    /// [`owner`](Lease::owner) still holds it: one answer per lease, in the
+    /// batch's order. The watchdog sends every renewal due on this backend in
+    /// one call, so a backend sends them together where it can (a pipeline,
+    /// one statement, one multi-read); one that cannot renews them one by one,
+    /// concurrently.
+    fn renew_all<'a>(
+        &'a self,
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>>;
+
+    /// Extends one lease to `ttl` from now, if `lease.owner` still holds it.
+    /// The default is a [`renew_all`](Self::renew_all) batch of one.
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>>;
-
-    /// Renews many leases at once. The default renews them one by one,
-    /// concurrently; backends that can batch (pipelines, one statement) override it.
-    fn renew_all<'a>(
-        &'a self,
-        batch: &'a [(&'a Lease, Duration)],
-    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
-        Box::pin(futures_util::future::join_all(
-            batch.iter().map(|(lease, ttl)| self.renew(lease, *ttl)),
-        ))
+    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
+        Box::pin(async move {
+            let batch = [(lease, ttl)];
+            self.renew_all(&batch).await.pop().unwrap_or_else(|| {
+                Err(BackendError::permanent(format!(
+                    "{}: no answer to a renewal",
+                    self.kind()
+                )))
+            })
+        })
     }
 
     /// Frees the key if `lease.owner` still holds it, and wakes its waiters.
@@ -278,73 +292,6 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 pub fn ceil_millis(d: Duration) -> u64 {
     let whole = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     u64::try_from(whole).unwrap_or(u64::MAX).max(1)
-}
-
-/// The URL schemes dlock knows, for error messages.
-const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-     redlock://, zk://, postgres://, mysql://, mariadb://";
-
-/// Opens the backend a URL names.
-///
-/// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
-/// `redis+cluster://` and `redlock://` (feature `redis`), `zk://` (feature
-/// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
-/// `mysql`) are available in this release.
-pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
-    let scheme = url
-        .split_once(':')
-        .map(|(scheme, _)| scheme.to_ascii_lowercase())
-        .ok_or_else(|| {
-            LockError::config(format!(
-                "`{}` is not a lock URL; expected one of {SCHEMES}",
-                redact_url(url)
-            ))
-        })?;
-    match scheme.as_str() {
-        "memory" => Ok(Arc::new(memory::MemoryBackend::new())),
-        #[cfg(feature = "sqlite")]
-        "sqlite" => Ok(Arc::new(sql::SqliteBackend::connect(url).await?)),
-        #[cfg(not(feature = "sqlite"))]
-        "sqlite" => Err(LockError::config(
-            "the `sqlite` backend is disabled: enable the `sqlite` feature of dlock-runtime",
-        )),
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
-            Ok(Arc::new(redis::RedisBackend::connect(url).await?))
-        }
-        #[cfg(feature = "redis")]
-        "redlock" | "redlocks" => Ok(Arc::new(
-            redis::redlock::RedlockBackend::connect(url).await?,
-        )),
-        #[cfg(not(feature = "redis"))]
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
-            Err(LockError::config(format!(
-                "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
-            )))
-        }
-        #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => Ok(Arc::new(sql::PostgresBackend::connect(url).await?)),
-        #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => Ok(Arc::new(sql::MysqlBackend::connect(url).await?)),
-        #[cfg(not(feature = "postgres"))]
-        "postgres" | "postgresql" => Err(LockError::config(format!(
-            "the `{scheme}` backend is disabled: enable the `postgres` feature of dlock-runtime"
-        ))),
-        #[cfg(not(feature = "mysql"))]
-        "mysql" | "mariadb" => Err(LockError::config(format!(
-            "the `{scheme}` backend is disabled: enable the `mysql` feature of dlock-runtime"
-        ))),
-        #[cfg(feature = "zookeeper")]
-        "zk" => Ok(Arc::new(zookeeper::ZooKeeperBackend::connect(url).await?)),
-        #[cfg(not(feature = "zookeeper"))]
-        "zk" => Err(LockError::config(
-            "the `zk` backend is disabled: enable the `zookeeper` feature of dlock-runtime",
-        )),
-        _ => Err(LockError::config(format!(
-            "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
-            redact_url(url)
-        ))),
-    }
 }
 
 #[cfg(test)]

@@ -590,19 +590,6 @@ impl LockBackend for RedlockBackend {
         Self::drift(lease)
     }
 
-    fn renew<'a>(
-        &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        Box::pin(async move {
-            self.renew_all(&[(lease, ttl)])
-                .await
-                .pop()
-                .unwrap_or_else(|| Err(BackendError::permanent("redlock: empty renewal answer")))
-        })
-    }
-
     fn renew_all<'a>(
         &'a self,
         batch: &'a [(&'a Lease, Duration)],

@@ -320,6 +320,15 @@ impl LockBackend for SqliteBackend {
         })
     }
 
+    fn renew_all<'a>(
+        &'a self,
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        Box::pin(futures_util::future::join_all(
+            batch.iter().map(|(lease, ttl)| self.renew(lease, *ttl)),
+        ))
+    }
+
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let done = sqlx::query(RELEASE)

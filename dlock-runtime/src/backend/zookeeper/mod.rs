@@ -1217,21 +1217,6 @@ impl LockBackend for ZooKeeperBackend {
         })
     }
 
-    fn renew<'a>(
-        &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        Box::pin(async move {
-            let batch = [(lease, ttl)];
-            self.inner
-                .renew_batch(&batch)
-                .await
-                .pop()
-                .unwrap_or_else(|| Err(BackendError::permanent("zookeeper: no answer")))
-        })
-    }
-
     fn renew_all<'a>(
         &'a self,
         batch: &'a [(&'a Lease, Duration)],

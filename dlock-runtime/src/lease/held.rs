@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::background::Releasing;
+use super::shutdown::Leases;
 use super::state::{LeaseState, ReleaseStart};
+use super::watchdog::Watchdog;
 use crate::backend::{Lease, LockBackend, Renewal};
 use crate::error::{BackendError, LockError};
-use crate::registry::Leases;
 use crate::token::FencingToken;
-use crate::watchdog::Watchdog;
 
 /// The state machine and the watchdog slot the lease occupies.
 #[derive(Debug)]
@@ -155,14 +156,14 @@ impl HeldLease {
     /// Asks for the release: final, synchronous, before any `.await`. Takes
     /// the lease off the schedule, so no renewal is begun again. `None` if it
     /// was asked for already.
-    fn request_release(&self) -> Option<ReleaseStart> {
-        let (start, slot) = {
+    fn request_release(&self) -> Option<(ReleaseStart, Releasing)> {
+        let (start, counted, slot) = {
             let mut sched = self.sched();
             let start = sched.machine.request_release(Instant::now())?;
             // Counted under the lease's lock: shutdown never sees the phase
             // changed but the release not yet counted.
-            self.leases.release_started();
-            (start, sched.slot.take())
+            let counted = Releasing::new(&self.leases);
+            (start, counted, sched.slot.take())
         };
         if start.was_lost {
             self.signal_lost("the lease ran out before its release");
@@ -176,32 +177,39 @@ impl HeldLease {
             token = self.lease.token.map(FencingToken::get),
             "dlock release requested"
         );
-        Some(start)
+        Some((start, counted))
     }
 
     /// Releases the lease and says how it went. Cancel-safe: once called, the
     /// release is carried out even if the caller's future is dropped at any
     /// `.await` (it then finishes on dlock's I/O runtime).
     pub(crate) async fn release(self: Arc<Self>) -> Result<(), LockError> {
-        let Some(start) = self.request_release() else {
+        let Some((start, counted)) = self.request_release() else {
             return self.release_outcome_when_asked_already();
         };
         if self.backend.needs_io_runtime() {
             // A spawned task goes on when the caller stops waiting.
-            return crate::driver::run(self.send_release(start)).await;
+            return crate::driver::run(async move {
+                let outcome = self.send_release(start).await;
+                drop(counted);
+                outcome
+            })
+            .await;
         }
-        let mut fallback = FinishInBackground {
-            held: Some((self.clone(), start)),
+        let fallback = FinishInBackground {
+            held: Some((self.clone(), start, counted)),
         };
         let outcome = self.send_release(start).await;
-        fallback.held = None;
+        fallback.finished();
         outcome
     }
 
     /// Releases the lease without waiting (from `Drop`, from shutdown).
     pub(crate) fn release_in_background(self: Arc<Self>) {
-        if let Some(start) = self.request_release() {
-            crate::driver::handle().spawn(self.send_release(start));
+        if let Some((start, counted)) = self.request_release() {
+            counted.spawn(async move {
+                let _ = self.send_release(start).await;
+            });
         }
     }
 
@@ -243,7 +251,7 @@ impl HeldLease {
             None => self.backend.release(&self.lease).await,
         };
         if self.sched().machine.finish_release() {
-            self.leases.release_finished(self.id);
+            self.leases.forget(self.id);
         }
         let lost = start.was_lost || self.lost.is_cancelled();
         if self.nested_holds.load(Ordering::Acquire) > 0 {
@@ -285,13 +293,20 @@ impl HeldLease {
 /// is sent again from dlock's I/O runtime (owner-checked, so a release that
 /// did reach the server makes the second one a no-op).
 struct FinishInBackground {
-    held: Option<(Arc<HeldLease>, ReleaseStart)>,
+    held: Option<(Arc<HeldLease>, ReleaseStart, Releasing)>,
+}
+
+impl FinishInBackground {
+    /// The inline release has finished: nothing is left to send.
+    fn finished(mut self) {
+        self.held = None;
+    }
 }
 
 impl Drop for FinishInBackground {
     fn drop(&mut self) {
-        if let Some((held, start)) = self.held.take() {
-            crate::driver::handle().spawn(async move {
+        if let Some((held, start, counted)) = self.held.take() {
+            counted.spawn(async move {
                 let _ = held.send_release(start).await;
             });
         }

@@ -1,7 +1,7 @@
 //! One renewal scheduler per registry. It only schedules: it never awaits a backend.
 //!
 //! Every held lease sits in one ordered schedule under the instant the
-//! [state machine](crate::lock::state) says it is next due: a renewal, or its
+//! [state machine](super::state) says it is next due: a renewal, or its
 //! give-up instant. The task sleeps until the earliest entry, then
 //!
 //! - declares lost, **at their give-up instant**, the leases not renewed by
@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::held::HeldLease;
+use super::state::{Due, Finished, RenewalAnswer, RenewalTicket};
 use crate::backend::Renewal;
-use crate::lock::held::HeldLease;
-use crate::lock::state::{Due, Finished, RenewalAnswer, RenewalTicket};
+use crate::token::FencingToken;
 
 /// Renewals due within this window of now are sent in the same batch.
 const BATCH_WINDOW: Duration = Duration::from_millis(10);
@@ -228,7 +229,7 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
                 tracing::trace!(
                     parent: &lease.span,
                     key = %lease.user_key,
-                    token = lease.lease.token.map(crate::FencingToken::get),
+                    token = lease.lease.token.map(FencingToken::get),
                     "dlock renewal sent"
                 );
                 true
@@ -293,7 +294,7 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
                 tracing::trace!(
                     parent: &lease.span,
                     key = %lease.user_key,
-                    token = lease.lease.token.map(crate::FencingToken::get),
+                    token = lease.lease.token.map(FencingToken::get),
                     "dlock lease renewed"
                 );
             }

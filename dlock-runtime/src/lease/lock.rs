@@ -1,26 +1,26 @@
-//! Taking a lock: the builder, the acquisition, the guard.
-
-pub(crate) mod held;
-pub(crate) mod state;
+//! Taking a lock: the builder and the acquisition (a new lease, or a nested
+//! hold of one this call chain holds).
 
 use std::borrow::Cow;
 use std::fmt;
-use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::background::Releasing;
+use super::context::{self, Frame};
+use super::guard::LockGuard;
+use super::held::{HeldLease, NewLease};
+use super::registry::{Registry, global};
+use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
 use crate::error::{BackendError, LockError};
-use crate::registry::Registry;
 use crate::time::MIN_LEASE;
 use crate::token::FencingToken;
-use held::{HeldLease, NewLease};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The lease length when none is given.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -64,9 +64,7 @@ impl Default for LockOptions {
 /// # Ok(()) }
 /// ```
 pub fn lock(key: impl Into<String>) -> LockBuilder {
-    let registry = crate::registry::global()
-        .cloned()
-        .ok_or(LockError::NotInitialized);
+    let registry = global().cloned().ok_or(LockError::NotInitialized);
     LockBuilder::new(registry, key.into())
 }
 
@@ -173,7 +171,7 @@ pub(crate) async fn acquire(
         .check_key(&stored_key)
         .map_err(|reason| LockError::invalid_key(&key, reason))?;
 
-    if let Some(frame) = crate::context::find(registry.inner.id, &entry.name, &stored_key) {
+    if let Some(frame) = context::find(registry.inner.id, &entry.name, &stored_key) {
         return enter_nested(frame, options, key).await;
     }
 
@@ -197,13 +195,14 @@ pub(crate) async fn acquire(
     let started = Instant::now();
     let backend = entry.backend.clone();
     let answer = if backend.needs_io_runtime() {
-        acquire_on_io_runtime(backend.clone(), request)
+        acquire_on_io_runtime(backend.clone(), request, registry.inner.leases.clone())
             .instrument(span.clone())
             .await
     } else {
         let abandoned = ReleaseIfAbandoned {
             backend: &backend,
             request: &request,
+            leases: &registry.inner.leases,
             armed: true,
         };
         let answer = wait::acquire(&*backend, &request)
@@ -272,7 +271,7 @@ pub(crate) async fn acquire(
 /// shares the outer lease, passing the frame's gate one holder at a time
 /// (siblings take turns, each within its own `wait`).
 async fn enter_nested(
-    frame: crate::context::Frame,
+    frame: Frame,
     options: &LockOptions,
     key: String,
 ) -> Result<LockGuard, LockError> {
@@ -329,6 +328,7 @@ async fn enter_nested(
 async fn acquire_on_io_runtime(
     backend: Arc<dyn LockBackend>,
     request: AcquireRequest,
+    leases: Arc<Leases>,
 ) -> Result<(Acquired, AcquireRequest), BackendError> {
     let caller_gone = CancellationToken::new();
     let _stop_when_dropped = caller_gone.clone().drop_guard();
@@ -347,6 +347,7 @@ async fn acquire_on_io_runtime(
                     let _ = tx.send(Ok(Granted {
                         answer: Some((acquired, request)),
                         backend,
+                        leases,
                     }));
                 }
                 Some(Err(err)) => {
@@ -370,19 +371,21 @@ async fn acquire_on_io_runtime(
         )),
     }
 }
+
 /// An answer from the I/O runtime on its way to the caller. A lease in it that
 /// the caller never takes out (its future was dropped, before or after the
-/// send) is released from dlock's runtime.
+/// send) is released in the background.
 struct Granted {
     answer: Option<(Acquired, AcquireRequest)>,
     backend: Arc<dyn LockBackend>,
+    leases: Arc<Leases>,
 }
 
 impl Drop for Granted {
     fn drop(&mut self) {
         if let Some((Acquired::Held(lease), _)) = self.answer.take() {
             let backend = self.backend.clone();
-            crate::driver::handle().spawn(async move {
+            Releasing::new(&self.leases).spawn(async move {
                 let _ = backend.release(&lease).await;
             });
         }
@@ -390,12 +393,12 @@ impl Drop for Granted {
 }
 
 /// For backends called inline: if the caller drops the acquisition while a
-/// request may be on the wire, an owner-checked release is sent after it. The
-/// owner token is unique to this acquisition, so the release frees the key only
-/// if the abandoned request did take it.
+/// request may be on the wire, an owner-checked release is sent after it
+/// (see [`Releasing::spawn_after_abandoned`]).
 struct ReleaseIfAbandoned<'a> {
     backend: &'a Arc<dyn LockBackend>,
     request: &'a AcquireRequest,
+    leases: &'a Arc<Leases>,
     armed: bool,
 }
 
@@ -407,167 +410,9 @@ impl ReleaseIfAbandoned<'_> {
 
 impl Drop for ReleaseIfAbandoned<'_> {
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let backend = self.backend.clone();
-        let lease = Arc::new(Lease::new(self.request, None));
-        let release = {
-            let (backend, lease) = (backend.clone(), lease.clone());
-            async move {
-                let _ = backend.release(&lease).await;
-            }
-        };
-        // From the caller's runtime, so that a backend that sends from there
-        // (Redis over its local connection) sends the release after the
-        // abandoned command, on the same connection.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if !crate::driver::on_io_runtime() => drop(runtime.spawn(release)),
-            _ => drop(crate::driver::handle().spawn(release)),
-        }
-        // If that runtime is shutting down the task above never runs: once
-        // the abandoned command has been answered or has timed out, release
-        // again from dlock's runtime (owner-checked: a no-op if already free).
-        crate::driver::handle().spawn(async move {
-            tokio::time::sleep(ABANDONED_BACKSTOP).await;
-            let _ = backend.release(&lease).await;
-        });
-    }
-}
-
-/// How long after an abandoned acquisition the backstop release goes out:
-/// longer than the backends' default command timeout.
-const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
-
-/// A held lock. Dropping it releases the lock in the background; prefer
-/// [`release`](LockGuard::release) where you can await, to see errors.
-///
-/// A guard taken inside a scope that already holds the same key (see
-/// [`scope`](LockGuard::scope)) is a **nested** hold: it shares the outer
-/// lease — its watchdog, its fencing token and its `hold_at_least` — and the
-/// `lease`, `watchdog` and `hold_at_least` it was asked with do not apply (a
-/// `debug` event says so when they differ).
-#[must_use = "the lock is released as soon as the guard is dropped"]
-pub struct LockGuard {
-    held: Option<Arc<HeldLease>>,
-    /// For a nested hold: its turn at the gate of the scope it entered.
-    nested: Option<OwnedSemaphorePermit>,
-    /// The gate of this guard's scopes: nested acquisitions inside them pass
-    /// it one at a time (siblings take turns, across all of this guard's
-    /// scopes). Made by the first `scope`.
-    gate: OnceLock<Arc<Semaphore>>,
-}
-
-impl fmt::Debug for LockGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("LockGuard");
-        if let Some(held) = &self.held {
-            d.field("key", &held.user_key)
-                .field("backend", &held.backend_name)
-                .field("fencing_token", &held.fencing_token())
-                .field("nested", &self.nested.is_some())
-                .field("lost", &held.is_lost());
-        }
-        d.finish()
-    }
-}
-
-impl LockGuard {
-    fn new(held: Arc<HeldLease>, nested: Option<OwnedSemaphorePermit>) -> Self {
-        LockGuard {
-            held: Some(held),
-            nested,
-            gate: OnceLock::new(),
-        }
-    }
-
-    fn held(&self) -> &Arc<HeldLease> {
-        self.held
-            .as_ref()
-            .expect("LockGuard is only emptied by release or drop")
-    }
-
-    /// The key as given to [`lock`](crate::lock()) (without the registry's prefix).
-    pub fn key(&self) -> &str {
-        &self.held().user_key
-    }
-
-    /// The fencing token of this acquisition: strictly greater than every token
-    /// handed out for this key before. `None` on backends without a safe token (Redlock).
-    pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.held().fencing_token()
-    }
-
-    /// Whether the lease is known to be lost: reported lost, or past the
-    /// instant at which its holder must give it up (before the server's
-    /// expiry) without a renewal — even before the watchdog has looked.
-    pub fn is_lost(&self) -> bool {
-        self.held().is_lost()
-    }
-
-    /// Resolves when the lease is lost: it expired, the watchdog could not renew
-    /// it in time, or the backend reported it gone. Never resolves if the lock is
-    /// released first. The future owns what it needs (`'static`).
-    pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.held().lost.clone().cancelled_owned()
-    }
-
-    /// Runs `future` with this lock visible to [`current()`](crate::current())
-    /// and reentrant for the call chain it runs: a function it calls that locks
-    /// the same key enters at once. Futures polled concurrently inside it
-    /// (`join!`, `select!`) are not one call chain: they take turns.
-    ///
-    /// A nested guard (one taken inside a scope that holds its key) holds its
-    /// turn until it is released: code that should run *under* it must run in
-    /// its own `scope`, or it waits for that turn like a sibling.
-    pub fn scope<F: Future>(&self, future: F) -> impl Future<Output = F::Output> {
-        let held = self.held().clone();
-        let span = held.span.clone();
-        let gate = self
-            .gate
-            .get_or_init(|| Arc::new(Semaphore::new(1)))
-            .clone();
-        crate::context::scope(held, gate, future.instrument(span))
-    }
-
-    /// Releases the lock now (or, with `hold_at_least`, lets it expire then) and
-    /// reports how it went: `Err(LockError::Lost)` if the lease had been lost
-    /// while held — the protected work may have overlapped with another holder's.
-    /// Releasing a nested hold only ends that hold (and reports `Lost` if the
-    /// shared lease was lost, or released by its outer holder first). The
-    /// outer guard's release always releases: a nested guard that outlives
-    /// it protects nothing any more.
-    ///
-    /// Cancel-safe: once called, the release happens even if this future is
-    /// dropped before it completes (a timeout around it, a disconnected
-    /// client) — no renewal is sent for the lease again.
-    pub async fn release(mut self) -> Result<(), LockError> {
-        let held = self.held.take().expect("not yet released");
-        if self.nested.take().is_some() {
-            held.drop_nested_hold();
-            return if held.is_lost() {
-                Err(LockError::Lost {
-                    key: held.user_key.clone(),
-                })
-            } else {
-                Ok(())
-            };
-        }
-        held.release().await
-    }
-}
-
-impl Drop for LockGuard {
-    fn drop(&mut self) {
-        let Some(held) = self.held.take() else {
-            return;
-        };
-        if self.nested.take().is_some() {
-            held.drop_nested_hold();
-        } else {
-            // Cannot await here (a panic unwinds, a future is cancelled):
-            // hand the release to the I/O runtime, without blocking.
-            held.release_in_background();
+        if self.armed {
+            Releasing::new(self.leases)
+                .spawn_after_abandoned(self.backend.clone(), Lease::new(self.request, None));
         }
     }
 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use crate::lock::held::HeldLease;
+use super::held::HeldLease;
 use crate::token::FencingToken;
 
 tokio::task_local! {

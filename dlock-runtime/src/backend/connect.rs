@@ -1,0 +1,75 @@
+//! Opening the backend a URL names: the one place that knows every backend.
+
+use std::sync::Arc;
+
+use super::LockBackend;
+use crate::error::{LockError, redact_url};
+
+/// The URL schemes dlock knows, for error messages.
+const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
+     redlock://, zk://, postgres://, mysql://, mariadb://";
+
+/// Opens the backend a URL names.
+///
+/// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
+/// `redis+cluster://` and `redlock://` (feature `redis`), `zk://` (feature
+/// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
+/// `mysql`) are available in this release.
+pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+    let scheme = url
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase())
+        .ok_or_else(|| {
+            LockError::config(format!(
+                "`{}` is not a lock URL; expected one of {SCHEMES}",
+                redact_url(url)
+            ))
+        })?;
+    match scheme.as_str() {
+        "memory" => Ok(Arc::new(super::memory::MemoryBackend::new())),
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(Arc::new(super::sql::SqliteBackend::connect(url).await?)),
+        #[cfg(not(feature = "sqlite"))]
+        "sqlite" => Err(LockError::config(
+            "the `sqlite` backend is disabled: enable the `sqlite` feature of dlock-runtime",
+        )),
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
+            Ok(Arc::new(super::redis::RedisBackend::connect(url).await?))
+        }
+        #[cfg(feature = "redis")]
+        "redlock" | "redlocks" => Ok(Arc::new(
+            super::redis::redlock::RedlockBackend::connect(url).await?,
+        )),
+        #[cfg(not(feature = "redis"))]
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
+            Err(LockError::config(format!(
+                "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
+            )))
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Arc::new(super::sql::PostgresBackend::connect(url).await?)),
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => Ok(Arc::new(super::sql::MysqlBackend::connect(url).await?)),
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => Err(LockError::config(format!(
+            "the `{scheme}` backend is disabled: enable the `postgres` feature of dlock-runtime"
+        ))),
+        #[cfg(not(feature = "mysql"))]
+        "mysql" | "mariadb" => Err(LockError::config(format!(
+            "the `{scheme}` backend is disabled: enable the `mysql` feature of dlock-runtime"
+        ))),
+        #[cfg(feature = "zookeeper")]
+        "zk" => Ok(Arc::new(
+            super::zookeeper::ZooKeeperBackend::connect(url).await?,
+        )),
+        #[cfg(not(feature = "zookeeper"))]
+        "zk" => Err(LockError::config(
+            "the `zk` backend is disabled: enable the `zookeeper` feature of dlock-runtime",
+        )),
+        _ => Err(LockError::config(format!(
+            "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
+            redact_url(url)
+        ))),
+    }
+}

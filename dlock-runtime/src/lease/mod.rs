@@ -1,0 +1,32 @@
+//! A lease's life, from its acquisition to its release, and what looks after
+//! it while it is held. Backends know nothing of it: they store leases; this
+//! decides when to ask them.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`registry`] | the backends a lease is taken through, set once, each registry with its watchdog and shutdown tracker |
+//! | [`lock`] | taking a lock: the builder, the acquisition, a nested hold of a lease this call chain holds |
+//! | [`guard`] | the guard the holder keeps |
+//! | [`held`] | one held lease, shared by its guards and the watchdog: the I/O around its state machine |
+//! | [`state`] | the lease's state machine (pure: no I/O, no clock) |
+//! | [`watchdog`] | the renewal scheduler of a registry |
+//! | [`context`] | the locks the current task holds: [`current()`](crate::current()), reentrancy |
+//! | [`background`] | releases no caller awaits (a dropped guard, an abandoned acquisition) |
+//! | [`shutdown`] | the live leases and releases in flight, and the graceful shutdown that waits for them |
+
+mod background;
+mod context;
+mod guard;
+mod held;
+mod lock;
+mod registry;
+mod shutdown;
+mod state;
+mod watchdog;
+
+pub use context::{CurrentLock, current};
+pub use guard::LockGuard;
+pub use lock::{DEFAULT_LEASE, LockBuilder, lock};
+pub(crate) use lock::{LockOptions, acquire};
+pub use registry::{IntoBackend, Registry, RegistryBuilder, global, init};
+pub use shutdown::{ShutdownReport, shutdown};
