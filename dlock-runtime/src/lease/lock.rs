@@ -324,7 +324,9 @@ async fn enter_nested(
 /// Runs the acquisition on the I/O runtime. A caller that stops waiting (its
 /// future is dropped) stops the acquisition; whatever the task may have been
 /// granted on the wire, or was granted for a caller that is gone, is released
-/// at once with an owner-checked release.
+/// at once with an owner-checked release — and, for an attempt that may still
+/// be on the wire, again after the backstop, since the first release can reach
+/// the server before the attempt it undoes.
 async fn acquire_on_io_runtime(
     backend: Arc<dyn LockBackend>,
     request: AcquireRequest,
@@ -352,13 +354,18 @@ async fn acquire_on_io_runtime(
                 }
                 Some(Err(err)) => {
                     let _ = tx.send(Err(err));
-                    // The server may have run the attempt whose answer was lost.
-                    let _ = backend.release(&Lease::new(&request, None)).await;
+                    // The server may have run the attempt whose answer was
+                    // lost: release now, and again once that attempt has
+                    // surely been answered or timed out (the first release
+                    // may reach the server before the attempt does).
+                    Releasing::new(&leases)
+                        .spawn_after_abandoned(backend, Lease::new(&request, None));
                 }
                 None => {
                     // The caller went away mid-wait: undo whatever an attempt
-                    // on the wire may have been granted.
-                    let _ = backend.release(&Lease::new(&request, None)).await;
+                    // on the wire may be granted, now and after the backstop.
+                    Releasing::new(&leases)
+                        .spawn_after_abandoned(backend, Lease::new(&request, None));
                 }
             }
         }
