@@ -12,6 +12,7 @@
 //! also shows that a registry keeps working across runtimes.
 
 pub mod conformance;
+pub mod memory_support;
 pub mod scenarios;
 
 use std::sync::Arc;
@@ -74,50 +75,6 @@ pub fn unique_key(case: &str) -> String {
     static RUN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let run = RUN.get_or_init(rand::random::<u64>);
     format!("conformance:{case}:{run:016x}")
-}
-
-/// Expands to one `#[tokio::test]` per conformance case, each calling
-/// `$harness().await` (an `async fn() -> &'static Harness`) first.
-#[macro_export]
-macro_rules! conformance_suite {
-    ($harness:path) => {
-        $crate::conformance_suite!(@cases $harness;
-            mutual_exclusion,
-            mutual_exclusion_through_the_attribute,
-            fencing_tokens_strictly_increase,
-            release_after_return,
-            release_after_question_mark,
-            release_after_panic,
-            release_after_cancellation,
-            expiry_when_the_holder_vanishes,
-            watchdog_keeps_a_long_body_locked,
-            lost_lease_cancels_the_body,
-            lost_lease_with_on_lost_continue_lets_the_body_finish,
-            lost_lease_reaches_a_guard_holder,
-            reentrancy_within_a_task,
-            skip_policy,
-            fail_policy_and_wait_budget,
-            hold_at_least_keeps_the_key_after_the_body,
-            watchdog_false_is_a_hard_cap,
-            release_wakes_a_waiter_quickly,
-            current_inside_and_outside,
-            invalid_keys_are_rejected,
-            fuzzed_keys_never_collide,
-            fuzzed_template_values_reach_the_backend_verbatim,
-            unknown_backend_is_an_error,
-            wait_forever_and_the_minimum_lease,
-            an_abandoned_waiter_takes_nothing
-        );
-    };
-    (@cases $harness:path; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                let harness = $harness().await;
-                $crate::conformance::$case(harness).await;
-            }
-        )*
-    };
 }
 
 #[cfg(feature = "redis")]
