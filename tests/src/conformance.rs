@@ -8,46 +8,9 @@ use dlock_runtime::{FencingToken, LockError, MIN_LEASE, distributed_lock, lock};
 
 use crate::{Harness, unique_key};
 
-/// Defines the cases (every `#[case]` function) and the items they use, and
-/// generates `conformance_suite!` from the same list, so that every case
-/// written here runs on every backend.
-macro_rules! cases {
-    (@collect ($d:tt) [$($case:ident)*]
-        $(#[doc = $doc:literal])*
-        #[case]
-        pub async fn $name:ident($h:ident: &Harness) $body:block
-        $($rest:tt)*
-    ) => {
-        $(#[doc = $doc])*
-        pub async fn $name($h: &Harness) $body
-        cases!(@collect ($d) [$($case)* $name] $($rest)*);
-    };
-    (@collect ($d:tt) [$($case:ident)*] $item:item $($rest:tt)*) => {
-        $item
-        cases!(@collect ($d) [$($case)*] $($rest)*);
-    };
-    (@collect ($d:tt) [$($case:ident)*]) => {
-        /// Expands to one `#[tokio::test]` per conformance case, each calling
-        /// `$harness().await` (an `async fn() -> &'static Harness`) first.
-        #[macro_export]
-        macro_rules! conformance_suite {
-            ($d harness:path) => {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $case() {
-                        let harness = $d harness().await;
-                        $d crate::conformance::$case(harness).await;
-                    }
-                )*
-            };
-        }
-    };
-    ($($items:tt)*) => {
-        cases!(@collect ($) [] $($items)*);
-    };
-}
+crate::suite! {
+    conformance_suite, conformance, "`$harness().await` (an `async fn() -> &'static Harness`)";
 
-cases! {
     const SECOND: Duration = Duration::from_secs(1);
 
     /// An application error, as users write them.

@@ -11,7 +11,54 @@
 //! process can show. Every test runs on its own tokio runtime, so the suite
 //! also shows that a registry keeps working across runtimes.
 
+/// Defines a suite: its cases (the `#[case] pub async fn` items, each taking
+/// one argument) and the items they use, and from the same list a macro
+/// `$suite!(setup)` that expands to one `#[tokio::test]` per case, each
+/// calling `setup().await` and handing the answer to the case. A case written
+/// in the suite's module therefore runs wherever the suite does.
+macro_rules! suite {
+    ($suite:ident, $module:ident, $setup:literal; $($items:tt)*) => {
+        $crate::suite!(@collect ($) $suite $module $setup [] $($items)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
+        $(#[doc = $doc:literal])*
+        #[case]
+        pub async fn $name:ident($arg:ident: $ty:ty) $body:block
+        $($rest:tt)*
+    ) => {
+        $(#[doc = $doc])*
+        pub async fn $name($arg: $ty) $body
+        $crate::suite!(@collect ($d) $suite $module $setup [$($case)* $name] $($rest)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
+        $item:item $($rest:tt)*
+    ) => {
+        $item
+        $crate::suite!(@collect ($d) $suite $module $setup [$($case)*] $($rest)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]) => {
+        #[doc = concat!(
+            "Expands to one `#[tokio::test]` per case of [`crate::", stringify!($module),
+            "`], each calling ", $setup, " first."
+        )]
+        #[macro_export]
+        macro_rules! $suite {
+            ($d setup:path) => {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $case() {
+                        let setup = $d setup().await;
+                        $d crate::$module::$case(setup).await;
+                    }
+                )*
+            };
+        }
+    };
+}
+use suite;
+
 pub mod conformance;
+pub mod handoff;
 pub mod memory_support;
 pub mod scenarios;
 
@@ -82,6 +129,12 @@ pub mod redis_support;
 #[cfg(feature = "zookeeper")]
 pub mod zk_support;
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_db;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_lease_table;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_session;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_support;
 

@@ -1,4 +1,4 @@
-//! Adversarial tests of Redlock's local-connection fast path: each node has a
+//! Redlock's two connections per node, in order: each node has a
 //! home connection (dlock's I/O runtime) and a local one (the caller's
 //! runtime), and a command on one connection can overtake a command still
 //! outstanding on the other.
@@ -175,7 +175,7 @@ impl Nodes {
 async fn warm_up(registry: &Registry, name: &str) {
     for i in 0..2 {
         let guard = registry
-            .lock(format!("adv-redlock:warm-up:{name}:{i}"))
+            .lock(format!("redlock-order:warm-up:{name}:{i}"))
             .acquire()
             .await
             .expect("warm-up lock");
@@ -185,20 +185,17 @@ async fn warm_up(registry: &Registry, name: &str) {
 }
 
 fn unique(case: &str) -> String {
-    format!("adv-redlock:{case}:{:016x}", rand::random::<u64>())
+    format!("redlock-order:{case}:{:016x}", rand::random::<u64>())
 }
 
 /// Steady state: the caller's runtime has its local connections open, so the
 /// acquire goes local. Node 3 answers it late (after the per-node timeout);
-/// nodes 1 and 2 are a majority, so the lock is granted — and marked as
-/// "granted", which tells `release` that any connection will do. The guard
-/// is dropped (the usual `let _guard = …;` end of scope): the release goes
-/// from dlock's I/O runtime over the HOME connections, overtakes node 3's
-/// acquire still outstanding on the LOCAL one, finds nothing there — and the
-/// late `SET NX PX` then lands. Node 3 holds the key, in our name, for a full
-/// lease after the release (with one more slow or down node, nobody can lock
-/// the key for that long). Before the fast path both went over node 3's one
-/// connection, in order.
+/// nodes 1 and 2 are a majority, so the lock is granted. The guard is then
+/// dropped (the usual `let _guard = …;` end of scope), so the release goes from
+/// dlock's I/O runtime over the home connections while node 3's acquire is
+/// still outstanding on the local one. Node 3 must not be left holding the key
+/// after the release: the release follows the acquire on node 3 (with one more
+/// slow or down node, nobody could lock the key for a full lease otherwise).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
     let nodes = Nodes::start(29460).await;
@@ -236,13 +233,12 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
     );
 }
 
-/// The other direction: the first lock from a runtime goes HOME (its local
+/// The other direction: the first lock from a runtime goes home (its local
 /// connections are only opening). Node 3 answers late; the lock is granted by
-/// nodes 1 and 2. By the time the caller releases — explicitly, awaiting, on
-/// the same runtime — the local connections are open, so the release goes
-/// LOCAL, overtakes node 3's acquire still outstanding on HOME, and the late
-/// acquire leaves node 3 holding the key for a full lease after a release
-/// that reported success.
+/// nodes 1 and 2. By the time the caller releases (awaiting, on the same
+/// runtime) the local connections are open, while node 3's acquire is still
+/// outstanding on home: the late acquire must not leave node 3 holding the key
+/// after a release that reported success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
     let nodes = Nodes::start(29463).await;
@@ -278,10 +274,10 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
     );
 }
 
-/// The designed case, kept as a regression test: an acquisition abandoned
-/// while its acquire is outstanding (on HOME: the first call from this
-/// runtime) is cleaned up over local AND home, and on home the clean-up
-/// follows the acquire, so no key is left — well before the 3 s backstop.
+/// An acquisition abandoned while its acquire is outstanding (on home: the
+/// first call from this runtime) is cleaned up over local and home, and on home
+/// the clean-up follows the acquire, so no key is left, well before the 3 s
+/// backstop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
     let nodes = Nodes::start(29466).await;

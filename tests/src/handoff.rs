@@ -1,0 +1,65 @@
+//! The handoff measurement: how long a waiter takes to get a key after its
+//! holder releases it.
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::Registry;
+
+/// Handoff times, sorted.
+#[derive(Debug, Clone)]
+pub struct Handoffs(pub Vec<Duration>);
+
+impl Handoffs {
+    /// The median (the upper one of an even count).
+    pub fn median(&self) -> Duration {
+        self.0[self.0.len() / 2]
+    }
+}
+
+/// Hands `key` from `holder` to a waiter of `waiter` `rounds` times and
+/// answers the handoffs: each round the holder takes the key with a 30 s
+/// lease, a waiter starts waiting (up to 20 s), and `settle` later the holder
+/// releases; the handoff is the time from the release call to the waiter's
+/// grant. A handoff well below 30 s can only come from a wake-up.
+pub async fn measure(
+    holder: &Registry,
+    waiter: &Registry,
+    key: &str,
+    rounds: usize,
+    settle: Duration,
+) -> Handoffs {
+    let mut handoffs = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let guard = holder
+            .lock(key)
+            .lease(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("acquire");
+        let waiting = tokio::spawn({
+            let (waiter, key) = (waiter.clone(), key.to_owned());
+            async move {
+                let g = waiter
+                    .lock(&key)
+                    .wait(Duration::from_secs(20))
+                    .acquire()
+                    .await;
+                (g, Instant::now())
+            }
+        });
+        tokio::time::sleep(settle).await;
+        let released = Instant::now();
+        guard.release().await.expect("release");
+        let (next, acquired) = waiting.await.expect("task");
+        next.expect("handed over").release().await.expect("release");
+        handoffs.push(acquired - released);
+    }
+    handoffs.sort();
+    Handoffs(handoffs)
+}
+
+/// The median of `values` (the upper one of an even count).
+pub fn median_f64(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
