@@ -10,6 +10,12 @@ use dlock_runtime::Registry;
 pub struct Handoffs(pub Vec<Duration>);
 
 impl Handoffs {
+    /// `handoffs`, sorted.
+    pub fn sorted(mut handoffs: Vec<Duration>) -> Handoffs {
+        handoffs.sort();
+        Handoffs(handoffs)
+    }
+
     /// The median (the upper one of an even count).
     pub fn median(&self) -> Duration {
         self.0[self.0.len() / 2]
@@ -54,8 +60,7 @@ pub async fn measure(
         next.expect("handed over").release().await.expect("release");
         handoffs.push(acquired - released);
     }
-    handoffs.sort();
-    Handoffs(handoffs)
+    Handoffs::sorted(handoffs)
 }
 
 /// The median of `values` (the upper one of an even count).

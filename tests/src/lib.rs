@@ -58,6 +58,8 @@ macro_rules! suite {
 use suite;
 
 pub mod conformance;
+#[cfg(feature = "sqlite")]
+pub mod doorbell_support;
 pub mod handoff;
 pub mod memory_support;
 pub mod scenarios;
