@@ -187,11 +187,11 @@ async fn the_listener_comes_back_after_its_connection_is_killed() {
 /// still takes milliseconds, not the holder's lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_listen_waiters_poll_with_back_off() {
-    use dlock_tests::sql_support::{Proxy, ProxyMode, host_port, via};
+    use dlock_tests::sql_support::{Fault, host_port, proxy_to, via};
     harness().await;
-    let proxy = Proxy::start(&host_port(&url())).await;
-    proxy.set_mode(ProxyMode::BlackHole);
-    let listen_url: String = via(&url(), proxy.addr)
+    let proxy = proxy_to(&host_port(&url())).await;
+    proxy.set(Fault::Drop);
+    let listen_url: String = via(&url(), proxy.addr())
         .bytes()
         .map(|b| match b {
             b':' | b'/' | b'@' | b'?' | b'&' | b'=' => format!("%{b:02X}"),

@@ -11,115 +11,12 @@
 //! its two connections only.
 #![cfg(feature = "redis")]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dlock_fault_proxy::FaultProxy as Proxy;
 use dlock_runtime::{RedlockBackend, Registry};
 use dlock_tests::redis_support::OwnRedis;
 use redis::AsyncCommands;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// Holds back the first client→server chunk that contains `needle` and an
-/// `EVALSHA`/`EVAL` (a script call on the key, not a SUBSCRIBE), for `hold`.
-#[derive(Default)]
-struct Trap {
-    armed: Option<(Vec<u8>, Duration)>,
-    /// Which accepted connection (from 1) the held chunk came on, once sprung.
-    sprung_on: Option<usize>,
-}
-
-/// A TCP proxy in front of one redis-server.
-struct Proxy {
-    port: u16,
-    trap: Arc<Mutex<Trap>>,
-    accepted: Arc<AtomicUsize>,
-}
-
-impl Proxy {
-    async fn start(upstream: u16) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let port = listener.local_addr().unwrap().port();
-        let trap = Arc::new(Mutex::new(Trap::default()));
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let (t, a) = (trap.clone(), accepted.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let number = a.fetch_add(1, Ordering::SeqCst) + 1;
-                let trap = t.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-                        return;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    tokio::spawn(async move {
-                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
-                        let _ = cw.shutdown().await;
-                    });
-                    let mut buf = vec![0u8; 64 * 1024];
-                    loop {
-                        let n = match cr.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        let chunk = &buf[..n];
-                        let hold = {
-                            let mut trap = trap.lock().unwrap();
-                            match &trap.armed {
-                                Some((needle, hold))
-                                    if contains(chunk, needle) && contains(chunk, b"EVAL") =>
-                                {
-                                    let hold = *hold;
-                                    trap.armed = None;
-                                    trap.sprung_on = Some(number);
-                                    Some(hold)
-                                }
-                                _ => None,
-                            }
-                        };
-                        if let Some(hold) = hold {
-                            tokio::time::sleep(hold).await;
-                        }
-                        // Even if the client has gone since: the server still
-                        // gets (and runs) what was sent to it.
-                        if sw.write_all(chunk).await.is_err() {
-                            break;
-                        }
-                    }
-                    let _ = sw.shutdown().await;
-                });
-            }
-        });
-        Proxy {
-            port,
-            trap,
-            accepted,
-        }
-    }
-
-    /// Holds back the next script call carrying `needle` for `hold`.
-    fn arm(&self, needle: &str, hold: Duration) {
-        let mut trap = self.trap.lock().unwrap();
-        trap.armed = Some((needle.as_bytes().to_vec(), hold));
-        trap.sprung_on = None;
-    }
-
-    fn sprung_on(&self) -> Option<usize> {
-        self.trap.lock().unwrap().sprung_on
-    }
-
-    fn accepted(&self) -> usize {
-        self.accepted.load(Ordering::SeqCst)
-    }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
-}
 
 /// Three nodes of the test's own (ports `first`, `first+1`, `first+2`); the
 /// third behind a [`Proxy`].
@@ -134,8 +31,15 @@ impl Nodes {
         for port in first..first + 3 {
             servers.push(OwnRedis::start(port, &[]).await);
         }
-        let proxy = Proxy::start(servers[2].port()).await;
+        let proxy = Proxy::to_port(servers[2].port()).await.expect("proxy");
         Nodes { servers, proxy }
+    }
+
+    /// Holds back, for `hold`, the next chunk sent to node 3 that carries
+    /// `stored` and an `EVALSHA`/`EVAL` (a script call on the key, not a
+    /// SUBSCRIBE).
+    fn hold_script_call(&self, stored: &str, hold: Duration) {
+        self.proxy.hold_next(&[stored.as_bytes(), b"EVAL"], hold);
     }
 
     fn url(&self) -> String {
@@ -143,7 +47,7 @@ impl Nodes {
             "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
             self.servers[0].port(),
             self.servers[1].port(),
-            self.proxy.port
+            self.proxy.port()
         )
     }
 
@@ -210,7 +114,7 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
 
     let key = unique("dropped-guard");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    nodes.hold_script_call(&stored, Duration::from_millis(1500));
     let lease = Duration::from_secs(20);
     let guard = registry
         .lock(&key)
@@ -219,7 +123,7 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
         .acquire()
         .await
         .expect("nodes 1 and 2 are a majority of three");
-    let sprung_on = nodes.proxy.sprung_on();
+    let sprung_on = nodes.proxy.held_on();
     assert!(sprung_on.is_some(), "node 3's acquire was not held back");
     drop(guard);
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -251,7 +155,7 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
 
     let key = unique("first-call");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    nodes.hold_script_call(&stored, Duration::from_millis(1500));
     let guard = registry
         .lock(&key)
         .lease(Duration::from_secs(20))
@@ -259,7 +163,7 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
         .acquire()
         .await
         .expect("nodes 1 and 2 are a majority of three");
-    let sprung_on = nodes.proxy.sprung_on();
+    let sprung_on = nodes.proxy.held_on();
     assert!(sprung_on.is_some(), "node 3's acquire was not held back");
     guard.release().await.expect("the release reports success");
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -286,7 +190,7 @@ async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
 
     let key = unique("abandoned");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(600));
+    nodes.hold_script_call(&stored, Duration::from_millis(600));
     let started = Instant::now();
     // Dropped after node 1 and 2 have answered, while node 3's acquire is held.
     let outcome = tokio::time::timeout(
@@ -299,7 +203,7 @@ async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
     )
     .await;
     assert!(outcome.is_err(), "the caller gave up: {outcome:?}");
-    assert!(nodes.proxy.sprung_on().is_some());
+    assert!(nodes.proxy.held_on().is_some());
     tokio::time::sleep(Duration::from_millis(1500).saturating_sub(started.elapsed())).await;
     let holders = nodes.holders(&stored).await;
     assert!(
