@@ -466,7 +466,7 @@ pub(super) async fn throughput_section(
         "c=1 (unpinned, not gated)".to_owned()
     };
     let check64 = CpuCheck::start()?;
-    let c64_samples = throughput_rounds(&c, 64, C64_PAIRS).await?;
+    let c64_samples = throughput_rounds(c, 64, C64_PAIRS).await?;
     let check64 = check64.since()?;
     let c64_label = "c=64, unpinned (both CPUs)".to_owned();
     let sections = [
@@ -581,7 +581,7 @@ pub(super) async fn halves_section(c: &Arc<Contenders>, out: &mut String) -> any
         ] {
             let tag = format!("split:{round}");
             for s in [acquire, release] {
-                let (cpu, commands) = measure_steps(&c, s, 64, C64_PAIRS, &tag).await?;
+                let (cpu, commands) = measure_steps(c, s, 64, C64_PAIRS, &tag).await?;
                 let entry = split.entry(s.name()).or_default();
                 entry.0.push(cpu);
                 entry.1.push(commands);
