@@ -34,16 +34,41 @@ pub async fn measure(
     rounds: usize,
     settle: Duration,
 ) -> Handoffs {
+    measure_when_ready(
+        holder,
+        waiter,
+        rounds,
+        |_| key.to_owned(),
+        |_| tokio::time::sleep(settle),
+    )
+    .await
+}
+
+/// [`measure`] with the key of each round given by `key(round)`, and the
+/// release made once `ready(key)` (awaited while the waiter waits) is done.
+pub async fn measure_when_ready<K, R, Fut>(
+    holder: &Registry,
+    waiter: &Registry,
+    rounds: usize,
+    key: K,
+    mut ready: R,
+) -> Handoffs
+where
+    K: Fn(usize) -> String,
+    R: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let mut handoffs = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
+    for round in 0..rounds {
+        let key = key(round);
         let guard = holder
-            .lock(key)
+            .lock(&key)
             .lease(Duration::from_secs(30))
             .acquire()
             .await
             .expect("acquire");
         let waiting = tokio::spawn({
-            let (waiter, key) = (waiter.clone(), key.to_owned());
+            let (waiter, key) = (waiter.clone(), key.clone());
             async move {
                 let g = waiter
                     .lock(&key)
@@ -53,7 +78,7 @@ pub async fn measure(
                 (g, Instant::now())
             }
         });
-        tokio::time::sleep(settle).await;
+        ready(key).await;
         let released = Instant::now();
         guard.release().await.expect("release");
         let (next, acquired) = waiting.await.expect("task");

@@ -130,6 +130,12 @@ impl SqlDb {
             .unwrap_or_else(|e| servers_missing(&url, e))
     }
 
+    /// A registry over a backend on the server with `?options` appended to
+    /// its URL.
+    pub async fn registry(self, options: &str) -> Registry {
+        self.connect(&format!("?{options}")).await.registry()
+    }
+
     /// Server-side controls for a backend of this database in `mode`.
     pub fn faults(self, mode: SqlMode) -> Arc<dyn Faults> {
         match self {

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use dlock_runtime::Registry;
 use dlock_tests::sql_db::SqlDb;
 use dlock_tests::{servers_missing, unique_key};
 
@@ -47,13 +46,6 @@ async fn pg_terminate_app(app: &str) -> usize {
     pids.len()
 }
 
-async fn pg_registry(options: &str) -> Registry {
-    SqlDb::Postgres
-        .connect(&format!("?{options}"))
-        .await
-        .registry()
-}
-
 /// Idle pooled connections ended by the server with a FATAL message
 /// (`pg_terminate_backend`, a graceful restart or failover) are dead
 /// connections like any other: the next acquisition tries another connection
@@ -62,7 +54,9 @@ async fn pg_registry(options: &str) -> Registry {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_lease_acquire_survives_terminated_idle_pool_connections() {
     let app = unique_name("lease_term");
-    let registry = pg_registry(&format!("application_name={app}")).await;
+    let registry = SqlDb::Postgres
+        .registry(&format!("application_name={app}"))
+        .await;
     let key = unique_key("pg-lease-terminated");
     // Warm the pool: a few connections sit idle afterwards.
     let guards = futures_util::future::join_all(
@@ -96,10 +90,11 @@ async fn pg_lease_acquire_after_idle_session_timeout() {
         .replace('@', "%40");
     // The listener gets a plain URL (it pings every 3 s); dlock's lease pool
     // gets the server-side idle limit a DBA would set on the role.
-    let registry = pg_registry(&format!(
-        "options=-c%20idle_session_timeout%3D500&listen_url={listen}"
-    ))
-    .await;
+    let registry = SqlDb::Postgres
+        .registry(&format!(
+            "options=-c%20idle_session_timeout%3D500&listen_url={listen}"
+        ))
+        .await;
     let key = unique_key("pg-idle-session-timeout");
     let g = registry.lock(&key).acquire().await.expect("first acquire");
     g.release().await.expect("release");
@@ -116,7 +111,9 @@ async fn pg_lease_acquire_after_idle_session_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_session_acquire_survives_a_terminated_kept_connection() {
     let app = unique_name("session_term");
-    let registry = pg_registry(&format!("mode=session&application_name={app}")).await;
+    let registry = SqlDb::Postgres
+        .registry(&format!("mode=session&application_name={app}"))
+        .await;
     let key = unique_key("pg-session-terminated");
     let g = registry.lock(&key).acquire().await.expect("acquire");
     g.release().await.expect("release");
@@ -138,7 +135,9 @@ async fn pg_session_acquire_survives_a_terminated_kept_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_lease_renewal_survives_terminated_idle_pool_connections() {
     let app = unique_name("renew_term");
-    let registry = pg_registry(&format!("application_name={app}")).await;
+    let registry = SqlDb::Postgres
+        .registry(&format!("application_name={app}"))
+        .await;
     let key = unique_key("pg-renew-terminated");
     // Fill the pool (10 connections) with idle ones.
     let guards = futures_util::future::join_all(

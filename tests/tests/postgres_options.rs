@@ -5,19 +5,11 @@
 
 use std::time::Duration;
 
-use dlock_runtime::Registry;
 use dlock_tests::sql_db::SqlDb;
 use dlock_tests::{servers_missing, unique_key};
 
 fn pg_url() -> String {
     SqlDb::Postgres.url()
-}
-
-async fn pg_registry(options: &str) -> Registry {
-    SqlDb::Postgres
-        .connect(&format!("?{options}"))
-        .await
-        .registry()
 }
 
 /// Secrets never appear in `Debug`/`Display`: a password given as
@@ -61,7 +53,7 @@ async fn pg_listen_url_password_is_not_shown_in_debug() {
 /// is clamped, as lease mode and MySQL accept such leases too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_session_accepts_a_month_long_lease() {
-    let registry = pg_registry("mode=session").await;
+    let registry = SqlDb::Postgres.registry("mode=session").await;
     let key = unique_key("pg-session-month");
     let got = registry
         .lock(&key)
