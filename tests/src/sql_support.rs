@@ -268,7 +268,7 @@ impl Faults for MyFaults {
     }
 }
 
-pub use dlock_fault_proxy::{Fault, FaultProxy as Proxy};
+pub use dlock_testkit::{Fault, FaultProxy as Proxy};
 
 /// A [`Proxy`] in front of `upstream` (`host:port`).
 pub async fn proxy_to(upstream: &str) -> Proxy {

@@ -13,8 +13,8 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_fault_proxy::FaultProxy as Proxy;
 use dlock_runtime::{RedlockBackend, Registry};
+use dlock_testkit::FaultProxy as Proxy;
 use dlock_tests::redis_support::OwnRedis;
 use redis::AsyncCommands;
 
