@@ -140,6 +140,24 @@ pub async fn handoff(
     }
 }
 
+/// For a test that runs in a child process: in the test process, runs the
+/// test `name` again in a child with `env` set (see [`run_in_child`]) and
+/// answers `None`; in the child, answers the runtime to run the test on (two
+/// workers, as dlock's own).
+pub fn in_child_process(name: &str, env: &str, limit: Duration) -> Option<tokio::runtime::Runtime> {
+    if std::env::var(env).is_err() {
+        run_in_child(name, env, limit);
+        return None;
+    }
+    Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime"),
+    )
+}
+
 /// Runs the test `name` of this binary again in a child process with `env`
 /// set, and fails with its output if it fails (for tests that would disturb
 /// the others in this process: they share dlock's I/O runtime and its count

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::Registry;
+use dlock_runtime::{LockError, LockGuard, Registry};
 
 /// Handoff times, sorted.
 #[derive(Debug, Clone)]
@@ -67,17 +67,7 @@ where
             .acquire()
             .await
             .expect("acquire");
-        let waiting = tokio::spawn({
-            let (waiter, key) = (waiter.clone(), key.clone());
-            async move {
-                let g = waiter
-                    .lock(&key)
-                    .wait(Duration::from_secs(20))
-                    .acquire()
-                    .await;
-                (g, Instant::now())
-            }
-        });
+        let waiting = start_waiting(waiter, &key, Duration::from_secs(20));
         ready(key).await;
         let released = Instant::now();
         guard.release().await.expect("release");
@@ -86,6 +76,20 @@ where
         handoffs.push(acquired - released);
     }
     Handoffs::sorted(handoffs)
+}
+
+/// A task that waits up to `wait` for `key` on `waiter`, and answers the
+/// outcome with the instant it came.
+pub fn start_waiting(
+    waiter: &Registry,
+    key: &str,
+    wait: Duration,
+) -> tokio::task::JoinHandle<(Result<LockGuard, LockError>, Instant)> {
+    let (waiter, key) = (waiter.clone(), key.to_owned());
+    tokio::spawn(async move {
+        let g = waiter.lock(&key).wait(wait).acquire().await;
+        (g, Instant::now())
+    })
 }
 
 /// The median of `values` (the upper one of an even count).

@@ -134,17 +134,7 @@ async fn the_listener_comes_back_after_its_connection_is_killed() {
         .acquire()
         .await
         .expect("acquire");
-    let waiting = tokio::spawn({
-        let (waiter, key) = (waiter.clone(), key.clone());
-        async move {
-            let g = waiter
-                .lock(&key)
-                .wait(Duration::from_secs(20))
-                .acquire()
-                .await;
-            (g, Instant::now())
-        }
-    });
+    let waiting = dlock_tests::handoff::start_waiting(&waiter, &key, Duration::from_secs(20));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let pids: Vec<i32> = sqlx::query_scalar(
         "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \

@@ -256,17 +256,7 @@ async fn a_waiter_follows_its_channels_slot_to_another_master() {
         .acquire()
         .await
         .expect("acquire");
-    let waiting = tokio::spawn({
-        let (waiter, key) = (waiter.clone(), key.clone());
-        async move {
-            let g = waiter
-                .lock(&key)
-                .wait(Duration::from_secs(25))
-                .acquire()
-                .await;
-            (g, Instant::now())
-        }
-    });
+    let waiting = dlock_tests::handoff::start_waiting(&waiter, &key, Duration::from_secs(25));
     let subscribed_on = |port: u16, channel: String| async move {
         let (_, n): (String, i64) = redis::cmd("PUBSUB")
             .arg("SHARDNUMSUB")

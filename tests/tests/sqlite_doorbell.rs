@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock_tests::doorbell_support::{
-    self, backend, bell_path, bells_dir, bucket, handoff, hold, run_in_child, spawn_waiter,
+    self, backend, bell_path, bells_dir, bucket, handoff, hold, in_child_process, spawn_waiter,
 };
 use dlock_tests::unique_key;
 
@@ -223,16 +223,13 @@ async fn a_database_opened_through_a_symlink_rings_the_same_bells() {
 /// process (a stall would disturb the other tests).
 #[test]
 fn a_hung_bell_stalls_no_lock() {
-    const CHILD: &str = "DLOCK_DOORBELL_HUNG_BELL_CHILD";
-    if std::env::var(CHILD).is_err() {
-        run_in_child("a_hung_bell_stalls_no_lock", CHILD, Duration::from_secs(60));
+    let Some(rt) = in_child_process(
+        "a_hung_bell_stalls_no_lock",
+        "DLOCK_DOORBELL_HUNG_BELL_CHILD",
+        Duration::from_secs(60),
+    ) else {
         return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    };
     rt.block_on(async {
         let db = db_path("doorbell-hung");
         let url = format!("sqlite://{}?poll=10s", db.display());

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dlock_tests::doorbell_support::{
-    self, backend, bells_dir, handoff, hold, inotify_fds, relative_to_cwd, remove_bells,
-    run_in_child, spawn_waiter, watcher_threads,
+    self, backend, bells_dir, handoff, hold, in_child_process, inotify_fds, relative_to_cwd,
+    remove_bells, spawn_waiter, watcher_threads,
 };
 use dlock_tests::unique_key;
 
@@ -376,20 +376,13 @@ async fn a_watcher_that_failed_is_tried_again() {
 /// process, so that other tests' watchers do not count.
 #[test]
 fn dropped_backends_leave_no_watcher() {
-    const CHILD: &str = "DLOCK_DOORBELL_WATCHER_LEAK_CHILD";
-    if std::env::var(CHILD).is_err() {
-        run_in_child(
-            "dropped_backends_leave_no_watcher",
-            CHILD,
-            Duration::from_secs(120),
-        );
+    let Some(rt) = in_child_process(
+        "dropped_backends_leave_no_watcher",
+        "DLOCK_DOORBELL_WATCHER_LEAK_CHILD",
+        Duration::from_secs(120),
+    ) else {
         return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    };
     rt.block_on(async {
         let db = db_path("doorbell-leak");
         let url = format!("sqlite://{}?poll=10s", db.display());
