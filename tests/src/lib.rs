@@ -9,7 +9,16 @@
 //!
 //! and gets one `#[tokio::test]` per invariant of DESIGN.md §5 that a single
 //! process can show. Every test runs on its own tokio runtime, so the suite
-//! also shows that a registry keeps working across runtimes.
+//! also shows that a registry keeps working across runtimes. The SQL
+//! databases' test files also run the lease-table suite
+//! (`dlock_tests::sql_lease_table_suite!(target)`) or the session suite
+//! (`dlock_tests::sql_session_suite!(target)`). Each suite's test list is
+//! generated from its `#[case]` functions (see `suite!`), so no case can be
+//! left out of it.
+//!
+//! Beside the suites: the handoff measurement ([`handoff`]), support for the
+//! in-process runtime tests ([`memory_support`]), SQLite's doorbells
+//! (`doorbell_support`), Redis, ZooKeeper and the SQL servers.
 
 /// Defines a suite: its cases (the `#[case] pub async fn` items, each taking
 /// one argument) and the items they use, and from the same list a macro
