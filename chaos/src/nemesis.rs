@@ -285,7 +285,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 let span = leases(&mut rng, lease, 1.5, 3.0);
-                cluster.proxies[w].set(Fault::Blackhole);
+                cluster.proxies[w].set(Fault::Hold);
                 cluster.fault(
                     id,
                     fault,
@@ -302,7 +302,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 let ws: Vec<usize> = pick(&mut rng, cluster.proxies.len(), n);
                 cluster.fault(id, fault, Phase::Start, ws.clone(), String::new());
                 for &w in &ws {
-                    cluster.proxies[w].reset();
+                    cluster.proxies[w].reset_all();
                 }
                 cluster.fault(id, fault, Phase::Heal, ws, String::new());
             }

@@ -479,7 +479,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Backend::Redis | Backend::Zk | Backend::Postgres | Backend::Mysql
     ) {
         for _ in 0..args.workers {
-            proxies.push(Proxy::start(servers[0].port()).await?);
+            proxies.push(Proxy::to_port(servers[0].port()).await?);
         }
     }
     let history = std::fs::File::create(out.join("history.jsonl"))?;

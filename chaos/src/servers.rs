@@ -401,33 +401,27 @@ impl Server {
     }
 
     async fn spawn_redis(&mut self) -> anyhow::Result<()> {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--dir", &self.dir.display().to_string()])
-            .args([
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ])
-            .args(["--protected-mode", "no", "--daemonize", "no"])
-            .args([
-                "--logfile",
-                &self.dir.join("redis.log").display().to_string(),
-            ])
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .context("cannot run redis-server (install the test servers: scripts/servers.sh up)")?;
+        let persistence = [
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ];
+        let child = Command::from(dlock_testkit::redis_server::command(
+            self.port,
+            &self.dir,
+            &persistence,
+        ))
+        .kill_on_drop(true)
+        .spawn()
+        .context("cannot run redis-server (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if ping(self.port).await {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        if dlock_testkit::redis_server::wait_until_it_answers(self.port, Duration::from_secs(10))
+            .await
+        {
+            return Ok(());
         }
         bail!(
             "redis-server on port {} did not answer within 10 s (see {}/redis.log)",
@@ -525,20 +519,6 @@ fn temp_root(flavor: &str, port: u16) -> anyhow::Result<PathBuf> {
 }
 
 /// `PING` over a bare socket (`+PONG`), no client library needed.
-async fn ping(port: u16) -> bool {
-    let attempt = async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        s.write_all(b"PING\r\n").await?;
-        let mut buf = [0u8; 7];
-        s.read_exact(&mut buf).await?;
-        std::io::Result::Ok(&buf == b"+PONG\r\n")
-    };
-    matches!(
-        tokio::time::timeout(Duration::from_millis(500), attempt).await,
-        Ok(Ok(true))
-    )
-}
-
 /// Whether the ZooKeeper on `port` serves requests: `srvr` reports its mode
 /// (`ruok` answers `imok` already while the server still loads its data and
 /// turns sessions away).

@@ -9,9 +9,68 @@
 //!
 //! and gets one `#[tokio::test]` per invariant of DESIGN.md §5 that a single
 //! process can show. Every test runs on its own tokio runtime, so the suite
-//! also shows that a registry keeps working across runtimes.
+//! also shows that a registry keeps working across runtimes. The SQL
+//! databases' test files also run the lease-table suite
+//! (`dlock_tests::sql_lease_table_suite!(target)`) or the session suite
+//! (`dlock_tests::sql_session_suite!(target)`). Each suite's test list is
+//! generated from its `#[case]` functions (see `suite!`), so no case can be
+//! left out of it.
+//!
+//! Beside the suites: the handoff measurement ([`handoff`]), support for the
+//! in-process runtime tests ([`memory_support`]), SQLite's doorbells
+//! (`doorbell_support`), Redis, ZooKeeper and the SQL servers.
+
+/// Defines a suite: its cases (the `#[case] pub async fn` items, each taking
+/// one argument) and the items they use, and from the same list a macro
+/// `$suite!(setup)` that expands to one `#[tokio::test]` per case, each
+/// calling `setup().await` and handing the answer to the case. A case written
+/// in the suite's module therefore runs wherever the suite does.
+macro_rules! suite {
+    ($suite:ident, $module:ident, $setup:literal; $($items:tt)*) => {
+        $crate::suite!(@collect ($) $suite $module $setup [] $($items)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
+        $(#[doc = $doc:literal])*
+        #[case]
+        pub async fn $name:ident($arg:ident: $ty:ty) $body:block
+        $($rest:tt)*
+    ) => {
+        $(#[doc = $doc])*
+        pub async fn $name($arg: $ty) $body
+        $crate::suite!(@collect ($d) $suite $module $setup [$($case)* $name] $($rest)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
+        $item:item $($rest:tt)*
+    ) => {
+        $item
+        $crate::suite!(@collect ($d) $suite $module $setup [$($case)*] $($rest)*);
+    };
+    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]) => {
+        #[doc = concat!(
+            "Expands to one `#[tokio::test]` per case of [`crate::", stringify!($module),
+            "`], each calling ", $setup, " first."
+        )]
+        #[macro_export]
+        macro_rules! $suite {
+            ($d setup:path) => {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $case() {
+                        let setup = $d setup().await;
+                        $d crate::$module::$case(setup).await;
+                    }
+                )*
+            };
+        }
+    };
+}
+use suite;
 
 pub mod conformance;
+#[cfg(feature = "sqlite")]
+pub mod doorbell_support;
+pub mod handoff;
+pub mod memory_support;
 pub mod scenarios;
 
 use std::sync::Arc;
@@ -76,55 +135,17 @@ pub fn unique_key(case: &str) -> String {
     format!("conformance:{case}:{run:016x}")
 }
 
-/// Expands to one `#[tokio::test]` per conformance case, each calling
-/// `$harness().await` (an `async fn() -> &'static Harness`) first.
-#[macro_export]
-macro_rules! conformance_suite {
-    ($harness:path) => {
-        $crate::conformance_suite!(@cases $harness;
-            mutual_exclusion,
-            mutual_exclusion_through_the_attribute,
-            fencing_tokens_strictly_increase,
-            release_after_return,
-            release_after_question_mark,
-            release_after_panic,
-            release_after_cancellation,
-            expiry_when_the_holder_vanishes,
-            watchdog_keeps_a_long_body_locked,
-            lost_lease_cancels_the_body,
-            lost_lease_with_on_lost_continue_lets_the_body_finish,
-            lost_lease_reaches_a_guard_holder,
-            reentrancy_within_a_task,
-            skip_policy,
-            fail_policy_and_wait_budget,
-            hold_at_least_keeps_the_key_after_the_body,
-            watchdog_false_is_a_hard_cap,
-            release_wakes_a_waiter_quickly,
-            current_inside_and_outside,
-            invalid_keys_are_rejected,
-            fuzzed_keys_never_collide,
-            fuzzed_template_values_reach_the_backend_verbatim,
-            unknown_backend_is_an_error,
-            wait_forever_and_the_minimum_lease,
-            an_abandoned_waiter_takes_nothing
-        );
-    };
-    (@cases $harness:path; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                let harness = $harness().await;
-                $crate::conformance::$case(harness).await;
-            }
-        )*
-    };
-}
-
 #[cfg(feature = "redis")]
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]
 pub mod zk_support;
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_db;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_lease_table;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_session;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_support;
 

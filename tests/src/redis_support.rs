@@ -235,38 +235,18 @@ impl OwnRedis {
     }
 
     async fn spawn(&mut self) {
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--dir", &self.dir.display().to_string()])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(["--protected-mode", "no", "--daemonize", "no"])
-            .args([
-                "--logfile",
-                &self.dir.join("redis.log").display().to_string(),
-            ])
-            .args(&self.extra)
-            .stdin(std::process::Stdio::null())
+        let mut extra = vec!["--save", "", "--appendonly", "no"];
+        extra.extend(self.extra.iter().map(String::as_str));
+        let child = dlock_testkit::redis_server::command(self.port, &self.dir, &extra)
             .spawn()
             .unwrap_or_else(|e| crate::servers_missing(&self.url(), e));
         self.child = Some(child);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while std::time::Instant::now() < deadline {
-            if let Ok(client) = redis::Client::open(self.url())
-                && let Ok(Ok(mut conn)) = tokio::time::timeout(
-                    std::time::Duration::from_millis(500),
-                    client.get_multiplexed_async_connection(),
-                )
-                .await
-                && redis::cmd("PING")
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .is_ok()
-            {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        panic!(
+        assert!(
+            dlock_testkit::redis_server::wait_until_it_answers(
+                self.port,
+                std::time::Duration::from_secs(10)
+            )
+            .await,
             "redis-server on port {} did not answer within 10 s (see {}/redis.log)",
             self.port,
             self.dir.display()

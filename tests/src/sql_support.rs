@@ -1,5 +1,5 @@
 //! Server-side access to PostgreSQL and MySQL/MariaDB for the SQL backends'
-//! tests, a TCP proxy that can black-hole or reset connections, and the
+//! tests, the TCP fault proxy (black hole, reset), and the
 //! server controls of `scripts/servers.sh`.
 //!
 //! Connections are opened per call, on the caller's runtime: every
@@ -8,14 +8,11 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use dlock_runtime::LockError;
 use futures_util::future::BoxFuture;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
 
 use crate::Faults;
 
@@ -271,135 +268,11 @@ impl Faults for MyFaults {
     }
 }
 
-/// What the [`Proxy`] does with the bytes it relays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProxyMode {
-    /// Relays both ways.
-    Pass,
-    /// Keeps every connection open and drops every byte, and every close
-    /// (a network partition: nothing arrives, nothing is refused).
-    BlackHole,
-}
+pub use dlock_testkit::{Fault, FaultProxy as Proxy};
 
-/// A TCP proxy in front of a server, for network faults.
-pub struct Proxy {
-    /// Where clients connect.
-    pub addr: SocketAddr,
-    black_hole: Arc<AtomicBool>,
-    /// Cancelled to reset every current connection.
-    generation: Arc<std::sync::Mutex<CancellationToken>>,
-    stop: CancellationToken,
-}
-
-impl Proxy {
-    /// Listens on a free local port and relays to `upstream` (`host:port`),
-    /// on the current runtime.
-    pub async fn start(upstream: &str) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("local addr");
-        let upstream = upstream.to_owned();
-        let black_hole = Arc::new(AtomicBool::new(false));
-        let generation = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
-        let proxy = Proxy {
-            addr,
-            black_hole: black_hole.clone(),
-            generation: generation.clone(),
-            stop: CancellationToken::new(),
-        };
-        let stop = proxy.stop.clone();
-        tokio::spawn(async move {
-            loop {
-                let (client, _) = tokio::select! {
-                    () = stop.cancelled() => return,
-                    accepted = listener.accept() => match accepted {
-                        Ok(a) => a,
-                        Err(_) => continue,
-                    },
-                };
-                let reset = generation.lock().expect("lock").clone();
-                let (upstream, black_hole) = (upstream.clone(), black_hole.clone());
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(&upstream).await else {
-                        return;
-                    };
-                    relay(client, server, black_hole, reset).await;
-                });
-            }
-        });
-        proxy
-    }
-
-    /// Switches between relaying and dropping every byte.
-    pub fn set_mode(&self, mode: ProxyMode) {
-        self.black_hole
-            .store(mode == ProxyMode::BlackHole, Ordering::SeqCst);
-    }
-
-    /// Resets (RST) every connection open now; new ones are relayed.
-    pub fn reset_all(&self) {
-        let mut generation = self.generation.lock().expect("lock");
-        generation.cancel();
-        *generation = CancellationToken::new();
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        self.generation.lock().expect("lock").cancel();
-    }
-}
-
-async fn relay(
-    client: TcpStream,
-    server: TcpStream,
-    black_hole: Arc<AtomicBool>,
-    reset: CancellationToken,
-) {
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let up = pump(&mut client_read, &mut server_write, &black_hole);
-    let down = pump(&mut server_read, &mut client_write, &black_hole);
-    tokio::select! {
-        () = reset.cancelled() => {
-            // SO_LINGER 0: closing sends RST, as a crashed middlebox would.
-            if let Ok(client) = client_read.reunite(client_write) {
-                let _ = client.set_zero_linger();
-            }
-            if let Ok(server) = server_read.reunite(server_write) {
-                let _ = server.set_zero_linger();
-            }
-        }
-        _ = async { tokio::join!(up, down) } => {}
-    }
-}
-
-async fn pump(
-    from: &mut tokio::net::tcp::OwnedReadHalf,
-    to: &mut tokio::net::tcp::OwnedWriteHalf,
-    black_hole: &AtomicBool,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => {
-                // A black hole loses the FIN too: the other side hears nothing.
-                if !black_hole.load(Ordering::SeqCst) {
-                    let _ = to.shutdown().await;
-                }
-                return;
-            }
-            Ok(n) => n,
-        };
-        if black_hole.load(Ordering::SeqCst) {
-            continue;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
+/// A [`Proxy`] in front of `upstream` (`host:port`).
+pub async fn proxy_to(upstream: &str) -> Proxy {
+    Proxy::start(upstream).await.expect("start the proxy")
 }
 
 /// Runs `scripts/servers.sh <args>` (stop/start a test server) and panics if
@@ -497,8 +370,8 @@ where
     F: Fn(String) -> Fut,
     Fut: std::future::Future<Output = dlock_runtime::Registry>,
 {
-    let proxy = Proxy::start(&host_port(server_url)).await;
-    let through = connect(format!("{}{options}", via(server_url, proxy.addr))).await;
+    let proxy = proxy_to(&host_port(server_url)).await;
+    let through = connect(format!("{}{options}", via(server_url, proxy.addr()))).await;
     let key = crate::unique_key("black-hole");
     let lease = Duration::from_secs(1);
     let guard = through
@@ -508,7 +381,7 @@ where
         .await
         .expect("acquire through the proxy");
     let acquired = Instant::now();
-    proxy.set_mode(ProxyMode::BlackHole);
+    proxy.set(Fault::Drop);
     tokio::time::timeout(2 * lease, guard.lost())
         .await
         .expect("the loss reaches the holder");
@@ -535,7 +408,7 @@ where
     direct.release().await.expect("release");
     drop(guard);
     proxy.reset_all();
-    proxy.set_mode(ProxyMode::Pass);
+    proxy.set(Fault::Pass);
     let again = crate::acquire_eventually(&through, &crate::unique_key("after-reset")).await;
     again.release().await.expect("release after the reconnect");
 }

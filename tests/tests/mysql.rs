@@ -1,61 +1,38 @@
-//! The conformance suite on the MySQL/MariaDB lease table, and what only it
-//! has: the `LAST_INSERT_ID` outcome of the acquire, grouped renewals, loss
-//! when the row is changed behind the holder, polling waiters.
+//! The conformance suite and the lease-table suite on the MySQL/MariaDB lease
+//! table, and what only it has: the `LAST_INSERT_ID` outcome of the acquire,
+//! grouped renewals, waiters woken locally and polling across processes.
 #![cfg(feature = "mysql")]
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use dlock_runtime::MysqlBackend;
 use dlock_runtime::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal};
-use dlock_runtime::{MysqlBackend, Registry};
-use dlock_tests::sql_support::{MyFaults, SqlMode, loss_cancels_the_body};
-use dlock_tests::{Faults, Harness, server_url, servers_missing, unique_key};
-use tokio::sync::OnceCell;
+use dlock_tests::handoff;
+use dlock_tests::sql_db::{SqlDb, SqlTarget};
+use dlock_tests::sql_support::{MyFaults, SqlMode};
+use dlock_tests::{Faults, Harness, unique_key};
 
-fn url() -> String {
-    server_url(
-        "DLOCK_TEST_MYSQL_URL",
-        "mysql://dlock:dlock@127.0.0.1:43306/dlock",
-    )
+async fn target() -> SqlTarget {
+    SqlTarget::get(SqlDb::Mysql, SqlMode::Lease).await
 }
 
 async fn harness() -> &'static Harness {
-    static HARNESS: OnceCell<Harness> = OnceCell::const_new();
-    HARNESS
-        .get_or_init(|| async {
-            let url = url();
-            let backend = MysqlBackend::connect(&url)
-                .await
-                .unwrap_or_else(|e| servers_missing(&url, e));
-            dlock_runtime::init(Registry::builder().default_backend(backend).build())
-                .expect("first init");
-            Harness {
-                faults: Arc::new(MyFaults {
-                    url,
-                    mode: SqlMode::Lease,
-                }),
-                fences: true,
-            }
-        })
-        .await
+    target().await.h
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::sql_lease_table_suite!(target);
 
 fn faults() -> MyFaults {
     MyFaults {
-        url: url(),
+        url: SqlDb::Mysql.url(),
         mode: SqlMode::Lease,
     }
 }
 
-/// A second backend on its own connections: what another process would have.
-async fn other_process(options: &str) -> (Registry, MysqlBackend) {
-    let backend = MysqlBackend::connect(&format!("{}{options}", url()))
-        .await
-        .expect("connect");
-    let registry = Registry::builder().default_backend(backend.clone()).build();
-    (registry, backend)
+/// A MySQL backend on connections of its own.
+async fn other_backend() -> MysqlBackend {
+    target().await.other_process("").await.mysql().clone()
 }
 
 fn request(key: &str, owner: &str, lease: Duration) -> AcquireRequest {
@@ -72,8 +49,7 @@ async fn try_once(backend: &MysqlBackend, req: &AcquireRequest) -> Attempt {
 /// after expiry — on MariaDB here, and the same statement on MySQL 8.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_acquire_reports_its_outcome_through_last_insert_id() {
-    harness().await;
-    let (_, backend) = other_process("").await;
+    let backend = other_backend().await;
     let key = format!("dlock:{}", unique_key("last-insert-id"));
     let lease = Duration::from_millis(400);
     let now_us = std::time::SystemTime::now()
@@ -121,8 +97,7 @@ async fn the_acquire_reports_its_outcome_through_last_insert_id() {
 /// holder's back, and only it, is reported lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_renewal_reports_exactly_the_lost_leases() {
-    harness().await;
-    let (_, backend) = other_process("").await;
+    let backend = other_backend().await;
     let lease = Duration::from_secs(5);
     let mut leases = Vec::new();
     for i in 0..5 {
@@ -151,200 +126,19 @@ async fn a_batch_renewal_reports_exactly_the_lost_leases() {
 /// poll with back-off, within the poll cap (50 ms), not the holder's lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_are_woken_locally_and_poll_across_processes() {
-    harness().await;
-    let ((holder, _), (waiter, _)) = (other_process("").await, other_process("").await);
+    let t = target().await;
+    let (holder, waiter) = (
+        t.other_process("").await.registry(),
+        t.other_process("").await.registry(),
+    );
     for (name, waiting_side) in [("local", &holder), ("remote", &waiter)] {
         let key = unique_key(&format!("poll-{name}"));
-        let mut handoffs = Vec::new();
-        for _ in 0..5 {
-            let guard = holder
-                .lock(&key)
-                .lease(Duration::from_secs(30))
-                .acquire()
-                .await
-                .expect("acquire");
-            let waiting = tokio::spawn({
-                let (registry, key) = (waiting_side.clone(), key.clone());
-                async move {
-                    let g = registry
-                        .lock(&key)
-                        .wait(Duration::from_secs(20))
-                        .acquire()
-                        .await;
-                    (g, Instant::now())
-                }
-            });
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let released = Instant::now();
-            guard.release().await.expect("release");
-            let (next, acquired) = waiting.await.expect("task");
-            next.expect("handed over").release().await.expect("release");
-            handoffs.push(acquired - released);
-        }
-        handoffs.sort();
-        let median = handoffs[2];
+        let handoffs =
+            handoff::measure(&holder, waiting_side, &key, 5, Duration::from_millis(300)).await;
+        let median = handoffs.median();
         assert!(
             median < Duration::from_millis(if name == "local" { 25 } else { 100 }),
             "{name}: median handoff {median:?} ({handoffs:?})"
         );
     }
-}
-
-/// The fencing token keeps growing when the row is deleted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_keep_growing_when_the_row_is_deleted() {
-    let h = harness().await;
-    let key = unique_key("row-deleted");
-    let first = h.registry().lock(&key).acquire().await.expect("acquire");
-    let before = first.fencing_token().expect("token");
-    first.release().await.expect("release");
-    faults().revoke(&h.stored(&key)).await;
-    let second = h.registry().lock(&key).acquire().await.expect("acquire");
-    assert!(second.fencing_token().expect("token") > before);
-    second.release().await.expect("release");
-}
-
-/// The row taken over behind the holder's back (its owner changed, its
-/// expiry kept): the holder learns it at its next renewal, before the lease
-/// ends, and the body is cancelled.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_taken_over_behind_the_holder_is_lost_before_the_lease_ends() {
-    let h = harness().await;
-    let key = unique_key("taken-over");
-    let stored = h.stored(&key);
-    loss_cancels_the_body(&key, async {
-        let done = sqlx::query("UPDATE dlock_leases SET owner = 'intruder' WHERE k = ?")
-            .bind(&stored)
-            .execute(&mut faults().connect().await)
-            .await
-            .expect("update");
-        assert_eq!(done.rows_affected(), 1);
-    })
-    .await;
-}
-
-/// `?create=false` checks the table and never creates it; `?table=` names it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_table_option_and_create_false() {
-    harness().await;
-    let table = format!("custom_{:08x}", rand::random::<u32>());
-    match MysqlBackend::connect(&format!("{}?create=false&table={table}", url())).await {
-        Err(dlock_runtime::LockError::Config { message }) => {
-            assert!(message.contains(&table), "{message}")
-        }
-        other => panic!("a missing table with create=false: {other:?}"),
-    }
-    let (created, _) = other_process(&format!("?table={table}")).await;
-    let (checked, _) = other_process(&format!("?create=false&table={table}")).await;
-    let key = unique_key("custom-table");
-    let guard = created.lock(&key).acquire().await.expect("acquire");
-    assert!(matches!(
-        checked.lock(&key).acquire().await,
-        Err(dlock_runtime::LockError::Busy { .. })
-    ));
-    guard.release().await.expect("release");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
-        .execute(&mut faults().connect().await)
-        .await
-        .expect("drop");
-}
-
-/// Free rows are collected after the retention.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn free_rows_are_collected() {
-    harness().await;
-    let table = format!("gc_{:08x}", rand::random::<u32>());
-    let (registry, backend) = other_process(&format!("?table={table}&retention=1s")).await;
-    let prefix = unique_key("bounded");
-    for i in 0..500 {
-        registry
-            .lock(format!("{prefix}:{i}"))
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
-    }
-    assert!(backend.row_count().await.expect("count") > 5);
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    registry
-        .lock(format!("{prefix}:last"))
-        .acquire()
-        .await
-        .expect("acquire")
-        .release()
-        .await
-        .expect("release");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let rows = backend.row_count().await.expect("count");
-        if rows <= 2 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{rows} rows left of 501 free keys"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
-        .execute(&mut faults().connect().await)
-        .await
-        .expect("drop");
-}
-
-/// Bad URLs are configuration errors without the password; a wrong password
-/// and an unreachable server are backend errors within the timeout.
-#[tokio::test]
-async fn bad_urls_and_unreachable_servers() {
-    for bad in [
-        "mysql://u:hunter2@127.0.0.1:43306/dlock?mode=advisory",
-        "mysql://u:hunter2@127.0.0.1:43306/dlock?table=a;b",
-        "mysql://u:hunter2@127.0.0.1:43306/dlock?poll=never",
-    ] {
-        let err = MysqlBackend::connect(bad).await.expect_err(bad);
-        assert!(
-            matches!(err, dlock_runtime::LockError::Config { .. }),
-            "{bad}: {err}"
-        );
-        assert!(!format!("{err} {err:?}").contains("hunter2"), "{err:?}");
-    }
-    let started = Instant::now();
-    let err = MysqlBackend::connect("mysql://u:hunter2@127.0.0.1:1/db?timeout=500ms")
-        .await
-        .expect_err("nothing listens on port 1");
-    assert!(
-        matches!(err, dlock_runtime::LockError::Backend { .. }),
-        "{err}"
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
-    let wrong = MysqlBackend::connect("mysql://dlock:not-the-password@127.0.0.1:43306/dlock")
-        .await
-        .expect_err("wrong password");
-    assert!(
-        matches!(wrong, dlock_runtime::LockError::Backend { .. }),
-        "{wrong}"
-    );
-    assert!(
-        !format!("{wrong} {wrong:?}").contains("not-the-password"),
-        "{wrong:?}"
-    );
-}
-
-/// Black hole: lost before the lease ends, the row expires on the server;
-/// reset: the backend reconnects.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn black_hole_then_reset_through_a_proxy() {
-    harness().await;
-    dlock_tests::sql_support::black_hole_then_reset(&url(), "?timeout=500ms", |url| async move {
-        Registry::builder()
-            .default_backend(MysqlBackend::connect(&url).await.expect("connect"))
-            .build()
-    })
-    .await;
 }

@@ -87,50 +87,34 @@ async fn subscribers(channel: &str) -> (i64, i64) {
 async fn a_release_wakes_a_waiter_through_the_keys_shard() {
     let h = harness().await;
     let (holder, waiter) = (other_process().await, other_process().await);
-    let mut handoffs = Vec::new();
-    for round in 0..5 {
+    let handoffs = dlock_tests::handoff::measure_when_ready(
+        &holder,
+        &waiter,
+        5,
         // A key per round: the keys land on different shards.
-        let key = dlock_tests::unique_key(&format!("sharded-handoff-{round}"));
-        let channel = format!("{}:released", hash_tagged(&h.stored(&key)));
-        let guard = holder
-            .lock(&key)
-            .lease(Duration::from_secs(30))
-            .acquire()
-            .await
-            .expect("acquire");
-        let waiting = tokio::spawn({
-            let (waiter, key) = (waiter.clone(), key.clone());
+        |round| dlock_tests::unique_key(&format!("sharded-handoff-{round}")),
+        |key| {
+            let channel = format!("{}:released", hash_tagged(&h.stored(&key)));
             async move {
-                let g = waiter
-                    .lock(&key)
-                    .wait(Duration::from_secs(20))
-                    .acquire()
-                    .await;
-                (g, Instant::now())
+                let deadline = Instant::now() + Duration::from_secs(5);
+                loop {
+                    let (plain, sharded) = subscribers(&channel).await;
+                    assert_eq!(plain, 0, "a plain SUBSCRIBE to {channel} on a cluster");
+                    if sharded == 1 {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "the waiter never subscribed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
-        });
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let (plain, sharded) = subscribers(&channel).await;
-            assert_eq!(plain, 0, "a plain SUBSCRIBE to {channel} on a cluster");
-            if sharded == 1 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the waiter never subscribed");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let released = Instant::now();
-        guard.release().await.expect("release");
-        let (next, acquired) = waiting.await.expect("task");
-        next.expect("handed over").release().await.expect("release");
-        handoffs.push(acquired - released);
-    }
-    handoffs.sort();
-    println!("handoffs through the key's shard: {handoffs:?}");
+        },
+    )
+    .await;
+    println!("handoffs through the key's shard: {:?}", handoffs.0);
     assert!(
-        handoffs[2] < Duration::from_millis(100),
+        handoffs.median() < Duration::from_millis(100),
         "median handoff {:?} (all: {handoffs:?})",
-        handoffs[2]
+        handoffs.median()
     );
 }
 
@@ -272,17 +256,7 @@ async fn a_waiter_follows_its_channels_slot_to_another_master() {
         .acquire()
         .await
         .expect("acquire");
-    let waiting = tokio::spawn({
-        let (waiter, key) = (waiter.clone(), key.clone());
-        async move {
-            let g = waiter
-                .lock(&key)
-                .wait(Duration::from_secs(25))
-                .acquire()
-                .await;
-            (g, Instant::now())
-        }
-    });
+    let waiting = dlock_tests::handoff::start_waiting(&waiter, &key, Duration::from_secs(25));
     let subscribed_on = |port: u16, channel: String| async move {
         let (_, n): (String, i64) = redis::cmd("PUBSUB")
             .arg("SHARDNUMSUB")

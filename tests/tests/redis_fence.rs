@@ -1,4 +1,4 @@
-//! Bounded state and fencing tokens on Redis (issue 11, item 1): locking many
+//! Bounded state and fencing tokens on Redis: locking many
 //! distinct names leaves no key per name on the server, and tokens strictly
 //! increase per key when the shared fence counter is deleted, lost in a
 //! restart without persistence, or behind on a replica promoted after its

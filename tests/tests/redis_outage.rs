@@ -1,4 +1,4 @@
-//! Short outages ridden out within `wait` (issue 11, item 4): an acquisition
+//! Short outages ridden out within `wait`: an acquisition
 //! tried while its Redis server (or every Redlock master) is down keeps
 //! trying with a back-off and succeeds once the server is back, if that is
 //! within its `wait`; an outage longer than `wait` is a backend error, after

@@ -8,14 +8,13 @@
 //! how many attempts a release causes and can make a waiter leave at a chosen
 //! point. Holders are registries of their own: other processes.
 //!
-//! The last two tests come from the adversarial review of issue 11. Wake-one
-//! assumes that the one waiter a release wakes either takes the key or finds
-//! it held by someone who will publish a release later. A holder that never
-//! publishes — a process that crashed, a lease that ran out — breaks that:
-//! the waiters a release did *not* wake keep the timer of the holder they saw
-//! last, which may be a long lease that ended early. Both failed until the
-//! wait loop kept a wake-up owed until the woken waiter *holds* the key (a
-//! busy answer no longer settles it).
+//! The last two tests: wake-one assumes that the one waiter a release wakes
+//! either takes the key or finds it held by someone who will publish a
+//! release later. A holder that never publishes (a process that crashed, a
+//! lease that ran out) does not: the waiters a release did not wake keep the
+//! timer of the holder they saw last, which may be a long lease that ended
+//! early. So a wake-up stays owed until the woken waiter holds the key (a
+//! busy answer does not settle it), and no waiter is stranded.
 #![cfg(feature = "redis")]
 
 use std::sync::atomic::{AtomicUsize, Ordering};

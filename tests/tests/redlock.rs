@@ -792,10 +792,7 @@ fn redlock_throughput_local_vs_home() {
             cpu / pairs as f64,
         )
     }
-    fn median(mut values: Vec<f64>) -> f64 {
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    }
+    use dlock_tests::handoff::median_f64 as median;
     for flavor in ["current_thread", "multi_thread(2)"] {
         let runtime = || {
             let mut builder = if flavor == "current_thread" {

@@ -1,11 +1,17 @@
-//! What the benchmark programs share: timing helpers and the macro-overhead
+//! What the benchmark programs share: timing helpers, the convoy that
+//! measures handoffs, spreading operations over tasks, and the macro-overhead
 //! pair (the attribute against the hand-written guard, same global registry).
 
 #![allow(dead_code)] // each bench uses its own subset
 
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock_runtime::{LockError, distributed_lock, lock};
+use tokio::sync::Barrier;
+
+pub(crate) use dlock_tests::handoff::median_f64 as median;
 
 /// Rounds per comparison; each pair runs alternately and the medians are compared.
 pub(crate) const ROUNDS: usize = 5;
@@ -38,10 +44,100 @@ where
     n as f64 / started.elapsed().as_secs_f64()
 }
 
-/// The median (the upper one of an even count).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// Tasks per convoy.
+pub(crate) const CONVOY: usize = 16;
+/// Convoys per handoff figure (their median).
+pub(crate) const CONVOYS: usize = 5;
+/// How long each convoy task holds the lock.
+pub(crate) const HOLD: Duration = Duration::from_millis(1);
+
+/// Holds the lock for [`HOLD`]; answers how long that really took.
+pub(crate) async fn hold() -> Duration {
+    let started = Instant::now();
+    tokio::time::sleep(HOLD).await;
+    started.elapsed()
+}
+
+/// A task's answer; a panic in it is the benchmark's panic.
+pub(crate) async fn join<T>(task: tokio::task::JoinHandle<T>) -> T {
+    match task.await {
+        Ok(value) => value,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => panic!("a benchmark task failed: {e}"),
+    }
+}
+
+/// One convoy: [`CONVOY`] tasks start together, each runs `op` once (acquire,
+/// hold, release; it answers its hold). Answers the milliseconds per handoff.
+pub(crate) async fn convoy<F, Fut>(op: F) -> f64
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Duration> + Send + 'static,
+{
+    let barrier = Arc::new(Barrier::new(CONVOY + 1));
+    let tasks: Vec<_> = (0..CONVOY)
+        .map(|t| {
+            let (op, barrier) = (op.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                op(t).await
+            })
+        })
+        .collect();
+    barrier.wait().await;
+    let started = Instant::now();
+    let mut held = Duration::ZERO;
+    for task in tasks {
+        held += join(task).await;
+    }
+    per_handoff(started.elapsed(), held)
+}
+
+/// Milliseconds per handoff of a convoy that took `wall` with `held` of holds.
+pub(crate) fn per_handoff(wall: Duration, held: Duration) -> f64 {
+    wall.saturating_sub(held).as_secs_f64() * 1000.0 / (CONVOY - 1) as f64
+}
+
+/// The median over [`CONVOYS`] convoys, each on a key of its own.
+pub(crate) async fn handoffs<F, Fut>(mut one: F) -> f64
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = f64>,
+{
+    let mut all = Vec::new();
+    for k in 0..CONVOYS {
+        all.push(one(k).await);
+    }
+    median(all)
+}
+
+/// Runs `op(i)` for `i` in `0..n`, spread over `concurrency` tasks.
+pub(crate) async fn spread<F, Fut>(concurrency: u64, n: u64, op: F)
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|t| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                for i in (t..n).step_by(concurrency as usize) {
+                    op(i).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        join(task).await;
+    }
+}
+
+/// The wall clock in µs since 1970 (an instant several processes agree on).
+pub(crate) fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_micros() as u64
 }
 
 /// Medians of (attribute, hand-written guard) acquisitions per second on the

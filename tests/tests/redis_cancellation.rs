@@ -1,10 +1,7 @@
-//! The core rework's guarantees on a single Redis server: a release cancelled
-//! while the server stalls still frees the key and stops the renewals,
-//! `wait(Duration::MAX)` saturates, an abandoned acquisition stops, and
-//! graceful shutdown frees every key at once.
-//!
-//! Each test uses registries of its own (the global one is not needed) and
-//! says what the runtime before the rework (commit `1c8e415`, "old main") did.
+//! Cancellation and shutdown on a single Redis server: a release the caller
+//! gives up on while the server stalls still frees the key and stops the
+//! renewals, a waiter dropped while it joins the release channel leaves it,
+//! and graceful shutdown frees every key at once.
 #![cfg(feature = "redis")]
 
 use std::time::{Duration, Instant};
@@ -12,6 +9,7 @@ use std::time::{Duration, Instant};
 use dlock_runtime::{RedisBackend, Registry};
 use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults};
 use dlock_tests::{server_url, servers_missing, unique_key};
+use futures_util::FutureExt;
 use redis::AsyncCommands;
 
 fn url() -> String {
@@ -28,6 +26,21 @@ async fn registry() -> Registry {
                 .unwrap_or_else(|e| servers_missing(&url, e)),
         )
         .build()
+}
+
+/// A registry of its own, with a prefix unique to this run, so that the
+/// server-side keys and channels it makes can be counted.
+async fn prefixed_registry() -> (Registry, String) {
+    let url = url();
+    let backend = RedisBackend::connect(&url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e));
+    let prefix = format!("cancel{:016x}:", rand::random::<u64>());
+    let registry = Registry::builder()
+        .default_backend(backend)
+        .key_prefix(prefix.clone())
+        .build();
+    (registry, prefix)
 }
 
 /// A plain connection to the server, for looking at keys behind dlock's back.
@@ -55,14 +68,10 @@ const BUSY_500MS: &str = "local t = redis.call('TIME') \
     repeat local n = redis.call('TIME') \
     until tonumber(n[1]) * 1000000 + tonumber(n[2]) > s + 500000";
 
-/// Item 1. The server stalls for 500 ms just as a renewal goes out; the
+/// The server stalls for 500 ms just as a renewal goes out; the
 /// caller gives up on `release()` after 250 ms. The release still happens
 /// (the key is deleted well before any renewed lease could have run out) and
 /// no renewal follows it (the key stays free, another registry takes it).
-///
-/// Old main: the release waited for the renewal on the wire before taking
-/// the lease off the watchdog's schedule; dropped there, it left the lease
-/// scheduled and the watchdog renewed the key for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_release_leaves_no_renewed_lease() {
     let reg = registry().await;
@@ -126,12 +135,10 @@ async fn cancelled_release_leaves_no_renewed_lease() {
         .expect("release");
 }
 
-/// Item 10. `shutdown` deletes every held key on the server before it
+/// `shutdown` deletes every held key on the server before it
 /// returns, tells a running body its lease is lost, and refuses new
 /// acquisitions; a guard dropped just before it has its background release
 /// waited for (`dlock_tests::scenarios::graceful_shutdown`).
-///
-/// Old main: there was no shutdown; held keys stayed until their leases ran out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_releases_every_lease() {
     let faults = RedisKeyFaults {
@@ -139,4 +146,59 @@ async fn graceful_shutdown_releases_every_lease() {
         layout: dlock_tests::redis_support::hash_tagged,
     };
     dlock_tests::scenarios::graceful_shutdown(&registry().await, &registry().await, &faults).await;
+}
+
+/// A waiter whose acquisition is dropped (a `timeout`, a `select!`, or its
+/// own `wait` deadline around `wake_source`) while it joins the release
+/// channel, after the listener counted it and subscribed: the process leaves
+/// the channel, so no subscription is left per such waiter and key (DESIGN.md
+/// §4: state is bounded; §5.6: an abandoned acquisition stops).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_dropped_while_joining_the_release_channel_leaves_it() {
+    let (registry, prefix) = prefixed_registry().await;
+    let key = "abandoned-join";
+    let channel = format!("{{{prefix}{key}}}:released");
+    let mut conn = admin().await;
+    let subscribers = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        let channel = channel.clone();
+        async move {
+            let (_, n): (String, i64) = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(&channel)
+                .query_async(&mut conn)
+                .await
+                .expect("PUBSUB NUMSUB");
+            n
+        }
+    };
+
+    let holder = registry
+        .lock(key)
+        .lease(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("holder");
+    // Step the waiter by hand: each poll takes one step (a round trip, then
+    // the join), and the waits between let the other side answer.
+    let mut waiter = Box::pin(registry.lock(key).wait(Duration::from_secs(5)).acquire());
+    let mut joined = false;
+    for _ in 0..20 {
+        assert!((&mut waiter).now_or_never().is_none(), "the key is busy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if subscribers(&mut conn).await == 1 {
+            joined = true;
+            break;
+        }
+    }
+    assert!(joined, "the waiter never subscribed");
+    // Subscribed, and the listener's answer waits in the oneshot: stop here.
+    drop(waiter);
+    holder.release().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let left = subscribers(&mut conn).await;
+    assert_eq!(
+        left, 0,
+        "nobody waits on {channel} any more, yet this process is still subscribed to it"
+    );
 }

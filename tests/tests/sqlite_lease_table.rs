@@ -1,10 +1,7 @@
-//! The core rework's guarantees on SQLite: a database whose write lock is
-//! held does not starve another backend's leases, `wait(Duration::MAX)`
-//! saturates, an abandoned acquisition stops, tokens survive a deleted row,
-//! and free rows are collected.
-//!
-//! Each test uses its own database files and its own registries, and says
-//! what the runtime before the rework (commit `1c8e415`, "old main") did.
+//! SQLite's lease table under stalls and abandonment: a database whose write
+//! lock is held does not starve another backend's leases, an abandoned
+//! acquisition stops, tokens survive a deleted row, and free rows are
+//! collected. Each test uses its own database files and its own registries.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -49,12 +46,9 @@ fn db(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(name)
 }
 
-/// Item 2. Another connection holds database A's write lock for seconds, so
+/// Another connection holds database A's write lock for seconds, so
 /// every renewal on A hangs. A lease on database B (same registry) stays held
 /// and cannot be taken; the 900 ms lease on A is declared lost before it ends.
-///
-/// Old main: the watchdog awaited A's hung batch before renewing anything
-/// else, so B's lease was not renewed in time and another registry took it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_database_does_not_starve_another() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -135,12 +129,8 @@ async fn stalled_database_does_not_starve_another() {
     drop(guard_long);
 }
 
-/// Item 6. A waiter whose caller gave up (its future dropped after 1 s of a
+/// A waiter whose caller gave up (its future dropped after 1 s of a
 /// 60 s wait) stops waiting: when the holder releases, the key stays free.
-///
-/// Old main: the acquisition went on in a task on dlock's I/O runtime after
-/// its caller was gone (for its whole 60 s wait), and took the key as soon as
-/// it was released — then let it go again, having no caller to hand it to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_acquisition_stops() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -189,10 +179,8 @@ async fn abandoned_acquisition_stops() {
         .expect("release");
 }
 
-/// Item 7. Tokens are hybrid: after the key's row is deleted (an operator, or
+/// Tokens are hybrid: after the key's row is deleted (an operator, or
 /// the collection of free rows), the next token is still above the last one.
-///
-/// Old main: a deleted row restarted the key's tokens at 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_grow_after_the_row_is_deleted() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -215,13 +203,10 @@ async fn tokens_grow_after_the_row_is_deleted() {
     }
 }
 
-/// Item 8. Free rows are collected after the retention: after 2,000 distinct
+/// Free rows are collected after the retention: after 2,000 distinct
 /// keys are locked and released, the table shrinks back to O(1) rows once the
 /// retention (1 s) and the collection interval (min(retention, 60 s)) have
 /// passed and one more release runs the collection.
-///
-/// Old main: one row per key ever locked, kept for ever (no `retention`).
-///
 /// Not covered: the SQLite backend's in-process waiter map (it has no public
 /// size to observe).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

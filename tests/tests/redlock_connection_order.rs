@@ -1,4 +1,4 @@
-//! Adversarial tests of Redlock's local-connection fast path: each node has a
+//! Redlock's two connections per node, in order: each node has a
 //! home connection (dlock's I/O runtime) and a local one (the caller's
 //! runtime), and a command on one connection can overtake a command still
 //! outstanding on the other.
@@ -11,115 +11,12 @@
 //! its two connections only.
 #![cfg(feature = "redis")]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{RedlockBackend, Registry};
+use dlock_testkit::FaultProxy as Proxy;
 use dlock_tests::redis_support::OwnRedis;
 use redis::AsyncCommands;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// Holds back the first client→server chunk that contains `needle` and an
-/// `EVALSHA`/`EVAL` (a script call on the key, not a SUBSCRIBE), for `hold`.
-#[derive(Default)]
-struct Trap {
-    armed: Option<(Vec<u8>, Duration)>,
-    /// Which accepted connection (from 1) the held chunk came on, once sprung.
-    sprung_on: Option<usize>,
-}
-
-/// A TCP proxy in front of one redis-server.
-struct Proxy {
-    port: u16,
-    trap: Arc<Mutex<Trap>>,
-    accepted: Arc<AtomicUsize>,
-}
-
-impl Proxy {
-    async fn start(upstream: u16) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let port = listener.local_addr().unwrap().port();
-        let trap = Arc::new(Mutex::new(Trap::default()));
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let (t, a) = (trap.clone(), accepted.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let number = a.fetch_add(1, Ordering::SeqCst) + 1;
-                let trap = t.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-                        return;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    tokio::spawn(async move {
-                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
-                        let _ = cw.shutdown().await;
-                    });
-                    let mut buf = vec![0u8; 64 * 1024];
-                    loop {
-                        let n = match cr.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        let chunk = &buf[..n];
-                        let hold = {
-                            let mut trap = trap.lock().unwrap();
-                            match &trap.armed {
-                                Some((needle, hold))
-                                    if contains(chunk, needle) && contains(chunk, b"EVAL") =>
-                                {
-                                    let hold = *hold;
-                                    trap.armed = None;
-                                    trap.sprung_on = Some(number);
-                                    Some(hold)
-                                }
-                                _ => None,
-                            }
-                        };
-                        if let Some(hold) = hold {
-                            tokio::time::sleep(hold).await;
-                        }
-                        // Even if the client has gone since: the server still
-                        // gets (and runs) what was sent to it.
-                        if sw.write_all(chunk).await.is_err() {
-                            break;
-                        }
-                    }
-                    let _ = sw.shutdown().await;
-                });
-            }
-        });
-        Proxy {
-            port,
-            trap,
-            accepted,
-        }
-    }
-
-    /// Holds back the next script call carrying `needle` for `hold`.
-    fn arm(&self, needle: &str, hold: Duration) {
-        let mut trap = self.trap.lock().unwrap();
-        trap.armed = Some((needle.as_bytes().to_vec(), hold));
-        trap.sprung_on = None;
-    }
-
-    fn sprung_on(&self) -> Option<usize> {
-        self.trap.lock().unwrap().sprung_on
-    }
-
-    fn accepted(&self) -> usize {
-        self.accepted.load(Ordering::SeqCst)
-    }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
-}
 
 /// Three nodes of the test's own (ports `first`, `first+1`, `first+2`); the
 /// third behind a [`Proxy`].
@@ -134,8 +31,15 @@ impl Nodes {
         for port in first..first + 3 {
             servers.push(OwnRedis::start(port, &[]).await);
         }
-        let proxy = Proxy::start(servers[2].port()).await;
+        let proxy = Proxy::to_port(servers[2].port()).await.expect("proxy");
         Nodes { servers, proxy }
+    }
+
+    /// Holds back, for `hold`, the next chunk sent to node 3 that carries
+    /// `stored` and an `EVALSHA`/`EVAL` (a script call on the key, not a
+    /// SUBSCRIBE).
+    fn hold_script_call(&self, stored: &str, hold: Duration) {
+        self.proxy.hold_next(&[stored.as_bytes(), b"EVAL"], hold);
     }
 
     fn url(&self) -> String {
@@ -143,7 +47,7 @@ impl Nodes {
             "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
             self.servers[0].port(),
             self.servers[1].port(),
-            self.proxy.port
+            self.proxy.port()
         )
     }
 
@@ -175,7 +79,7 @@ impl Nodes {
 async fn warm_up(registry: &Registry, name: &str) {
     for i in 0..2 {
         let guard = registry
-            .lock(format!("adv-redlock:warm-up:{name}:{i}"))
+            .lock(format!("redlock-order:warm-up:{name}:{i}"))
             .acquire()
             .await
             .expect("warm-up lock");
@@ -185,20 +89,17 @@ async fn warm_up(registry: &Registry, name: &str) {
 }
 
 fn unique(case: &str) -> String {
-    format!("adv-redlock:{case}:{:016x}", rand::random::<u64>())
+    format!("redlock-order:{case}:{:016x}", rand::random::<u64>())
 }
 
 /// Steady state: the caller's runtime has its local connections open, so the
 /// acquire goes local. Node 3 answers it late (after the per-node timeout);
-/// nodes 1 and 2 are a majority, so the lock is granted — and marked as
-/// "granted", which tells `release` that any connection will do. The guard
-/// is dropped (the usual `let _guard = …;` end of scope): the release goes
-/// from dlock's I/O runtime over the HOME connections, overtakes node 3's
-/// acquire still outstanding on the LOCAL one, finds nothing there — and the
-/// late `SET NX PX` then lands. Node 3 holds the key, in our name, for a full
-/// lease after the release (with one more slow or down node, nobody can lock
-/// the key for that long). Before the fast path both went over node 3's one
-/// connection, in order.
+/// nodes 1 and 2 are a majority, so the lock is granted. The guard is then
+/// dropped (the usual `let _guard = …;` end of scope), so the release goes from
+/// dlock's I/O runtime over the home connections while node 3's acquire is
+/// still outstanding on the local one. Node 3 must not be left holding the key
+/// after the release: the release follows the acquire on node 3 (with one more
+/// slow or down node, nobody could lock the key for a full lease otherwise).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
     let nodes = Nodes::start(29460).await;
@@ -213,7 +114,7 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
 
     let key = unique("dropped-guard");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    nodes.hold_script_call(&stored, Duration::from_millis(1500));
     let lease = Duration::from_secs(20);
     let guard = registry
         .lock(&key)
@@ -222,7 +123,7 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
         .acquire()
         .await
         .expect("nodes 1 and 2 are a majority of three");
-    let sprung_on = nodes.proxy.sprung_on();
+    let sprung_on = nodes.proxy.held_on();
     assert!(sprung_on.is_some(), "node 3's acquire was not held back");
     drop(guard);
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -236,13 +137,12 @@ async fn a_dropped_guard_releases_home_ahead_of_a_slow_nodes_local_acquire() {
     );
 }
 
-/// The other direction: the first lock from a runtime goes HOME (its local
+/// The other direction: the first lock from a runtime goes home (its local
 /// connections are only opening). Node 3 answers late; the lock is granted by
-/// nodes 1 and 2. By the time the caller releases — explicitly, awaiting, on
-/// the same runtime — the local connections are open, so the release goes
-/// LOCAL, overtakes node 3's acquire still outstanding on HOME, and the late
-/// acquire leaves node 3 holding the key for a full lease after a release
-/// that reported success.
+/// nodes 1 and 2. By the time the caller releases (awaiting, on the same
+/// runtime) the local connections are open, while node 3's acquire is still
+/// outstanding on home: the late acquire must not leave node 3 holding the key
+/// after a release that reported success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
     let nodes = Nodes::start(29463).await;
@@ -255,7 +155,7 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
 
     let key = unique("first-call");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(1500));
+    nodes.hold_script_call(&stored, Duration::from_millis(1500));
     let guard = registry
         .lock(&key)
         .lease(Duration::from_secs(20))
@@ -263,7 +163,7 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
         .acquire()
         .await
         .expect("nodes 1 and 2 are a majority of three");
-    let sprung_on = nodes.proxy.sprung_on();
+    let sprung_on = nodes.proxy.held_on();
     assert!(sprung_on.is_some(), "node 3's acquire was not held back");
     guard.release().await.expect("the release reports success");
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -278,10 +178,10 @@ async fn an_awaited_release_goes_local_ahead_of_a_first_acquire_sent_home() {
     );
 }
 
-/// The designed case, kept as a regression test: an acquisition abandoned
-/// while its acquire is outstanding (on HOME: the first call from this
-/// runtime) is cleaned up over local AND home, and on home the clean-up
-/// follows the acquire, so no key is left — well before the 3 s backstop.
+/// An acquisition abandoned while its acquire is outstanding (on home: the
+/// first call from this runtime) is cleaned up over local and home, and on home
+/// the clean-up follows the acquire, so no key is left, well before the 3 s
+/// backstop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
     let nodes = Nodes::start(29466).await;
@@ -290,7 +190,7 @@ async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
 
     let key = unique("abandoned");
     let stored = format!("{}{key}", registry.key_prefix());
-    nodes.proxy.arm(&stored, Duration::from_millis(600));
+    nodes.hold_script_call(&stored, Duration::from_millis(600));
     let started = Instant::now();
     // Dropped after node 1 and 2 have answered, while node 3's acquire is held.
     let outcome = tokio::time::timeout(
@@ -303,7 +203,7 @@ async fn an_abandoned_first_acquisition_is_cleaned_up_behind_its_acquire() {
     )
     .await;
     assert!(outcome.is_err(), "the caller gave up: {outcome:?}");
-    assert!(nodes.proxy.sprung_on().is_some());
+    assert!(nodes.proxy.held_on().is_some());
     tokio::time::sleep(Duration::from_millis(1500).saturating_sub(started.elapsed())).await;
     let holders = nodes.holders(&stored).await;
     assert!(

@@ -1,0 +1,214 @@
+//! Support for the tests of SQLite's doorbells: fresh databases and their
+//! bells, waiters and handoffs, a test run again in a child process, and
+//! the process's watcher threads and inotify descriptors.
+
+use std::path::{Component, Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, LockGuard, Registry, SqliteBackend};
+
+/// A fresh database path under `root` (the test binary's
+/// `CARGO_TARGET_TMPDIR`) of this test's own.
+pub fn db_path(root: &Path, case: &str) -> PathBuf {
+    let dir = root.join(format!("doorbell-{case}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test dir");
+    dir.join("locks.db")
+}
+
+/// The bells directory of the database `db`.
+pub fn bells_dir(db: &Path) -> PathBuf {
+    let mut dir = db.as_os_str().to_owned();
+    dir.push(".dlock-bells");
+    dir.into()
+}
+
+/// Removes the bells directory as a `/tmp` cleaner or an operator would. The
+/// process's ringer thread writes bells after a release has returned, so a
+/// ring may create a bell file while the directory is being emptied
+/// ("Directory not empty"): the removal goes on until the directory is gone.
+/// A ring never creates the directory itself, so this ends once the ringer
+/// is idle.
+pub fn remove_bells(db: &Path) {
+    let dir = bells_dir(db);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => return,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
+            Err(err) if err.kind() == std::io::ErrorKind::DirectoryNotEmpty => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the bells directory kept filling for 10 s: {err}"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(err) => panic!("remove the bells: {err}"),
+        }
+    }
+}
+
+/// A backend of its own on `url`, and a registry over it.
+pub async fn backend(url: &str) -> (SqliteBackend, Registry) {
+    let backend = SqliteBackend::connect(url).await.expect("open sqlite");
+    let registry = Registry::builder().default_backend(backend.clone()).build();
+    (backend, registry)
+}
+
+/// The bucket of a stored key: a copy of the protocol's hash (32-bit FNV-1a
+/// xor-folded to 8 bits), checked against the runtime's own unit test values.
+pub fn bucket(stored_key: &str) -> u8 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in stored_key.as_bytes() {
+        hash ^= u32::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    let folded = hash ^ (hash >> 16);
+    (folded ^ (folded >> 8)) as u8
+}
+
+/// The bell file of `user_key` (default prefix) of the database `db`.
+pub fn bell_path(db: &Path, user_key: &str) -> PathBuf {
+    assert_eq!(bucket("dlock:order:1"), 0x18, "the hash copy drifted");
+    bells_dir(db).join(format!("{:02x}", bucket(&format!("dlock:{user_key}"))))
+}
+
+/// `path` (absolute) as a path relative to the current directory.
+pub fn relative_to_cwd(path: &Path) -> PathBuf {
+    let cwd = std::env::current_dir().expect("cwd");
+    if let Ok(rest) = path.strip_prefix(&cwd) {
+        return rest.to_owned();
+    }
+    let mut rel = PathBuf::new();
+    for c in cwd.components() {
+        if matches!(c, Component::Normal(_)) {
+            rel.push("..");
+        }
+    }
+    rel.push(path.strip_prefix("/").expect("absolute"));
+    assert!(!rel.is_absolute());
+    rel
+}
+
+/// Takes `key` on `registry` with a 30 s lease.
+pub async fn hold(registry: &Registry, key: &str) -> LockGuard {
+    registry
+        .lock(key)
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("hold")
+}
+
+/// A task that waits up to 20 s for `key` on `registry` (30 s lease).
+pub fn spawn_waiter(
+    registry: &Registry,
+    key: &str,
+) -> tokio::task::JoinHandle<Result<LockGuard, LockError>> {
+    let registry = registry.clone();
+    let key = key.to_owned();
+    tokio::spawn(async move {
+        registry
+            .lock(key)
+            .lease(Duration::from_secs(30))
+            .wait(Duration::from_secs(20))
+            .acquire()
+            .await
+    })
+}
+
+/// Releases `guard` and gives the waiter `within` to take the key; returns
+/// how long it took, or `None` if it was still waiting.
+pub async fn handoff(
+    guard: LockGuard,
+    waiter: tokio::task::JoinHandle<Result<LockGuard, LockError>>,
+    within: Duration,
+) -> Option<Duration> {
+    let released = Instant::now();
+    guard.release().await.expect("release");
+    match tokio::time::timeout(within, waiter).await {
+        Ok(taken) => {
+            let took = released.elapsed();
+            let guard = taken
+                .expect("the waiter's task")
+                .expect("the waiter acquires");
+            guard.release().await.expect("release");
+            Some(took)
+        }
+        Err(_) => None,
+    }
+}
+
+/// For a test that runs in a child process: in the test process, runs the
+/// test `name` again in a child with `env` set (see [`run_in_child`]) and
+/// answers `None`; in the child, answers the runtime to run the test on (two
+/// workers, as dlock's own).
+pub fn in_child_process(name: &str, env: &str, limit: Duration) -> Option<tokio::runtime::Runtime> {
+    if std::env::var(env).is_err() {
+        run_in_child(name, env, limit);
+        return None;
+    }
+    Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime"),
+    )
+}
+
+/// Runs the test `name` of this binary again in a child process with `env`
+/// set, and fails with its output if it fails (for tests that would disturb
+/// the others in this process: they share dlock's I/O runtime and its count
+/// of threads and descriptors).
+pub fn run_in_child(name: &str, env: &str, limit: Duration) {
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(env, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the child");
+    let started = Instant::now();
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("the child's output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("---- child ----\n{text}---- end of child ----");
+    assert!(
+        started.elapsed() <= limit,
+        "the child did not end within {limit:?}"
+    );
+    assert!(out.status.success(), "the child failed: {}", out.status);
+}
+
+/// The inotify descriptors this process has open.
+pub fn inotify_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains("inotify"))
+        .count()
+}
+
+/// The watcher (`notify-rs`) threads of this process.
+pub fn watcher_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+        .filter(|c| c.starts_with("notify-rs"))
+        .count()
+}

@@ -1,0 +1,211 @@
+//! Leases on the in-process backend: a stalled backend does not starve
+//! another one's renewals (loss is time-driven), the minimum lease is enforced
+//! and kept, tokens keep growing after idle entries are collected, and the
+//! backend's state stays bounded by what is in use.
+
+use std::time::{Duration, Instant};
+
+use dlock_runtime::backend::{AcquireRequest, Attempt};
+use dlock_runtime::{LockBackend, LockError, MIN_LEASE, MemoryBackend, Registry};
+use dlock_tests::memory_support::{registry, stored};
+use dlock_tests::unique_key;
+
+/// One registry, two backends; every renewal on one of them hangs.
+/// The healthy backend's lease stays held; the stalled one's is declared lost
+/// at its give-up instant although its renewal never answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_backend_does_not_starve_others() {
+    let (stalled, healthy) = (MemoryBackend::new(), MemoryBackend::new());
+    let reg = Registry::builder()
+        .default_backend(stalled.clone())
+        .backend("healthy", healthy.clone())
+        .build();
+    let (key_s, key_long, key_h) = (
+        unique_key("stalled"),
+        unique_key("stalled-long"),
+        unique_key("healthy"),
+    );
+    let lease = Duration::from_millis(900);
+    let guard_h = reg
+        .lock(&key_h)
+        .backend("healthy")
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire on the healthy backend");
+    let healthy_since = Instant::now();
+    stalled.stall_renewals(true);
+    // Its renewal (due at 1.33 s) hangs until its give-up instant (3.6 s):
+    // the stalled backend has a renewal on the wire for most of the test.
+    let guard_long = reg
+        .lock(&key_long)
+        .lease(Duration::from_secs(4))
+        .acquire()
+        .await
+        .expect("acquire the long lease on the stalled backend");
+    let asked = Instant::now();
+    let guard_s = reg
+        .lock(&key_s)
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire on the stalled backend");
+    tokio::time::timeout(lease, guard_s.lost())
+        .await
+        .expect("the stalled lease is declared lost before the server would expire it");
+    let lost_after = asked.elapsed();
+    assert!(
+        lost_after < lease,
+        "lost after {lost_after:?}, not before the lease ({lease:?}) ran out"
+    );
+    assert!(
+        lost_after >= lease / 2,
+        "lost after {lost_after:?}: earlier than its give-up instant"
+    );
+    let renewals_then = healthy.renewal_count();
+    tokio::time::sleep_until((healthy_since + Duration::from_secs(3)).into()).await;
+    assert!(
+        !guard_h.is_lost(),
+        "the healthy lease was lost while the other backend stalled"
+    );
+    assert!(healthy.held_keys().contains(&stored(&key_h)));
+    assert!(
+        healthy.renewal_count() >= renewals_then + 4,
+        "the healthy lease was renewed {} times in ~2 s (every 300 ms expected)",
+        healthy.renewal_count() - renewals_then
+    );
+    assert!(matches!(
+        registry(&healthy).lock(&key_h).acquire().await,
+        Err(LockError::Busy { .. })
+    ));
+    guard_h.release().await.expect("held throughout");
+    stalled.stall_renewals(false);
+    assert!(matches!(
+        guard_s.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    drop(guard_long);
+}
+
+/// A lease below [`MIN_LEASE`] is a configuration error; a lease of
+/// exactly `MIN_LEASE` works and is renewed (held for a whole second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_has_a_minimum_and_the_minimum_works() {
+    let backend = MemoryBackend::new();
+    let reg = registry(&backend);
+    let key = unique_key("min-lease");
+    let short = reg
+        .lock(&key)
+        .lease(Duration::from_millis(50))
+        .acquire()
+        .await;
+    assert!(
+        matches!(short, Err(LockError::Config { .. })),
+        "lease(50ms): {short:?}"
+    );
+    assert_eq!(backend.entries(), 0, "nothing taken for a refused lease");
+    let guard = reg
+        .lock(&key)
+        .lease(MIN_LEASE)
+        .acquire()
+        .await
+        .expect("lease(MIN_LEASE)");
+    let renewals = backend.renewal_count();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!guard.is_lost(), "a MIN_LEASE lease was lost within 1 s");
+    assert!(backend.held_keys().contains(&stored(&key)));
+    assert!(
+        backend.renewal_count() >= renewals + 10,
+        "renewed {} times in 1 s (every ~33 ms expected)",
+        backend.renewal_count() - renewals
+    );
+    assert!(matches!(
+        registry(&backend).lock(&key).acquire().await,
+        Err(LockError::Busy { .. })
+    ));
+    guard.release().await.expect("held for the whole second");
+}
+
+/// Per key, every token is above the previous one, also after the
+/// key's entry was removed (released, or deleted behind the holder's back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_strictly_increase_after_entries_are_collected() {
+    let backend = MemoryBackend::new();
+    let reg = registry(&backend);
+    let keys: Vec<String> = (0..1500)
+        .map(|i| unique_key(&format!("tokens-{i}")))
+        .collect();
+    let mut last = Vec::with_capacity(keys.len());
+    for key in &keys {
+        let guard = reg.lock(key).acquire().await.expect("acquire");
+        last.push(guard.fencing_token().expect("fences").get());
+        guard.release().await.expect("release");
+    }
+    assert_eq!(backend.entries(), 0, "per-key entries are gone");
+    for (i, key) in keys.iter().enumerate() {
+        let guard = reg.lock(key).acquire().await.expect("acquire");
+        let token = guard.fencing_token().expect("fences").get();
+        assert!(token > last[i], "{key}: {token} after {}", last[i]);
+        last[i] = token;
+        if i % 10 == 0 {
+            // Deleted behind the holder's back: the next token still grows.
+            backend.expire_now(&stored(key));
+            let _ = guard.release().await;
+            let again = reg.lock(key).acquire().await.expect("acquire");
+            let token = again.fencing_token().expect("fences").get();
+            assert!(token > last[i], "{key}: {token} after {}", last[i]);
+            again.release().await.expect("release");
+        } else {
+            guard.release().await.expect("release");
+        }
+    }
+}
+
+/// After 20,000 distinct keys are locked and released, and after
+/// holders that never released have expired, the store keeps O(1) entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_is_bounded() {
+    let backend = MemoryBackend::new();
+    let reg = registry(&backend);
+    let prefix = unique_key("bounded");
+    for i in 0..20_000 {
+        reg.lock(format!("{prefix}:{i}"))
+            .acquire()
+            .await
+            .expect("acquire")
+            .release()
+            .await
+            .expect("release");
+    }
+    assert!(
+        backend.entries() <= 2,
+        "{} entries after 20,000 released keys",
+        backend.entries()
+    );
+    // Holders that vanish without releasing: their entries expire and are collected.
+    for i in 0..2048 {
+        let request = AcquireRequest::new(
+            stored(&format!("{prefix}:ghost:{i}")),
+            "ghost",
+            Duration::from_millis(100),
+        );
+        let attempt = backend.try_acquire(&request).await.expect("attempt");
+        assert!(matches!(attempt, Attempt::Held(_)));
+    }
+    assert!(backend.entries() >= 2048);
+    backend.advance(Duration::from_secs(1));
+    for i in 0..1100 {
+        reg.lock(format!("{prefix}:after:{i}"))
+            .acquire()
+            .await
+            .expect("acquire")
+            .release()
+            .await
+            .expect("release");
+    }
+    assert!(
+        backend.entries() <= 2,
+        "{} entries once the vanished holders' leases expired",
+        backend.entries()
+    );
+}
