@@ -191,11 +191,21 @@ async fn an_io_runtime_acquisition_dropped_after_its_grant_releases_the_key() {
     let other = Registry::from_url(&url).await.expect("sqlite");
     let key = "cancel:io-grant-dropped";
 
-    let mut acquiring = Box::pin(mine.lock(key).lease(Duration::from_secs(5)).acquire());
+    // The key is busy at first, so the first poll surely leaves the
+    // acquisition waiting on the I/O runtime (a free key could be granted
+    // before the first poll returns, on a loaded machine).
+    let holding = other.lock(key).acquire().await.expect("the key is free");
+    let mut acquiring = Box::pin(
+        mine.lock(key)
+            .wait(Duration::from_secs(30))
+            .lease(Duration::from_secs(5))
+            .acquire(),
+    );
     assert!(
         (&mut acquiring).now_or_never().is_none(),
         "the first poll hands the attempt to the I/O runtime"
     );
+    holding.release().await.expect("release");
     // The I/O task is granted the key and sends it to the (still living) receiver.
     tokio::time::sleep(500 * MS).await;
     drop(acquiring);
