@@ -22,21 +22,16 @@
 //! It prints a Markdown table.
 
 use std::fmt::Write as _;
-use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dlock_runtime::{MemoryBackend, Registry, ZooKeeperBackend};
-use tokio::sync::Barrier;
 use zookeeper_client::{Acls, Client, CreateMode};
 
 mod common;
-use common::{ROUNDS, median};
+use common::{CONVOY, CONVOYS, ROUNDS, convoy, handoffs, hold, median, throughput};
 
-const CONVOY: usize = 16;
-const CONVOYS: usize = 5;
-const HOLD: Duration = Duration::from_millis(1);
 const PAIRS_C1: u64 = 1_000;
 const PAIRS_C16: u64 = 4_000;
 
@@ -154,8 +149,8 @@ async fn bench() -> anyhow::Result<()> {
             floor.push(
                 throughput(concurrency, n, {
                     let c = c.clone();
-                    move |task, _| {
-                        let c = c.clone();
+                    move |i| {
+                        let (c, task) = (c.clone(), i % concurrency);
                         async move {
                             hand_pair(&c.hand, &format!("{}/k{task}", c.hand_root)).await;
                         }
@@ -166,7 +161,8 @@ async fn bench() -> anyhow::Result<()> {
             ours.push(
                 throughput(concurrency, n, {
                     let c = c.clone();
-                    move |task, _| {
+                    move |i| {
+                        let task = i % concurrency;
                         let (c, key) = (c.clone(), format!("bench:{}:{round}:{task}", c.run));
                         async move {
                             let guard = c
@@ -254,76 +250,6 @@ async fn bench() -> anyhow::Result<()> {
     }
     let _ = c.hand.delete(&c.hand_root, None).await;
     Ok(())
-}
-
-/// Operations per second of `op(task, i)` for `n` operations spread over
-/// `concurrency` tasks.
-async fn throughput<F, Fut>(concurrency: u64, n: u64, op: F) -> f64
-where
-    F: Fn(u64, u64) -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = ()> + Send,
-{
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..concurrency)
-        .map(|t| {
-            let op = op.clone();
-            tokio::spawn(async move {
-                for i in (t..n).step_by(concurrency as usize) {
-                    op(t, i).await;
-                }
-            })
-        })
-        .collect();
-    for task in tasks {
-        task.await.expect("task");
-    }
-    n as f64 / started.elapsed().as_secs_f64()
-}
-
-/// Holds the lock for [`HOLD`]; answers how long that really took.
-async fn hold() -> Duration {
-    let started = Instant::now();
-    tokio::time::sleep(HOLD).await;
-    started.elapsed()
-}
-
-/// One convoy: [`CONVOY`] tasks start together, each runs `op` once (acquire,
-/// hold, release; it answers its hold). Answers the milliseconds per handoff.
-async fn convoy<F, Fut>(op: F) -> f64
-where
-    F: Fn(usize) -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = Duration> + Send,
-{
-    let barrier = Arc::new(Barrier::new(CONVOY + 1));
-    let tasks: Vec<_> = (0..CONVOY)
-        .map(|t| {
-            let (op, barrier) = (op.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                op(t).await
-            })
-        })
-        .collect();
-    barrier.wait().await;
-    let started = Instant::now();
-    let mut held = Duration::ZERO;
-    for task in tasks {
-        held += task.await.expect("task");
-    }
-    started.elapsed().saturating_sub(held).as_secs_f64() * 1000.0 / (CONVOY - 1) as f64
-}
-
-/// The median over [`CONVOYS`] convoys, each on a key of its own.
-async fn handoffs<F, Fut>(mut one: F) -> f64
-where
-    F: FnMut(usize) -> Fut,
-    Fut: Future<Output = f64>,
-{
-    let mut all = Vec::new();
-    for k in 0..CONVOYS {
-        all.push(one(k).await);
-    }
-    median(all)
 }
 
 /// kazoo's `Lock`, measured by a Python program in a virtual environment.

@@ -132,6 +132,18 @@ where
     }
 }
 
+/// Operations per second of `op(i)` for `i` in `0..n`, spread over
+/// `concurrency` tasks (task `i % concurrency` runs `op(i)`).
+pub(crate) async fn throughput<F, Fut>(concurrency: u64, n: u64, op: F) -> f64
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let started = Instant::now();
+    spread(concurrency, n, op).await;
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
 /// The wall clock in µs since 1970 (an instant several processes agree on).
 pub(crate) fn now_micros() -> u64 {
     SystemTime::now()
