@@ -21,6 +21,7 @@
 //! options and the collection (see `sqlite`).
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -117,30 +118,30 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Option<i64>, sqlx::Error>>;
 
     /// One attempt on the lease table.
-    fn try_lease<'a>(
-        backend: &'a SqlBackend<Self>,
-        request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Attempt, BackendError>>;
+    fn try_lease(
+        backend: &SqlBackend<Self>,
+        request: &AcquireRequest,
+    ) -> impl Future<Output = Result<Attempt, BackendError>> + Send;
 
     /// The lease-table waiter's wake-up source, given the one every dialect
     /// has (this process's releases, the contender's registration).
     fn lease_wake(backend: &SqlBackend<Self>, source: WakeSource) -> WakeSource;
 
     /// Renews a watchdog batch on the lease table.
-    fn renew_leases<'a>(
-        backend: &'a SqlBackend<Self>,
-        batch: &'a [(&'a Lease, Duration)],
-    ) -> BoxFuture<'a, Result<Vec<Renewal>, BackendError>>;
+    fn renew_leases(
+        backend: &SqlBackend<Self>,
+        batch: &[(&Lease, Duration)],
+    ) -> impl Future<Output = Result<Vec<Renewal>, BackendError>> + Send;
 
     /// Frees the lease's row (the engine then wakes this process's waiters).
-    fn release_lease<'a>(
-        backend: &'a SqlBackend<Self>,
-        lease: &'a Lease,
-    ) -> BoxFuture<'a, Result<(), BackendError>>;
+    fn release_lease(
+        backend: &SqlBackend<Self>,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
 
     /// The statement that deletes old free rows (lease mode) or old counters
     /// (session mode); it takes the retention as [`retention`](Self::retention).
-    fn collect_sql(&self, mode: Mode) -> Arc<str>;
+    fn collect_sql(table: &str, mode: Mode) -> String;
 
     /// The retention as the collection statement takes it.
     fn retention(retention: Duration) -> i64;
@@ -148,6 +149,28 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// The dialect's own fields in `Debug`.
     fn debug_fields(backend: &SqlBackend<Self>, d: &mut fmt::DebugStruct<'_, '_>);
 }
+
+/// The [`Dialect::fetch_i64`] of a database whose connections run
+/// `sqlx::query_scalar` (all of them: the generic form would need bounds on
+/// every use of the engine).
+macro_rules! fetch_i64_by_query_scalar {
+    () => {
+        fn fetch_i64(
+            conn: &mut $crate::backend::sql::engine::Conn<Self>,
+            sql: std::sync::Arc<str>,
+            arg: Option<i64>,
+        ) -> futures_util::future::BoxFuture<'_, Result<Option<i64>, sqlx::Error>> {
+            Box::pin(async move {
+                let query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql));
+                match arg {
+                    Some(arg) => query.bind(arg).fetch_optional(conn).await,
+                    None => query.fetch_optional(conn).await,
+                }
+            })
+        }
+    };
+}
+pub(super) use fetch_i64_by_query_scalar;
 
 /// What a URL says: the options every server database takes, and the
 /// dialect's own.
@@ -205,6 +228,8 @@ pub struct SqlBackend<D: Dialect> {
     pub(super) waiters: Arc<Waiters>,
     pub(super) contenders: Arc<Contenders>,
     collector: Arc<Collector>,
+    /// See [`Dialect::collect_sql`].
+    collect_sql: Arc<str>,
     sessions: Option<Arc<Sessions<D::Sessions>>>,
     pub(super) dialect: Arc<D>,
 }
@@ -220,6 +245,7 @@ impl<D: Dialect> Clone for SqlBackend<D> {
             waiters: self.waiters.clone(),
             contenders: self.contenders.clone(),
             collector: self.collector.clone(),
+            collect_sql: self.collect_sql.clone(),
             sessions: self.sessions.clone(),
             dialect: self.dialect.clone(),
         }
@@ -296,6 +322,7 @@ impl<D: Dialect> SqlBackend<D> {
         })
         .await?;
         Ok(SqlBackend {
+            collect_sql: D::collect_sql(&target.table, target.mode).into(),
             shown_url,
             table: target.table,
             mode: target.mode,
@@ -331,7 +358,7 @@ impl<D: Dialect> SqlBackend<D> {
         }
         let pool = self.db.pool.clone();
         let retention = D::retention(self.collector.retention);
-        let sql = self.dialect.collect_sql(self.mode);
+        let sql = self.collect_sql.clone();
         crate::driver::handle().spawn(async move {
             let collected = async {
                 let mut conn = pool.acquire().await?;

@@ -60,7 +60,7 @@ use sqlx::AssertSqlSafe;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 
 use self::session::MySessions;
-use super::engine::{Conn, Dialect, Setup, SqlBackend, Started, failed};
+use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
 use super::pool::is_connection_error;
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
@@ -90,8 +90,6 @@ struct Statements {
     renew: Vec<Arc<str>>,
     still_held: Vec<Arc<str>>,
     release: Arc<str>,
-    collect: Arc<str>,
-    collect_fence: Arc<str>,
 }
 
 impl Statements {
@@ -141,12 +139,6 @@ impl Statements {
                 .collect(),
             release: s(format!(
                 "UPDATE {table} SET owner = NULL, expires_us = {N} WHERE k = ? AND owner = ?"
-            )),
-            collect: s(format!(
-                "DELETE FROM {table} WHERE expires_us < {N} - ? LIMIT 10000"
-            )),
-            collect_fence: s(format!(
-                "DELETE FROM {table}_fence WHERE token < {N} - ? LIMIT 10000"
             )),
         }
     }
@@ -231,81 +223,6 @@ impl MysqlBackend {
         Self::open(url).await
     }
 
-    async fn try_lease(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
-        let backoff = self.contenders.next_backoff(&request.owner, self.poll);
-        if let Some(backoff) = backoff {
-            // A waiter polls a lock-free read, and writes only when the key
-            // looks free.
-            let remaining: Option<i64> = self
-                .db
-                .call("peek", |c| {
-                    let sql = self.dialect.sql.peek.clone();
-                    let key = request.key.clone();
-                    Box::pin(async move {
-                        sqlx::query_scalar(AssertSqlSafe(sql))
-                            .bind(key)
-                            .fetch_optional(c)
-                            .await
-                    })
-                })
-                .await?;
-            if let Some(us) = remaining.filter(|us| *us > 0) {
-                return Ok(Attempt::Busy {
-                    retry_in: Some(backoff.min(Duration::from_micros(us as u64))),
-                });
-            }
-        }
-        let lease_us = micros(request.lease);
-        let id = self
-            .db
-            .call("acquire", |c| {
-                let sql = self.dialect.sql.acquire.clone();
-                let (key, owner) = (request.key.clone(), request.owner.clone());
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner.clone())
-                        .bind(lease_us)
-                        // F, then F and the new owner, then F and the lease.
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner)
-                        .bind(lease_us)
-                        .execute(c)
-                        .await
-                        .map(|done| done.last_insert_id())
-                })
-            })
-            .await?;
-        match id {
-            0 => Err(BackendError::permanent(
-                "mysql: the acquire statement reported no outcome (LAST_INSERT_ID = 0)",
-            )),
-            busy if busy <= BUSY_MAX => {
-                let remaining = Duration::from_micros(busy - 1);
-                Ok(Attempt::Busy {
-                    retry_in: Some(backoff.map_or(remaining, |b| b.min(remaining))),
-                })
-            }
-            token => Ok(Attempt::Held(Lease::new(
-                request,
-                Some(FencingToken::new(token)),
-            ))),
-        }
-    }
-
-    async fn renew_leases(
-        &self,
-        batch: &[(&Lease, Duration)],
-    ) -> Result<Vec<Renewal>, BackendError> {
-        let mut answers = Vec::with_capacity(batch.len());
-        for chunk in batch.chunks(MAX_BATCH) {
-            answers.extend(self.renew_chunk(chunk).await?);
-        }
-        Ok(answers)
-    }
-
     async fn renew_chunk(
         &self,
         chunk: &[(&Lease, Duration)],
@@ -372,23 +289,6 @@ impl MysqlBackend {
                 }
             })
             .collect())
-    }
-
-    async fn release_lease(&self, lease: &Lease) -> Result<(), BackendError> {
-        self.db
-            .call("release", |c| {
-                let sql = self.dialect.sql.release.clone();
-                let (key, owner) = (lease.key.clone(), lease.owner.clone());
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner)
-                        .execute(c)
-                        .await
-                })
-            })
-            .await
-            .map(|_| ())
     }
 }
 
@@ -493,25 +393,75 @@ impl Dialect for Mysql {
         })
     }
 
-    fn fetch_i64(
-        conn: &mut Conn<Self>,
-        sql: Arc<str>,
-        arg: Option<i64>,
-    ) -> BoxFuture<'_, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            let query = sqlx::query_scalar(AssertSqlSafe(sql));
-            match arg {
-                Some(arg) => query.bind(arg).fetch_optional(conn).await,
-                None => query.fetch_optional(conn).await,
-            }
-        })
-    }
+    fetch_i64_by_query_scalar!();
 
-    fn try_lease<'a>(
-        backend: &'a MysqlBackend,
-        request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
-        Box::pin(backend.try_lease(request))
+    async fn try_lease(
+        backend: &MysqlBackend,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        let backoff = backend
+            .contenders
+            .next_backoff(&request.owner, backend.poll);
+        if let Some(backoff) = backoff {
+            // A waiter polls a lock-free read, and writes only when the key
+            // looks free.
+            let remaining: Option<i64> = backend
+                .db
+                .call("peek", |c| {
+                    let sql = backend.dialect.sql.peek.clone();
+                    let key = request.key.clone();
+                    Box::pin(async move {
+                        sqlx::query_scalar(AssertSqlSafe(sql))
+                            .bind(key)
+                            .fetch_optional(c)
+                            .await
+                    })
+                })
+                .await?;
+            if let Some(us) = remaining.filter(|us| *us > 0) {
+                return Ok(Attempt::Busy {
+                    retry_in: Some(backoff.min(Duration::from_micros(us as u64))),
+                });
+            }
+        }
+        let lease_us = micros(request.lease);
+        let id = backend
+            .db
+            .call("acquire", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (key, owner) = (request.key.clone(), request.owner.clone());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner.clone())
+                        .bind(lease_us)
+                        // F, then F and the new owner, then F and the lease.
+                        .bind(owner.clone())
+                        .bind(owner.clone())
+                        .bind(owner.clone())
+                        .bind(owner)
+                        .bind(lease_us)
+                        .execute(c)
+                        .await
+                        .map(|done| done.last_insert_id())
+                })
+            })
+            .await?;
+        match id {
+            0 => Err(BackendError::permanent(
+                "mysql: the acquire statement reported no outcome (LAST_INSERT_ID = 0)",
+            )),
+            busy if busy <= BUSY_MAX => {
+                let remaining = Duration::from_micros(busy - 1);
+                Ok(Attempt::Busy {
+                    retry_in: Some(backoff.map_or(remaining, |b| b.min(remaining))),
+                })
+            }
+            token => Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token)),
+            ))),
+        }
     }
 
     fn lease_wake(_backend: &MysqlBackend, source: WakeSource) -> WakeSource {
@@ -519,24 +469,41 @@ impl Dialect for Mysql {
         source
     }
 
-    fn renew_leases<'a>(
-        backend: &'a MysqlBackend,
-        batch: &'a [(&'a Lease, Duration)],
-    ) -> BoxFuture<'a, Result<Vec<Renewal>, BackendError>> {
-        Box::pin(backend.renew_leases(batch))
+    async fn renew_leases(
+        backend: &MysqlBackend,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let mut answers = Vec::with_capacity(batch.len());
+        for chunk in batch.chunks(MAX_BATCH) {
+            answers.extend(backend.renew_chunk(chunk).await?);
+        }
+        Ok(answers)
     }
 
-    fn release_lease<'a>(
-        backend: &'a MysqlBackend,
-        lease: &'a Lease,
-    ) -> BoxFuture<'a, Result<(), BackendError>> {
-        Box::pin(backend.release_lease(lease))
+    async fn release_lease(backend: &MysqlBackend, lease: &Lease) -> Result<(), BackendError> {
+        backend
+            .db
+            .call("release", |c| {
+                let sql = backend.dialect.sql.release.clone();
+                let (key, owner) = (lease.key.clone(), lease.owner.clone());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .execute(c)
+                        .await
+                })
+            })
+            .await
+            .map(|_| ())
     }
 
-    fn collect_sql(&self, mode: Mode) -> Arc<str> {
+    fn collect_sql(table: &str, mode: Mode) -> String {
         match mode {
-            Mode::Lease => self.sql.collect.clone(),
-            Mode::Session => self.sql.collect_fence.clone(),
+            Mode::Lease => format!("DELETE FROM {table} WHERE expires_us < {N} - ? LIMIT 10000"),
+            Mode::Session => {
+                format!("DELETE FROM {table}_fence WHERE token < {N} - ? LIMIT 10000")
+            }
         }
     }
 

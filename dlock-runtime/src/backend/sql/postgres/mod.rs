@@ -69,7 +69,7 @@ use sqlx::{AssertSqlSafe, Executor as _};
 
 use self::listener::Listener;
 use self::session::PgSessions;
-use super::engine::{Conn, Dialect, Setup, SqlBackend, Started, failed};
+use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
 use super::pool::is_connection_error;
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
@@ -98,8 +98,6 @@ struct Statements {
     mark: Arc<str>,
     renew: Arc<str>,
     release: Arc<str>,
-    collect: Arc<str>,
-    collect_fence: Arc<str>,
 }
 
 impl Statements {
@@ -142,15 +140,6 @@ impl Statements {
                 "WITH r AS (UPDATE {table} SET owner = NULL, expires_at = clock_timestamp() \
                             WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
                  SELECT pg_notify($3, key) FROM r WHERE wanted"
-            )),
-            collect: s(format!(
-                "DELETE FROM {table} \
-                 WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond'"
-            )),
-            // A fence row's token is at least the clock (µs) of its last
-            // grant: rows untouched for the retention go.
-            collect_fence: s(format!(
-                "DELETE FROM {table}_fence WHERE token < {NOW_US} - $1 * 1000"
             )),
         }
     }
@@ -257,54 +246,6 @@ impl PostgresBackend {
         self.dialect.listener.as_ref().is_some_and(|l| l.is_up())
     }
 
-    async fn try_lease(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
-        // A registered waiter (not its first attempt) looks before it writes:
-        // woken together, the waiters of a key read instead of queueing on
-        // its row lock, and only those that find it free try to take it.
-        let waiting = self.contenders.is_registered(&request.owner) && self.is_listening();
-        if waiting && let Some(busy) = self.mark_and_peek(request).await? {
-            return Ok(busy);
-        }
-        let token: Option<i64> = self
-            .db
-            .call("acquire", |c| {
-                let sql = self.dialect.sql.acquire.clone();
-                let (key, owner) = (request.key.clone(), request.owner.clone());
-                let ms = millis(request.lease);
-                Box::pin(async move {
-                    sqlx::query_scalar(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner)
-                        .bind(ms)
-                        .fetch_optional(c)
-                        .await
-                })
-            })
-            .await?;
-        if let Some(token) = token {
-            return Ok(Attempt::Held(Lease::new(
-                request,
-                Some(FencingToken::new(token as u64)),
-            )));
-        }
-        if !self.contenders.is_registered(&request.owner) {
-            // The first attempt (the wait loop registers and tries again at
-            // once), or one that does not wait at all: no mark.
-            return Ok(Attempt::Busy { retry_in: None });
-        }
-        if !self.is_listening() {
-            let backoff = self
-                .contenders
-                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(self.poll));
-            return Ok(Attempt::Busy { retry_in: backoff });
-        }
-        // Another waiter took it (and cleared the mark): mark it again, so
-        // that its release notifies.
-        Ok(self.mark_and_peek(request).await?.unwrap_or(Attempt::Busy {
-            retry_in: Some(Duration::ZERO),
-        }))
-    }
-
     /// Marks the key as wanted and peeks at it: `Busy` until the holder's
     /// lease ends, or `None` when it is free (or its row is gone).
     async fn mark_and_peek(
@@ -330,65 +271,6 @@ impl PostgresBackend {
                 retry_in: Some(Duration::from_millis(remaining_ms.max(0) as u64)),
             }),
         })
-    }
-
-    async fn renew_leases(
-        &self,
-        batch: &[(&Lease, Duration)],
-    ) -> Result<Vec<Renewal>, BackendError> {
-        let keys: Vec<String> = batch.iter().map(|(l, _)| l.key.clone()).collect();
-        let owners: Vec<String> = batch.iter().map(|(l, _)| l.owner.clone()).collect();
-        let ttls: Vec<i64> = batch.iter().map(|(_, ttl)| millis(*ttl)).collect();
-        let renewed: Vec<(String, String)> = self
-            .db
-            .call("renew", |c| {
-                let sql = self.dialect.sql.renew.clone();
-                let (keys, owners, ttls) = (keys.clone(), owners.clone(), ttls.clone());
-                Box::pin(async move {
-                    sqlx::query_as(AssertSqlSafe(sql))
-                        .bind(keys)
-                        .bind(owners)
-                        .bind(ttls)
-                        .fetch_all(c)
-                        .await
-                })
-            })
-            .await?;
-        Ok(batch
-            .iter()
-            .map(|(lease, _)| {
-                if renewed
-                    .iter()
-                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
-                {
-                    Renewal::Renewed
-                } else {
-                    Renewal::Lost
-                }
-            })
-            .collect())
-    }
-
-    async fn release_lease(&self, lease: &Lease) -> Result<(), BackendError> {
-        self.db
-            .call("release", |c| {
-                let sql = self.dialect.sql.release.clone();
-                let (key, owner, channel) = (
-                    lease.key.clone(),
-                    lease.owner.clone(),
-                    self.dialect.channel.clone(),
-                );
-                Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner)
-                        .bind(channel)
-                        .execute(c)
-                        .await
-                })
-            })
-            .await
-            .map(|_| ())
     }
 }
 
@@ -552,25 +434,60 @@ impl Dialect for Postgres {
         })
     }
 
-    fn fetch_i64(
-        conn: &mut Conn<Self>,
-        sql: Arc<str>,
-        arg: Option<i64>,
-    ) -> BoxFuture<'_, Result<Option<i64>, sqlx::Error>> {
-        Box::pin(async move {
-            let query = sqlx::query_scalar(AssertSqlSafe(sql));
-            match arg {
-                Some(arg) => query.bind(arg).fetch_optional(conn).await,
-                None => query.fetch_optional(conn).await,
-            }
-        })
-    }
+    fetch_i64_by_query_scalar!();
 
-    fn try_lease<'a>(
-        backend: &'a PostgresBackend,
-        request: &'a AcquireRequest,
-    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
-        Box::pin(backend.try_lease(request))
+    async fn try_lease(
+        backend: &PostgresBackend,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        // A registered waiter (not its first attempt) looks before it writes:
+        // woken together, the waiters of a key read instead of queueing on
+        // its row lock, and only those that find it free try to take it.
+        let waiting = backend.contenders.is_registered(&request.owner) && backend.is_listening();
+        if waiting && let Some(busy) = backend.mark_and_peek(request).await? {
+            return Ok(busy);
+        }
+        let token: Option<i64> = backend
+            .db
+            .call("acquire", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (key, owner) = (request.key.clone(), request.owner.clone());
+                let ms = millis(request.lease);
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .bind(ms)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        if let Some(token) = token {
+            return Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token as u64)),
+            )));
+        }
+        if !backend.contenders.is_registered(&request.owner) {
+            // The first attempt (the wait loop registers and tries again at
+            // once), or one that does not wait at all: no mark.
+            return Ok(Attempt::Busy { retry_in: None });
+        }
+        if !backend.is_listening() {
+            let backoff = backend
+                .contenders
+                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(backend.poll));
+            return Ok(Attempt::Busy { retry_in: backoff });
+        }
+        // Another waiter took it (and cleared the mark): mark it again, so
+        // that its release notifies.
+        Ok(backend
+            .mark_and_peek(request)
+            .await?
+            .unwrap_or(Attempt::Busy {
+                retry_in: Some(Duration::ZERO),
+            }))
     }
 
     fn lease_wake(backend: &PostgresBackend, source: WakeSource) -> WakeSource {
@@ -578,24 +495,77 @@ impl Dialect for Postgres {
         source.poll_every(backend.poll)
     }
 
-    fn renew_leases<'a>(
-        backend: &'a PostgresBackend,
-        batch: &'a [(&'a Lease, Duration)],
-    ) -> BoxFuture<'a, Result<Vec<Renewal>, BackendError>> {
-        Box::pin(backend.renew_leases(batch))
+    async fn renew_leases(
+        backend: &PostgresBackend,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let keys: Vec<String> = batch.iter().map(|(l, _)| l.key.clone()).collect();
+        let owners: Vec<String> = batch.iter().map(|(l, _)| l.owner.clone()).collect();
+        let ttls: Vec<i64> = batch.iter().map(|(_, ttl)| millis(*ttl)).collect();
+        let renewed: Vec<(String, String)> = backend
+            .db
+            .call("renew", |c| {
+                let sql = backend.dialect.sql.renew.clone();
+                let (keys, owners, ttls) = (keys.clone(), owners.clone(), ttls.clone());
+                Box::pin(async move {
+                    sqlx::query_as(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owners)
+                        .bind(ttls)
+                        .fetch_all(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(batch
+            .iter()
+            .map(|(lease, _)| {
+                if renewed
+                    .iter()
+                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
+                {
+                    Renewal::Renewed
+                } else {
+                    Renewal::Lost
+                }
+            })
+            .collect())
     }
 
-    fn release_lease<'a>(
-        backend: &'a PostgresBackend,
-        lease: &'a Lease,
-    ) -> BoxFuture<'a, Result<(), BackendError>> {
-        Box::pin(backend.release_lease(lease))
+    async fn release_lease(backend: &PostgresBackend, lease: &Lease) -> Result<(), BackendError> {
+        backend
+            .db
+            .call("release", |c| {
+                let sql = backend.dialect.sql.release.clone();
+                let (key, owner, channel) = (
+                    lease.key.clone(),
+                    lease.owner.clone(),
+                    backend.dialect.channel.clone(),
+                );
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .bind(channel)
+                        .execute(c)
+                        .await
+                })
+            })
+            .await
+            .map(|_| ())
     }
 
-    fn collect_sql(&self, mode: Mode) -> Arc<str> {
+    fn collect_sql(table: &str, mode: Mode) -> String {
         match mode {
-            Mode::Lease => self.sql.collect.clone(),
-            Mode::Session => self.sql.collect_fence.clone(),
+            Mode::Lease => format!(
+                "DELETE FROM {table} \
+                 WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond'"
+            ),
+            // A fence row's token is at least the clock (µs) of its last
+            // grant: rows untouched for the retention go.
+            Mode::Session => {
+                format!("DELETE FROM {table}_fence WHERE token < {NOW_US} - $1 * 1000")
+            }
         }
     }
 
@@ -659,7 +629,10 @@ mod tests {
     fn statements_name_the_table() {
         let s = Statements::new("locks.my_leases");
         assert!(s.acquire.contains("INSERT INTO locks.my_leases AS l"));
-        assert!(s.collect_fence.contains("locks.my_leases_fence"));
+        assert!(
+            Postgres::collect_sql("locks.my_leases", Mode::Session)
+                .contains("locks.my_leases_fence")
+        );
         let ddl = PostgresBackend::DDL;
         assert!(ddl.contains("dlock_leases ("));
         assert!(ddl.contains("dlock_leases_fence ("));
