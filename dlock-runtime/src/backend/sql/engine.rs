@@ -207,7 +207,8 @@ impl<O> Target<O> {
 }
 
 /// What a dialect starts from: the lease-table pool, the URL, what the
-/// server said, this process's waiters.
+/// server said, this process's waiters. (MySQL needs only the URL.)
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub struct Setup<'a, D: Dialect> {
     pub(super) pool: &'a sqlx::Pool<D::Db>,
     pub(super) target: &'a Target<D::Options>,

@@ -7,6 +7,11 @@ use crate::error::LockError;
 
 /// The option pairs of a URL's query string, percent-decoded, for the
 /// backend to take its own options from.
+// `pub` for the server databases' `Dialect` interface.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unreachable_pub)
+)]
 pub struct UrlOptions {
     scheme: &'static str,
     pairs: Vec<(String, String)>,
