@@ -328,11 +328,10 @@ impl<D: Dialect> SqlBackend<D> {
             table: target.table,
             mode: target.mode,
             poll: target.poll,
-            db: Pooled {
-                pool,
-                timeout,
-                classify: D::classify,
-            },
+            db: Pooled::new(pool, timeout, D::classify, {
+                let options = target.options.clone();
+                Arc::new(move || D::lease_pool(options.clone(), timeout))
+            }),
             waiters,
             contenders: Arc::default(),
             collector: Arc::new(Collector::new(target.retention)),
@@ -344,11 +343,39 @@ impl<D: Dialect> SqlBackend<D> {
     /// Rows in the lease table (held and free), for tests of bounded state.
     pub async fn row_count(&self) -> Result<u64, LockError> {
         let sql = Arc::<str>::from(format!("SELECT COUNT(*) FROM {}", self.table));
-        self.db
-            .call("count", |c| D::fetch_i64(c, sql.clone(), None))
-            .await
+        let count = move |db: Pooled<D::Db>| async move {
+            db.call("count", |c| D::fetch_i64(c, sql.clone(), None))
+                .await
+        };
+        let counted = if self.db.is_near() {
+            count(self.db.clone()).await
+        } else {
+            crate::driver::run(count(self.db.clone())).await
+        };
+        counted
             .map(|n| n.unwrap_or(0) as u64)
             .map_err(|e| e.into_lock_error(D::KIND))
+    }
+
+    /// Renews a batch on the lease table, from a pool near this thread.
+    async fn renew_leases(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        if self.db.is_near() {
+            return D::renew_leases(self, batch).await;
+        }
+        let this = self.clone();
+        let batch: Vec<(Lease, Duration)> = batch
+            .iter()
+            .map(|(lease, ttl)| (copy_lease(lease), *ttl))
+            .collect();
+        crate::driver::run(async move {
+            let batch: Vec<(&Lease, Duration)> =
+                batch.iter().map(|(lease, ttl)| (lease, *ttl)).collect();
+            D::renew_leases(&this, &batch).await
+        })
+        .await
     }
 
     /// Deletes old free rows (and old counter rows) in the background, at
@@ -445,7 +472,11 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         Box::pin(async move {
             match &self.sessions {
                 Some(sessions) => sessions.try_acquire(request).await,
-                None => D::try_lease(self, request).await,
+                None if self.db.is_near() => D::try_lease(self, request).await,
+                None => {
+                    let (this, request) = (self.clone(), copy_request(request));
+                    attempt_at_home(async move { D::try_lease(&this, &request).await }).await
+                }
             }
         })
     }
@@ -505,7 +536,7 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
                     )
                     .await
                 }
-                None => match D::renew_leases(self, batch).await {
+                None => match self.renew_leases(batch).await {
                     Ok(answers) => answers.into_iter().map(Ok).collect(),
                     // One lease's error is its own answer.
                     Err(err) if batch.len() == 1 => vec![Err(err)],
@@ -519,13 +550,74 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         Box::pin(async move {
             match &self.sessions {
                 Some(sessions) => sessions.release(&lease.owner).await,
-                None => {
+                None if self.db.is_near() => {
                     D::release_lease(self, lease).await?;
                     self.waiters.wake(&lease.key);
+                }
+                None => {
+                    let (this, lease) = (self.clone(), copy_lease(lease));
+                    crate::driver::run(async move {
+                        D::release_lease(&this, &lease).await?;
+                        this.waiters.wake(&lease.key);
+                        Ok::<_, BackendError>(())
+                    })
+                    .await?;
                 }
             }
             self.collect_if_due();
             Ok(())
         })
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // Session locks keep their connections on dlock's I/O runtime; the
+        // lease table's calls go to a pool near the caller, or hop there
+        // themselves (see `pool`).
+        self.sessions.is_some()
+    }
+}
+
+/// Runs an attempt on dlock's I/O runtime. Unlike [`crate::driver::run`],
+/// dropping the caller's future stops the attempt there too, as it would
+/// stop one running here: its connection is closed and the runtime's
+/// owner-checked release follows it, never an attempt still under way.
+async fn attempt_at_home<T: Send + 'static>(
+    attempt: impl Future<Output = T> + Send + 'static,
+) -> T {
+    /// Aborts the task when the caller goes away.
+    struct AbortOnDrop(tokio::task::AbortHandle);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let task = crate::driver::handle().spawn(attempt);
+    let _abort = AbortOnDrop(task.abort_handle());
+    match task.await {
+        Ok(answer) => answer,
+        // Aborted only when this future is dropped: a join error is a panic.
+        Err(err) => std::panic::resume_unwind(err.into_panic()),
+    }
+}
+
+/// A copy of `request`, for an attempt on dlock's I/O runtime.
+fn copy_request(request: &AcquireRequest) -> AcquireRequest {
+    AcquireRequest {
+        key: request.key.clone(),
+        owner: request.owner.clone(),
+        lease: request.lease,
+        wait: request.wait,
+        lost: request.lost.clone(),
+    }
+}
+
+/// A copy of `lease`, for a call on dlock's I/O runtime.
+fn copy_lease(lease: &Lease) -> Lease {
+    Lease {
+        key: lease.key.clone(),
+        owner: lease.owner.clone(),
+        token: lease.token,
+        valid_until: lease.valid_until,
+        extra: lease.extra.clone(),
     }
 }
