@@ -313,3 +313,60 @@ pub(crate) fn timed_out(what: &str, after: Duration) -> BackendError {
         format!("{what} did not answer within {after:?}"),
     ))
 }
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use sqlx::sqlite::{Sqlite, SqlitePoolOptions};
+
+    use super::*;
+
+    fn in_memory() -> BoxFuture<'static, Result<sqlx::Pool<Sqlite>, sqlx::Error>> {
+        Box::pin(async {
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect("sqlite::memory:")
+                .await
+        })
+    }
+
+    #[test]
+    fn a_runtime_hops_home_until_its_own_pool_is_open_and_again_after_it_shut_down() {
+        let home = crate::driver::handle()
+            .block_on(in_memory())
+            .expect("home pool");
+        let db = Pooled::new(
+            home,
+            Duration::from_secs(5),
+            BackendError::transient,
+            Arc::new(in_memory),
+        );
+        for _ in 0..2 {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                assert!(!db.is_near(), "its pool opens in the background");
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !db.is_near() {
+                    assert!(Instant::now() < deadline, "the local pool never opened");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let one: i64 = db
+                    .call("one", |c| {
+                        Box::pin(async move { sqlx::query_scalar("SELECT 1").fetch_one(c).await })
+                    })
+                    .await
+                    .expect("a call on the local pool");
+                assert_eq!(one, 1);
+            });
+            // Its pool dies with it: the next runtime hops until its own opens.
+            drop(runtime);
+        }
+        let at_home = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+            .block_on(crate::driver::run(async move { db.is_near() }));
+        assert!(at_home, "dlock's own runtime uses the home pool");
+    }
+}
