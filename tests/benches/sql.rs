@@ -43,7 +43,7 @@ const CONVOYS: usize = 5;
 /// Holds per task and convoy.
 const CONVOY_ROUNDS: usize = 4;
 
-/// dlock's PostgreSQL lease statements (`dlock-runtime/src/backend/sql/postgres.rs`).
+/// dlock's PostgreSQL lease statements (`dlock-runtime/src/backend/sql/postgres/mod.rs`).
 const PG_ACQUIRE: &str = "INSERT INTO dlock_leases AS l (key, owner, token, expires_at) \
     VALUES ($1, $2, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
             clock_timestamp() + $3 * interval '1 millisecond') \
@@ -56,7 +56,7 @@ const PG_RELEASE: &str = "WITH r AS (UPDATE dlock_leases SET owner = NULL, \
         expires_at = clock_timestamp() WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
     SELECT pg_notify($3, key) FROM r WHERE wanted";
 
-/// dlock's MySQL lease statements (`dlock-runtime/src/backend/sql/mysql.rs`).
+/// dlock's MySQL lease statements (`dlock-runtime/src/backend/sql/mysql/mod.rs`).
 const MY_N: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
 fn my_acquire() -> String {

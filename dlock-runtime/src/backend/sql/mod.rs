@@ -47,6 +47,17 @@
 //! across a failover) and are stranded by transaction-pooling proxies. Never
 //! lock one key in both modes.
 //!
+//! # Layout
+//!
+//! One engine (`engine.rs`, `SqlBackend<D: Dialect>`) holds the
+//! `impl LockBackend` of the server databases, their lease/session dispatch,
+//! collection and connect skeleton; a folder per database holds its dialect,
+//! URL options and session flavour (`postgres/` with its `LISTEN`
+//! connection, `mysql/`), and `sqlite/` its own backend with its doorbells.
+//! Beside them: `url.rs` (URL options), `pool.rs` (bounded pooled calls),
+//! `upkeep.rs` (collection, lease units, contenders), `session.rs` (session
+//! mode's locks, shared by PostgreSQL and MySQL).
+//!
 //! # Flavours
 //!
 //! - [`SqliteBackend`] (`sqlite://path`, feature `sqlite`, the embedded default);
@@ -55,20 +66,20 @@
 //! - [`MysqlBackend`] (`mysql://`, MySQL 8 and MariaDB ≥ 10.5, feature
 //!   `mysql`): waiters poll with back-off; or `GET_LOCK` with `?mode=session`.
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-mod common;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod engine;
 #[cfg(feature = "mysql")]
 pub mod mysql;
-#[cfg(feature = "postgres")]
-mod pg_listener;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod pool;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod session;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(feature = "sqlite")]
-mod sqlite_doorbell;
+mod upkeep;
+mod url;
 
 #[cfg(feature = "mysql")]
 pub use mysql::MysqlBackend;

@@ -31,13 +31,13 @@ use futures_util::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::common::{is_connection_error, timed_out};
+use super::pool::{is_connection_error, timed_out};
 use crate::backend::{AcquireRequest, Attempt, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
 /// What one attempt to lock found.
-pub(super) enum Locked {
+pub enum Locked {
     /// The lock is ours; the fencing token.
     Yes(u64),
     /// Busy. `clean`: the connection holds nothing (a try that failed);
@@ -47,7 +47,7 @@ pub(super) enum Locked {
 }
 
 /// One database's session locks.
-pub(super) trait SessionDb: Send + Sync + 'static {
+pub trait SessionDb: Send + Sync + 'static {
     /// A dedicated connection. Dropping it closes it (never reused).
     type Conn: Send + 'static;
 
@@ -394,5 +394,29 @@ fn forget<S: SessionDb>(task: &HoldTask<S>) {
         if matches!(owners.get(&task.owner), Some(Owner::Held(h)) if h.id == task.id) {
             owners.remove(&task.owner);
         }
+    }
+}
+/// The 64-bit name of a key in session mode: the first 8 bytes of its
+/// SHA-256, big-endian, as a signed integer (a PostgreSQL advisory-lock key;
+/// MySQL names are built from it). Two keys share a name with probability
+/// 2^-64 per pair: they would then exclude each other, never share a lock
+/// unknowingly — and tokens still grow, as they share one counter row.
+pub(crate) fn session_hash(key: &str) -> i64 {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(key.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_hash_is_the_first_8_bytes_of_sha256() {
+        // SHA-256("abc") = ba7816bf8f01cfea…
+        assert_eq!(session_hash("abc"), 0xba78_16bf_8f01_cfea_u64 as i64);
+        assert_ne!(session_hash("a"), session_hash("A"));
     }
 }

@@ -8,7 +8,7 @@
 //! `<database>.dlock-bells/` (at most 256 files; inotify on Linux), which the
 //! releasing process writes after its commit — a handoff between processes
 //! takes about a millisecond, not a polling interval (the protocol is in
-//! `sqlite_doorbell.rs`).
+//! `doorbell.rs`).
 //!
 //! Waiters still look again every `poll` (25 ms by default,
 //! `sqlite://path?poll=10ms`) and when the holder's lease runs out. The poll
@@ -36,12 +36,15 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use super::common::{Collector, DEFAULT_RETENTION, UrlOptions, millis};
-use super::sqlite_doorbell::Doorbells;
+use self::doorbell::Doorbells;
+use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
+use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
+
+mod doorbell;
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
     key        TEXT    PRIMARY KEY NOT NULL,

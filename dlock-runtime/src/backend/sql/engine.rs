@@ -1,0 +1,623 @@
+//! The one SQL engine of the server databases: [`SqlBackend<D>`], generic
+//! over a [`Dialect`] (PostgreSQL, MySQL/MariaDB).
+//!
+//! **Shape.** The engine holds what every server database shares and the
+//! one `impl LockBackend`: the lease-table pool (bounded calls, see
+//! `pool`), the waiters of this process, the registered contenders, the
+//! collection of old free rows, the session locks (`?mode=session`, see
+//! `session`), the URL options every database takes, and the connect
+//! skeleton (open the pool within the timeout, inspect the server, create
+//! or check the tables, start the dialect). Each call is dispatched to the
+//! session locks or to the lease table. A dialect holds only what is its
+//! own: its statements, its URL options, how it opens its pools and creates
+//! its tables, its lease-table acquire, renewal and release, and its session
+//! flavour. The public backends are aliases (`PostgresBackend =
+//! SqlBackend<Postgres>`), so a dialect's own public items (`DDL`,
+//! `is_listening`) are inherent items of its alias.
+//!
+//! SQLite is not a dialect of this engine: it has no session mode, no
+//! server to lose a connection to (no per-call timeout, no retry on another
+//! connection), and its waiters are woken by doorbells; it shares the URL
+//! options and the collection (see `sqlite`).
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+
+use super::pool::{Pooled, batch_failed, timed_out};
+use super::session::{SessionDb, Sessions};
+use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
+use super::url::{Mode, UrlOptions};
+use crate::backend::wait::Waiters;
+use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::error::{BackendError, LockError, redact_url};
+
+/// How long a call may take by default (`?timeout=`).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A started dialect, with its session locks in session mode.
+pub(super) type Started<D> = (D, Option<<D as Dialect>::Sessions>);
+
+/// The connection of a dialect's database.
+pub(super) type Conn<D> = <<D as Dialect>::Db as sqlx::Database>::Connection;
+
+/// What one server database brings to the [engine](self).
+pub trait Dialect: Sized + Send + Sync + 'static {
+    /// The `sqlx` database.
+    type Db: sqlx::Database;
+    /// What the URL says for the driver and for the dialect alone.
+    type Options: Clone + Send + Sync + 'static;
+    /// What the dialect learns from the server at connect (its version).
+    type Facts: Send + 'static;
+    /// The session-mode flavour.
+    type Sessions: SessionDb;
+
+    /// The backend's kind, in errors and traces.
+    const KIND: &'static str;
+    /// The public type's name, in `Debug` and in errors that point to `DDL`.
+    const NAME: &'static str;
+    /// The URL scheme the driver takes, and the one named in errors
+    /// (`postgres://`).
+    const SCHEME: &'static str;
+    /// The URL schemes accepted (lowercase).
+    const SCHEMES: &'static [&'static str];
+    /// How often a waiter looks again by default (`?poll=`).
+    const DEFAULT_POLL: Duration;
+    /// The lease table and the session counters' table, in this order.
+    const DDL: &'static str;
+    /// The lease table's columns, as the schema check selects them.
+    const LEASE_COLUMNS: &'static str;
+
+    /// The backend error for a failed statement: transient or not.
+    fn classify(err: sqlx::Error) -> BackendError;
+
+    /// Takes the dialect's own options out of the URL's, and builds the
+    /// driver's options from `base` (what follows `scheme://`) and the rest.
+    fn options(o: &mut UrlOptions, shown: &str, base: &str) -> Result<Self::Options, LockError>;
+
+    /// Opens the lease-table pool (run on dlock's I/O runtime).
+    fn lease_pool(
+        options: Self::Options,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<sqlx::Pool<Self::Db>, sqlx::Error>>;
+
+    /// Asks the server what the dialect needs to know, or refuses it (run on
+    /// dlock's I/O runtime, before the tables are checked).
+    fn inspect(
+        pool: sqlx::Pool<Self::Db>,
+        mode: Mode,
+        shown_url: String,
+    ) -> BoxFuture<'static, Result<Self::Facts, LockError>>;
+
+    /// Whether `err` says a table is missing (`Some(true)`) or lacks a
+    /// column (`Some(false)`).
+    fn schema_missing(err: &sqlx::Error) -> Option<bool>;
+
+    /// Runs one `CREATE TABLE IF NOT EXISTS`.
+    fn create_table(
+        pool: sqlx::Pool<Self::Db>,
+        ddl: String,
+    ) -> BoxFuture<'static, Result<(), sqlx::Error>>;
+
+    /// Whether a failed create means another process created it meanwhile.
+    fn created_meanwhile(err: &sqlx::Error) -> bool;
+
+    /// Starts the dialect: its lease-table state, and in session mode its
+    /// session locks.
+    fn start(setup: Setup<'_, Self>) -> BoxFuture<'_, Result<Started<Self>, LockError>>;
+
+    /// Runs one of the engine's own statements (a check, a collection, a
+    /// count) with `arg` bound if given: the first column of the first row.
+    fn fetch_i64(
+        conn: &mut Conn<Self>,
+        sql: Arc<str>,
+        arg: Option<i64>,
+    ) -> BoxFuture<'_, Result<Option<i64>, sqlx::Error>>;
+
+    /// One attempt on the lease table.
+    fn try_lease(
+        backend: &SqlBackend<Self>,
+        request: &AcquireRequest,
+    ) -> impl Future<Output = Result<Attempt, BackendError>> + Send;
+
+    /// The lease-table waiter's wake-up source, given the one every dialect
+    /// has (this process's releases, the contender's registration).
+    fn lease_wake(backend: &SqlBackend<Self>, source: WakeSource) -> WakeSource;
+
+    /// Renews a watchdog batch on the lease table.
+    fn renew_leases(
+        backend: &SqlBackend<Self>,
+        batch: &[(&Lease, Duration)],
+    ) -> impl Future<Output = Result<Vec<Renewal>, BackendError>> + Send;
+
+    /// Frees the lease's row (the engine then wakes this process's waiters).
+    fn release_lease(
+        backend: &SqlBackend<Self>,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
+
+    /// The statement that deletes old free rows (lease mode) or old counters
+    /// (session mode); it takes the retention as [`retention`](Self::retention).
+    fn collect_sql(table: &str, mode: Mode) -> String;
+
+    /// The retention as the collection statement takes it.
+    fn retention(retention: Duration) -> i64;
+
+    /// The dialect's own fields in `Debug`.
+    fn debug_fields(backend: &SqlBackend<Self>, d: &mut fmt::DebugStruct<'_, '_>);
+}
+
+/// The [`Dialect::fetch_i64`] of a database whose connections run
+/// `sqlx::query_scalar` (all of them: the generic form would need bounds on
+/// every use of the engine).
+macro_rules! fetch_i64_by_query_scalar {
+    () => {
+        fn fetch_i64(
+            conn: &mut $crate::backend::sql::engine::Conn<Self>,
+            sql: std::sync::Arc<str>,
+            arg: Option<i64>,
+        ) -> futures_util::future::BoxFuture<'_, Result<Option<i64>, sqlx::Error>> {
+            Box::pin(async move {
+                let query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql));
+                match arg {
+                    Some(arg) => query.bind(arg).fetch_optional(conn).await,
+                    None => query.fetch_optional(conn).await,
+                }
+            })
+        }
+    };
+}
+pub(super) use fetch_i64_by_query_scalar;
+
+/// What a URL says: the options every server database takes, and the
+/// dialect's own.
+pub(super) struct Target<O> {
+    pub(super) mode: Mode,
+    pub(super) table: String,
+    pub(super) create: bool,
+    pub(super) poll: Duration,
+    pub(super) retention: Duration,
+    pub(super) timeout: Duration,
+    pub(super) options: O,
+}
+
+impl<O> Target<O> {
+    /// Reads a URL of dialect `D`.
+    pub(super) fn parse<D: Dialect<Options = O>>(url: &str) -> Result<Self, LockError> {
+        let shown = redact_url(url);
+        let (_, rest) = url
+            .split_once("://")
+            .filter(|(s, _)| D::SCHEMES.contains(&s.to_ascii_lowercase().as_str()))
+            .ok_or_else(|| LockError::config(format!("`{shown}` is not a {} URL", D::SCHEME)))?;
+        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let mut o = UrlOptions::parse(D::SCHEME, query)?;
+        Ok(Target {
+            mode: o.mode()?,
+            table: o.table()?,
+            create: o.flag("create", true)?,
+            poll: o.duration("poll", D::DEFAULT_POLL, false)?,
+            retention: o.duration("retention", DEFAULT_RETENTION, true)?,
+            timeout: o.duration("timeout", DEFAULT_TIMEOUT, false)?,
+            options: D::options(&mut o, &shown, base)?,
+        })
+    }
+}
+
+/// What a dialect starts from: the lease-table pool, the URL, what the
+/// server said, this process's waiters. (MySQL needs only the URL.)
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub struct Setup<'a, D: Dialect> {
+    pub(super) pool: &'a sqlx::Pool<D::Db>,
+    pub(super) target: &'a Target<D::Options>,
+    pub(super) facts: D::Facts,
+    pub(super) waiters: &'a Arc<Waiters>,
+    pub(super) shown_url: &'a str,
+}
+
+/// A server database: the lease table, or session locks with
+/// `?mode=session`. See [the SQL backends](super). Clones share the
+/// connections, the waiters and the held session locks.
+pub struct SqlBackend<D: Dialect> {
+    pub(super) shown_url: String,
+    pub(super) table: String,
+    pub(super) mode: Mode,
+    pub(super) poll: Duration,
+    pub(super) db: Pooled<D::Db>,
+    pub(super) waiters: Arc<Waiters>,
+    pub(super) contenders: Arc<Contenders>,
+    collector: Arc<Collector>,
+    /// See [`Dialect::collect_sql`].
+    collect_sql: Arc<str>,
+    sessions: Option<Arc<Sessions<D::Sessions>>>,
+    pub(super) dialect: Arc<D>,
+}
+
+impl<D: Dialect> Clone for SqlBackend<D> {
+    fn clone(&self) -> Self {
+        SqlBackend {
+            shown_url: self.shown_url.clone(),
+            table: self.table.clone(),
+            mode: self.mode,
+            poll: self.poll,
+            db: self.db.clone(),
+            waiters: self.waiters.clone(),
+            contenders: self.contenders.clone(),
+            collector: self.collector.clone(),
+            collect_sql: self.collect_sql.clone(),
+            sessions: self.sessions.clone(),
+            dialect: self.dialect.clone(),
+        }
+    }
+}
+
+impl<D: Dialect> fmt::Debug for SqlBackend<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct(D::NAME);
+        d.field("url", &self.shown_url)
+            .field("mode", &self.mode)
+            .field("table", &self.table);
+        D::debug_fields(self, &mut d);
+        d.field("sessions", &self.sessions.as_ref().map(|s| s.len()))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A failed statement as the backend's error.
+pub(super) fn backend_error<D: Dialect>(err: sqlx::Error) -> LockError {
+    LockError::Backend {
+        backend: D::KIND,
+        source: D::classify(err),
+    }
+}
+
+/// A failed statement as the backend's error, with `message` for its text.
+pub(super) fn failed<D: Dialect>(message: String, err: sqlx::Error) -> LockError {
+    LockError::Backend {
+        backend: D::KIND,
+        source: if D::classify(err).is_retryable() {
+            BackendError::transient(message)
+        } else {
+            BackendError::permanent(message)
+        },
+    }
+}
+
+impl<D: Dialect> SqlBackend<D> {
+    /// Connects to the database `url` names: the lease-table pool within the
+    /// timeout, the server inspected, the tables created (or checked), the
+    /// dialect started.
+    pub(super) async fn open(url: &str) -> Result<Self, LockError> {
+        let shown_url = redact_url(url);
+        let target = Target::parse::<D>(url)?;
+        let timeout = target.timeout;
+        let pool = crate::driver::run(D::lease_pool(target.options.clone(), timeout));
+        let pool = tokio::time::timeout(timeout, pool)
+            .await
+            .map_err(|_| LockError::Backend {
+                backend: D::KIND,
+                source: timed_out(&format!("connecting to {shown_url}"), timeout),
+            })?
+            .map_err(|e| failed::<D>(format!("cannot connect to {shown_url}: {e}"), e))?;
+        let facts =
+            crate::driver::run(D::inspect(pool.clone(), target.mode, shown_url.clone())).await?;
+        {
+            let (pool, table, create, mode) = (
+                pool.clone(),
+                target.table.clone(),
+                target.create,
+                target.mode,
+            );
+            crate::driver::run(async move { ensure_schema::<D>(pool, &table, create, mode).await })
+                .await?;
+        }
+        let waiters = Arc::<Waiters>::default();
+        let (dialect, sessions) = D::start(Setup {
+            pool: &pool,
+            target: &target,
+            facts,
+            waiters: &waiters,
+            shown_url: &shown_url,
+        })
+        .await?;
+        Ok(SqlBackend {
+            collect_sql: D::collect_sql(&target.table, target.mode).into(),
+            shown_url,
+            table: target.table,
+            mode: target.mode,
+            poll: target.poll,
+            db: Pooled::new(pool, timeout, D::classify, {
+                let options = target.options.clone();
+                Arc::new(move || D::lease_pool(options.clone(), timeout))
+            }),
+            waiters,
+            contenders: Arc::default(),
+            collector: Arc::new(Collector::new(target.retention)),
+            sessions: sessions.map(|s| Arc::new(Sessions::new(s, timeout))),
+            dialect: Arc::new(dialect),
+        })
+    }
+
+    /// Rows in the lease table (held and free), for tests of bounded state.
+    pub async fn row_count(&self) -> Result<u64, LockError> {
+        let sql = Arc::<str>::from(format!("SELECT COUNT(*) FROM {}", self.table));
+        let count = move |db: Pooled<D::Db>| async move {
+            db.call("count", |c| D::fetch_i64(c, sql.clone(), None))
+                .await
+        };
+        let counted = if self.db.is_near() {
+            count(self.db.clone()).await
+        } else {
+            crate::driver::run(count(self.db.clone())).await
+        };
+        counted
+            .map(|n| n.unwrap_or(0) as u64)
+            .map_err(|e| e.into_lock_error(D::KIND))
+    }
+
+    /// Renews a batch on the lease table, from a pool near this thread.
+    async fn renew_leases(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        if self.db.is_near() {
+            return D::renew_leases(self, batch).await;
+        }
+        let this = self.clone();
+        let batch: Vec<(Lease, Duration)> = batch
+            .iter()
+            .map(|(lease, ttl)| (copy_lease(lease), *ttl))
+            .collect();
+        crate::driver::run(async move {
+            let batch: Vec<(&Lease, Duration)> =
+                batch.iter().map(|(lease, ttl)| (lease, *ttl)).collect();
+            D::renew_leases(&this, &batch).await
+        })
+        .await
+    }
+
+    /// Deletes old free rows (and old counter rows) in the background, at
+    /// most once a minute.
+    fn collect_if_due(&self) {
+        if !self.collector.due() {
+            return;
+        }
+        let pool = self.db.pool.clone();
+        let retention = D::retention(self.collector.retention);
+        let sql = self.collect_sql.clone();
+        crate::driver::handle().spawn(async move {
+            let collected = async {
+                let mut conn = pool.acquire().await?;
+                D::fetch_i64(&mut conn, sql, Some(retention)).await
+            };
+            if let Err(err) = collected.await {
+                tracing::debug!(
+                    backend = D::KIND,
+                    error = %err,
+                    "dlock: collecting free rows failed; next time"
+                );
+            }
+        });
+    }
+}
+
+/// Runs a check statement on a connection of `pool`.
+async fn check<D: Dialect>(pool: &sqlx::Pool<D::Db>, sql: &Arc<str>) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    D::fetch_i64(&mut conn, sql.clone(), None).await.map(|_| ())
+}
+
+/// Creates the table the mode uses (unless `create` is false) and checks that
+/// it has the columns dlock uses.
+async fn ensure_schema<D: Dialect>(
+    pool: sqlx::Pool<D::Db>,
+    table: &str,
+    create: bool,
+    mode: Mode,
+) -> Result<(), LockError> {
+    let sql: Arc<str> = match mode {
+        Mode::Lease => format!("SELECT {} FROM {table} LIMIT 0", D::LEASE_COLUMNS),
+        Mode::Session => format!("SELECT k, token FROM {table}_fence LIMIT 0"),
+    }
+    .into();
+    let missing = match check::<D>(&pool, &sql).await {
+        Ok(()) => return Ok(()),
+        Err(e) if D::schema_missing(&e) == Some(true) && create => e,
+        Err(e) => {
+            return Err(if D::schema_missing(&e).is_some() {
+                LockError::config(format!(
+                    "the lock table `{table}` is missing or lacks dlock's columns ({e}); \
+                     create it (see {}::DDL, with your table name) or connect with \
+                     `?create=true`",
+                    D::NAME
+                ))
+            } else {
+                backend_error::<D>(e)
+            });
+        }
+    };
+    tracing::debug!(backend = D::KIND, table, error = %missing, "dlock: creating the lock table");
+    let ddl = D::DDL
+        .replace("dlock_leases_fence", &format!("{table}_fence"))
+        .replace("dlock_leases ", &format!("{table} "));
+    let ddl = match mode {
+        Mode::Lease => ddl.split_inclusive(';').next(),
+        Mode::Session => ddl.split_inclusive(';').nth(1),
+    }
+    .unwrap_or_default()
+    .to_owned();
+    match D::create_table(pool.clone(), ddl).await {
+        Err(e) if !D::created_meanwhile(&e) => {
+            return Err(failed::<D>(
+                format!("cannot create the lock table `{table}`: {e}"),
+                e,
+            ));
+        }
+        _ => {}
+    }
+    check::<D>(&pool, &sql).await.map_err(backend_error::<D>)
+}
+
+impl<D: Dialect> LockBackend for SqlBackend<D> {
+    fn kind(&self) -> &'static str {
+        D::KIND
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: &'a AcquireRequest,
+    ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => sessions.try_acquire(request).await,
+                None if self.db.is_near() => D::try_lease(self, request).await,
+                None => {
+                    let (this, request) = (self.clone(), copy_request(request));
+                    attempt_at_home(async move { D::try_lease(&this, &request).await }).await
+                }
+            }
+        })
+    }
+
+    fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
+        let source = match self.mode {
+            // The server hands the key over: attempts wait on it.
+            Mode::Session => WakeSource::none(),
+            // Releases in this process wake at once; the dialect adds how
+            // the others are heard.
+            Mode::Lease => D::lease_wake(
+                self,
+                self.waiters
+                    .source(&request.key)
+                    .keep_alive(self.contenders.register(&request.owner)),
+            ),
+        };
+        Box::pin(std::future::ready(source))
+    }
+
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if let Some(sessions) = &self.sessions {
+                sessions.release(&request.owner).await;
+            }
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a Lease,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
+        Box::pin(async move {
+            let batch = [(lease, ttl)];
+            let mut answers = self.renew_all(&batch).await;
+            answers.pop().unwrap_or_else(|| {
+                Err(BackendError::permanent(format!(
+                    "{}: a renewal of one lease answered nothing",
+                    D::KIND
+                )))
+            })
+        })
+    }
+
+    fn renew_all<'a>(
+        &'a self,
+        batch: &'a [(&'a Lease, Duration)],
+    ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => {
+                    futures_util::future::join_all(
+                        batch.iter().map(|(lease, ttl)| async move {
+                            Ok(sessions.renew(lease, *ttl).await)
+                        }),
+                    )
+                    .await
+                }
+                None => match self.renew_leases(batch).await {
+                    Ok(answers) => answers.into_iter().map(Ok).collect(),
+                    // One lease's error is its own answer.
+                    Err(err) if batch.len() == 1 => vec![Err(err)],
+                    Err(err) => batch_failed(D::KIND, err, batch.len()),
+                },
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => sessions.release(&lease.owner).await,
+                None if self.db.is_near() => {
+                    D::release_lease(self, lease).await?;
+                    self.waiters.wake(&lease.key);
+                }
+                None => {
+                    let (this, lease) = (self.clone(), copy_lease(lease));
+                    crate::driver::run(async move {
+                        D::release_lease(&this, &lease).await?;
+                        this.waiters.wake(&lease.key);
+                        Ok::<_, BackendError>(())
+                    })
+                    .await?;
+                }
+            }
+            self.collect_if_due();
+            Ok(())
+        })
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // Session locks keep their connections on dlock's I/O runtime; the
+        // lease table's calls go to a pool near the caller, or hop there
+        // themselves (see `pool`).
+        self.sessions.is_some()
+    }
+}
+
+/// Runs an attempt on dlock's I/O runtime. Unlike [`crate::driver::run`],
+/// dropping the caller's future stops the attempt there too, as it would
+/// stop one running here: its connection is closed and the runtime's
+/// owner-checked release follows it, never an attempt still under way.
+async fn attempt_at_home<T: Send + 'static>(
+    attempt: impl Future<Output = T> + Send + 'static,
+) -> T {
+    /// Aborts the task when the caller goes away.
+    struct AbortOnDrop(tokio::task::AbortHandle);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let task = crate::driver::handle().spawn(attempt);
+    let _abort = AbortOnDrop(task.abort_handle());
+    match task.await {
+        Ok(answer) => answer,
+        // Aborted only when this future is dropped: a join error is a panic.
+        Err(err) => std::panic::resume_unwind(err.into_panic()),
+    }
+}
+
+/// A copy of `request`, for an attempt on dlock's I/O runtime.
+fn copy_request(request: &AcquireRequest) -> AcquireRequest {
+    AcquireRequest {
+        key: request.key.clone(),
+        owner: request.owner.clone(),
+        lease: request.lease,
+        wait: request.wait,
+        lost: request.lost.clone(),
+    }
+}
+
+/// A copy of `lease`, for a call on dlock's I/O runtime.
+fn copy_lease(lease: &Lease) -> Lease {
+    Lease {
+        key: lease.key.clone(),
+        owner: lease.owner.clone(),
+        token: lease.token,
+        valid_until: lease.valid_until,
+        extra: lease.extra.clone(),
+    }
+}

@@ -1,0 +1,561 @@
+//! MySQL 8 and MariaDB ≥ 10.5 (`mysql://`, `mariadb://`): the lease table;
+//! or `GET_LOCK` (`?mode=session`).
+//!
+//! **Lease mode** (the default). One row per key, every decision on the
+//! database's clock in microseconds (`N` below, `UTC_TIMESTAMP(6)` since the
+//! epoch: independent of time zones), one statement each, autocommit at
+//! READ COMMITTED (set on dlock's own connections). Neither server has
+//! `UPDATE … RETURNING`, and sqlx always sends `CLIENT_FOUND_ROWS`, so the
+//! affected-row count cannot tell "took it" from "busy": the acquire reports
+//! its outcome through `LAST_INSERT_ID(expr)`, whose value the server sends
+//! back in the statement's OK packet:
+//!
+//! ```sql
+//! -- F = (expires_us <= N OR owner = ?): free, expired, or ours (a retry)
+//! INSERT INTO dlock_leases (k, owner, token, expires_us) VALUES (?, ?, LAST_INSERT_ID(N), N + ?)
+//! ON DUPLICATE KEY UPDATE
+//!   token      = IF(F, LAST_INSERT_ID(GREATEST(token + 1, N)),
+//!                  token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - N, 0), 2^40 - 1) + 1)),
+//!   owner      = IF(F, ?, owner),
+//!   expires_us = IF(F, N + ?, expires_us);    -- assigned last: F reads it
+//! ```
+//!
+//! The id is the new token (the clock in µs, above 2^40) when the key was
+//! taken, or the holder's remaining time in µs + 1 (at most 2^40) when busy.
+//! MySQL and MariaDB evaluate single-table `SET` assignments left to right,
+//! later ones seeing the new values: the test `F` reads only `expires_us`
+//! (assigned last) and `owner` (which `F` keeps true when it changes it).
+//! The statement is pinned by tests on MariaDB 10.11 and targets MySQL 8 too.
+//!
+//! A watchdog batch is renewed by one `UPDATE … WHERE (k, owner) IN (…)`
+//! (batches padded to 1, 2, 4 … 64 entries, so the statements stay cached);
+//! when fewer rows matched than were asked for, one `SELECT` says which.
+//!
+//! **Wake-ups.** There is no `NOTIFY`: waiters in the releasing process are
+//! woken at once; waiters elsewhere poll a lock-free read with back-off —
+//! 5 ms doubling up to `poll` (50 ms), and never later than the holder's
+//! expiry. For handoff pushed by the server, use session mode.
+//!
+//! **Session mode** (`?mode=session`): `GET_LOCK('dlock:<16 hex digits>', t)`
+//! (64 bits of the stored key's SHA-256) on a dedicated connection per held
+//! lock (see [session mode](super#session-mode)); the fencing token is bumped in the
+//! same statement in `<table>_fence`. The server's idle limit (`wait_timeout`,
+//! whole seconds) follows the lease, so a frozen holder loses the lock within
+//! the lease rounded up to a second. `GET_LOCK` locks are not replicated:
+//! unsafe across a failover, and refused on Galera clusters (`wsrep_on`).
+//!
+//! **URL**: `mysql://user:pass@host:port/db?…` with dlock's options
+//! `mode=lease|session`, `table=dlock_leases`, `create=true` (with `false`
+//! the table is checked, never created — see [`MysqlBackend::DDL`]),
+//! `poll=50ms`, `retention=10m`, `timeout=3s`; the others (`ssl-mode`, …) go
+//! to the driver.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sqlx::AssertSqlSafe;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+
+use self::session::MySessions;
+use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
+use super::pool::is_connection_error;
+use super::upkeep::micros;
+use super::url::{Mode, UrlOptions};
+use crate::backend::{AcquireRequest, Attempt, Lease, Renewal, WakeSource};
+use crate::error::{BackendError, LockError, redact_url};
+use crate::token::FencingToken;
+
+mod session;
+
+/// The database clock in microseconds since the epoch, in SQL.
+const N: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
+
+/// Busy answers are at most this (µs + 1); tokens are above it (the clock
+/// in µs passed it 13 days after 1970).
+const BUSY_MAX: u64 = 1 << 40;
+
+const DEFAULT_POLL: Duration = Duration::from_millis(50);
+const POOL_SIZE: u32 = 10;
+/// The largest renewal statement; bigger batches are split.
+const MAX_BATCH: usize = 64;
+
+#[derive(Debug, Clone)]
+struct Statements {
+    acquire: Arc<str>,
+    peek: Arc<str>,
+    /// By size: 1, 2, 4 … 64 entries.
+    renew: Vec<Arc<str>>,
+    still_held: Vec<Arc<str>>,
+    release: Arc<str>,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let s = |sql: String| Arc::<str>::from(sql);
+        let free = format!("(expires_us <= {N} OR owner = ?)");
+        let sizes = (0..).map(|p| 1usize << p).take_while(|n| *n <= MAX_BATCH);
+        // `k IN (…)` lets the server use the primary key: MariaDB does not
+        // for the row constructor alone (a full scan of a big table).
+        let keys = |n: usize| vec!["?"; n].join(", ");
+        let pairs = |n: usize| vec!["(?, ?)"; n].join(", ");
+        Statements {
+            acquire: s(format!(
+                "INSERT INTO {table} (k, owner, token, expires_us) \
+                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?) \
+                 ON DUPLICATE KEY UPDATE \
+                 token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
+                            token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, 0), {}) + 1)), \
+                 owner = IF({free}, ?, owner), \
+                 expires_us = IF({free}, {N} + ?, expires_us)",
+                BUSY_MAX - 1
+            )),
+            peek: s(format!(
+                "SELECT IF(owner IS NULL, 0, GREATEST(expires_us - {N}, 0)) FROM {table} WHERE k = ?"
+            )),
+            renew: sizes
+                .clone()
+                .map(|n| {
+                    s(format!(
+                        "UPDATE {table} SET expires_us = {N} + CASE {} END \
+                         WHERE k IN ({}) AND (k, owner) IN ({}) AND expires_us > {N}",
+                        "WHEN k = ? AND owner = ? THEN ? ".repeat(n),
+                        keys(n),
+                        pairs(n)
+                    ))
+                })
+                .collect(),
+            still_held: sizes
+                .map(|n| {
+                    s(format!(
+                        "SELECT k, owner FROM {table} \
+                         WHERE k IN ({}) AND (k, owner) IN ({}) AND expires_us > {N}",
+                        keys(n),
+                        pairs(n)
+                    ))
+                })
+                .collect(),
+            release: s(format!(
+                "UPDATE {table} SET owner = NULL, expires_us = {N} WHERE k = ? AND owner = ?"
+            )),
+        }
+    }
+}
+
+/// MySQL or MariaDB: the lease table or `GET_LOCK`. See the [module docs](self).
+/// Clones share the connections and the held session locks.
+pub type MysqlBackend = SqlBackend<Mysql>;
+
+/// MySQL's part of a [`MysqlBackend`]: its statements.
+pub struct Mysql {
+    sql: Statements,
+}
+
+fn error_number(err: &sqlx::Error) -> Option<u16> {
+    match err {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|e| e.number()),
+        _ => None,
+    }
+}
+
+/// Transient: deadlock (1213), lock wait timeout (1205), too many
+/// connections (1040), shutdown (1053), killed or interrupted (1317, 1927),
+/// read-only during a failover (1290, 1836), idle disconnect (4031).
+fn my_error(err: sqlx::Error) -> BackendError {
+    let transient = is_connection_error(&err)
+        || matches!(
+            error_number(&err),
+            Some(1213 | 1205 | 1040 | 1053 | 1317 | 1927 | 1290 | 1836 | 4031)
+        );
+    if transient {
+        BackendError::transient(err)
+    } else {
+        BackendError::permanent(err)
+    }
+}
+
+fn pool_options(max: u32, timeout: Duration) -> MySqlPoolOptions {
+    let lock_wait = timeout.as_secs().max(1);
+    MySqlPoolOptions::new()
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(timeout)
+        .test_before_acquire(false)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                // READ COMMITTED (stricter levels fail the upsert with
+                // deadlocks on gaps), and row-lock waits bounded like calls.
+                // (`SET TRANSACTION` takes no other assignment; MySQL 8 and
+                // MariaDB name the isolation variable differently.)
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+                     SET SESSION innodb_lock_wait_timeout = {lock_wait}"
+                )))
+                .execute(&mut *conn)
+                .await?;
+                Ok(())
+            })
+        })
+}
+
+impl MysqlBackend {
+    /// The tables dlock creates (with `?create=true`, the default), for DBAs
+    /// who create them themselves (`?create=false`): the lease table
+    /// (`?table=`, default `dlock_leases`) and session mode's counters
+    /// (`<table>_fence`). Keys are binary: no collation folds case or
+    /// trailing spaces.
+    pub const DDL: &'static str = "CREATE TABLE IF NOT EXISTS dlock_leases (\n    \
+        k          VARBINARY(1024) NOT NULL PRIMARY KEY,\n    \
+        owner      VARBINARY(255),\n    \
+        token      BIGINT UNSIGNED NOT NULL,\n    \
+        expires_us BIGINT          NOT NULL\n) ENGINE = InnoDB;\n\
+        CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
+        k     BIGINT          NOT NULL PRIMARY KEY,\n    \
+        token BIGINT UNSIGNED NOT NULL\n) ENGINE = InnoDB;";
+
+    /// Connects to the database a `mysql://` URL names, creating (or
+    /// checking) the table. See the [module docs](self) for the options.
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        Self::open(url).await
+    }
+
+    async fn renew_chunk(
+        &self,
+        chunk: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let size = chunk.len().next_power_of_two();
+        let slot = size.trailing_zeros() as usize;
+        // Padded with the last entry again: the same row, the same answer.
+        let entries: Vec<(String, String, i64)> = (0..size)
+            .map(|i| {
+                let (lease, ttl) = chunk[i.min(chunk.len() - 1)];
+                (lease.key.clone(), lease.owner.clone(), micros(ttl))
+            })
+            .collect();
+        let matched = self
+            .db
+            .call("renew", |c| {
+                let sql = self.dialect.sql.renew[slot].clone();
+                let entries = entries.clone();
+                Box::pin(async move {
+                    let mut query = sqlx::query(AssertSqlSafe(sql));
+                    for (key, owner, ttl) in &entries {
+                        query = query.bind(key.clone()).bind(owner.clone()).bind(*ttl);
+                    }
+                    for (key, _, _) in &entries {
+                        query = query.bind(key.clone());
+                    }
+                    for (key, owner, _) in &entries {
+                        query = query.bind(key.clone()).bind(owner.clone());
+                    }
+                    query.execute(c).await.map(|done| done.rows_affected())
+                })
+            })
+            .await?;
+        if matched as usize >= chunk.len() {
+            return Ok(vec![Renewal::Renewed; chunk.len()]);
+        }
+        let held: Vec<(Vec<u8>, Vec<u8>)> = self
+            .db
+            .call("renew", |c| {
+                let sql = self.dialect.sql.still_held[slot].clone();
+                let entries = entries.clone();
+                Box::pin(async move {
+                    let mut query = sqlx::query_as(AssertSqlSafe(sql));
+                    for (key, _, _) in &entries {
+                        query = query.bind(key.clone());
+                    }
+                    for (key, owner, _) in &entries {
+                        query = query.bind(key.clone()).bind(owner.clone());
+                    }
+                    query.fetch_all(c).await
+                })
+            })
+            .await?;
+        Ok(chunk
+            .iter()
+            .map(|(lease, _)| {
+                if held
+                    .iter()
+                    .any(|(k, o)| k == lease.key.as_bytes() && o == lease.owner.as_bytes())
+                {
+                    Renewal::Renewed
+                } else {
+                    Renewal::Lost
+                }
+            })
+            .collect())
+    }
+}
+
+impl Dialect for Mysql {
+    type Db = sqlx::MySql;
+    type Options = MySqlConnectOptions;
+    type Facts = ();
+    type Sessions = MySessions;
+
+    const KIND: &'static str = "mysql";
+    const NAME: &'static str = "MysqlBackend";
+    const SCHEME: &'static str = "mysql://";
+    const SCHEMES: &'static [&'static str] = &["mysql", "mariadb"];
+    const DEFAULT_POLL: Duration = DEFAULT_POLL;
+    const DDL: &'static str = MysqlBackend::DDL;
+    const LEASE_COLUMNS: &'static str = "k, owner, token, expires_us";
+
+    fn classify(err: sqlx::Error) -> BackendError {
+        my_error(err)
+    }
+
+    fn options(
+        o: &mut UrlOptions,
+        shown: &str,
+        base: &str,
+    ) -> Result<MySqlConnectOptions, LockError> {
+        let driver_url = o.driver_url(Self::SCHEME, base);
+        MySqlConnectOptions::from_str(&driver_url).map_err(|e| {
+            LockError::config(format!(
+                "bad MySQL URL `{shown}`: {}",
+                e.to_string().replace(&driver_url, &redact_url(&driver_url))
+            ))
+        })
+    }
+
+    fn lease_pool(
+        options: MySqlConnectOptions,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<MySqlPool, sqlx::Error>> {
+        Box::pin(async move { pool_options(POOL_SIZE, timeout).connect_with(options).await })
+    }
+
+    fn inspect(
+        pool: MySqlPool,
+        mode: Mode,
+        shown_url: String,
+    ) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            if mode != Mode::Session {
+                return Ok(());
+            }
+            let galera: Option<(String, String)> = sqlx::query_as("SHOW VARIABLES LIKE 'wsrep_on'")
+                .fetch_optional(&pool)
+                .await
+                .map_err(|e| failed::<Self>(format!("cannot query {shown_url}: {e}"), e))?;
+            if galera.is_some_and(|(_, on)| on.eq_ignore_ascii_case("on")) {
+                return Err(LockError::config(format!(
+                    "`{shown_url}` is a Galera cluster node (wsrep_on = ON): GET_LOCK is not \
+                     replicated there; use lease mode (no `mode=session`)"
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    fn schema_missing(err: &sqlx::Error) -> Option<bool> {
+        // 1146: no such table (1054: no such column).
+        match error_number(err) {
+            Some(1146) => Some(true),
+            Some(1054) => Some(false),
+            _ => None,
+        }
+    }
+
+    fn create_table(pool: MySqlPool, ddl: String) -> BoxFuture<'static, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::raw_sql(AssertSqlSafe(ddl))
+                .execute(&pool)
+                .await
+                .map(|_| ())
+        })
+    }
+
+    fn created_meanwhile(err: &sqlx::Error) -> bool {
+        // 1050: created by another process in between.
+        error_number(err) == Some(1050)
+    }
+
+    fn start(setup: Setup<'_, Self>) -> BoxFuture<'_, Result<Started<Self>, LockError>> {
+        let target = setup.target;
+        Box::pin(async move {
+            let sessions = match target.mode {
+                Mode::Lease => None,
+                Mode::Session => Some(
+                    MySessions::new(target.options.clone(), &target.table, target.timeout).await,
+                ),
+            };
+            let dialect = Mysql {
+                sql: Statements::new(&target.table),
+            };
+            Ok((dialect, sessions))
+        })
+    }
+
+    fetch_i64_by_query_scalar!();
+
+    async fn try_lease(
+        backend: &MysqlBackend,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        let backoff = backend
+            .contenders
+            .next_backoff(&request.owner, backend.poll);
+        if let Some(backoff) = backoff {
+            // A waiter polls a lock-free read, and writes only when the key
+            // looks free.
+            let remaining: Option<i64> = backend
+                .db
+                .call("peek", |c| {
+                    let sql = backend.dialect.sql.peek.clone();
+                    let key = request.key.clone();
+                    Box::pin(async move {
+                        sqlx::query_scalar(AssertSqlSafe(sql))
+                            .bind(key)
+                            .fetch_optional(c)
+                            .await
+                    })
+                })
+                .await?;
+            if let Some(us) = remaining.filter(|us| *us > 0) {
+                return Ok(Attempt::Busy {
+                    retry_in: Some(backoff.min(Duration::from_micros(us as u64))),
+                });
+            }
+        }
+        let lease_us = micros(request.lease);
+        let id = backend
+            .db
+            .call("acquire", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (key, owner) = (request.key.clone(), request.owner.clone());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner.clone())
+                        .bind(lease_us)
+                        // F, then F and the new owner, then F and the lease.
+                        .bind(owner.clone())
+                        .bind(owner.clone())
+                        .bind(owner.clone())
+                        .bind(owner)
+                        .bind(lease_us)
+                        .execute(c)
+                        .await
+                        .map(|done| done.last_insert_id())
+                })
+            })
+            .await?;
+        match id {
+            0 => Err(BackendError::permanent(
+                "mysql: the acquire statement reported no outcome (LAST_INSERT_ID = 0)",
+            )),
+            busy if busy <= BUSY_MAX => {
+                let remaining = Duration::from_micros(busy - 1);
+                Ok(Attempt::Busy {
+                    retry_in: Some(backoff.map_or(remaining, |b| b.min(remaining))),
+                })
+            }
+            token => Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token)),
+            ))),
+        }
+    }
+
+    fn lease_wake(_backend: &MysqlBackend, source: WakeSource) -> WakeSource {
+        // The others are polled with back-off (see `try_lease`).
+        source
+    }
+
+    async fn renew_leases(
+        backend: &MysqlBackend,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let mut answers = Vec::with_capacity(batch.len());
+        for chunk in batch.chunks(MAX_BATCH) {
+            answers.extend(backend.renew_chunk(chunk).await?);
+        }
+        Ok(answers)
+    }
+
+    async fn release_lease(backend: &MysqlBackend, lease: &Lease) -> Result<(), BackendError> {
+        backend
+            .db
+            .call("release", |c| {
+                let sql = backend.dialect.sql.release.clone();
+                let (key, owner) = (lease.key.clone(), lease.owner.clone());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .execute(c)
+                        .await
+                })
+            })
+            .await
+            .map(|_| ())
+    }
+
+    fn collect_sql(table: &str, mode: Mode) -> String {
+        match mode {
+            Mode::Lease => format!("DELETE FROM {table} WHERE expires_us < {N} - ? LIMIT 10000"),
+            Mode::Session => {
+                format!("DELETE FROM {table}_fence WHERE token < {N} - ? LIMIT 10000")
+            }
+        }
+    }
+
+    fn retention(retention: Duration) -> i64 {
+        micros(retention)
+    }
+
+    fn debug_fields(backend: &MysqlBackend, d: &mut fmt::DebugStruct<'_, '_>) {
+        d.field("poll", &backend.poll);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::backend::sql::engine::Target;
+
+    fn parse_url(url: &str) -> Result<Target<MySqlConnectOptions>, LockError> {
+        Target::parse::<Mysql>(url)
+    }
+
+    #[test]
+    fn urls() {
+        let t = parse_url("mysql://u:p@h:3306/db?mode=session&table=locks&poll=20ms").unwrap();
+        assert_eq!(t.mode, Mode::Session);
+        assert_eq!(t.table, "locks");
+        assert_eq!(t.poll, Duration::from_millis(20));
+        assert_eq!(t.options.get_host(), "h");
+        assert_eq!(t.options.get_database(), Some("db"));
+        for bad in [
+            "mysql://h/db?mode=x",
+            "mysql://h/db?table=a-b",
+            "mysql://h/db?timeout=0s",
+            "redis://h/db",
+        ] {
+            assert!(
+                matches!(parse_url(bad), Err(LockError::Config { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn renewal_statements_come_in_powers_of_two() {
+        let s = Statements::new("t");
+        assert_eq!(s.renew.len(), 7);
+        assert_eq!(s.renew[2].matches("WHEN k = ?").count(), 4);
+        assert_eq!(s.still_held[6].matches("(?, ?)").count(), 64);
+        // The expiry is assigned last: the test of the others reads it.
+        let a = &s.acquire;
+        assert!(a.rfind("expires_us = IF") > a.rfind("owner = IF"));
+        assert!(a.rfind("owner = IF") > a.rfind("token = IF"));
+    }
+}

@@ -1,0 +1,157 @@
+//! MySQL's session flavour: `GET_LOCK` on dedicated connections (see
+//! [session mode](super::super#session-mode)).
+
+use std::time::Duration;
+
+use futures_util::TryStreamExt as _;
+use futures_util::future::BoxFuture;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
+use sqlx::{AssertSqlSafe, Either};
+
+use super::{N, my_error, pool_options};
+use crate::backend::sql::pool::Checked;
+use crate::backend::sql::session::{Locked, SessionDb, session_hash};
+use crate::error::BackendError;
+
+/// The most session connections one backend opens.
+const MAX_SESSIONS: u32 = 1024;
+
+/// `GET_LOCK` on dedicated connections.
+pub struct MySessions {
+    pool: MySqlPool,
+    fence: String,
+}
+
+impl MySessions {
+    /// The session locks, their counters in `<table>_fence`. Connections
+    /// are opened lazily.
+    pub(super) async fn new(options: MySqlConnectOptions, table: &str, timeout: Duration) -> Self {
+        let pool = crate::driver::run(async move {
+            pool_options(MAX_SESSIONS, timeout)
+                .idle_timeout(Duration::from_secs(60))
+                .connect_lazy_with(options)
+        })
+        .await;
+        MySessions {
+            pool,
+            fence: format!("{table}_fence"),
+        }
+    }
+}
+
+/// `wait_timeout` is whole seconds, at least 1: rounded up, so the server
+/// never frees a lock before the holder's lease ends.
+fn idle_seconds(ttl: Duration) -> u64 {
+    (ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)).max(1)
+}
+
+impl SessionDb for MySessions {
+    type Conn = Checked<sqlx::MySql>;
+
+    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = Checked::new(self.pool.acquire().await?);
+            if fresh {
+                // After a failure: make sure this one is alive.
+                use sqlx::Connection as _;
+                conn.conn().ping().await?;
+            }
+            Ok(conn)
+        })
+    }
+
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        key: &'a str,
+        wait: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
+        Box::pin(async move {
+            let k = session_hash(key);
+            let name = format!("dlock:{:016x}", k as u64);
+            let fence = &self.fence;
+            let wait = format!("{}.{:03}", wait.as_secs(), wait.subsec_millis());
+            // One round trip: the lock (waiting up to `wait`), the token in
+            // the same statement, and the idle limit only if the lock is ours.
+            let sql = format!(
+                "INSERT INTO {fence} (k, token) SELECT {k}, LAST_INSERT_ID({N}) FROM DUAL \
+                 WHERE GET_LOCK('{name}', {wait}) = 1 \
+                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {N})); \
+                 SET SESSION wait_timeout = \
+                 IF(IS_USED_LOCK('{name}') = CONNECTION_ID(), {}, @@GLOBAL.wait_timeout)",
+                idle_seconds(ttl)
+            );
+            let results: Vec<Either<sqlx::mysql::MySqlQueryResult, sqlx::mysql::MySqlRow>> =
+                sqlx::raw_sql(AssertSqlSafe(sql))
+                    .fetch_many(conn.conn())
+                    .try_collect()
+                    .await?;
+            let inserted = results.iter().find_map(|r| match r {
+                Either::Left(done) => Some((done.rows_affected(), done.last_insert_id())),
+                Either::Right(_) => None,
+            });
+            match inserted {
+                Some((rows, token)) if rows > 0 => Ok(Locked::Yes(token)),
+                // GET_LOCK answered 0 (timeout) or NULL: nothing is held,
+                // and the idle limit is the server's default again.
+                Some(_) => Ok(Locked::Busy { clean: true }),
+                None => Err(sqlx::Error::Protocol(
+                    "the session lock statement answered nothing".into(),
+                )),
+            }
+        })
+    }
+
+    fn ping<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let sql = format!("SET SESSION wait_timeout = {}", idle_seconds(ttl));
+            sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(conn.conn())
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn unlock<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::raw_sql(
+                "DO RELEASE_ALL_LOCKS(); SET SESSION wait_timeout = @@GLOBAL.wait_timeout",
+            )
+            .execute(conn.conn())
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn watch<'a>(&'a self, _conn: &'a mut Self::Conn) -> BoxFuture<'a, String> {
+        // sqlx cannot watch an idle MySQL connection: a killed one is
+        // noticed by the next ping (a third of the lease).
+        Box::pin(std::future::pending())
+    }
+
+    fn recycle(&self, conn: Self::Conn) {
+        conn.keep();
+    }
+
+    fn classify(&self, err: sqlx::Error) -> BackendError {
+        my_error(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_limits_round_up_to_seconds() {
+        assert_eq!(idle_seconds(Duration::from_millis(600)), 1);
+        assert_eq!(idle_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(idle_seconds(Duration::from_millis(2001)), 3);
+        assert_eq!(idle_seconds(Duration::ZERO), 1);
+    }
+}

@@ -1,0 +1,372 @@
+//! dlock's lease-table pools: one timeout a call, a failed connection
+//! closed and the statement tried again on another, and which `sqlx` errors
+//! say the connection failed.
+//!
+//! **Where statements go.** A `sqlx` connection belongs to the runtime that
+//! opened it and dies with it. A backend keeps two kinds of pool:
+//!
+//! - the **home** pool, opened on dlock's own I/O runtime, which lives as long
+//!   as the process: always usable, from dlock's runtime (the watchdog's
+//!   renewals, background releases) and, by a hop to it, from anywhere;
+//! - a **local** pool, opened in the background on the application's runtime
+//!   the first time a call comes from there, and used only by calls from that
+//!   runtime: they then reach the socket without a hop between runtimes (a
+//!   thread wake-up each way). A call never waits for the local pool to
+//!   open: until it is ready, calls hop home.
+//!
+//! A sentinel task on the local pool's runtime marks it dead when that
+//! runtime shuts down (each `#[tokio::test]` has its own runtime); the next
+//! runtime that calls gets a local pool of its own. This is the Redis
+//! backends' home and local connections (`redis/connections.rs`), for pools.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::BackendError;
+
+/// Whether a `sqlx` error says the connection (or the pool) failed, not the
+/// statement: worth trying again, and the connection is not to be reused.
+pub(crate) fn is_connection_error(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        // The server ended the session with a message (PostgreSQL sends a
+        // FATAL before closing: terminated, shut down, idle-session
+        // timeout; SQLSTATE class 08: connection exception): the
+        // connection is dead like any other.
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03" | "57P05")
+        }),
+        _ => false,
+    }
+}
+
+/// A pooled connection that is **closed** when dropped, unless it was handed
+/// back with [`keep`](Checked::keep): a statement dropped halfway (a
+/// timeout, a caller that went away) or a broken connection never goes back
+/// to the pool in an unknown state.
+// `pub` for MySQL's session connections (a `Dialect`'s interface).
+#[cfg_attr(not(feature = "mysql"), allow(unreachable_pub))]
+pub struct Checked<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
+
+impl<DB: sqlx::Database> Checked<DB> {
+    pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        Checked(Some(conn))
+    }
+
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        self.0.as_mut().expect("present until dropped or kept")
+    }
+
+    /// Returns the connection to its pool (it is in a known state).
+    pub(crate) fn keep(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Checked<DB> {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
+    }
+}
+
+/// A pool and how its calls are bounded: one timeout for the whole call, a
+/// connection that failed is closed (never reused) and the statement tried
+/// again on another — a server restart leaves dead connections in the pool,
+/// each failing at once, and every dlock statement may be sent twice (each
+/// is owner-checked).
+pub(crate) struct Pooled<DB: sqlx::Database> {
+    /// The home pool (see the [module docs](self)).
+    pub(crate) pool: sqlx::Pool<DB>,
+    pub(crate) timeout: Duration,
+    pub(crate) classify: fn(sqlx::Error) -> BackendError,
+    local: Arc<Local<DB>>,
+}
+
+impl<DB: sqlx::Database> Clone for Pooled<DB> {
+    fn clone(&self) -> Self {
+        Pooled {
+            pool: self.pool.clone(),
+            timeout: self.timeout,
+            classify: self.classify,
+            local: self.local.clone(),
+        }
+    }
+}
+
+/// Opens one more pool like the home one, on the current runtime.
+pub(crate) type Opener<DB> =
+    Arc<dyn Fn() -> BoxFuture<'static, Result<sqlx::Pool<DB>, sqlx::Error>> + Send + Sync>;
+
+impl<DB: sqlx::Database> Pooled<DB> {
+    /// The home pool `pool`, and local pools opened by `open` when asked for.
+    pub(crate) fn new(
+        pool: sqlx::Pool<DB>,
+        timeout: Duration,
+        classify: fn(sqlx::Error) -> BackendError,
+        open: Opener<DB>,
+    ) -> Self {
+        Pooled {
+            pool,
+            timeout,
+            classify,
+            local: Arc::new(Local {
+                open,
+                timeout,
+                state: Arc::new(Mutex::new(LocalState::Closed { reopen_at: None })),
+            }),
+        }
+    }
+
+    /// Whether calls from the current thread go to a pool without a hop:
+    /// it is dlock's I/O runtime, or its runtime's local pool is open (if
+    /// not, this starts opening it). Otherwise run the calls on dlock's
+    /// I/O runtime.
+    pub(crate) fn is_near(&self) -> bool {
+        crate::driver::on_io_runtime() || self.local.route().is_some()
+    }
+
+    /// The pool for a call from the current thread: the local one when it is
+    /// open on this runtime, else the home one.
+    fn near(&self) -> sqlx::Pool<DB> {
+        if crate::driver::on_io_runtime() {
+            return self.pool.clone();
+        }
+        self.local.route().unwrap_or_else(|| self.pool.clone())
+    }
+
+    /// Runs `statement` on a connection of the pool near this thread (see
+    /// [`is_near`](Self::is_near)). `what` names it in a timeout error.
+    pub(crate) async fn call<T, F>(&self, what: &str, mut statement: F) -> Result<T, BackendError>
+    where
+        F: for<'c> FnMut(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    {
+        let pool = self.near();
+        let attempts = async {
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let answer = async {
+                    let mut conn = Checked::new(pool.acquire().await?);
+                    let answer = statement(conn.conn()).await;
+                    match &answer {
+                        Err(err) if is_connection_error(err) => drop(conn),
+                        _ => conn.keep(),
+                    }
+                    answer
+                }
+                .await;
+                match answer {
+                    Err(err)
+                        if tries < CONNECTION_TRIES
+                            && is_connection_error(&err)
+                            && !matches!(err, sqlx::Error::PoolTimedOut) => {}
+                    answer => return answer,
+                }
+            }
+        };
+        match tokio::time::timeout(self.timeout, attempts).await {
+            Ok(answer) => answer.map_err(self.classify),
+            Err(_) => Err(timed_out(what, self.timeout)),
+        }
+    }
+}
+
+/// How long to wait before opening a local pool again after a failure.
+const REOPEN_AFTER: Duration = Duration::from_secs(1);
+
+enum LocalState<DB: sqlx::Database> {
+    Closed {
+        reopen_at: Option<Instant>,
+    },
+    Opening,
+    Open {
+        pool: sqlx::Pool<DB>,
+        alive: CancellationToken,
+        /// The runtime its connections belong to.
+        runtime: tokio::runtime::Id,
+    },
+}
+
+/// The local pool, opened lazily on the application's runtime. See the
+/// [module docs](self).
+struct Local<DB: sqlx::Database> {
+    open: Opener<DB>,
+    /// Bounds the opening.
+    timeout: Duration,
+    state: Arc<Mutex<LocalState<DB>>>,
+}
+
+impl<DB: sqlx::Database> Local<DB> {
+    /// The local pool for a call from the current thread, if one is open on
+    /// this thread's runtime. When none is open or opening (and the last
+    /// failure is more than [`REOPEN_AFTER`] ago), this starts opening one in
+    /// the background on this runtime; it never waits for it.
+    fn route(&self) -> Option<sqlx::Pool<DB>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let mut state = lock(&self.state);
+        match &*state {
+            // Only from its own runtime: a connection is driven by the
+            // runtime that opened it.
+            LocalState::Open {
+                pool,
+                alive,
+                runtime: opened_on,
+            } if !alive.is_cancelled() => {
+                return (*opened_on == runtime.id()).then(|| pool.clone());
+            }
+            LocalState::Opening => return None,
+            LocalState::Closed {
+                reopen_at: Some(at),
+            } if Instant::now() < *at => return None,
+            _ => {}
+        }
+        *state = LocalState::Opening;
+        drop(state);
+        let sentinel = Sentinel {
+            state: self.state.clone(),
+            alive: CancellationToken::new(),
+        };
+        let (open, timeout, runtime_id) = (self.open.clone(), self.timeout, runtime.id());
+        runtime.spawn(async move {
+            match tokio::time::timeout(timeout, open()).await {
+                Ok(Ok(pool)) => {
+                    *lock(&sentinel.state) = LocalState::Open {
+                        pool,
+                        alive: sentinel.alive.clone(),
+                        runtime: runtime_id,
+                    };
+                    // Lives as long as the runtime; dropped when it shuts down.
+                    std::future::pending::<()>().await;
+                }
+                _ => {
+                    *lock(&sentinel.state) = LocalState::Closed {
+                        reopen_at: Some(Instant::now() + REOPEN_AFTER),
+                    };
+                }
+            }
+        });
+        None
+    }
+}
+
+/// Held by the task that owns the local pool's life: when the task is
+/// dropped (its runtime shut down), the pool is marked dead (and let go
+/// when the next runtime opens its own).
+struct Sentinel<DB: sqlx::Database> {
+    state: Arc<Mutex<LocalState<DB>>>,
+    alive: CancellationToken,
+}
+
+impl<DB: sqlx::Database> Drop for Sentinel<DB> {
+    fn drop(&mut self) {
+        let mut state = lock(&self.state);
+        self.alive.cancel();
+        if matches!(*state, LocalState::Opening) {
+            *state = LocalState::Closed { reopen_at: None };
+        }
+    }
+}
+
+/// The state is a few plain fields: a panic elsewhere cannot leave it half
+/// written, so a poisoned lock is still usable.
+fn lock<DB: sqlx::Database>(state: &Mutex<LocalState<DB>>) -> MutexGuard<'_, LocalState<DB>> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One batch statement's error, as the answer of each lease of the batch.
+pub(crate) fn batch_failed<T>(
+    kind: &str,
+    err: BackendError,
+    n: usize,
+) -> Vec<Result<T, BackendError>> {
+    let (transient, message) = (err.is_retryable(), err.to_string());
+    (0..n)
+        .map(|_| {
+            let message = format!("{kind}: batch renewal failed: {message}");
+            Err(if transient {
+                BackendError::transient(message)
+            } else {
+                BackendError::permanent(message)
+            })
+        })
+        .collect()
+}
+
+/// How many connections one call tries: a pool holds at most this many
+/// dead ones after a restart.
+const CONNECTION_TRIES: u32 = 11;
+
+/// The error of a call that did not answer in time.
+pub(crate) fn timed_out(what: &str, after: Duration) -> BackendError {
+    BackendError::transient(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what} did not answer within {after:?}"),
+    ))
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use sqlx::sqlite::{Sqlite, SqlitePoolOptions};
+
+    use super::*;
+
+    fn in_memory() -> BoxFuture<'static, Result<sqlx::Pool<Sqlite>, sqlx::Error>> {
+        Box::pin(async {
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect("sqlite::memory:")
+                .await
+        })
+    }
+
+    #[test]
+    fn a_runtime_hops_home_until_its_own_pool_is_open_and_again_after_it_shut_down() {
+        let home = crate::driver::handle()
+            .block_on(in_memory())
+            .expect("home pool");
+        let db = Pooled::new(
+            home,
+            Duration::from_secs(5),
+            BackendError::transient,
+            Arc::new(in_memory),
+        );
+        for _ in 0..2 {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                assert!(!db.is_near(), "its pool opens in the background");
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !db.is_near() {
+                    assert!(Instant::now() < deadline, "the local pool never opened");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let one: i64 = db
+                    .call("one", |c| {
+                        Box::pin(async move { sqlx::query_scalar("SELECT 1").fetch_one(c).await })
+                    })
+                    .await
+                    .expect("a call on the local pool");
+                assert_eq!(one, 1);
+            });
+            // Its pool dies with it: the next runtime hops until its own opens.
+            drop(runtime);
+        }
+        let at_home = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+            .block_on(crate::driver::run(async move { db.is_near() }));
+        assert!(at_home, "dlock's own runtime uses the home pool");
+    }
+}

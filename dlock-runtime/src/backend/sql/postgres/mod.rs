@@ -1,0 +1,640 @@
+//! PostgreSQL (`postgres://`, `postgresql://`): the lease table, woken by
+//! `LISTEN`/`NOTIFY`; or advisory locks (`?mode=session`).
+//!
+//! **Lease mode** (the default). One row per key in `dlock_leases`, every
+//! decision on the database's clock (`clock_timestamp()`), one statement
+//! each, autocommit at READ COMMITTED (set on dlock's own connections: the
+//! stricter levels turn races into serialization failures):
+//!
+//! ```sql
+//! -- acquire: no row back = busy; a retry by the same owner takes it again
+//! INSERT INTO dlock_leases AS l (key, owner, token, expires_at)
+//! VALUES ($1, $2, <now µs>, clock_timestamp() + $3 ms)
+//! ON CONFLICT (key) DO UPDATE SET owner = excluded.owner,
+//!     token = GREATEST(l.token + 1, excluded.token), expires_at = excluded.expires_at, wanted = false
+//! WHERE l.owner IS NULL OR l.owner = excluded.owner OR l.expires_at <= clock_timestamp()
+//! RETURNING token;
+//! -- renew a whole watchdog batch: the keys not returned are lost
+//! UPDATE dlock_leases l SET expires_at = clock_timestamp() + b.ttl ms
+//! FROM unnest($1::text[], $2::text[], $3::int8[]) AS b(key, owner, ttl)
+//! WHERE l.key = b.key AND l.owner = b.owner AND l.expires_at > clock_timestamp()
+//! RETURNING l.key, l.owner;
+//! -- release, and wake the waiters if one marked the key as wanted
+//! WITH r AS (UPDATE dlock_leases SET owner = NULL, expires_at = clock_timestamp()
+//!            WHERE key = $1 AND owner = $2 RETURNING key, wanted)
+//! SELECT pg_notify($3, key) FROM r WHERE wanted;
+//! ```
+//!
+//! **Wake-ups.** `NOTIFY` takes a cluster-wide lock at commit, so a release
+//! notifies only when a waiter marked the key as `wanted`. A waiter marks it
+//! (once per wait, and only when unmarked) after its first busy answer; the
+//! same statement tells it the holder's remaining time, so it also looks
+//! again when that lease runs out. One `LISTEN` connection per backend hears
+//! every key; it is rebuilt on any error, pinged every few seconds, and after
+//! each reconnect every waiter looks again.
+//! Waiters also look again every `poll` (1 s) in case a notification was lost,
+//! and with a back-off of 5 ms up to 50 ms while the listener is down.
+//! Waiters in the releasing process are woken at once.
+//!
+//! **PgBouncer** in transaction mode works for everything but `LISTEN`
+//! (PgBouncer ≥ 1.21 with `max_prepared_statements`, and
+//! `ignore_startup_parameters = options`): give a direct connection for the
+//! listener with `?listen_url=`, or the backend finds at connect that its
+//! probe notification does not come back, says so in a `warn` event, and its
+//! waiters poll with back-off instead.
+//!
+//! **Session mode** (`?mode=session`): `pg_advisory_lock` on a dedicated
+//! connection per held lock (see [session mode](super#session-mode)). The key is the
+//! first 64 bits of the stored key's SHA-256; the fencing token comes from the
+//! hybrid counter row of `<table>_fence`, bumped in the same round trip as
+//! the grant. Advisory locks are not replicated: session mode is unsafe across
+//! a failover and behind transaction-pooling proxies (use lease mode there).
+//!
+//! **URL**: `postgres://user:pass@host:port/db?…` with dlock's options
+//! `mode=lease|session`, `table=dlock_leases`, `create=true` (with `false`
+//! the table is checked, never created — see [`PostgresBackend::DDL`]),
+//! `channel=dlock`, `listen_url=postgres://…` (percent-encoded), `poll=1s`,
+//! `retention=10m` (free rows older than this are deleted), `timeout=3s`
+//! (bounds every statement); the others (`sslmode`, `application_name`, …)
+//! go to the driver.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Executor as _};
+
+use self::listener::Listener;
+use self::session::PgSessions;
+use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
+use super::pool::is_connection_error;
+use super::upkeep::millis;
+use super::url::{Mode, UrlOptions, check_table_name};
+use crate::backend::{AcquireRequest, Attempt, Lease, Renewal, WakeSource};
+use crate::error::{BackendError, LockError, redact_url};
+use crate::token::FencingToken;
+
+mod listener;
+mod session;
+
+/// The database clock in microseconds, in SQL.
+const NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+
+const DEFAULT_POLL: Duration = Duration::from_secs(1);
+/// The longest back-off of a waiter while the listener is down.
+const POLL_WHILE_DEAF: Duration = Duration::from_millis(50);
+/// A constant advisory-lock key that serializes dlock's `CREATE TABLE`s.
+const SCHEMA_LOCK: i64 = 0x646c_6f63_6b5f_7363; // "dlock_sc"
+/// The lease table's connections.
+const POOL_SIZE: u32 = 10;
+
+/// The statements of one table.
+#[derive(Debug, Clone)]
+struct Statements {
+    acquire: Arc<str>,
+    mark: Arc<str>,
+    renew: Arc<str>,
+    release: Arc<str>,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let s = |sql: String| Arc::<str>::from(sql);
+        Statements {
+            acquire: s(format!(
+                "INSERT INTO {table} AS l (key, owner, token, expires_at) \
+                 VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond') \
+                 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
+                     token = GREATEST(l.token + 1, excluded.token), \
+                     expires_at = excluded.expires_at, wanted = false \
+                 WHERE l.owner IS NULL OR l.owner = excluded.owner \
+                    OR l.expires_at <= clock_timestamp() \
+                 RETURNING token"
+            )),
+            // Marks the key as wanted (a write only when it was not marked
+            // yet: the row lock orders it against a release, which then
+            // notifies) and answers whether it is free and for how long the
+            // holder's lease runs.
+            mark: s(format!(
+                "WITH m AS (UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted \
+                            RETURNING owner, expires_at), \
+                      r AS (SELECT owner, expires_at FROM m \
+                            UNION ALL \
+                            SELECT owner, expires_at FROM {table} \
+                            WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM m)) \
+                 SELECT owner IS NULL OR expires_at <= clock_timestamp(), \
+                        GREATEST(0, ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000))::bigint \
+                 FROM r"
+            )),
+            renew: s(format!(
+                "UPDATE {table} AS l \
+                 SET expires_at = clock_timestamp() + b.ttl * interval '1 millisecond' \
+                 FROM unnest($1::text[], $2::text[], $3::int8[]) AS b(key, owner, ttl) \
+                 WHERE l.key = b.key AND l.owner = b.owner AND l.expires_at > clock_timestamp() \
+                 RETURNING l.key, l.owner"
+            )),
+            release: s(format!(
+                "WITH r AS (UPDATE {table} SET owner = NULL, expires_at = clock_timestamp() \
+                            WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
+                 SELECT pg_notify($3, key) FROM r WHERE wanted"
+            )),
+        }
+    }
+}
+
+/// PostgreSQL: the lease table or advisory locks. See the [module docs](self).
+/// Clones share the connections, the listener and the held session locks.
+pub type PostgresBackend = SqlBackend<Postgres>;
+
+/// PostgreSQL's part of a [`PostgresBackend`]: its statements and its
+/// `LISTEN` connection.
+pub struct Postgres {
+    sql: Statements,
+    channel: String,
+    listener: Option<Arc<Listener>>,
+}
+
+/// Transient SQLSTATEs: serialization failure, deadlock, lock or statement
+/// timeout, shutdown and startup, too many connections, read-only (a
+/// failover in progress); and the classes 08 (connection) and 53 (resources).
+fn pg_error(err: sqlx::Error) -> BackendError {
+    let transient = is_connection_error(&err)
+        || matches!(&err, sqlx::Error::Database(db) if db.code().is_some_and(|c| {
+            c.starts_with("08")
+                || c.starts_with("53")
+                || matches!(
+                    c.as_ref(),
+                    "40001" | "40P01" | "55P03" | "57014" | "57P01" | "57P02" | "57P03" | "25006"
+                )
+        }));
+    if transient {
+        BackendError::transient(err)
+    } else {
+        BackendError::permanent(err)
+    }
+}
+
+fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// What a `postgres://` URL says for the driver and for PostgreSQL alone.
+#[derive(Clone)]
+pub struct PgOptions {
+    driver: PgConnectOptions,
+    channel: String,
+    listen: Option<PgConnectOptions>,
+}
+
+fn driver_options(url: &str) -> Result<PgConnectOptions, LockError> {
+    let options = PgConnectOptions::from_str(url).map_err(|e| {
+        LockError::config(format!(
+            "bad PostgreSQL URL `{}`: {}",
+            redact_url(url),
+            // The driver's message may quote the URL: keep only its kind.
+            match e {
+                sqlx::Error::Configuration(c) => c.to_string(),
+                other => other.to_string(),
+            }
+            .replace(url, &redact_url(url))
+        ))
+    })?;
+    let named = options.get_application_name().is_some();
+    Ok(if named {
+        options
+    } else {
+        options.application_name("dlock")
+    })
+}
+
+/// The session settings of dlock's lease-table connections.
+fn lease_settings(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
+    let ms = millis(timeout).to_string();
+    options.options([
+        ("default_transaction_isolation", "read committed"),
+        ("statement_timeout", ms.as_str()),
+        ("lock_timeout", ms.as_str()),
+    ])
+}
+
+impl PostgresBackend {
+    /// The lease table dlock creates (with `?create=true`, the default), for
+    /// DBAs who create it themselves (`?create=false`). `dlock_leases` is the
+    /// default `?table=`; the session mode's counter table is `<table>_fence`.
+    pub const DDL: &'static str = "CREATE TABLE IF NOT EXISTS dlock_leases (\n    \
+        key        text COLLATE \"C\" PRIMARY KEY,\n    \
+        owner      text,\n    \
+        token      bigint      NOT NULL,\n    \
+        expires_at timestamptz NOT NULL,\n    \
+        wanted     boolean     NOT NULL DEFAULT false\n) WITH (fillfactor = 80);\n\
+        CREATE TABLE IF NOT EXISTS dlock_leases_fence (k bigint PRIMARY KEY, token bigint NOT NULL);";
+
+    /// Connects to the database a `postgres://` URL names, creating (or
+    /// checking) the table. See the [module docs](self) for the options.
+    pub async fn connect(url: &str) -> Result<Self, LockError> {
+        Self::open(url).await
+    }
+
+    /// Whether waiters are woken by `NOTIFY` now (lease mode, listener up).
+    pub fn is_listening(&self) -> bool {
+        self.dialect.listener.as_ref().is_some_and(|l| l.is_up())
+    }
+
+    /// Marks the key as wanted and peeks at it: `Busy` until the holder's
+    /// lease ends, or `None` when it is free (or its row is gone).
+    async fn mark_and_peek(
+        &self,
+        request: &AcquireRequest,
+    ) -> Result<Option<Attempt>, BackendError> {
+        let peek: Option<(bool, i64)> = self
+            .db
+            .call("mark", |c| {
+                let sql = self.dialect.sql.mark.clone();
+                let key = request.key.clone();
+                Box::pin(async move {
+                    sqlx::query_as(AssertSqlSafe(sql))
+                        .bind(key)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(match peek {
+            None | Some((true, _)) => None,
+            Some((false, remaining_ms)) => Some(Attempt::Busy {
+                retry_in: Some(Duration::from_millis(remaining_ms.max(0) as u64)),
+            }),
+        })
+    }
+}
+
+impl Dialect for Postgres {
+    type Db = sqlx::Postgres;
+    type Options = PgOptions;
+    /// `server_version_num`.
+    type Facts = i64;
+    type Sessions = PgSessions;
+
+    const KIND: &'static str = "postgres";
+    const NAME: &'static str = "PostgresBackend";
+    const SCHEME: &'static str = "postgres://";
+    const SCHEMES: &'static [&'static str] = &["postgres", "postgresql"];
+    const DEFAULT_POLL: Duration = DEFAULT_POLL;
+    const DDL: &'static str = PostgresBackend::DDL;
+    const LEASE_COLUMNS: &'static str = "key, owner, token, expires_at, wanted";
+
+    fn classify(err: sqlx::Error) -> BackendError {
+        pg_error(err)
+    }
+
+    fn options(o: &mut UrlOptions, shown: &str, base: &str) -> Result<PgOptions, LockError> {
+        let channel = o.take("channel").unwrap_or_else(|| "dlock".to_owned());
+        if check_table_name(&channel).is_err() || channel.contains('.') {
+            return Err(LockError::config(format!(
+                "bad `channel={channel}` in `{shown}`: a plain identifier is expected"
+            )));
+        }
+        let listen = match o.take("listen_url") {
+            Some(url) => {
+                if !url.starts_with("postgres://") && !url.starts_with("postgresql://") {
+                    return Err(LockError::config(format!(
+                        "`listen_url` in `{shown}` must be a postgres:// URL"
+                    )));
+                }
+                Some(driver_options(&url)?)
+            }
+            None => None,
+        };
+        Ok(PgOptions {
+            driver: driver_options(&o.driver_url(Self::SCHEME, base))?,
+            channel,
+            listen,
+        })
+    }
+
+    fn lease_pool(
+        options: PgOptions,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<PgPool, sqlx::Error>> {
+        let lease_options = lease_settings(options.driver, timeout);
+        Box::pin(async move {
+            PgPoolOptions::new()
+                .max_connections(POOL_SIZE)
+                .min_connections(0)
+                .acquire_timeout(timeout)
+                .test_before_acquire(false)
+                .connect_with(lease_options)
+                .await
+        })
+    }
+
+    fn inspect(
+        pool: PgPool,
+        _mode: Mode,
+        shown_url: String,
+    ) -> BoxFuture<'static, Result<i64, LockError>> {
+        Box::pin(async move {
+            sqlx::query_scalar::<_, String>("SHOW server_version_num")
+                .fetch_one(&pool)
+                .await
+                .map(|v| v.parse().unwrap_or(0))
+                .map_err(|e| failed::<Self>(format!("cannot query {shown_url}: {e}"), e))
+        })
+    }
+
+    fn schema_missing(err: &sqlx::Error) -> Option<bool> {
+        // 42P01: no such table (42703: a column is missing).
+        match sqlstate(err).as_deref() {
+            Some("42P01") => Some(true),
+            Some("42703") => Some(false),
+            _ => None,
+        }
+    }
+
+    fn create_table(pool: PgPool, ddl: String) -> BoxFuture<'static, Result<(), sqlx::Error>> {
+        // Concurrent `CREATE TABLE IF NOT EXISTS` can fail with a unique
+        // violation on the catalog: dlock's creators take turns under an
+        // advisory lock, and a duplicate table (or type) still counts as done.
+        Box::pin(async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(SCHEMA_LOCK)
+                .execute(&mut *tx)
+                .await?;
+            (&mut *tx).execute(AssertSqlSafe(ddl)).await?;
+            tx.commit().await
+        })
+    }
+
+    fn created_meanwhile(err: &sqlx::Error) -> bool {
+        matches!(sqlstate(err).as_deref(), Some("42P07" | "23505"))
+    }
+
+    fn start(setup: Setup<'_, Self>) -> BoxFuture<'_, Result<Started<Self>, LockError>> {
+        let Setup {
+            pool,
+            target,
+            facts: version,
+            waiters,
+            shown_url,
+        } = setup;
+        Box::pin(async move {
+            let options = &target.options;
+            let timeout = target.timeout;
+            let (listener, sessions) = match target.mode {
+                Mode::Lease => {
+                    let listen_options = options.listen.clone().unwrap_or(options.driver.clone());
+                    let listener = Arc::new(Listener::start(
+                        listen_options,
+                        options.channel.clone(),
+                        waiters.clone(),
+                        timeout,
+                    ));
+                    let probed = crate::driver::run({
+                        let (pool, listener) = (pool.clone(), listener.clone());
+                        async move { listener.probe(&pool, timeout).await }
+                    })
+                    .await;
+                    if probed {
+                        (Some(listener), None)
+                    } else {
+                        tracing::warn!(
+                            url = %shown_url,
+                            listen_url = options.listen.is_some(),
+                            "dlock postgres: a test notification did not come back through LISTEN \
+                             (a transaction-pooling proxy such as PgBouncer, or LISTEN refused): \
+                             waiters poll with back-off instead. Give a direct connection for \
+                             LISTEN with `?listen_url=`"
+                        );
+                        (None, None)
+                    }
+                }
+                Mode::Session => {
+                    let sessions =
+                        PgSessions::new(options.driver.clone(), version, &target.table, timeout)
+                            .await
+                            .map_err(|e| {
+                                failed::<Self>(format!("cannot connect to {shown_url}: {e}"), e)
+                            })?;
+                    (None, Some(sessions))
+                }
+            };
+            let dialect = Postgres {
+                sql: Statements::new(&target.table),
+                channel: options.channel.clone(),
+                listener,
+            };
+            Ok((dialect, sessions))
+        })
+    }
+
+    fetch_i64_by_query_scalar!();
+
+    async fn try_lease(
+        backend: &PostgresBackend,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        // A registered waiter (not its first attempt) looks before it writes:
+        // woken together, the waiters of a key read instead of queueing on
+        // its row lock, and only those that find it free try to take it.
+        let waiting = backend.contenders.is_registered(&request.owner) && backend.is_listening();
+        if waiting && let Some(busy) = backend.mark_and_peek(request).await? {
+            return Ok(busy);
+        }
+        let token: Option<i64> = backend
+            .db
+            .call("acquire", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (key, owner) = (request.key.clone(), request.owner.clone());
+                let ms = millis(request.lease);
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .bind(ms)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        if let Some(token) = token {
+            return Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token as u64)),
+            )));
+        }
+        if !backend.contenders.is_registered(&request.owner) {
+            // The first attempt (the wait loop registers and tries again at
+            // once), or one that does not wait at all: no mark.
+            return Ok(Attempt::Busy { retry_in: None });
+        }
+        if !backend.is_listening() {
+            let backoff = backend
+                .contenders
+                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(backend.poll));
+            return Ok(Attempt::Busy { retry_in: backoff });
+        }
+        // Another waiter took it (and cleared the mark): mark it again, so
+        // that its release notifies.
+        Ok(backend
+            .mark_and_peek(request)
+            .await?
+            .unwrap_or(Attempt::Busy {
+                retry_in: Some(Duration::ZERO),
+            }))
+    }
+
+    fn lease_wake(backend: &PostgresBackend, source: WakeSource) -> WakeSource {
+        // Notified releases wake the others; the poll catches a lost one.
+        source.poll_every(backend.poll)
+    }
+
+    async fn renew_leases(
+        backend: &PostgresBackend,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let keys: Vec<String> = batch.iter().map(|(l, _)| l.key.clone()).collect();
+        let owners: Vec<String> = batch.iter().map(|(l, _)| l.owner.clone()).collect();
+        let ttls: Vec<i64> = batch.iter().map(|(_, ttl)| millis(*ttl)).collect();
+        let renewed: Vec<(String, String)> = backend
+            .db
+            .call("renew", |c| {
+                let sql = backend.dialect.sql.renew.clone();
+                let (keys, owners, ttls) = (keys.clone(), owners.clone(), ttls.clone());
+                Box::pin(async move {
+                    sqlx::query_as(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owners)
+                        .bind(ttls)
+                        .fetch_all(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(batch
+            .iter()
+            .map(|(lease, _)| {
+                if renewed
+                    .iter()
+                    .any(|(k, o)| *k == lease.key && *o == lease.owner)
+                {
+                    Renewal::Renewed
+                } else {
+                    Renewal::Lost
+                }
+            })
+            .collect())
+    }
+
+    async fn release_lease(backend: &PostgresBackend, lease: &Lease) -> Result<(), BackendError> {
+        backend
+            .db
+            .call("release", |c| {
+                let sql = backend.dialect.sql.release.clone();
+                let (key, owner, channel) = (
+                    lease.key.clone(),
+                    lease.owner.clone(),
+                    backend.dialect.channel.clone(),
+                );
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .bind(channel)
+                        .execute(c)
+                        .await
+                })
+            })
+            .await
+            .map(|_| ())
+    }
+
+    fn collect_sql(table: &str, mode: Mode) -> String {
+        match mode {
+            Mode::Lease => format!(
+                "DELETE FROM {table} \
+                 WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond'"
+            ),
+            // A fence row's token is at least the clock (µs) of its last
+            // grant: rows untouched for the retention go.
+            Mode::Session => {
+                format!("DELETE FROM {table}_fence WHERE token < {NOW_US} - $1 * 1000")
+            }
+        }
+    }
+
+    fn retention(retention: Duration) -> i64 {
+        millis(retention)
+    }
+
+    fn debug_fields(backend: &PostgresBackend, d: &mut fmt::DebugStruct<'_, '_>) {
+        d.field("listening", &backend.is_listening()).field(
+            "listener_connects",
+            &backend.dialect.listener.as_ref().map(|l| l.connects()),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::backend::sql::engine::Target;
+
+    fn parse_url(url: &str) -> Result<Target<PgOptions>, LockError> {
+        Target::parse::<Postgres>(url)
+    }
+
+    #[test]
+    fn urls() {
+        let t = parse_url(
+            "postgres://u:p@h:5432/db?mode=session&table=locks&sslmode=disable&poll=250ms&timeout=1s",
+        )
+        .unwrap();
+        assert_eq!(t.mode, Mode::Session);
+        assert_eq!(t.table, "locks");
+        assert_eq!(t.poll, Duration::from_millis(250));
+        assert_eq!(t.timeout, Duration::from_secs(1));
+        assert_eq!(t.options.driver.get_host(), "h");
+        assert_eq!(t.options.driver.get_database(), Some("db"));
+        assert_eq!(t.options.driver.get_application_name(), Some("dlock"));
+        let t =
+            parse_url("postgresql://h/db?listen_url=postgres%3A%2F%2Fdirect%3A6432%2Fdb").unwrap();
+        assert_eq!(t.options.listen.unwrap().get_port(), 6432);
+        for bad in [
+            "postgres://h/db?mode=advisory",
+            "postgres://h/db?table=x;y",
+            "postgres://h/db?channel=a.b",
+            "postgres://h/db?listen_url=redis://x",
+            "postgres://h/db?poll=0s",
+        ] {
+            assert!(
+                matches!(parse_url(bad), Err(LockError::Config { .. })),
+                "{bad}"
+            );
+        }
+        let Err(err) = parse_url("postgres://u:hunter2@h/db?mode=nope") else {
+            panic!("bad mode accepted")
+        };
+        assert!(!err.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn statements_name_the_table() {
+        let s = Statements::new("locks.my_leases");
+        assert!(s.acquire.contains("INSERT INTO locks.my_leases AS l"));
+        assert!(
+            Postgres::collect_sql("locks.my_leases", Mode::Session)
+                .contains("locks.my_leases_fence")
+        );
+        let ddl = PostgresBackend::DDL;
+        assert!(ddl.contains("dlock_leases ("));
+        assert!(ddl.contains("dlock_leases_fence ("));
+    }
+}

@@ -1,0 +1,259 @@
+//! PostgreSQL's session flavour: advisory locks on dedicated connections
+//! (see [session mode](super::super#session-mode)), each a `PgListener` whose
+//! idle socket is watched, so that `pg_terminate_backend` or a restart are
+//! noticed at once.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+
+use super::{NOW_US, pg_error, sqlstate};
+use crate::backend::sql::session::{Locked, SessionDb, session_hash};
+use crate::backend::sql::upkeep::millis;
+use crate::error::BackendError;
+
+/// The most session connections one backend opens.
+const MAX_SESSIONS: u32 = 1024;
+/// How many clean session connections are kept for reuse.
+const IDLE_SESSIONS: usize = 128;
+/// How long a clean session connection is kept unused before it is closed.
+const IDLE_SESSION_FOR: Duration = Duration::from_secs(60);
+
+/// The session settings of session-mode connections: no statement timeout
+/// (the client bounds each call), and on PostgreSQL ≥ 14 a check for a
+/// vanished client every second while a lock is waited for.
+fn session_settings(options: PgConnectOptions, version: i64) -> PgConnectOptions {
+    let options = options.options([
+        ("default_transaction_isolation", "read committed"),
+        ("statement_timeout", "0"),
+    ]);
+    if version >= 140_000 {
+        options.options([("client_connection_check_interval", "1000")])
+    } else {
+        options
+    }
+}
+
+/// PostgreSQL advisory locks.
+pub struct PgSessions {
+    /// Makes connections; a connection given back to it is closed.
+    pool: PgPool,
+    /// See [`PgSessions::lock_sql`].
+    lock_sql: Arc<str>,
+    /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
+    idle_limit: bool,
+    /// Clean connections kept for reuse, oldest first, with when each was
+    /// given back.
+    idle: Mutex<Vec<(PgListener, std::time::Instant)>>,
+}
+
+impl PgSessions {
+    /// The session locks of a server of `version` (`server_version_num`),
+    /// their counters in `<table>_fence`. Connections are opened lazily.
+    pub(super) async fn new(
+        options: PgConnectOptions,
+        version: i64,
+        table: &str,
+        timeout: Duration,
+    ) -> Result<Self, sqlx::Error> {
+        let session_options = session_settings(options, version);
+        let pool = PgPoolOptions::new()
+            .max_connections(MAX_SESSIONS)
+            .min_connections(0)
+            .acquire_timeout(timeout)
+            .test_before_acquire(false)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            // A connection given up is closed, never reused: the
+            // clean ones are kept by `PgSessions` itself.
+            .after_release(|_, _| Box::pin(async { Ok(false) }));
+        let pool = crate::driver::run(async move {
+            Ok::<_, sqlx::Error>(pool.connect_lazy_with(session_options))
+        })
+        .await?;
+        Ok(PgSessions {
+            pool,
+            lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
+            idle_limit: version >= 140_000,
+            idle: Mutex::default(),
+        })
+    }
+
+    /// The kept connections, without those unused for too long (closed as
+    /// they are dropped).
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(PgListener, std::time::Instant)>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let stale = idle
+            .iter()
+            .take_while(|(_, since)| since.elapsed() > IDLE_SESSION_FOR)
+            .count();
+        idle.drain(..stale);
+        idle
+    }
+
+    /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
+    /// as text), `$3` how long to wait (ms as text; `0`: try once). The wait's
+    /// limit is local to the statement's transaction; the idle limit is set
+    /// for the session only when the lock is ours.
+    fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
+        let limit = if idle_limit {
+            "set_config('idle_session_timeout', $2, false)"
+        } else {
+            "$2::text"
+        };
+        format!(
+            "WITH t AS (SELECT set_config('lock_timeout', $3, true) AS lt), \
+                  l AS (SELECT CASE WHEN $3 = '0' THEN pg_try_advisory_lock($1) \
+                                    ELSE pg_advisory_lock($1) IS NOT NULL END AS got FROM t) \
+             INSERT INTO {fence} AS f (k, token) SELECT $1, {NOW_US} FROM l \
+             WHERE CASE WHEN got THEN {limit} IS NOT NULL ELSE false END \
+             ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token) \
+             RETURNING token"
+        )
+        .into()
+    }
+}
+
+impl SessionDb for PgSessions {
+    // A `PgListener` is a connection whose idle socket can be watched:
+    // `pg_terminate_backend` or a restart are noticed at once.
+    type Conn = PgListener;
+
+    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<PgListener, sqlx::Error>> {
+        Box::pin(async move {
+            if !fresh && let Some((conn, _)) = self.idle().pop() {
+                return Ok(conn);
+            }
+            let mut conn = PgListener::connect_with(&self.pool).await?;
+            conn.eager_reconnect(false);
+            conn.ignore_pool_close_event(true);
+            Ok(conn)
+        })
+    }
+
+    fn lock<'a>(
+        &'a self,
+        conn: &'a mut PgListener,
+        key: &'a str,
+        wait: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
+        Box::pin(async move {
+            // One round trip, one cached statement: the wait's limit, the
+            // lock, the idle limit and the token.
+            let wait = if wait.is_zero() {
+                "0".to_owned()
+            } else {
+                millis(wait).to_string()
+            };
+            let token: Option<i64> = match sqlx::query_scalar(AssertSqlSafe(self.lock_sql.clone()))
+                .bind(session_hash(key))
+                .bind(idle_limit(ttl))
+                .bind(wait)
+                .fetch_optional(&mut *conn)
+                .await
+            {
+                Ok(token) => token,
+                // 55P03: the wait ran out (the lock may still have been
+                // granted in the same instant: the connection is unlocked
+                // before it is reused).
+                Err(e) if sqlstate(&e).as_deref() == Some("55P03") => {
+                    return Ok(Locked::Busy { clean: false });
+                }
+                Err(e) => return Err(e),
+            };
+            Ok(match token {
+                Some(token) => Locked::Yes(token as u64),
+                // Only a try (`wait` zero) answers no row: nothing is held.
+                None => Locked::Busy { clean: true },
+            })
+        })
+    }
+
+    fn ping<'a>(
+        &'a self,
+        conn: &'a mut PgListener,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            if self.idle_limit {
+                sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+                    .bind(idle_limit(ttl))
+                    .execute(&mut *conn)
+                    .await?;
+            } else {
+                sqlx::query("SELECT 1").execute(&mut *conn).await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn unlock<'a>(&'a self, conn: &'a mut PgListener) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let sql = if self.idle_limit {
+                "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
+            } else {
+                "SELECT pg_advisory_unlock_all()"
+            };
+            sqlx::query(sql).execute(&mut *conn).await?;
+            Ok(())
+        })
+    }
+
+    fn watch<'a>(&'a self, conn: &'a mut PgListener) -> BoxFuture<'a, String> {
+        Box::pin(async move {
+            loop {
+                match conn.try_recv().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return "the server closed the connection".to_owned(),
+                    Err(e) => return e.to_string(),
+                }
+            }
+        })
+    }
+
+    fn recycle(&self, conn: PgListener) {
+        let mut idle = self.idle();
+        if idle.len() == IDLE_SESSIONS {
+            idle.remove(0);
+        }
+        idle.push((conn, std::time::Instant::now()));
+    }
+
+    fn classify(&self, err: sqlx::Error) -> BackendError {
+        pg_error(err)
+    }
+}
+
+/// `idle_session_timeout` for a session lock of `ttl` (ms, as text): the
+/// server ends the session of a holder that goes quiet for its whole lease.
+/// PostgreSQL takes at most 2³¹−1 ms (about 24.8 days); a longer lease gets no
+/// server-side limit (`0`) rather than a shorter one, which could free the
+/// key while its holder still counts on it (`watchdog = false` sends no
+/// ping). Such a holder's key is then freed when its connection closes.
+fn idle_limit(ttl: Duration) -> String {
+    let ms = millis(ttl);
+    if ms > i64::from(i32::MAX) {
+        "0".to_owned()
+    } else {
+        ms.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_limits_fit_postgres() {
+        assert_eq!(idle_limit(Duration::from_millis(1500)), "1500");
+        assert_eq!(
+            idle_limit(Duration::from_millis(i32::MAX as u64)),
+            "2147483647"
+        );
+        assert_eq!(idle_limit(Duration::from_secs(30 * 86_400)), "0");
+    }
+}
