@@ -46,7 +46,7 @@
 //!
 //! **URL**: `mysql://user:pass@host:port/db?…` with dlock's options
 //! `mode=lease|session`, `table=dlock_leases`, `create=true` (with `false`
-//! the table is checked, never created — see [`MysqlBackend::DDL`]),
+//! the table is checked, never created — see `MysqlBackend::DDL`),
 //! `poll=50ms`, `retention=10m`, `timeout=3s`; the others (`ssl-mode`, …) go
 //! to the driver.
 

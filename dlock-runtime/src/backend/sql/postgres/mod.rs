@@ -52,7 +52,7 @@
 //!
 //! **URL**: `postgres://user:pass@host:port/db?…` with dlock's options
 //! `mode=lease|session`, `table=dlock_leases`, `create=true` (with `false`
-//! the table is checked, never created — see [`PostgresBackend::DDL`]),
+//! the table is checked, never created — see `PostgresBackend::DDL`),
 //! `channel=dlock`, `listen_url=postgres://…` (percent-encoded), `poll=1s`,
 //! `retention=10m` (free rows older than this are deleted), `timeout=3s`
 //! (bounds every statement); the others (`sslmode`, `application_name`, …)
