@@ -111,6 +111,9 @@ pub enum Flow {
 /// containers (`createContainer`, 19).
 const CREATE_OPCODES: [i32; 2] = [1, 15];
 
+/// The opcode of a delete.
+const DELETE_OPCODE: i32 = 2;
+
 struct ProxyShared {
     flow: watch::Sender<Flow>,
     resets: watch::Sender<u64>,
@@ -118,6 +121,10 @@ struct ProxyShared {
     /// is cut.
     cut_after_create: AtomicBool,
     creates_cut: AtomicU64,
+    /// While set, every connection that forwards a delete drops its reply
+    /// and is cut.
+    cut_deletes: AtomicBool,
+    deletes_cut: AtomicU64,
 }
 
 /// A TCP proxy on a loopback port in front of one ZooKeeper server. It
@@ -140,6 +147,8 @@ impl ZkProxy {
             resets: watch::channel(0).0,
             cut_after_create: AtomicBool::new(false),
             creates_cut: AtomicU64::new(0),
+            cut_deletes: AtomicBool::new(false),
+            deletes_cut: AtomicU64::new(0),
         });
         let serving = shared.clone();
         std::thread::spawn(move || {
@@ -177,6 +186,18 @@ impl ZkProxy {
     /// How many creates had their reply dropped.
     pub fn creates_cut(&self) -> u64 {
         self.shared.creates_cut.load(Ordering::SeqCst)
+    }
+
+    /// While `on`, every delete is forwarded to the server, its reply is
+    /// dropped and its connection closed: the client never learns whether
+    /// the delete happened.
+    pub fn cut_deletes(&self, on: bool) {
+        self.shared.cut_deletes.store(on, Ordering::SeqCst);
+    }
+
+    /// How many deletes had their reply dropped.
+    pub fn deletes_cut(&self) -> u64 {
+        self.shared.deletes_cut.load(Ordering::SeqCst)
     }
 }
 
@@ -264,12 +285,17 @@ async fn pump(
                         doomed.store(true, Ordering::SeqCst);
                         cut = true;
                     }
+                    if opcode == DELETE_OPCODE && shared.cut_deletes.load(Ordering::SeqCst) {
+                        shared.deletes_cut.fetch_add(1, Ordering::SeqCst);
+                        doomed.store(true, Ordering::SeqCst);
+                        cut = true;
+                    }
                 }
                 connected = true;
                 frame.drain(..4 + len);
             }
         } else if doomed.load(Ordering::SeqCst) {
-            // The reply of the cut create, and anything after it: dropped.
+            // The reply of the cut request, and anything after it: dropped.
             continue;
         }
         if to.write_all(&buf[..n]).await.is_err() {
