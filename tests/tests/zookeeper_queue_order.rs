@@ -1,16 +1,20 @@
-//! ZooKeeper at the end of a key's sequence counter, where every later child
-//! of one acquisition's GUID would get the same name
-//! (`_c_{guid}-lock-2147483647`): a node of the acquisition's next attempt
-//! must be neither taken for, nor deleted as, an earlier node of that name.
-//! The server is a test's own (`tests/java/CounterEndZooKeeper.java`),
-//! reached through a proxy that drops the replies of deletes.
+//! The order of a key's queue on ZooKeeper across its sequence counter's
+//! end: waiters queued by sequence number before it and by creation zxid
+//! after it are served in arrival order, each woken once; and where every
+//! later child of one GUID would get the same name
+//! (`_c_{guid}-lock-2147483647`), a node of an acquisition's next attempt is
+//! neither taken for, nor deleted as, an earlier node of that name. The
+//! server is a test's own (`tests/java/CounterEndZooKeeper.java`), reached
+//! directly or through a proxy that drops the replies of deletes.
 #![cfg(feature = "zookeeper")]
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use dlock_runtime::ZooKeeperBackend;
+use std::sync::{Arc, Mutex};
+
 use dlock_runtime::backend::{AcquireRequest, Attempt, LockBackend};
+use dlock_runtime::{Registry, ZooKeeperBackend};
 use dlock_tests::zk_support::{CounterEndZk, ZkProxy, java_programs};
 use zookeeper_client::Client;
 
@@ -116,4 +120,96 @@ async fn a_background_delete_spares_the_next_node_of_the_same_acquisition() {
         "two holders at once: {attempt:?}"
     );
     zk.release(&second).await.expect("release");
+}
+
+/// A holder on `2147483644`, then waiters arriving one by one: the first
+/// two queue on `2147483645` and `2147483646` while every suffix is in
+/// order (sequence order), the next four all on `2147483647` (creation
+/// order). Released, the key goes to
+/// each waiter in arrival order, with increasing tokens, and each waiter is
+/// woken exactly once (by its predecessor's deletion: no herd, no early
+/// wake-up on the switch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    let mut server = CounterEndZk::start(&programs).await;
+    let url = server.url("/dlock-fifo?session_timeout=10s");
+    let holder_backend = ZooKeeperBackend::connect(&url).await.expect("connect");
+    let key = "fifo";
+    let container = holder_backend.container_path(&format!("dlock:{key}"));
+    server.set_counter(&container, i32::MAX - 3).await;
+    let holder = Registry::builder()
+        .default_backend(holder_backend.clone())
+        .build()
+        .lock(key)
+        .acquire()
+        .await
+        .expect("acquire");
+    let admin = admin(server.port).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiters = 6;
+    let mut tasks = Vec::new();
+    let mut backends = Vec::new();
+    for i in 0..waiters {
+        let backend = ZooKeeperBackend::connect(&url).await.expect("connect");
+        backends.push(backend.clone());
+        let order = order.clone();
+        tasks.push(tokio::spawn(async move {
+            let guard = Registry::builder()
+                .default_backend(backend)
+                .build()
+                .lock(key)
+                .wait(Duration::from_secs(60))
+                .acquire()
+                .await
+                .expect("acquire");
+            let token = guard.fencing_token().map(u64::from).expect("a token");
+            order.lock().unwrap().push((i, token));
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            guard.release().await.expect("release");
+        }));
+        // Arrived: its node is queued and watches its predecessor.
+        let queued = i + 2;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let kids = admin.list_children(&container).await.expect("children");
+            if kids.len() == queued && backends[i].stats().watches_set == 1 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "waiter {i} did not queue: {kids:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let kids = admin.list_children(&container).await.expect("children");
+    assert!(
+        kids.iter()
+            .filter(|k| k.ends_with("-lock-2147483647"))
+            .count()
+            >= 2,
+        "the queue did not reach the counter's end: {kids:?}"
+    );
+    let holder_token = holder.fencing_token().map(u64::from).expect("a token");
+    holder.release().await.expect("release");
+    for task in tasks {
+        task.await.expect("waiter");
+    }
+    let order = order.lock().unwrap().clone();
+    let arrivals: Vec<usize> = order.iter().map(|(i, _)| *i).collect();
+    assert_eq!(arrivals, (0..waiters).collect::<Vec<_>>(), "{order:?}");
+    let mut tokens = vec![holder_token];
+    tokens.extend(order.iter().map(|(_, t)| *t));
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+    for (i, backend) in backends.iter().enumerate() {
+        let stats = backend.stats();
+        assert_eq!(
+            (stats.watches_set, stats.watch_events),
+            (1, 1),
+            "waiter {i}: {stats:?}"
+        );
+    }
 }
