@@ -125,6 +125,8 @@ struct ProxyShared {
     /// and is cut.
     cut_deletes: AtomicBool,
     deletes_cut: AtomicU64,
+    /// Requests forwarded, by opcode (0 to 127).
+    requests: Vec<AtomicU64>,
 }
 
 /// A TCP proxy on a loopback port in front of one ZooKeeper server. It
@@ -149,6 +151,7 @@ impl ZkProxy {
             creates_cut: AtomicU64::new(0),
             cut_deletes: AtomicBool::new(false),
             deletes_cut: AtomicU64::new(0),
+            requests: (0..128).map(|_| AtomicU64::new(0)).collect(),
         });
         let serving = shared.clone();
         std::thread::spawn(move || {
@@ -198,6 +201,16 @@ impl ZkProxy {
     /// How many deletes had their reply dropped.
     pub fn deletes_cut(&self) -> u64 {
         self.shared.deletes_cut.load(Ordering::SeqCst)
+    }
+
+    /// How many requests with this opcode were forwarded to the server
+    /// (ZooKeeper's `OpCode`: 1 create, 2 delete, 4 getData, 8 and 12
+    /// getChildren, 22 multiRead, …).
+    pub fn requests(&self, opcode: i32) -> u64 {
+        usize::try_from(opcode)
+            .ok()
+            .and_then(|i| self.shared.requests.get(i))
+            .map_or(0, |n| n.load(Ordering::SeqCst))
     }
 }
 
@@ -278,6 +291,12 @@ async fn pump(
                 }
                 if connected && len >= 8 {
                     let opcode = i32::from_be_bytes([frame[8], frame[9], frame[10], frame[11]]);
+                    if let Some(n) = usize::try_from(opcode)
+                        .ok()
+                        .and_then(|i| shared.requests.get(i))
+                    {
+                        n.fetch_add(1, Ordering::SeqCst);
+                    }
                     if CREATE_OPCODES.contains(&opcode)
                         && shared.cut_after_create.swap(false, Ordering::SeqCst)
                     {

@@ -122,38 +122,33 @@ async fn a_background_delete_spares_the_next_node_of_the_same_acquisition() {
     zk.release(&second).await.expect("release");
 }
 
-/// A holder on `2147483644`, then waiters arriving one by one: the first
-/// two queue on `2147483645` and `2147483646` while every suffix is in
-/// order (sequence order), the next four all on `2147483647` (creation
-/// order). Released, the key goes to
-/// each waiter in arrival order, with increasing tokens, and each waiter is
-/// woken exactly once (by its predecessor's deletion: no herd, no early
-/// wake-up on the switch).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
-    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
-        return;
-    };
-    let mut server = CounterEndZk::start(&programs).await;
-    let url = server.url("/dlock-fifo?session_timeout=10s");
-    let holder_backend = ZooKeeperBackend::connect(&url).await.expect("connect");
-    let key = "fifo";
+/// The grants of one queue: `waiters` acquisitions of `key`, one backend
+/// each on `url`, arriving one by one (each queued and watching before the
+/// next) behind a holder, which then releases. Their arrival indexes and
+/// tokens in the order they held, the holder's token first, and the
+/// backends (for their stats).
+async fn serve_a_queue(
+    url: &str,
+    key: &'static str,
+    admin: &Client,
+    waiters: usize,
+) -> (Vec<(usize, u64)>, Vec<ZooKeeperBackend>) {
+    let holder_backend = ZooKeeperBackend::connect(url).await.expect("connect");
     let container = holder_backend.container_path(&format!("dlock:{key}"));
-    server.set_counter(&container, i32::MAX - 3).await;
+    let queued_before = admin.list_children(&container).await.map_or(0, |k| k.len());
     let holder = Registry::builder()
         .default_backend(holder_backend.clone())
         .build()
         .lock(key)
+        .lease(Duration::from_secs(60))
         .acquire()
         .await
         .expect("acquire");
-    let admin = admin(server.port).await;
     let order = Arc::new(Mutex::new(Vec::new()));
-    let waiters = 6;
     let mut tasks = Vec::new();
     let mut backends = Vec::new();
     for i in 0..waiters {
-        let backend = ZooKeeperBackend::connect(&url).await.expect("connect");
+        let backend = ZooKeeperBackend::connect(url).await.expect("connect");
         backends.push(backend.clone());
         let order = order.clone();
         tasks.push(tokio::spawn(async move {
@@ -161,6 +156,7 @@ async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
                 .default_backend(backend)
                 .build()
                 .lock(key)
+                .lease(Duration::from_secs(60))
                 .wait(Duration::from_secs(60))
                 .acquire()
                 .await
@@ -171,7 +167,7 @@ async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
             guard.release().await.expect("release");
         }));
         // Arrived: its node is queued and watches its predecessor.
-        let queued = i + 2;
+        let queued = queued_before + i + 2;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let kids = admin.list_children(&container).await.expect("children");
@@ -185,25 +181,38 @@ async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
-    let kids = admin.list_children(&container).await.expect("children");
-    assert!(
-        kids.iter()
-            .filter(|k| k.ends_with("-lock-2147483647"))
-            .count()
-            >= 2,
-        "the queue did not reach the counter's end: {kids:?}"
-    );
     let holder_token = holder.fencing_token().map(u64::from).expect("a token");
     holder.release().await.expect("release");
     for task in tasks {
         task.await.expect("waiter");
     }
-    let order = order.lock().unwrap().clone();
-    let arrivals: Vec<usize> = order.iter().map(|(i, _)| *i).collect();
+    let mut order = order.lock().unwrap().clone();
+    order.insert(0, (usize::MAX, holder_token));
+    (order, backends)
+}
+
+/// A holder on `2147483644`, then waiters arriving one by one: the first
+/// two queue on `2147483645` and `2147483646` while every suffix is in
+/// order (sequence order), the next four all on `2147483647` (creation
+/// order). Released, the key goes to each waiter in arrival order, with
+/// increasing tokens, and each waiter is woken exactly once (by its
+/// predecessor's deletion: no herd, no early wake-up on the switch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    let mut server = CounterEndZk::start(&programs).await;
+    let url = server.url("/dlock-fifo?session_timeout=10s");
+    let key = "fifo";
+    let container = format!("/dlock-fifo/dlock:{key}");
+    server.set_counter(&container, i32::MAX - 3).await;
+    let admin = admin(server.port).await;
+    let waiters = 6;
+    let (order, backends) = serve_a_queue(&url, key, &admin, waiters).await;
+    let arrivals: Vec<usize> = order[1..].iter().map(|(i, _)| *i).collect();
     assert_eq!(arrivals, (0..waiters).collect::<Vec<_>>(), "{order:?}");
-    let mut tokens = vec![holder_token];
-    tokens.extend(order.iter().map(|(_, t)| *t));
-    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+    assert!(order.windows(2).all(|w| w[0].1 < w[1].1), "{order:?}");
     for (i, backend) in backends.iter().enumerate() {
         let stats = backend.stats();
         assert_eq!(
@@ -212,4 +221,64 @@ async fn waiters_are_served_in_arrival_order_across_the_counters_end() {
             "waiter {i}: {stats:?}"
         );
     }
+    let (_, sequence) = admin
+        .create(
+            &format!("{container}/probe-"),
+            b"",
+            &zookeeper_client::CreateMode::EphemeralSequential
+                .with_acls(zookeeper_client::Acls::anyone_all()),
+        )
+        .await
+        .expect("probe");
+    assert_eq!(
+        sequence.into_i64(),
+        i64::from(i32::MAX),
+        "the queue did not reach the counter's end"
+    );
+}
+
+/// Below the counter's end a queue costs what it did before creation order
+/// was needed: one create per acquisition and no read of the queue's nodes
+/// (no multi-read). Past it, the queue's nodes are read (which this proxy
+/// sees).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_the_counters_end_the_queue_is_never_read_node_by_node() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    const CREATE: i32 = 1;
+    const CREATE2: i32 = 15;
+    const MULTI_READ: i32 = 22;
+    let mut server = CounterEndZk::start(&programs).await;
+    let proxy = ZkProxy::start(server.port).await;
+    let url = format!(
+        "zk://127.0.0.1:{}/dlock-cost?session_timeout=10s",
+        proxy.port
+    );
+    let admin = admin(server.port).await;
+    let creates = || proxy.requests(CREATE) + proxy.requests(CREATE2);
+    let waiters = 4;
+
+    // The chroot and the key's container exist: only lock nodes are created.
+    server.set_counter("/dlock-cost/dlock:below", 0).await;
+    let before = (creates(), proxy.requests(MULTI_READ));
+    let (order, _) = serve_a_queue(&url, "below", &admin, waiters).await;
+    assert_eq!(order.len(), waiters + 1);
+    assert_eq!(
+        (creates() - before.0, proxy.requests(MULTI_READ) - before.1),
+        (waiters as u64 + 1, 0),
+        "(creates, multi-reads) of {} acquisitions below the counter's end",
+        waiters + 1
+    );
+
+    server
+        .set_counter("/dlock-cost/dlock:past", i32::MAX - 1)
+        .await;
+    let before = proxy.requests(MULTI_READ);
+    let (order, _) = serve_a_queue(&url, "past", &admin, waiters).await;
+    assert_eq!(order.len(), waiters + 1);
+    assert!(
+        proxy.requests(MULTI_READ) > before,
+        "the queue past the counter's end was not read"
+    );
 }
