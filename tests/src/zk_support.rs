@@ -111,6 +111,9 @@ pub enum Flow {
 /// containers (`createContainer`, 19).
 const CREATE_OPCODES: [i32; 2] = [1, 15];
 
+/// The opcode of a delete.
+const DELETE_OPCODE: i32 = 2;
+
 struct ProxyShared {
     flow: watch::Sender<Flow>,
     resets: watch::Sender<u64>,
@@ -118,6 +121,12 @@ struct ProxyShared {
     /// is cut.
     cut_after_create: AtomicBool,
     creates_cut: AtomicU64,
+    /// While set, every connection that forwards a delete drops its reply
+    /// and is cut.
+    cut_deletes: AtomicBool,
+    deletes_cut: AtomicU64,
+    /// Requests forwarded, by opcode (0 to 127).
+    requests: Vec<AtomicU64>,
 }
 
 /// A TCP proxy on a loopback port in front of one ZooKeeper server. It
@@ -140,6 +149,9 @@ impl ZkProxy {
             resets: watch::channel(0).0,
             cut_after_create: AtomicBool::new(false),
             creates_cut: AtomicU64::new(0),
+            cut_deletes: AtomicBool::new(false),
+            deletes_cut: AtomicU64::new(0),
+            requests: (0..128).map(|_| AtomicU64::new(0)).collect(),
         });
         let serving = shared.clone();
         std::thread::spawn(move || {
@@ -177,6 +189,28 @@ impl ZkProxy {
     /// How many creates had their reply dropped.
     pub fn creates_cut(&self) -> u64 {
         self.shared.creates_cut.load(Ordering::SeqCst)
+    }
+
+    /// While `on`, every delete is forwarded to the server, its reply is
+    /// dropped and its connection closed: the client never learns whether
+    /// the delete happened.
+    pub fn cut_deletes(&self, on: bool) {
+        self.shared.cut_deletes.store(on, Ordering::SeqCst);
+    }
+
+    /// How many deletes had their reply dropped.
+    pub fn deletes_cut(&self) -> u64 {
+        self.shared.deletes_cut.load(Ordering::SeqCst)
+    }
+
+    /// How many requests with this opcode were forwarded to the server
+    /// (ZooKeeper's `OpCode`: 1 create, 2 delete, 4 getData, 8 and 12
+    /// getChildren, 22 multiRead, …).
+    pub fn requests(&self, opcode: i32) -> u64 {
+        usize::try_from(opcode)
+            .ok()
+            .and_then(|i| self.shared.requests.get(i))
+            .map_or(0, |n| n.load(Ordering::SeqCst))
     }
 }
 
@@ -257,10 +291,21 @@ async fn pump(
                 }
                 if connected && len >= 8 {
                     let opcode = i32::from_be_bytes([frame[8], frame[9], frame[10], frame[11]]);
+                    if let Some(n) = usize::try_from(opcode)
+                        .ok()
+                        .and_then(|i| shared.requests.get(i))
+                    {
+                        n.fetch_add(1, Ordering::SeqCst);
+                    }
                     if CREATE_OPCODES.contains(&opcode)
                         && shared.cut_after_create.swap(false, Ordering::SeqCst)
                     {
                         shared.creates_cut.fetch_add(1, Ordering::SeqCst);
+                        doomed.store(true, Ordering::SeqCst);
+                        cut = true;
+                    }
+                    if opcode == DELETE_OPCODE && shared.cut_deletes.load(Ordering::SeqCst) {
+                        shared.deletes_cut.fetch_add(1, Ordering::SeqCst);
                         doomed.store(true, Ordering::SeqCst);
                         cut = true;
                     }
@@ -269,7 +314,7 @@ async fn pump(
                 frame.drain(..4 + len);
             }
         } else if doomed.load(Ordering::SeqCst) {
-            // The reply of the cut create, and anything after it: dropped.
+            // The reply of the cut request, and anything after it: dropped.
             continue;
         }
         if to.write_all(&buf[..n]).await.is_err() {

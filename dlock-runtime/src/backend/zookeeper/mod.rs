@@ -3,8 +3,9 @@
 //! **Layout** (the same as Curator's `InterProcessMutex`, so both can lock the
 //! same keys): each stored key is a *container* node `{chroot}/{escaped key}`;
 //! each acquisition creates an `EPHEMERAL_SEQUENTIAL` child
-//! `_c_{guid}-lock-{sequence}` holding the owner token, where the GUID is the
-//! acquisition's owner token in UUID form. The earliest-created child
+//! `_c_{guid}-lock-{sequence}` holding the owner token, where the GUID is
+//! drawn at random when the acquisition starts (and again if it gives a
+//! grant back and tries again: see below). The earliest-created child
 //! holds the key; every other one watches only the child just ahead
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
 //! served in arrival order. Uncontended, an acquisition is one round trip:
@@ -53,7 +54,12 @@
 //! children and adopts the child carrying its GUID, only if that child's
 //! `ephemeralOwner` is the current session; otherwise it creates again with
 //! the same GUID. A child of ours found beside the one we use (a create that
-//! surfaced late) is deleted: never two live nodes of one acquisition.
+//! surfaced late) is deleted: never two live nodes of one acquisition. A
+//! grant given back and tried again (one that came too late to use) queues
+//! under a new GUID: at the counter's end a node of the old GUID would get
+//! the very path of the one given back, which a delete still retried in the
+//! background (by path) would remove, or which the create would find and
+//! adopt just before it goes.
 //!
 //! **What `lease` means here: the lease is the session.** A ZooKeeper node
 //! cannot expire by itself; it lives as long as the session that created it.
@@ -498,7 +504,7 @@ impl Inner {
                 let container = format!("/{}", path::escape_key(&request.key));
                 Arc::new(Pending {
                     owner: request.owner.clone(),
-                    guid: path::guid_for(&request.owner),
+                    guid: path::new_guid(),
                     container,
                     notify: Arc::new(Notify::new()),
                     state: Mutex::new(PendingState::default()),

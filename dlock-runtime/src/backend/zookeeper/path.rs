@@ -57,10 +57,14 @@ pub(super) fn valid_path(path: &str) -> bool {
     }
 }
 
-/// The GUID of Curator's protected names, from the acquisition's owner
-/// token: the token itself in UUID form when it is 128 bits of hex (what the
-/// runtime issues), else a 128-bit hash of it. Derived, not stored: the
-/// same owner finds its node again after a lost create reply.
+/// A GUID for Curator's protected names, drawn at random: 128 bits in UUID
+/// form.
+pub(super) fn new_guid() -> String {
+    guid_for(&format!("{:032x}", rand::random::<u128>()))
+}
+
+/// The GUID of Curator's protected names for a token: the token itself in
+/// UUID form when it is 128 bits of hex, else a 128-bit hash of it.
 pub(super) fn guid_for(owner: &str) -> String {
     let hex: String = if owner.len() == 32 && owner.bytes().all(|b| b.is_ascii_hexdigit()) {
         owner.to_ascii_lowercase()
@@ -270,6 +274,9 @@ mod tests {
         assert_eq!(other.len(), 36);
         assert_eq!(other, guid_for("bench-owner-1"));
         assert_ne!(other, guid_for("bench-owner-2"));
+        let drawn = new_guid();
+        assert_eq!(drawn.len(), 36);
+        assert_ne!(drawn, new_guid());
         assert_eq!(
             child_prefix("/k", &guid_for(owner)),
             "/k/_c_01234567-89ab-cdef-0123-456789abcdef-lock-"
