@@ -917,10 +917,19 @@ impl Inner {
             request.lost.clone(),
             crate::time::saturating_add(started, request.lease),
         );
-        if !session.is_alive() {
-            // The session ended between the read and the registration.
+        if session.refuses_grants() {
+            // The session ended, or its leases were declared lost while
+            // disconnected, between the read and the registration: this
+            // grant is lost with them. A node that may still exist is
+            // deleted once the server is reachable, as theirs are.
             session.unregister(&held);
             request.lost.cancel();
+            if session.is_alive() {
+                let (session, path) = (session.clone(), held.path.clone());
+                crate::driver::handle().spawn(async move {
+                    let _ = delete_until_gone(&session, &path, None).await;
+                });
+            }
         }
         Lease::new(request, Some(FencingToken::new(node.czxid as u64))).with_extra(held)
     }

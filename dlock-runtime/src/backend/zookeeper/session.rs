@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -63,6 +63,11 @@ pub(super) struct Session {
     /// Cancelled when the session has ended (expired, closed, auth failed)
     /// or is dropped.
     pub(super) ended: CancellationToken,
+    /// Every lease of the session was declared lost while disconnected, and
+    /// the client has not been connected since: a grant made now (a waiter
+    /// answered from what it had already read) would escape that
+    /// declaration, so it is lost at once too.
+    losing: AtomicBool,
 }
 
 /// The held leases by the end of their lease, and when the reaper looks next.
@@ -108,12 +113,22 @@ impl Session {
             next_id: AtomicU64::new(1),
             reaper: Arc::new(tokio::sync::Notify::new()),
             ended: CancellationToken::new(),
+            losing: AtomicBool::new(false),
         })
     }
 
     /// Whether the session can still be used (not expired, closed or refused).
     pub(super) fn is_alive(&self) -> bool {
         !self.ended.is_cancelled() && !self.client.state().is_terminated()
+    }
+
+    /// Whether a lease granted now must be lost at once: the session ended,
+    /// or its leases were declared lost and it has not reconnected since.
+    /// Asked after [`register`](Self::register): a declaration that took the
+    /// held leases before the registration is seen here (the flag is set
+    /// before the held list is taken, under the same lock as the insert).
+    pub(super) fn refuses_grants(&self) -> bool {
+        !self.is_alive() || self.losing.load(Ordering::SeqCst)
     }
 
     fn heard(&self, sent: Instant) {
@@ -256,6 +271,7 @@ impl Session {
     /// `ended`: the session is over (its nodes are gone with it); otherwise
     /// the nodes may still exist and are deleted once the server is reachable.
     fn lose_all(self: &Arc<Self>, why: &'static str, ended: bool, counters: &Counters) {
+        self.losing.store(true, Ordering::SeqCst);
         let nodes: Vec<Arc<HeldNode>> = std::mem::take(&mut lock(&self.held).by_end)
             .into_values()
             .collect();
@@ -363,6 +379,9 @@ pub(super) async fn monitor(
         };
         match state {
             SessionState::SyncConnected => {
+                // Connected: the server vouches for the session again, and
+                // grants are safe.
+                strong.losing.store(false, Ordering::SeqCst);
                 drop(strong);
                 tokio::select! {
                     next = states.changed() => state = next,
