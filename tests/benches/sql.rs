@@ -25,17 +25,16 @@
 //! It prints a Markdown table.
 
 use std::fmt::Write as _;
-use std::future::Future;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dlock_runtime::{MemoryBackend, MysqlBackend, PostgresBackend, Registry};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgPoolOptions};
 
 mod common;
-use common::{ROUNDS, median};
+use common::{ROUNDS, median, throughput};
 
 const CONVOY_PROCESSES: usize = 4;
 const CONVOY_TASKS: usize = 4;
@@ -312,29 +311,6 @@ async fn dlock_throughput(registry: &Registry, concurrency: u64, n: u64, tag: &s
         }
     })
     .await
-}
-
-/// Operations per second of `op` over `n` keys, by `concurrency` tasks at once.
-async fn throughput<F, Fut>(concurrency: u64, n: u64, op: F) -> f64
-where
-    F: Fn(u64) -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = ()> + Send,
-{
-    let started = Instant::now();
-    let tasks: Vec<_> = (0..concurrency)
-        .map(|t| {
-            let op = op.clone();
-            tokio::spawn(async move {
-                for i in (t..n).step_by(concurrency as usize) {
-                    op(i).await;
-                }
-            })
-        })
-        .collect();
-    for task in tasks {
-        task.await.expect("task");
-    }
-    n as f64 / started.elapsed().as_secs_f64()
 }
 
 /// One convoy over [`CONVOY_PROCESSES`] child processes: answers the median
