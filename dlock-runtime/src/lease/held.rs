@@ -223,11 +223,12 @@ impl HeldLease {
         }
     }
 
-    /// Waits for a renewal still on the wire (bounded by its batch's time
-    /// limit), then frees the key — or, with `hold_at_least`, lets it expire
-    /// that long from now.
+    /// Frees the key at once — or, with `hold_at_least`, waits for a renewal
+    /// still on the wire (bounded by its batch's time limit) and lets the key
+    /// expire that long from now. A plain release need not wait: renewals are
+    /// owner-checked, so one that lands after the key was freed is a no-op.
     async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
-        while self.sched().machine.renewal_in_flight() {
+        while self.hold_at_least.is_some() && self.sched().machine.renewal_in_flight() {
             let settled = self.renewal_settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
