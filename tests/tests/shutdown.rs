@@ -155,3 +155,60 @@ async fn no_key_is_taken_after_shutdown_returns() {
     );
     assert!(inner.held_keys().is_empty());
 }
+
+/// An acquisition waiting for a key another registry holds stops at
+/// shutdown with `ShutDown`: shutdown leaves no task waiting for a key it
+/// would only give back.
+async fn shutdown_stops_a_waiting_acquisition(shut: Registry, other: Registry, key: &str) {
+    let holder = other
+        .lock(key)
+        .lease(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn({
+        let (shut, key) = (shut.clone(), key.to_owned());
+        async move {
+            shut.lock(key)
+                .wait(Duration::from_secs(5))
+                .lease(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(100 * MS).await;
+    let report = shut.shutdown(Duration::from_secs(2)).await;
+    let stopped = tokio::time::timeout(Duration::from_secs(1), waiter).await;
+    holder.release().await.expect("release");
+    let answer = stopped
+        .unwrap_or_else(|_| panic!("the acquisition still waits after shutdown ({report:?})"))
+        .expect("task");
+    assert!(
+        matches!(answer, Err(dlock_runtime::LockError::ShutDown)),
+        "{answer:?}"
+    );
+    assert_eq!(report.unfinished, 0, "{report:?}");
+}
+
+/// On a backend called inline (the in-process one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_a_waiting_inline_acquisition() {
+    let backend = MemoryBackend::new();
+    shutdown_stops_a_waiting_acquisition(
+        registry(&backend),
+        registry(&backend),
+        "shutdown:waiting-inline",
+    )
+    .await;
+}
+
+/// On a backend called from dlock's I/O runtime (SQLite).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_a_waiting_acquisition_on_the_io_runtime() {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("shutdown-{}.db", std::process::id()));
+    let url = format!("sqlite://{}", path.display());
+    let shut = Registry::from_url(&url).await.expect("sqlite");
+    let other = Registry::from_url(&url).await.expect("sqlite");
+    shutdown_stops_a_waiting_acquisition(shut, other, &unique_key("shutdown-waiting-io")).await;
+}
