@@ -19,7 +19,8 @@ const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 
 /// One release in flight: the registry's shutdown waits for it until this
 /// is dropped — when the release has run, or when the task that carried it
-/// is gone.
+/// is gone. An acquisition in flight is counted by one too, until it has
+/// returned (see [`acquire`](super::lock::acquire)).
 #[derive(Debug)]
 #[must_use = "a release counts as in flight until this is dropped"]
 pub(crate) struct Releasing {

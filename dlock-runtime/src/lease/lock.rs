@@ -174,6 +174,16 @@ pub(crate) async fn acquire(
     if let Some(frame) = context::find(registry.inner.id, &entry.name, &stored_key) {
         return enter_nested(frame, options, key).await;
     }
+    let leases = &registry.inner.leases;
+    // Counted by shutdown until this returns: a grant on its way is either
+    // tracked (and released by shutdown, or by the check at the end) or
+    // released when the acquisition is abandoned — before shutdown stops
+    // waiting. Counted first, checked after: shutdown either sees the count
+    // or this sees the shutdown.
+    let _in_flight = Releasing::new(leases);
+    if leases.is_closing() {
+        return Err(LockError::ShutDown);
+    }
 
     let span = tracing::debug_span!(
         "dlock.lock",
@@ -194,20 +204,25 @@ pub(crate) async fn acquire(
     };
     let started = Instant::now();
     let backend = entry.backend.clone();
+    // Shutdown stops a waiting acquisition: dropping it undoes whatever an
+    // attempt on the wire may be granted.
     let answer = if backend.needs_io_runtime() {
-        acquire_on_io_runtime(backend.clone(), request, registry.inner.leases.clone())
-            .instrument(span.clone())
-            .await
+        tokio::select! {
+            answer = acquire_on_io_runtime(backend.clone(), request, leases.clone())
+                .instrument(span.clone()) => answer,
+            () = leases.closed() => return Err(LockError::ShutDown),
+        }
     } else {
         let abandoned = ReleaseIfAbandoned {
             backend: &backend,
             request: &request,
-            leases: &registry.inner.leases,
+            leases,
             armed: true,
         };
-        let answer = wait::acquire(&*backend, &request)
-            .instrument(span.clone())
-            .await;
+        let answer = tokio::select! {
+            answer = wait::acquire(&*backend, &request).instrument(span.clone()) => answer,
+            () = leases.closed() => return Err(LockError::ShutDown),
+        };
         match answer {
             Ok(acquired) => {
                 abandoned.disarm();
@@ -334,6 +349,9 @@ async fn acquire_on_io_runtime(
 ) -> Result<(Acquired, AcquireRequest), BackendError> {
     let caller_gone = CancellationToken::new();
     let _stop_when_dropped = caller_gone.clone().drop_guard();
+    // Counted until the task has handed what it may have been granted on:
+    // to the caller, or to a release of its own.
+    let task_in_flight = Releasing::new(&leases);
     let (tx, rx) = tokio::sync::oneshot::channel::<Result<Granted, BackendError>>();
     crate::driver::handle().spawn(
         async move {
@@ -368,6 +386,7 @@ async fn acquire_on_io_runtime(
                         .spawn_after_abandoned(backend, Lease::new(&request, None));
                 }
             }
+            drop(task_in_flight);
         }
         .in_current_span(),
     );
