@@ -208,6 +208,7 @@ pub(crate) async fn acquire(
     // attempt on the wire may be granted.
     let answer = if backend.needs_io_runtime() {
         tokio::select! {
+            biased;
             answer = acquire_on_io_runtime(backend.clone(), request, leases.clone())
                 .instrument(span.clone()) => answer,
             () = leases.closed() => return Err(LockError::ShutDown),
@@ -220,6 +221,7 @@ pub(crate) async fn acquire(
             armed: true,
         };
         let answer = tokio::select! {
+            biased;
             answer = wait::acquire(&*backend, &request).instrument(span.clone()) => answer,
             () = leases.closed() => return Err(LockError::ShutDown),
         };
