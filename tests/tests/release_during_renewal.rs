@@ -1,6 +1,7 @@
 //! A release asked for while a renewal of the lease hangs on the wire, on the
 //! in-process backend: the key is freed at once (DESIGN.md §5, invariant 3),
-//! not once the hanging renewal gives up.
+//! not once the hanging renewal gives up; with `hold_at_least` the release
+//! waits for the renewal no longer than its own lease's give-up instant.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
