@@ -126,3 +126,60 @@ async fn an_abandoned_inline_acquisition_leaves_no_key_held() {
 async fn an_abandoned_acquisition_on_the_io_runtime_leaves_no_key_held() {
     gone_caller_leaves_no_key_held(true).await;
 }
+
+/// Shutdown stops an acquisition whose attempt is on the wire. When shutdown
+/// returns (and the process may exit) the attempt must not be left to take
+/// the key afterwards, for nobody, for the whole lease: shutdown waits until
+/// no key can be taken through its registry any more.
+async fn shutdown_leaves_no_key_to_an_attempt_on_the_wire(io_runtime: bool) {
+    let store = Arc::new(MemoryBackend::new());
+    let registry = Registry::builder()
+        .default_backend(SlowWire {
+            store: store.clone(),
+            io_runtime,
+        })
+        .build();
+    let waiter = tokio::spawn({
+        let registry = registry.clone();
+        async move {
+            registry
+                .lock("stopped-on-the-wire")
+                .wait(Duration::from_secs(5))
+                .lease(LEASE)
+                .acquire()
+                .await
+                .map(drop)
+        }
+    });
+    // The first attempt is on the wire.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let report = registry.shutdown(Duration::from_secs(5)).await;
+    let returned = Instant::now();
+    let mut taken_after = None;
+    while returned.elapsed() < ON_THE_WIRE + Duration::from_millis(500) {
+        if !store.held_keys().is_empty() {
+            taken_after = Some(returned.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let answer = waiter.await.expect("task");
+    assert!(
+        matches!(answer, Err(dlock_runtime::LockError::ShutDown)),
+        "{answer:?}"
+    );
+    assert_eq!(
+        taken_after, None,
+        "the stopped attempt took the key after shutdown ({report:?}) had returned"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_no_key_to_an_inline_attempt_on_the_wire() {
+    shutdown_leaves_no_key_to_an_attempt_on_the_wire(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_no_key_to_an_io_runtime_attempt_on_the_wire() {
+    shutdown_leaves_no_key_to_an_attempt_on_the_wire(true).await;
+}

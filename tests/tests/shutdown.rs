@@ -109,3 +109,106 @@ async fn shutdown_refuses_a_grant_to_a_waiter_it_woke() {
          leases the registry still holds: {held}"
     );
 }
+
+/// Once `shutdown` has returned, no key is taken on the backend any more —
+/// not even by an acquisition that was already waiting, which shutdown's own
+/// release woke (its grant takes 300 ms to answer): shutdown stops it, and
+/// waits until whatever it may have been granted has been undone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_key_is_taken_after_shutdown_returns() {
+    let inner = MemoryBackend::new();
+    let knobbed = Knobbed::new(&inner);
+    let registry = Registry::builder().default_backend(knobbed.clone()).build();
+    let key = "shutdown:taken-after-return";
+    let holder = registry
+        .lock(key)
+        .lease(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("holder");
+    knobbed.delay_next_grant(300 * MS);
+    let waiter = tokio::spawn({
+        let registry = registry.clone();
+        async move {
+            registry
+                .lock(key)
+                .wait(Duration::from_secs(5))
+                .lease(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    // The waiter has tried, registered its wake-up and sleeps on it.
+    tokio::time::sleep(100 * MS).await;
+    let report = registry.shutdown(Duration::from_secs(2)).await;
+    let taken_after =
+        eventually(Duration::from_millis(500), || !inner.held_keys().is_empty()).await;
+    let got = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the waiter answers")
+        .expect("task");
+    drop(holder);
+    assert!(got.is_err(), "the waiter got a guard after shutdown");
+    assert!(
+        !taken_after,
+        "a waiter took the key after shutdown ({report:?}) had returned"
+    );
+    assert!(inner.held_keys().is_empty());
+}
+
+/// An acquisition waiting for a key another registry holds stops at
+/// shutdown with `ShutDown`: shutdown leaves no task waiting for a key it
+/// would only give back.
+async fn shutdown_stops_a_waiting_acquisition(shut: Registry, other: Registry, key: &str) {
+    let holder = other
+        .lock(key)
+        .lease(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("holder");
+    let waiter = tokio::spawn({
+        let (shut, key) = (shut.clone(), key.to_owned());
+        async move {
+            shut.lock(key)
+                .wait(Duration::from_secs(5))
+                .lease(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(100 * MS).await;
+    let report = shut.shutdown(Duration::from_secs(2)).await;
+    let stopped = tokio::time::timeout(Duration::from_secs(1), waiter).await;
+    holder.release().await.expect("release");
+    let answer = stopped
+        .unwrap_or_else(|_| panic!("the acquisition still waits after shutdown ({report:?})"))
+        .expect("task");
+    assert!(
+        matches!(answer, Err(dlock_runtime::LockError::ShutDown)),
+        "{answer:?}"
+    );
+    assert_eq!(report.unfinished, 0, "{report:?}");
+}
+
+/// On a backend called inline (the in-process one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_a_waiting_inline_acquisition() {
+    let backend = MemoryBackend::new();
+    shutdown_stops_a_waiting_acquisition(
+        registry(&backend),
+        registry(&backend),
+        "shutdown:waiting-inline",
+    )
+    .await;
+}
+
+/// On a backend called from dlock's I/O runtime (SQLite).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_a_waiting_acquisition_on_the_io_runtime() {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("shutdown-{}.db", std::process::id()));
+    let url = format!("sqlite://{}", path.display());
+    let shut = Registry::from_url(&url).await.expect("sqlite");
+    let other = Registry::from_url(&url).await.expect("sqlite");
+    shutdown_stops_a_waiting_acquisition(shut, other, &unique_key("shutdown-waiting-io")).await;
+}

@@ -28,6 +28,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -188,6 +189,17 @@ pub async fn acquire(
     backend: &dyn LockBackend,
     request: &AcquireRequest,
 ) -> Result<Acquired, BackendError> {
+    acquire_watched(backend, request, &AtomicBool::new(false)).await
+}
+
+/// [`acquire`], keeping `on_the_wire` true while an attempt is sent and not
+/// yet answered: whoever drops this future learns whether the server may
+/// still run an attempt after it.
+pub(crate) async fn acquire_watched(
+    backend: &dyn LockBackend,
+    request: &AcquireRequest,
+    on_the_wire: &AtomicBool,
+) -> Result<Acquired, BackendError> {
     let deadline = saturating_add(Instant::now(), request.wait);
     let drift = backend.drift(request.lease);
     let mut source: Option<WakeSource> = None;
@@ -196,7 +208,10 @@ pub async fn acquire(
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
         let sent = Instant::now();
-        let attempt = backend.try_acquire(request).await?;
+        on_the_wire.store(true, Ordering::SeqCst);
+        let attempt = backend.try_acquire(request).await;
+        on_the_wire.store(false, Ordering::SeqCst);
+        let attempt = attempt?;
         let now = Instant::now();
         if !matches!(attempt, Attempt::Unavailable { .. }) {
             unavailable_streak = 0;

@@ -19,7 +19,8 @@ const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 
 /// One release in flight: the registry's shutdown waits for it until this
 /// is dropped — when the release has run, or when the task that carried it
-/// is gone.
+/// is gone. An acquisition in flight is counted by one too, until it has
+/// returned (see [`acquire`](super::lock::acquire)).
 #[derive(Debug)]
 #[must_use = "a release counts as in flight until this is dropped"]
 pub(crate) struct Releasing {
@@ -56,9 +57,18 @@ impl Releasing {
     /// there (Redis over its local connection) sends it after the abandoned
     /// command, on the same connection. If that runtime is shutting down the
     /// task never runs (and stops counting): once the abandoned command has
-    /// been answered or has timed out, an uncounted backstop releases again
-    /// from dlock's runtime (a no-op if the key is free already).
-    pub(crate) fn spawn_after_abandoned(self, backend: Arc<dyn LockBackend>, lease: Lease) {
+    /// been answered or has timed out, a backstop releases again from
+    /// dlock's runtime (a no-op if the key is free already). The backstop is
+    /// counted too when `wait_for_backstop` (shutdown stopped an attempt on
+    /// the wire: it must not return while that attempt can still take the
+    /// key), else not.
+    pub(crate) fn spawn_after_abandoned(
+        self,
+        backend: Arc<dyn LockBackend>,
+        lease: Lease,
+        wait_for_backstop: bool,
+    ) {
+        let backstop_counted = wait_for_backstop.then(|| Releasing::new(&self.leases));
         let lease = Arc::new(lease);
         let release = {
             let (backend, lease) = (backend.clone(), lease.clone());
@@ -74,6 +84,7 @@ impl Releasing {
         crate::driver::handle().spawn(async move {
             tokio::time::sleep(ABANDONED_BACKSTOP).await;
             let _ = backend.release(&lease).await;
+            drop(backstop_counted);
         });
     }
 }
@@ -115,8 +126,11 @@ mod tests {
         let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
         let registry = Registry::builder().default_backend(backend.clone()).build();
         let request = AcquireRequest::new("dlock:k", "owner", Duration::from_secs(1));
-        Releasing::new(&registry.inner.leases)
-            .spawn_after_abandoned(backend, Lease::new(&request, None));
+        Releasing::new(&registry.inner.leases).spawn_after_abandoned(
+            backend,
+            Lease::new(&request, None),
+            false,
+        );
         let report = registry.shutdown(Duration::from_secs(1)).await;
         assert_eq!(
             report.unfinished, 0,

@@ -223,18 +223,27 @@ impl HeldLease {
         }
     }
 
-    /// Waits for a renewal still on the wire (bounded by its batch's time
-    /// limit), then frees the key — or, with `hold_at_least`, lets it expire
-    /// that long from now.
+    /// Frees the key at once — or, with `hold_at_least`, waits for a renewal
+    /// still on the wire and lets the key expire that long from now. A plain
+    /// release need not wait: renewals are owner-checked, so one that lands
+    /// after the key was freed is a no-op. The wait ends at this lease's
+    /// give-up instant at the latest (the lease is lost by then, and the
+    /// renewal may share a batch whose time limit is a longer lease's).
     async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
-        while self.sched().machine.renewal_in_flight() {
+        let give_up = self.sched().machine.give_up_at();
+        while self.hold_at_least.is_some() && self.sched().machine.renewal_in_flight() {
             let settled = self.renewal_settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
             if !self.sched().machine.renewal_in_flight() {
                 break;
             }
-            settled.await;
+            if tokio::time::timeout_at(give_up.into(), settled)
+                .await
+                .is_err()
+            {
+                break;
+            }
         }
         let held_for = self.acquired_at.elapsed();
         self.span.record("held_ms", held_for.as_secs_f64() * 1000.0);

@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -174,6 +174,16 @@ pub(crate) async fn acquire(
     if let Some(frame) = context::find(registry.inner.id, &entry.name, &stored_key) {
         return enter_nested(frame, options, key).await;
     }
+    let leases = &registry.inner.leases;
+    // Counted by shutdown until this returns: a grant on its way is either
+    // tracked (and released by shutdown, or by the check at the end) or
+    // released when the acquisition is abandoned — before shutdown stops
+    // waiting. Counted first, checked after: shutdown either sees the count
+    // or this sees the shutdown.
+    let _in_flight = Releasing::new(leases);
+    if leases.is_closing() {
+        return Err(LockError::ShutDown);
+    }
 
     let span = tracing::debug_span!(
         "dlock.lock",
@@ -194,20 +204,30 @@ pub(crate) async fn acquire(
     };
     let started = Instant::now();
     let backend = entry.backend.clone();
+    // Shutdown stops a waiting acquisition: dropping it undoes whatever an
+    // attempt on the wire may be granted.
     let answer = if backend.needs_io_runtime() {
-        acquire_on_io_runtime(backend.clone(), request, registry.inner.leases.clone())
-            .instrument(span.clone())
-            .await
+        tokio::select! {
+            biased;
+            answer = acquire_on_io_runtime(backend.clone(), request, leases.clone())
+                .instrument(span.clone()) => answer,
+            () = leases.closed() => return Err(LockError::ShutDown),
+        }
     } else {
+        let on_the_wire = AtomicBool::new(false);
         let abandoned = ReleaseIfAbandoned {
             backend: &backend,
             request: &request,
-            leases: &registry.inner.leases,
+            leases,
+            on_the_wire: &on_the_wire,
             armed: true,
         };
-        let answer = wait::acquire(&*backend, &request)
-            .instrument(span.clone())
-            .await;
+        let answer = tokio::select! {
+            biased;
+            answer = wait::acquire_watched(&*backend, &request, &on_the_wire)
+                .instrument(span.clone()) => answer,
+            () = leases.closed() => return Err(LockError::ShutDown),
+        };
         match answer {
             Ok(acquired) => {
                 abandoned.disarm();
@@ -334,13 +354,17 @@ async fn acquire_on_io_runtime(
 ) -> Result<(Acquired, AcquireRequest), BackendError> {
     let caller_gone = CancellationToken::new();
     let _stop_when_dropped = caller_gone.clone().drop_guard();
+    // Counted until the task has handed what it may have been granted on:
+    // to the caller, or to a release of its own.
+    let task_in_flight = Releasing::new(&leases);
     let (tx, rx) = tokio::sync::oneshot::channel::<Result<Granted, BackendError>>();
     crate::driver::handle().spawn(
         async move {
+            let on_the_wire = AtomicBool::new(false);
             let answer = tokio::select! {
                 biased;
                 () = caller_gone.cancelled() => None,
-                answer = wait::acquire(&*backend, &request) => Some(answer),
+                answer = wait::acquire_watched(&*backend, &request, &on_the_wire) => Some(answer),
             };
             match answer {
                 Some(Ok(acquired)) => {
@@ -358,16 +382,27 @@ async fn acquire_on_io_runtime(
                     // lost: release now, and again once that attempt has
                     // surely been answered or timed out (the first release
                     // may reach the server before the attempt does).
-                    Releasing::new(&leases)
-                        .spawn_after_abandoned(backend, Lease::new(&request, None));
+                    Releasing::new(&leases).spawn_after_abandoned(
+                        backend,
+                        Lease::new(&request, None),
+                        false,
+                    );
                 }
                 None => {
-                    // The caller went away mid-wait: undo whatever an attempt
-                    // on the wire may be granted, now and after the backstop.
-                    Releasing::new(&leases)
-                        .spawn_after_abandoned(backend, Lease::new(&request, None));
+                    // The caller went away mid-wait (or shutdown stopped it):
+                    // undo whatever an attempt on the wire may be granted, now
+                    // and after the backstop — which shutdown waits for when
+                    // it stopped an attempt on the wire.
+                    let wait_for_backstop =
+                        leases.is_closing() && on_the_wire.load(Ordering::SeqCst);
+                    Releasing::new(&leases).spawn_after_abandoned(
+                        backend,
+                        Lease::new(&request, None),
+                        wait_for_backstop,
+                    );
                 }
             }
+            drop(task_in_flight);
         }
         .in_current_span(),
     );
@@ -401,11 +436,13 @@ impl Drop for Granted {
 
 /// For backends called inline: if the caller drops the acquisition while a
 /// request may be on the wire, an owner-checked release is sent after it
-/// (see [`Releasing::spawn_after_abandoned`]).
+/// (see [`Releasing::spawn_after_abandoned`]); shutdown waits for its
+/// backstop too when it stopped an attempt on the wire.
 struct ReleaseIfAbandoned<'a> {
     backend: &'a Arc<dyn LockBackend>,
     request: &'a AcquireRequest,
     leases: &'a Arc<Leases>,
+    on_the_wire: &'a AtomicBool,
     armed: bool,
 }
 
@@ -418,8 +455,13 @@ impl ReleaseIfAbandoned<'_> {
 impl Drop for ReleaseIfAbandoned<'_> {
     fn drop(&mut self) {
         if self.armed {
-            Releasing::new(self.leases)
-                .spawn_after_abandoned(self.backend.clone(), Lease::new(self.request, None));
+            let wait_for_backstop =
+                self.leases.is_closing() && self.on_the_wire.load(Ordering::SeqCst);
+            Releasing::new(self.leases).spawn_after_abandoned(
+                self.backend.clone(),
+                Lease::new(self.request, None),
+                wait_for_backstop,
+            );
         }
     }
 }

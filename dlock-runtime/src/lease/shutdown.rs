@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use super::held::HeldLease;
 use super::registry::{Registry, global};
@@ -31,17 +32,21 @@ pub struct ShutdownReport {
     pub unfinished: usize,
 }
 
-/// Every live lease of a registry and its releases in flight: what
-/// shutdown releases and waits for.
+/// Every live lease of a registry, its releases and acquisitions in flight:
+/// what shutdown releases, stops and waits for.
 #[derive(Debug, Default)]
 pub(crate) struct Leases {
     live: Mutex<HashMap<u64, Weak<HeldLease>>>,
-    /// Releases in flight: each counted by a
+    /// Releases in flight, each counted by a
     /// [`Releasing`](super::background::Releasing) from when it is asked for
-    /// until it has run.
+    /// until it has run; and acquisitions in flight, counted the same way
+    /// until they have returned (a grant on its way becomes a tracked lease,
+    /// or is released).
     releasing: AtomicUsize,
     settled: Notify,
     closing: AtomicBool,
+    /// Cancelled by shutdown: acquisitions still waiting stop.
+    closed: CancellationToken,
 }
 
 impl Leases {
@@ -74,6 +79,11 @@ impl Leases {
         self.closing.load(Ordering::SeqCst)
     }
 
+    /// Resolves when shutdown has begun.
+    pub(crate) fn closed(&self) -> WaitForCancellationFuture<'_> {
+        self.closed.cancelled()
+    }
+
     pub(super) fn live(&self) -> usize {
         let mut live = self.live_map();
         live.retain(|_, l| l.strong_count() > 0);
@@ -83,11 +93,14 @@ impl Leases {
 
 impl Registry {
     /// Releases every lease for a graceful restart (a rolling deploy), so the
-    /// next replica need not wait for them to expire: new acquisitions fail
-    /// with [`LockError::ShutDown`](crate::LockError::ShutDown) from now on, every held lease is marked
-    /// lost (bodies with `on_lost = "cancel"` stop at their next `.await`)
-    /// and released, and the releases in flight — also those handed to the
-    /// background by guards' `Drop` — are waited for, up to `deadline`.
+    /// next replica need not wait for them to expire: acquisitions fail with
+    /// [`LockError::ShutDown`](crate::LockError::ShutDown) from now on — also
+    /// those already waiting, whose attempts on the wire are undone — every
+    /// held lease is marked lost (bodies with `on_lost = "cancel"` stop at
+    /// their next `.await`) and released, and the releases in flight — also
+    /// those handed to the background by guards' `Drop` — are waited for, up
+    /// to `deadline`. Once it has returned with nothing unfinished, no key is
+    /// held or taken through this registry any more.
     ///
     /// ```no_run
     /// # async fn f() {
@@ -99,6 +112,7 @@ impl Registry {
     pub async fn shutdown(&self, deadline: Duration) -> ShutdownReport {
         let leases = &self.inner.leases;
         leases.closing.store(true, Ordering::SeqCst);
+        leases.closed.cancel();
         let held: Vec<Arc<HeldLease>> = leases
             .live_map()
             .values()

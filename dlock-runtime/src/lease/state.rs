@@ -6,8 +6,8 @@
 //!    │  ╲                          │  ╲ finish_renewal(Lost), or give-up instant passed
 //!    │   ╲ give-up instant passed  │   ╲
 //!    │    ╲────────────────────────┼────▶ Lost
-//!    │ request_release             │ request_release (the renewal on the wire is
-//!    ▼                             ▼  waited for; its answer no longer reschedules)
+//!    │ request_release             │ request_release (its answer no longer reschedules;
+//!    ▼                             ▼  hold_at_least waits for it before it shortens the key)
 //!  ReleaseRequested ◀──────────────┘◀─── Lost (request_release: still sent, owner-checked)
 //!    │ finish_release
 //!    ▼
