@@ -187,10 +187,12 @@ async fn a_caller_that_gives_up_during_wait_leaves_no_key() {
         let key = unique_key("replicas-cancelled");
         // WAIT blocks for 1 s (timeout/2); give up 100–500 ms into it.
         let give_up = Duration::from_millis(100 + 100 * round);
+        let started = Instant::now();
         let outcome = tokio::time::timeout(give_up, reg.lock(&key).acquire()).await;
         assert!(
             outcome.is_err(),
-            "the acquisition cannot finish within {give_up:?}"
+            "round {round}: the acquisition cannot finish within {give_up:?}, yet after {:?}: {outcome:?}",
+            started.elapsed()
         );
         let deadline = Instant::now() + Duration::from_secs(1);
         loop {
