@@ -190,7 +190,12 @@ impl std::error::Error for BackendError {
 /// (`?listen_url=postgres%3A%2F%2Fu%3Apw%40…`).
 pub(crate) fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+        // No scheme (`user:secret@host/db`): what precedes an `@` may
+        // still be credentials.
+        return match url.rfind('@') {
+            Some(at) => format!("***@{}", redact_query(&url[at + 1..])),
+            None => redact_query(url),
+        };
     };
     let (authority, tail) = match rest.find(['/', '?', '#']) {
         Some(i) => rest.split_at(i),

@@ -7,7 +7,8 @@ use crate::error::{LockError, redact_url};
 
 /// The URL schemes dlock knows, for error messages.
 const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-     redlock://, zk://, postgres://, mysql://, mariadb://";
+     rediss+cluster://, redlock://, redlocks://, zk://, postgres://, postgresql://, mysql://, \
+     mariadb://";
 
 /// Opens the backend a URL names.
 ///
@@ -16,9 +17,17 @@ const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+clus
 /// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
 /// `mysql`) are available in this release.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+    // Only a `scheme://` prefix names a backend: in `user:secret@host` the
+    // text before the first `:` is a user name, never echoed as a scheme.
     let scheme = url
-        .split_once(':')
+        .split_once("://")
         .map(|(scheme, _)| scheme.to_ascii_lowercase())
+        .filter(|scheme| {
+            !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+        })
         .ok_or_else(|| {
             LockError::config(format!(
                 "`{}` is not a lock URL; expected one of {SCHEMES}",
@@ -71,5 +80,41 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",
             redact_url(url)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn urls_without_a_scheme_are_refused_without_their_credentials() {
+        for url in [
+            "user:s3cret@db.example:5432/locks",
+            "s3cret@db.example",
+            "db.example:5432?password=s3cret",
+            "",
+        ] {
+            let err = connect(url).await.expect_err(url).to_string();
+            assert!(err.contains("is not a lock URL"), "{url}: {err}");
+            assert!(!err.contains("s3cret"), "{url}: the secret is shown: {err}");
+            assert!(
+                !err.contains("user"),
+                "{url}: the user name is shown: {err}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_schemes_are_named_and_the_known_ones_listed() {
+        let err = connect("etcdx://u:s3cret@h:1/p")
+            .await
+            .expect_err("unknown");
+        let err = err.to_string();
+        assert!(err.contains("unknown lock URL scheme `etcdx`"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+        for scheme in ["rediss+cluster://", "redlocks://", "postgresql://"] {
+            assert!(err.contains(scheme), "{scheme} missing from: {err}");
+        }
     }
 }
