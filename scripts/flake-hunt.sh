@@ -123,11 +123,11 @@ if ((EACH > 0)); then
     done
     say "under the hog: ${BINARIES[*]}"
     for bin in "${BINARIES[@]}"; do
-        if [[ -f tests/tests/$bin.rs ]]; then pkg=dlock-tests; else pkg=dlock-chaos; fi
         before=$failures
         start=$SECONDS
         for ((i = 1; i <= EACH; i++)); do
-            run_logged "$OUT/$bin-$i.log" cargo test -p "$pkg" --all-features --test "$bin"
+            # --workspace: the features of the build above, so nothing is rebuilt.
+            run_logged "$OUT/$bin-$i.log" cargo test --workspace --all-features --test "$bin"
         done
         say "$bin: $((failures - before)) of $EACH runs failed ($((SECONDS - start)) s)"
     done
