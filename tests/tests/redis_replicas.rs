@@ -9,6 +9,10 @@ use dlock_runtime::{RedisBackend, Registry};
 use dlock_tests::{server_url, servers_missing, unique_key};
 use redis::AsyncCommands;
 
+/// One test at a time against the pair: one detaches the replica, which
+/// changes what `WAIT` answers the others (and writes on the primary).
+static PAIR: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn primary_url() -> String {
     server_url("DLOCK_TEST_REDIS_PRIMARY_URL", "redis://127.0.0.1:46384/")
 }
@@ -55,6 +59,7 @@ async fn replica_linked(replica: &mut redis::aio::MultiplexedConnection) -> bool
 /// leaves no key; attached again, grants succeed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_counts_once_a_replica_acknowledged_it() {
+    let _alone = PAIR.lock().await;
     let reg = registry("replicas=1&timeout=600ms").await;
     let mut primary = admin(&primary_url()).await;
     let mut replica = admin(&replica_url()).await;
@@ -155,6 +160,7 @@ impl Drop for ReattachOnDrop {
 /// how many acknowledged, and `wait = 0` answers after one `WAIT`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_replicas_than_exist_fail_and_leave_no_key() {
+    let _alone = PAIR.lock().await;
     let reg = registry("replicas=2&timeout=400ms").await;
     let mut primary = admin(&primary_url()).await;
     let key = unique_key("replicas-two");
@@ -181,6 +187,7 @@ async fn more_replicas_than_exist_fail_and_leave_no_key() {
 /// attempt, over the grants' own connection too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_that_gives_up_during_wait_leaves_no_key() {
+    let _alone = PAIR.lock().await;
     let reg = registry("replicas=2&timeout=2s").await;
     let mut primary = admin(&primary_url()).await;
     for round in 0..5 {
