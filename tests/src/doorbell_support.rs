@@ -118,6 +118,23 @@ pub fn spawn_waiter(
     })
 }
 
+/// Has a waiter of `waiter` (a registry over `waiting`) wait for the held
+/// `key` until its wake-up is registered, then gives up: `waiting` has set
+/// up its watcher (if it can) however long the waiter's first attempt took.
+pub async fn wait_until_registered(waiting: &SqliteBackend, waiter: &Registry, key: &str) {
+    let waits = spawn_waiter(waiter, key);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while waiting.doorbell_waits() == 0 && !waits.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the waiter never registered its wake-up"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    waits.abort();
+    let _ = waits.await;
+}
+
 /// Releases `guard` and gives the waiter `within` to take the key; returns
 /// how long it took, or `None` if it was still waiting.
 pub async fn handoff(

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use dlock_tests::doorbell_support::{
     self, backend, bells_dir, handoff, hold, in_child_process, inotify_fds, relative_to_cwd,
-    remove_bells, spawn_waiter, watcher_threads,
+    remove_bells, spawn_waiter, wait_until_registered, watcher_threads,
 };
 use dlock_tests::unique_key;
 
@@ -91,12 +91,7 @@ async fn the_bells_stay_bounded() {
     // A waiter sets up the bells.
     let key = unique_key("bell-wait");
     let guard = holder.lock(&key).acquire().await.expect("hold");
-    let busy = waiter
-        .lock(&key)
-        .wait(Duration::from_millis(100))
-        .acquire()
-        .await;
-    assert!(busy.is_err());
+    wait_until_registered(&waiting, &waiter, &key).await;
     assert!(waiting.hears_doorbells());
     guard.release().await.expect("release");
 
@@ -393,12 +388,7 @@ fn dropped_backends_leave_no_watcher() {
         let mut peak = (0, 0);
         for _ in 0..50 {
             let (waiting, waiter) = backend(&url).await;
-            let busy = waiter
-                .lock(&key)
-                .wait(Duration::from_millis(20))
-                .acquire()
-                .await;
-            assert!(busy.is_err());
+            wait_until_registered(&waiting, &waiter, &key).await;
             assert!(waiting.hears_doorbells());
             peak = (peak.0.max(inotify_fds()), peak.1.max(watcher_threads()));
             drop(waiter);

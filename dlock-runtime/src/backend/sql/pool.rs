@@ -152,25 +152,23 @@ impl<DB: sqlx::Database> Pooled<DB> {
     {
         let pool = self.near();
         let attempts = async {
-            let mut tries = 0;
+            let mut dead = DeadConnections::new(pool.size() as usize);
             loop {
-                tries += 1;
-                let answer = async {
-                    let mut conn = Checked::new(pool.acquire().await?);
-                    let answer = statement(conn.conn()).await;
-                    match &answer {
-                        Err(err) if is_connection_error(err) => drop(conn),
-                        _ => conn.keep(),
-                    }
-                    answer
-                }
-                .await;
+                // An error opening a connection ends the call: the server
+                // cannot be reached, and trying again at once would not help.
+                let mut conn = Checked::new(pool.acquire().await?);
+                let answer = statement(conn.conn()).await;
                 match answer {
-                    Err(err)
-                        if tries < CONNECTION_TRIES
-                            && is_connection_error(&err)
-                            && !matches!(err, sqlx::Error::PoolTimedOut) => {}
-                    answer => return answer,
+                    Err(err) if is_connection_error(&err) => {
+                        drop(conn);
+                        if !dead.try_another(&err) {
+                            return Err(err);
+                        }
+                    }
+                    answer => {
+                        conn.keep();
+                        return answer;
+                    }
                 }
             }
         };
@@ -302,9 +300,37 @@ pub(crate) fn batch_failed<T>(
         .collect()
 }
 
-/// How many connections one call tries: a pool holds at most this many
-/// dead ones after a restart.
-const CONNECTION_TRIES: u32 = 11;
+/// The one connection-error policy of the SQL backends, in both modes: a
+/// connection that fails in use (the server restarted, `KILL`ed it or ended
+/// it with a message; a proxy reset it) is closed and the call goes on with
+/// another — the server cannot have granted anything on a connection it
+/// ended (a lease-table statement that ran before the connection died is
+/// owner-checked and may run again; a session lock dies with its
+/// connection). Every connection the pool held when the call began may be
+/// found dead, once each; after that the call has met a new connection
+/// failing in use, and the error is the server's.
+pub(crate) struct DeadConnections {
+    /// Connections that may still be found dead.
+    left: usize,
+}
+
+impl DeadConnections {
+    /// A call on a pool holding `pooled` connections now.
+    pub(crate) fn new(pooled: usize) -> Self {
+        DeadConnections { left: pooled + 1 }
+    }
+
+    /// Whether to try another connection after `err` on one in use.
+    pub(crate) fn try_another(&mut self, err: &sqlx::Error) -> bool {
+        if !is_connection_error(err)
+            || matches!(err, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)
+        {
+            return false;
+        }
+        self.left = self.left.saturating_sub(1);
+        self.left > 0
+    }
+}
 
 /// The error of a call that did not answer in time.
 pub(crate) fn timed_out(what: &str, after: Duration) -> BackendError {

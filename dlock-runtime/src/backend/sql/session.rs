@@ -31,7 +31,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::pool::{is_connection_error, timed_out};
+use super::pool::{DeadConnections, is_connection_error, timed_out};
 use crate::backend::{AcquireRequest, Attempt, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
@@ -55,6 +55,10 @@ pub trait SessionDb: Send + Sync + 'static {
     /// `fresh`, or a new one.
     fn open(&self, fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>>;
 
+    /// How many connections [`open`](Self::open) may hand out that were
+    /// opened earlier (and may have died since).
+    fn pooled(&self) -> usize;
+
     /// Locks `key` within `wait` (zero: try once), and on success bumps its
     /// fencing counter and sets the server's idle limit to `ttl`.
     fn lock<'a>(
@@ -74,6 +78,13 @@ pub trait SessionDb: Send + Sync + 'static {
 
     /// Unlocks everything the connection holds and clears its idle limit.
     fn unlock<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// Ends, from another connection, the statement `conn` runs (a lock
+    /// wait whose caller went away), so the server grants it nothing later;
+    /// answers whether it did. Afterwards `conn`'s next statement first reads
+    /// the ended one's answer. Where it answers `false`, the connection is
+    /// closed instead.
+    fn cancel<'a>(&'a self, conn: &'a Self::Conn) -> BoxFuture<'a, bool>;
 
     /// Resolves when the idle connection is found closed (never, where the
     /// driver cannot watch an idle connection).
@@ -174,8 +185,9 @@ impl<S: SessionDb> Sessions<S> {
         };
         let mut conn = conn;
         let mut fresh = false;
+        let mut dead = DeadConnections::new(self.db.pooled() + usize::from(conn.is_some()));
         let outcome = loop {
-            let mut c = match conn.take() {
+            let c = match conn.take() {
                 Some(c) => c,
                 None => match tokio::time::timeout(self.timeout, self.db.open(fresh)).await {
                     Ok(Ok(c)) => c,
@@ -183,16 +195,24 @@ impl<S: SessionDb> Sessions<S> {
                     Err(_) => return Err(timed_out("opening a session connection", self.timeout)),
                 },
             };
+            // Dropped while the server runs the lock: see `Abandoned`.
+            let mut running = Abandoned {
+                db: self.db.clone(),
+                conn: Some(c),
+                timeout: self.timeout,
+            };
             let locked = tokio::time::timeout(
                 slice + self.timeout,
-                self.db.lock(&mut c, &request.key, slice, request.lease),
+                self.db
+                    .lock(running.conn(), &request.key, slice, request.lease),
             )
             .await;
+            let c = running.finished();
             match locked {
                 Ok(Ok(locked)) => break (locked, c),
-                Ok(Err(e)) if !fresh && is_connection_error(&e) => {
-                    // A kept connection died meanwhile (a server restart):
-                    // once more on a new one.
+                Ok(Err(e)) if dead.try_another(&e) => {
+                    // A kept connection died meanwhile (a server restart, a
+                    // `KILL`): on another one.
                     drop(c);
                     fresh = true;
                 }
@@ -295,6 +315,56 @@ async fn unlock_and_recycle<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout
         db.recycle(conn);
     }
     // Otherwise `conn` is dropped here: closed, and its locks with it.
+}
+
+/// A connection whose lock statement is running on the server. If the
+/// attempt is dropped meanwhile (its caller went away), the server would
+/// still wait up to the statement's slice, and grant the key to nobody when
+/// it is released: so the statement is cancelled from another connection,
+/// then everything the connection holds is unlocked (a grant in the same
+/// instant included) and the connection goes back for reuse — or, where the
+/// database cannot cancel, it is closed, which ends its server session.
+struct Abandoned<S: SessionDb> {
+    db: Arc<S>,
+    conn: Option<S::Conn>,
+    timeout: Duration,
+}
+
+impl<S: SessionDb> Abandoned<S> {
+    fn conn(&mut self) -> &mut S::Conn {
+        self.conn.as_mut().expect("present until finished")
+    }
+
+    /// The statement answered (or timed out): the connection, back.
+    fn finished(mut self) -> S::Conn {
+        self.conn.take().expect("present until finished")
+    }
+}
+
+impl<S: SessionDb> Drop for Abandoned<S> {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let (db, timeout) = (self.db.clone(), self.timeout);
+        crate::driver::handle().spawn(async move {
+            if !matches!(
+                tokio::time::timeout(timeout, db.cancel(&conn)).await,
+                Ok(true)
+            ) {
+                return;
+            }
+            // The first statement reads the cancelled one's error; the
+            // second one unlocks.
+            for _ in 0..2 {
+                match tokio::time::timeout(timeout, db.unlock(&mut conn)).await {
+                    Ok(Ok(())) => return db.recycle(conn),
+                    Ok(Err(e)) if !is_connection_error(&e) => {}
+                    _ => return,
+                }
+            }
+        });
+    }
 }
 
 struct HoldTask<S: SessionDb> {

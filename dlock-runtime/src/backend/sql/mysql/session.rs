@@ -48,16 +48,14 @@ fn idle_seconds(ttl: Duration) -> u64 {
 impl SessionDb for MySessions {
     type Conn = Checked<sqlx::MySql>;
 
-    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>> {
-        Box::pin(async move {
-            let mut conn = Checked::new(self.pool.acquire().await?);
-            if fresh {
-                // After a failure: make sure this one is alive.
-                use sqlx::Connection as _;
-                conn.conn().ping().await?;
-            }
-            Ok(conn)
-        })
+    fn open(&self, _fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>> {
+        // The pool hands out its idle connections first, new ones after: a
+        // dead one fails the lock statement at once and is replaced.
+        Box::pin(async move { Ok(Checked::new(self.pool.acquire().await?)) })
+    }
+
+    fn pooled(&self) -> usize {
+        self.pool.size() as usize
     }
 
     fn lock<'a>(
@@ -126,6 +124,14 @@ impl SessionDb for MySessions {
             .await?;
             Ok(())
         })
+    }
+
+    fn cancel<'a>(&'a self, _conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
+        // Cancelling (`KILL QUERY`) needs the connection's id, which a pooled
+        // connection does not carry: the connection is closed instead, and
+        // the server ends its session (and whatever it was granted) when it
+        // finds the client gone.
+        Box::pin(std::future::ready(false))
     }
 
     fn watch<'a>(&'a self, _conn: &'a mut Self::Conn) -> BoxFuture<'a, String> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 
 use super::{NOW_US, pg_error, sqlstate};
 use crate::backend::sql::session::{Locked, SessionDb, session_hash};
@@ -47,7 +47,18 @@ pub struct PgSessions {
     idle_limit: bool,
     /// Clean connections kept for reuse, oldest first, with when each was
     /// given back.
-    idle: Mutex<Vec<(PgListener, std::time::Instant)>>,
+    idle: Mutex<Vec<(PgSession, std::time::Instant)>>,
+    /// A connection of the backend's own for `pg_cancel_backend`, opened when
+    /// first needed (see [`SessionDb::cancel`]).
+    control: tokio::sync::Mutex<Option<PgConnection>>,
+}
+
+/// A session connection: a `PgListener`, whose idle socket can be watched
+/// (`pg_terminate_backend` or a restart are noticed at once), and its server
+/// process, for a cancel from another connection.
+pub struct PgSession {
+    listener: PgListener,
+    pid: i32,
 }
 
 impl PgSessions {
@@ -79,12 +90,13 @@ impl PgSessions {
             lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
             idle_limit: version >= 140_000,
             idle: Mutex::default(),
+            control: tokio::sync::Mutex::default(),
         })
     }
 
     /// The kept connections, without those unused for too long (closed as
     /// they are dropped).
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(PgListener, std::time::Instant)>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(PgSession, std::time::Instant)>> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let stale = idle
             .iter()
@@ -118,25 +130,30 @@ impl PgSessions {
 }
 
 impl SessionDb for PgSessions {
-    // A `PgListener` is a connection whose idle socket can be watched:
-    // `pg_terminate_backend` or a restart are noticed at once.
-    type Conn = PgListener;
+    type Conn = PgSession;
 
-    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<PgListener, sqlx::Error>> {
+    fn open(&self, fresh: bool) -> BoxFuture<'_, Result<PgSession, sqlx::Error>> {
         Box::pin(async move {
             if !fresh && let Some((conn, _)) = self.idle().pop() {
                 return Ok(conn);
             }
-            let mut conn = PgListener::connect_with(&self.pool).await?;
-            conn.eager_reconnect(false);
-            conn.ignore_pool_close_event(true);
-            Ok(conn)
+            let mut listener = PgListener::connect_with(&self.pool).await?;
+            listener.eager_reconnect(false);
+            listener.ignore_pool_close_event(true);
+            let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut listener)
+                .await?;
+            Ok(PgSession { listener, pid })
         })
+    }
+
+    fn pooled(&self) -> usize {
+        self.idle().len()
     }
 
     fn lock<'a>(
         &'a self,
-        conn: &'a mut PgListener,
+        conn: &'a mut PgSession,
         key: &'a str,
         wait: Duration,
         ttl: Duration,
@@ -153,7 +170,7 @@ impl SessionDb for PgSessions {
                 .bind(session_hash(key))
                 .bind(idle_limit(ttl))
                 .bind(wait)
-                .fetch_optional(&mut *conn)
+                .fetch_optional(&mut conn.listener)
                 .await
             {
                 Ok(token) => token,
@@ -175,38 +192,65 @@ impl SessionDb for PgSessions {
 
     fn ping<'a>(
         &'a self,
-        conn: &'a mut PgListener,
+        conn: &'a mut PgSession,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             if self.idle_limit {
                 sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
                     .bind(idle_limit(ttl))
-                    .execute(&mut *conn)
+                    .execute(&mut conn.listener)
                     .await?;
             } else {
-                sqlx::query("SELECT 1").execute(&mut *conn).await?;
+                sqlx::query("SELECT 1").execute(&mut conn.listener).await?;
             }
             Ok(())
         })
     }
 
-    fn unlock<'a>(&'a self, conn: &'a mut PgListener) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    fn unlock<'a>(&'a self, conn: &'a mut PgSession) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             let sql = if self.idle_limit {
                 "SELECT pg_advisory_unlock_all(), set_config('idle_session_timeout', '0', false)"
             } else {
                 "SELECT pg_advisory_unlock_all()"
             };
-            sqlx::query(sql).execute(&mut *conn).await?;
+            sqlx::query(sql).execute(&mut conn.listener).await?;
             Ok(())
         })
     }
 
-    fn watch<'a>(&'a self, conn: &'a mut PgListener) -> BoxFuture<'a, String> {
+    fn cancel<'a>(&'a self, conn: &'a PgSession) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let mut control = self.control.lock().await;
+            let c = match &mut *control {
+                Some(c) => c,
+                None => match <PgConnection as sqlx::Connection>::connect_with(
+                    &self.pool.connect_options(),
+                )
+                .await
+                {
+                    Ok(c) => control.insert(c),
+                    Err(_) => return false,
+                },
+            };
+            // Returns once the server process was signalled: a statement
+            // it runs ends at once (57014); an idle one ignores it.
+            let cancelled = sqlx::query("SELECT pg_cancel_backend($1)")
+                .bind(conn.pid)
+                .execute(&mut *c)
+                .await;
+            if cancelled.is_err() {
+                *control = None;
+            }
+            cancelled.is_ok()
+        })
+    }
+
+    fn watch<'a>(&'a self, conn: &'a mut PgSession) -> BoxFuture<'a, String> {
         Box::pin(async move {
             loop {
-                match conn.try_recv().await {
+                match conn.listener.try_recv().await {
                     Ok(Some(_)) => continue,
                     Ok(None) => return "the server closed the connection".to_owned(),
                     Err(e) => return e.to_string(),
@@ -215,7 +259,7 @@ impl SessionDb for PgSessions {
         })
     }
 
-    fn recycle(&self, conn: PgListener) {
+    fn recycle(&self, conn: PgSession) {
         let mut idle = self.idle();
         if idle.len() == IDLE_SESSIONS {
             idle.remove(0);
