@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, LockGuard, Registry, SqliteBackend};
 
+use crate::hold;
+
 /// A fresh database path under `root` (the test binary's
 /// `CARGO_TARGET_TMPDIR`) of this test's own.
 pub fn db_path(root: &Path, case: &str) -> PathBuf {
@@ -89,16 +91,6 @@ pub fn relative_to_cwd(path: &Path) -> PathBuf {
     rel.push(path.strip_prefix("/").expect("absolute"));
     assert!(!rel.is_absolute());
     rel
-}
-
-/// Takes `key` on `registry` with a 30 s lease.
-pub async fn hold(registry: &Registry, key: &str) -> LockGuard {
-    registry
-        .lock(key)
-        .lease(Duration::from_secs(30))
-        .acquire()
-        .await
-        .expect("hold")
 }
 
 /// A task that waits up to 20 s for `key` on `registry` (30 s lease).

@@ -162,6 +162,16 @@ pub fn servers_missing(url: &str, err: impl std::fmt::Display) -> ! {
     )
 }
 
+/// Takes `key` on `registry` with a 30 s lease.
+pub async fn hold(registry: &dlock_runtime::Registry, key: &str) -> dlock_runtime::LockGuard {
+    registry
+        .lock(key)
+        .lease(std::time::Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("hold")
+}
+
 /// Acquires `key` on `registry` and releases it at once.
 pub async fn acquire_and_release(registry: &dlock_runtime::Registry, key: &str) {
     registry

@@ -20,10 +20,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock_tests::doorbell_support::{
-    self, Queued, TwoBackends, backend, bell_path, bells_dir, bucket, finds_busy, handoff, hold,
+    self, Queued, TwoBackends, backend, bell_path, bells_dir, bucket, finds_busy, handoff,
     in_child_process, rung_awake, spawn_waiter,
 };
-use dlock_tests::unique_key;
+use dlock_tests::{hold, unique_key};
 
 /// A fresh database path of this test's own.
 fn db_path(case: &str) -> PathBuf {

@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dlock_tests::doorbell_support::{
-    self, Queued, TwoBackends, backend, bells_dir, finds_busy, hold, in_child_process, inotify_fds,
+    self, Queued, TwoBackends, backend, bells_dir, finds_busy, in_child_process, inotify_fds,
     relative_to_cwd, remove_bells, rung_awake, watcher_threads,
 };
-use dlock_tests::{acquire_and_release, unique_key};
+use dlock_tests::{acquire_and_release, hold, unique_key};
 
 /// A fresh database path of this test's own.
 fn db_path(case: &str) -> PathBuf {

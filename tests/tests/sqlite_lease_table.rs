@@ -14,7 +14,7 @@ use dlock_runtime::{Registry, SqliteBackend};
 use dlock_tests::scenarios::StalledAndHealthy;
 use dlock_tests::sql_db::{SqlDb, SqlTarget, SqliteFaults};
 use dlock_tests::sql_support::SqlMode;
-use dlock_tests::unique_key;
+use dlock_tests::{hold, unique_key};
 use sqlx::sqlite::SqliteConnection;
 
 /// The lease-table suite's database: one file per test binary run, under
@@ -100,12 +100,7 @@ async fn abandoned_acquisition_stops() {
     let path = db(&dir, "abandoned.db");
     let (holder, waiter) = (registry(&url(&path)).await, registry(&url(&path)).await);
     let key = unique_key("abandoned");
-    let guard = holder
-        .lock(&key)
-        .lease(Duration::from_secs(30))
-        .acquire()
-        .await
-        .expect("acquire");
+    let guard = hold(&holder, &key).await;
     let held_token = guard.fencing_token().expect("sqlite fences").get();
     let started = Instant::now();
     let gave_up = tokio::time::timeout(
