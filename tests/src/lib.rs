@@ -145,6 +145,10 @@ pub mod sql_lease_table;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_session;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
 pub mod sql_support;
 
 /// The URL of a test server from `scripts/servers.sh` (`urls.env`), or its

@@ -301,7 +301,7 @@ impl SqlDb {
                 .expect("delete")
                 .rows_affected(),
             #[cfg(feature = "sqlite")]
-            SqlDb::Sqlite(_) => panic!("SQLite has no session mode"),
+            SqlDb::Sqlite(_) => panic!("SQLite has no session mode ({stored_key})"),
         }
     }
 
@@ -322,7 +322,7 @@ impl SqlDb {
                     .is_some(),
             ),
             #[cfg(feature = "sqlite")]
-            SqlDb::Sqlite(_) => panic!("SQLite has no session mode"),
+            SqlDb::Sqlite(_) => panic!("SQLite has no session mode ({stored_key})"),
         }
     }
 

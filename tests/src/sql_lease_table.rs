@@ -145,8 +145,7 @@ async fn bad_urls_and_unreachable_servers(t: SqlTarget) {
         format!("{server}?table=a;b"),
         format!("{server}?poll=never"),
     ];
-    #[cfg(feature = "postgres")]
-    if t.db == crate::sql_db::SqlDb::Postgres {
+    if t.db.scheme() == "postgres" {
         bad.push(format!("{server}?listen_url=mysql%3A%2F%2Fh"));
     }
     for bad in bad {
