@@ -137,6 +137,12 @@ impl SqlDb {
         self.has_server()
     }
 
+    /// Whether a release collects the free rows that are due before it
+    /// returns (SQLite); the servers' backends collect in the background.
+    pub fn collects_in_the_release(self) -> bool {
+        !self.has_server()
+    }
+
     /// The server's `host:port`.
     pub fn host_port(self) -> String {
         assert!(self.has_server(), "{self:?} has no server");
