@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, LockGuard, Registry, SqliteBackend};
 
+use crate::hold;
+
 /// A fresh database path under `root` (the test binary's
 /// `CARGO_TARGET_TMPDIR`) of this test's own.
 pub fn db_path(root: &Path, case: &str) -> PathBuf {
@@ -91,16 +93,6 @@ pub fn relative_to_cwd(path: &Path) -> PathBuf {
     rel
 }
 
-/// Takes `key` on `registry` with a 30 s lease.
-pub async fn hold(registry: &Registry, key: &str) -> LockGuard {
-    registry
-        .lock(key)
-        .lease(Duration::from_secs(30))
-        .acquire()
-        .await
-        .expect("hold")
-}
-
 /// A task that waits up to 20 s for `key` on `registry` (30 s lease).
 pub fn spawn_waiter(
     registry: &Registry,
@@ -154,6 +146,87 @@ pub async fn handoff(
             Some(took)
         }
         Err(_) => None,
+    }
+}
+
+/// Whether `registry` finds `key` busy for `within` (its acquisition fails).
+pub async fn finds_busy(registry: &Registry, key: &str, within: Duration) -> bool {
+    registry.lock(key).wait(within).acquire().await.is_err()
+}
+
+/// Whether a [`handoff`] took under a second: the waiter was rung awake
+/// (its poll is 10 s, its holder's lease 30 s).
+pub fn rung_awake(took: Option<Duration>) -> bool {
+    took.is_some_and(|t| t < Duration::from_secs(1))
+}
+
+/// A database of a test's own and two backends on it, each with its own
+/// local waiters and watcher, as two processes would have: a holder's and a
+/// waiter's.
+pub struct TwoBackends {
+    /// The database file.
+    pub db: PathBuf,
+    /// The URL both backends opened.
+    pub url: String,
+    /// The holder's backend.
+    pub holding: SqliteBackend,
+    /// A registry over the holder's backend.
+    pub holder: Registry,
+    /// The waiter's backend.
+    pub waiting: SqliteBackend,
+    /// A registry over the waiter's backend.
+    pub waiter: Registry,
+}
+
+impl TwoBackends {
+    /// Both backends on `url`, a URL of the database `db`.
+    pub async fn open(db: PathBuf, url: String) -> Self {
+        let (holding, holder) = backend(&url).await;
+        let (waiting, waiter) = backend(&url).await;
+        TwoBackends {
+            db,
+            url,
+            holding,
+            holder,
+            waiting,
+            waiter,
+        }
+    }
+
+    /// Both backends on `sqlite://<db><query>` (`query`: `?poll=10s`, or
+    /// empty).
+    pub async fn on(db: PathBuf, query: &str) -> Self {
+        let url = format!("sqlite://{}{query}", db.display());
+        Self::open(db, url).await
+    }
+
+    /// Holds `key` on the holder's backend, with a waiter of the waiter's
+    /// backend queued behind it.
+    pub async fn queue(&self, key: &str) -> Queued {
+        Queued::behind(hold(&self.holder, key).await, &self.waiter, key).await
+    }
+}
+
+/// A held key and a waiter queued behind it.
+pub struct Queued {
+    guard: LockGuard,
+    waiter: tokio::task::JoinHandle<Result<LockGuard, LockError>>,
+}
+
+impl Queued {
+    /// Starts a waiter of `registry` for `key`, which `guard` holds, and
+    /// checks 50 ms later that it found the key busy and waits.
+    pub async fn behind(guard: LockGuard, registry: &Registry, key: &str) -> Self {
+        let waiter = spawn_waiter(registry, key);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "the key was not busy");
+        Queued { guard, waiter }
+    }
+
+    /// Releases the key: how long the waiter took to take it, `None` if it
+    /// still waited after 3 s (see [`handoff`]).
+    pub async fn release(self) -> Option<Duration> {
+        handoff(self.guard, self.waiter, Duration::from_secs(3)).await
     }
 }
 

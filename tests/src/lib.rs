@@ -12,40 +12,38 @@
 //! also shows that a registry keeps working across runtimes. The SQL
 //! databases' test files also run the lease-table suite
 //! (`dlock_tests::sql_lease_table_suite!(target)`) or the session suite
-//! (`dlock_tests::sql_session_suite!(target)`). Each suite's test list is
-//! generated from its `#[case]` functions (see `suite!`), so no case can be
-//! left out of it.
+//! (`dlock_tests::sql_session_suite!(target)`). Each suite's cases are
+//! ordinary functions of its module, listed once at its end (see `suite!`);
+//! a case left off the list fails the build.
 //!
 //! Beside the suites: the handoff measurement ([`handoff`]), support for the
 //! in-process runtime tests ([`memory_support`]), SQLite's doorbells
 //! (`doorbell_support`), Redis, ZooKeeper and the SQL servers.
 
-/// Defines a suite: its cases (the `#[case] pub async fn` items, each taking
-/// one argument) and the items they use, and from the same list a macro
-/// `$suite!(setup)` that expands to one `#[tokio::test]` per case, each
-/// calling `setup().await` and handing the answer to the case. A case written
-/// in the suite's module therefore runs wherever the suite does.
+/// Lists a suite's cases: `async fn`s of the calling module, private, each
+/// taking the suite's one argument (`$arg`). Expands to a module `cases` with
+/// one public function per listed case (calling it), and to an exported macro
+/// `$suite!(setup)` with one `#[tokio::test]` per listed case, each calling
+/// `setup().await` and handing the answer to the case.
+///
+/// A suite's module denies dead code (`#![deny(dead_code)]`): a case left off
+/// the list is used nowhere, so it fails the build; a listed name that is not
+/// a case of that signature fails it too.
 macro_rules! suite {
-    ($suite:ident, $module:ident, $setup:literal; $($items:tt)*) => {
-        $crate::suite!(@collect ($) $suite $module $setup [] $($items)*);
+    ($suite:ident, $module:ident, $arg:ty, $setup:literal; $($case:ident),+ $(,)?) => {
+        $crate::suite!(@expand ($) $suite $module ($arg) $setup; $($case)+);
     };
-    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
-        $(#[doc = $doc:literal])*
-        #[case]
-        pub async fn $name:ident($arg:ident: $ty:ty) $body:block
-        $($rest:tt)*
-    ) => {
-        $(#[doc = $doc])*
-        pub async fn $name($arg: $ty) $body
-        $crate::suite!(@collect ($d) $suite $module $setup [$($case)* $name] $($rest)*);
-    };
-    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]
-        $item:item $($rest:tt)*
-    ) => {
-        $item
-        $crate::suite!(@collect ($d) $suite $module $setup [$($case)*] $($rest)*);
-    };
-    (@collect ($d:tt) $suite:ident $module:ident $setup:literal [$($case:ident)*]) => {
+    (@expand ($d:tt) $suite:ident $module:ident ($arg:ty) $setup:literal; $($case:ident)+) => {
+        #[doc = concat!("The listed cases, for the tests `", stringify!($suite), "!` expands to.")]
+        pub mod cases {
+            $(
+                #[doc = concat!("Runs the case `", stringify!($case), "`.")]
+                pub async fn $case(arg: $arg) {
+                    super::$case(arg).await;
+                }
+            )+
+        }
+
         #[doc = concat!(
             "Expands to one `#[tokio::test]` per case of [`crate::", stringify!($module),
             "`], each calling ", $setup, " first."
@@ -57,9 +55,9 @@ macro_rules! suite {
                     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                     async fn $case() {
                         let setup = $d setup().await;
-                        $d crate::$module::$case(setup).await;
+                        $d crate::$module::cases::$case(setup).await;
                     }
-                )*
+                )+
             };
         }
     };
@@ -140,13 +138,17 @@ pub mod redis_support;
 #[cfg(feature = "zookeeper")]
 pub mod zk_support;
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql_db;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql_lease_table;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_session;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
 pub mod sql_support;
 
 /// The URL of a test server from `scripts/servers.sh` (`urls.env`), or its
@@ -162,6 +164,28 @@ pub fn servers_missing(url: &str, err: impl std::fmt::Display) -> ! {
         "cannot reach the test server at {url}: {err}\n\
          start the test servers first: scripts/servers.sh up (scripts/test.sh does it)"
     )
+}
+
+/// Takes `key` on `registry` with a 30 s lease.
+pub async fn hold(registry: &dlock_runtime::Registry, key: &str) -> dlock_runtime::LockGuard {
+    registry
+        .lock(key)
+        .lease(std::time::Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("hold")
+}
+
+/// Acquires `key` on `registry` and releases it at once.
+pub async fn acquire_and_release(registry: &dlock_runtime::Registry, key: &str) {
+    registry
+        .lock(key)
+        .acquire()
+        .await
+        .expect("acquire")
+        .release()
+        .await
+        .expect("release");
 }
 
 /// Acquires `key` on `registry`, trying again every 200 ms for up to 15 s (a

@@ -1,17 +1,19 @@
-//! One SQL database under test (PostgreSQL or MySQL/MariaDB) in one mode: its
-//! URL, its backend, its harness and the statements a test runs behind the
-//! backend's back. The SQL suites ([`crate::sql_lease_table`],
-//! [`crate::sql_session`]) are written once against it.
+//! One SQL database under test (PostgreSQL, MySQL/MariaDB or SQLite) in one
+//! mode: its URL, its backend, its harness, what it can do and the statements
+//! a test runs behind the backend's back. The SQL suites
+//! ([`crate::sql_lease_table`], [`crate::sql_session`]) are written once
+//! against it.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use dlock_runtime::{LockError, Registry};
 use tokio::sync::OnceCell;
 
 use crate::sql_support::SqlMode;
-use crate::{Faults, Harness, server_url, servers_missing};
+use crate::{Faults, Harness, servers_missing};
 
-/// An SQL database of the test servers.
+/// An SQL database: a test server's, or a SQLite file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SqlDb {
     /// PostgreSQL (`DLOCK_TEST_POSTGRES_URL`).
@@ -20,6 +22,9 @@ pub enum SqlDb {
     /// MySQL/MariaDB (`DLOCK_TEST_MYSQL_URL`).
     #[cfg(feature = "mysql")]
     Mysql,
+    /// SQLite, the database file at this path (lease mode only).
+    #[cfg(feature = "sqlite")]
+    Sqlite(&'static std::path::Path),
 }
 
 /// A backend of either database, on connections of its own.
@@ -31,6 +36,9 @@ pub enum SqlBackend {
     /// A MySQL/MariaDB backend.
     #[cfg(feature = "mysql")]
     Mysql(dlock_runtime::MysqlBackend),
+    /// A SQLite backend.
+    #[cfg(feature = "sqlite")]
+    Sqlite(dlock_runtime::SqliteBackend),
 }
 
 impl SqlBackend {
@@ -41,6 +49,8 @@ impl SqlBackend {
             SqlBackend::Postgres(b) => Registry::builder().default_backend(b.clone()).build(),
             #[cfg(feature = "mysql")]
             SqlBackend::Mysql(b) => Registry::builder().default_backend(b.clone()).build(),
+            #[cfg(feature = "sqlite")]
+            SqlBackend::Sqlite(b) => Registry::builder().default_backend(b.clone()).build(),
         }
     }
 
@@ -51,6 +61,8 @@ impl SqlBackend {
             SqlBackend::Postgres(b) => b.row_count().await.expect("count"),
             #[cfg(feature = "mysql")]
             SqlBackend::Mysql(b) => b.row_count().await.expect("count"),
+            #[cfg(feature = "sqlite")]
+            SqlBackend::Sqlite(b) => b.row_count().await.expect("count"),
         }
     }
 
@@ -59,7 +71,7 @@ impl SqlBackend {
     pub fn postgres(&self) -> &dlock_runtime::PostgresBackend {
         match self {
             SqlBackend::Postgres(b) => b,
-            #[cfg(feature = "mysql")]
+            #[cfg(any(feature = "mysql", feature = "sqlite"))]
             other => panic!("not PostgreSQL: {other:?}"),
         }
     }
@@ -69,7 +81,7 @@ impl SqlBackend {
     pub fn mysql(&self) -> &dlock_runtime::MysqlBackend {
         match self {
             SqlBackend::Mysql(b) => b,
-            #[cfg(feature = "postgres")]
+            #[cfg(any(feature = "postgres", feature = "sqlite"))]
             other => panic!("not MySQL: {other:?}"),
         }
     }
@@ -80,30 +92,60 @@ impl SqlDb {
     pub fn url(self) -> String {
         match self {
             #[cfg(feature = "postgres")]
-            SqlDb::Postgres => server_url(
+            SqlDb::Postgres => crate::server_url(
                 "DLOCK_TEST_POSTGRES_URL",
                 "postgres://dlock:dlock@127.0.0.1:45432/dlock",
             ),
             #[cfg(feature = "mysql")]
-            SqlDb::Mysql => server_url(
+            SqlDb::Mysql => crate::server_url(
                 "DLOCK_TEST_MYSQL_URL",
                 "mysql://dlock:dlock@127.0.0.1:43306/dlock",
             ),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => format!("sqlite://{}", path.display()),
         }
     }
 
-    /// The URL scheme (`postgres`, `mysql`).
+    /// The URL scheme (`postgres`, `mysql`, `sqlite`).
     pub fn scheme(self) -> &'static str {
         match self {
             #[cfg(feature = "postgres")]
             SqlDb::Postgres => "postgres",
             #[cfg(feature = "mysql")]
             SqlDb::Mysql => "mysql",
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => "sqlite",
         }
+    }
+
+    /// Whether the database is a server reached over TCP (logins, a proxy
+    /// between): not SQLite.
+    pub fn has_server(self) -> bool {
+        match self {
+            #[cfg(feature = "postgres")]
+            SqlDb::Postgres => true,
+            #[cfg(feature = "mysql")]
+            SqlDb::Mysql => true,
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => false,
+        }
+    }
+
+    /// Whether the backend takes `?table=` and `?create=false` (one database,
+    /// several lease tables): not SQLite (one lease table per file).
+    pub fn names_its_table(self) -> bool {
+        self.has_server()
+    }
+
+    /// Whether a release collects the free rows that are due before it
+    /// returns (SQLite); the servers' backends collect in the background.
+    pub fn collects_in_the_release(self) -> bool {
+        !self.has_server()
     }
 
     /// The server's `host:port`.
     pub fn host_port(self) -> String {
+        assert!(self.has_server(), "{self:?} has no server");
         crate::sql_support::host_port(&self.url())
     }
 
@@ -118,6 +160,10 @@ impl SqlDb {
             SqlDb::Mysql => dlock_runtime::MysqlBackend::connect(url)
                 .await
                 .map(SqlBackend::Mysql),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => dlock_runtime::SqliteBackend::connect(url)
+                .await
+                .map(SqlBackend::Sqlite),
         }
     }
 
@@ -149,6 +195,13 @@ impl SqlDb {
                 url: self.url(),
                 mode,
             }),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => {
+                assert_eq!(mode, SqlMode::Lease, "SQLite has only the lease table");
+                Arc::new(SqliteFaults {
+                    path: path.to_owned(),
+                })
+            }
         }
     }
 
@@ -172,6 +225,13 @@ impl SqlDb {
                 .await
                 .expect("statement")
                 .rows_affected(),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(value)
+                .execute(&mut SqliteFaults::connect_to(path).await)
+                .await
+                .expect("statement")
+                .rows_affected(),
         }
     }
 
@@ -187,6 +247,11 @@ impl SqlDb {
             #[cfg(feature = "mysql")]
             SqlDb::Mysql => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .fetch_one(&mut self.mysql_faults().connect().await)
+                .await
+                .expect("count"),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(&mut SqliteFaults::connect_to(path).await)
                 .await
                 .expect("count"),
         }
@@ -207,6 +272,13 @@ impl SqlDb {
             SqlDb::Mysql => {
                 sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                     .execute(&mut self.mysql_faults().connect().await)
+                    .await
+                    .expect("statement");
+            }
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut SqliteFaults::connect_to(path).await)
                     .await
                     .expect("statement");
             }
@@ -234,6 +306,8 @@ impl SqlDb {
                 .await
                 .expect("delete")
                 .rows_affected(),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => panic!("SQLite has no session mode ({stored_key})"),
         }
     }
 
@@ -253,6 +327,8 @@ impl SqlDb {
                     .await
                     .is_some(),
             ),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => panic!("SQLite has no session mode ({stored_key})"),
         }
     }
 
@@ -266,6 +342,8 @@ impl SqlDb {
             SqlDb::Postgres => Some(std::time::Duration::from_millis(300)),
             #[cfg(feature = "mysql")]
             SqlDb::Mysql => None,
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => panic!("SQLite has no session mode"),
         }
     }
 
@@ -276,6 +354,8 @@ impl SqlDb {
             SqlDb::Postgres => ("key", "$1"),
             #[cfg(feature = "mysql")]
             SqlDb::Mysql => ("k", "?"),
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(_) => ("key", "?1"),
         };
         sql.replace("{key}", key).replace("{param}", param)
     }
@@ -353,6 +433,113 @@ impl SqlTarget {
     /// empty) added to its URL.
     pub async fn other_process(&self, options: &str) -> SqlBackend {
         self.db.connect(&self.mode.query_with(options)).await
+    }
+
+    /// A backend of the target's database and mode, with `options` (`&a=b…`,
+    /// or empty) added to its URL, on a lease table of its own (a table
+    /// `name_<random>` where the database takes `?table=`, else a database
+    /// file of its own); and that table, to drop when done.
+    pub async fn with_own_table(&self, name: &str, options: &str) -> (SqlBackend, OwnTable) {
+        let table = format!("{name}_{:08x}", rand::random::<u32>());
+        match self.db {
+            #[cfg(feature = "sqlite")]
+            SqlDb::Sqlite(path) => {
+                let file = path.with_file_name(format!("{table}.db"));
+                let url = format!(
+                    "sqlite://{}{}",
+                    file.display(),
+                    self.mode.query_with(options)
+                );
+                let backend = self
+                    .db
+                    .connect_url(&url)
+                    .await
+                    .unwrap_or_else(|e| panic!("open {url}: {e}"));
+                (backend, OwnTable::File(file))
+            }
+            #[allow(unreachable_patterns)]
+            db => {
+                let backend = self
+                    .other_process(&format!("&table={table}{options}"))
+                    .await;
+                (backend, OwnTable::Table(db, table))
+            }
+        }
+    }
+}
+
+/// A lease table of a test's own ([`SqlTarget::with_own_table`]).
+#[derive(Debug)]
+pub enum OwnTable {
+    /// A table of this name in the database.
+    Table(SqlDb, String),
+    /// A SQLite database file of its own.
+    File(PathBuf),
+}
+
+impl OwnTable {
+    /// Drops the table (removes the database file with its journal files).
+    pub async fn drop_table(self) {
+        match self {
+            OwnTable::Table(db, table) => db.execute(&format!("DROP TABLE {table}")).await,
+            OwnTable::File(file) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let mut path = file.clone().into_os_string();
+                    path.push(suffix);
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+        }
+    }
+}
+
+/// Reads and changes a SQLite lease table directly, as an operator would,
+/// over a connection of its own (opened per call, on the caller's runtime).
+#[cfg(feature = "sqlite")]
+pub struct SqliteFaults {
+    /// The database file.
+    pub path: PathBuf,
+}
+
+#[cfg(feature = "sqlite")]
+impl SqliteFaults {
+    /// A connection of its own to the database file at `path` (waiting up
+    /// to 5 s for a lock).
+    pub async fn connect_to(path: &std::path::Path) -> sqlx::SqliteConnection {
+        use sqlx::ConnectOptions;
+        sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(path)
+            .busy_timeout(std::time::Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("a connection to the database file")
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Faults for SqliteFaults {
+    fn revoke<'a>(&'a self, stored_key: &'a str) -> futures_util::future::BoxFuture<'a, ()> {
+        Box::pin(async move {
+            sqlx::query("DELETE FROM dlock_leases WHERE key = ?1")
+                .bind(stored_key)
+                .execute(&mut Self::connect_to(&self.path).await)
+                .await
+                .expect("delete the row");
+        })
+    }
+
+    fn is_held<'a>(&'a self, stored_key: &'a str) -> futures_util::future::BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let held: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL \
+                 AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+            )
+            .bind(stored_key)
+            .fetch_one(&mut Self::connect_to(&self.path).await)
+            .await
+            .expect("read the row");
+            held > 0
+        })
     }
 }
 

@@ -3,16 +3,17 @@
 //! and kept, tokens keep growing after idle entries are collected, and the
 //! backend's state stays bounded by what is in use.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dlock_runtime::backend::{AcquireRequest, Attempt};
 use dlock_runtime::{LockBackend, LockError, MIN_LEASE, MemoryBackend, Registry};
 use dlock_tests::memory_support::{registry, stored};
-use dlock_tests::unique_key;
+use dlock_tests::scenarios::StalledAndHealthy;
+use dlock_tests::{acquire_and_release, unique_key};
 
 /// One registry, two backends; every renewal on one of them hangs.
-/// The healthy backend's lease stays held; the stalled one's is declared lost
-/// at its give-up instant although its renewal never answers.
+/// The healthy backend's lease stays held (and renewed); the stalled one's is
+/// declared lost at its give-up instant although its renewal never answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_backend_does_not_starve_others() {
     let (stalled, healthy) = (MemoryBackend::new(), MemoryBackend::new());
@@ -20,71 +21,24 @@ async fn stalled_backend_does_not_starve_others() {
         .default_backend(stalled.clone())
         .backend("healthy", healthy.clone())
         .build();
-    let (key_s, key_long, key_h) = (
-        unique_key("stalled"),
-        unique_key("stalled-long"),
-        unique_key("healthy"),
-    );
-    let lease = Duration::from_millis(900);
-    let guard_h = reg
-        .lock(&key_h)
-        .backend("healthy")
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire on the healthy backend");
-    let healthy_since = Instant::now();
+    let leases = StalledAndHealthy::acquire(&reg, "healthy").await;
     stalled.stall_renewals(true);
-    // Its renewal (due at 1.33 s) hangs until its give-up instant (3.6 s):
-    // the stalled backend has a renewal on the wire for most of the test.
-    let guard_long = reg
-        .lock(&key_long)
-        .lease(Duration::from_secs(4))
-        .acquire()
-        .await
-        .expect("acquire the long lease on the stalled backend");
-    let asked = Instant::now();
-    let guard_s = reg
-        .lock(&key_s)
-        .lease(lease)
-        .acquire()
-        .await
-        .expect("acquire on the stalled backend");
-    tokio::time::timeout(lease, guard_s.lost())
-        .await
-        .expect("the stalled lease is declared lost before the server would expire it");
-    let lost_after = asked.elapsed();
+    let lost_after = leases.stalled_lease_is_lost_before_it_ends().await;
     assert!(
-        lost_after < lease,
-        "lost after {lost_after:?}, not before the lease ({lease:?}) ran out"
-    );
-    assert!(
-        lost_after >= lease / 2,
+        lost_after >= leases.lease / 2,
         "lost after {lost_after:?}: earlier than its give-up instant"
     );
     let renewals_then = healthy.renewal_count();
-    tokio::time::sleep_until((healthy_since + Duration::from_secs(3)).into()).await;
-    assert!(
-        !guard_h.is_lost(),
-        "the healthy lease was lost while the other backend stalled"
-    );
-    assert!(healthy.held_keys().contains(&stored(&key_h)));
+    leases
+        .healthy_lease_is_held_after_3s(&registry(&healthy))
+        .await;
+    assert!(healthy.held_keys().contains(&stored(leases.healthy_key())));
     assert!(
         healthy.renewal_count() >= renewals_then + 4,
         "the healthy lease was renewed {} times in ~2 s (every 300 ms expected)",
         healthy.renewal_count() - renewals_then
     );
-    assert!(matches!(
-        registry(&healthy).lock(&key_h).acquire().await,
-        Err(LockError::Busy { .. })
-    ));
-    guard_h.release().await.expect("held throughout");
-    stalled.stall_renewals(false);
-    assert!(matches!(
-        guard_s.release().await,
-        Err(LockError::Lost { .. })
-    ));
-    drop(guard_long);
+    leases.finish(async { stalled.stall_renewals(false) }).await;
 }
 
 /// A lease below [`MIN_LEASE`] is a configuration error; a lease of
@@ -169,13 +123,7 @@ async fn state_is_bounded() {
     let reg = registry(&backend);
     let prefix = unique_key("bounded");
     for i in 0..20_000 {
-        reg.lock(format!("{prefix}:{i}"))
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
+        acquire_and_release(&reg, &format!("{prefix}:{i}")).await;
     }
     assert!(
         backend.entries() <= 2,
@@ -195,13 +143,7 @@ async fn state_is_bounded() {
     assert!(backend.entries() >= 2048);
     backend.advance(Duration::from_secs(1));
     for i in 0..1100 {
-        reg.lock(format!("{prefix}:after:{i}"))
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
+        acquire_and_release(&reg, &format!("{prefix}:after:{i}")).await;
     }
     assert!(
         backend.entries() <= 2,

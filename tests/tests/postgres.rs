@@ -10,7 +10,7 @@ use dlock_runtime::Registry;
 use dlock_tests::handoff;
 use dlock_tests::sql_db::{SqlDb, SqlTarget};
 use dlock_tests::sql_support::{PgFaults, SqlMode};
-use dlock_tests::{Harness, unique_key};
+use dlock_tests::{Harness, acquire_and_release, unique_key};
 
 async fn target() -> SqlTarget {
     SqlTarget::get(SqlDb::Postgres, SqlMode::Lease).await
@@ -68,14 +68,7 @@ async fn only_contended_releases_notify() {
     listener.listen("dlock").await.expect("LISTEN dlock");
     let quiet = unique_key("quiet");
     for _ in 0..3 {
-        h.registry()
-            .lock(&quiet)
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
+        acquire_and_release(h.registry(), &quiet).await;
     }
     let contended = unique_key("contended");
     let other = target().await.other_process("").await.registry();

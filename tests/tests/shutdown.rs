@@ -4,9 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{MemoryBackend, Registry};
+use dlock_runtime::{LockError, LockGuard, MemoryBackend, Registry};
 use dlock_tests::memory_support::{Knobbed, eventually, memory_registry, registry};
 use dlock_tests::unique_key;
+use tokio::task::JoinHandle;
 
 /// `shutdown` releases every held lease at once (the keys are free
 /// on the backend when it returns), tells a running body its lease is lost,
@@ -63,6 +64,34 @@ async fn shutdown_waits_for_a_dropped_guards_release() {
 
 const MS: Duration = Duration::from_millis(1);
 
+/// Takes `key` on `registry` with a 10 s lease.
+async fn hold(registry: &Registry, key: &str) -> LockGuard {
+    registry
+        .lock(key)
+        .lease(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("holder")
+}
+
+/// A task that waits up to 5 s for `key` on `registry` (10 s lease), once it
+/// has tried, registered its wake-up and sleeps on it (100 ms later).
+async fn waiter(registry: &Registry, key: &str) -> JoinHandle<Result<LockGuard, LockError>> {
+    let waiter = tokio::spawn({
+        let (registry, key) = (registry.clone(), key.to_owned());
+        async move {
+            registry
+                .lock(key)
+                .wait(Duration::from_secs(5))
+                .lease(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(100 * MS).await;
+    waiter
+}
+
 /// Shutdown racing an acquisition already waiting in the wait loop: a holder
 /// and a waiter in the same registry; `shutdown` marks the holder lost and
 /// releases it, which wakes the local waiter. The waiter gets
@@ -73,25 +102,8 @@ const MS: Duration = Duration::from_millis(1);
 async fn shutdown_refuses_a_grant_to_a_waiter_it_woke() {
     let (mem, registry) = memory_registry();
     let key = "shutdown:shutdown-waiter";
-    let holder = registry
-        .lock(key)
-        .lease(Duration::from_secs(10))
-        .acquire()
-        .await
-        .expect("holder");
-    let waiter = tokio::spawn({
-        let registry = registry.clone();
-        async move {
-            registry
-                .lock(key)
-                .wait(Duration::from_secs(5))
-                .lease(Duration::from_secs(10))
-                .acquire()
-                .await
-        }
-    });
-    // The waiter has tried, registered its wake-up and sleeps on it.
-    tokio::time::sleep(100 * MS).await;
+    let holder = hold(&registry, key).await;
+    let waiter = waiter(&registry, key).await;
     let report = registry.shutdown(Duration::from_secs(2)).await;
     let got = tokio::time::timeout(Duration::from_secs(3), waiter)
         .await
@@ -120,26 +132,9 @@ async fn no_key_is_taken_after_shutdown_returns() {
     let knobbed = Knobbed::new(&inner);
     let registry = Registry::builder().default_backend(knobbed.clone()).build();
     let key = "shutdown:taken-after-return";
-    let holder = registry
-        .lock(key)
-        .lease(Duration::from_secs(10))
-        .acquire()
-        .await
-        .expect("holder");
+    let holder = hold(&registry, key).await;
     knobbed.delay_next_grant(300 * MS);
-    let waiter = tokio::spawn({
-        let registry = registry.clone();
-        async move {
-            registry
-                .lock(key)
-                .wait(Duration::from_secs(5))
-                .lease(Duration::from_secs(10))
-                .acquire()
-                .await
-        }
-    });
-    // The waiter has tried, registered its wake-up and sleeps on it.
-    tokio::time::sleep(100 * MS).await;
+    let waiter = waiter(&registry, key).await;
     let report = registry.shutdown(Duration::from_secs(2)).await;
     let taken_after =
         eventually(Duration::from_millis(500), || !inner.held_keys().is_empty()).await;
@@ -160,33 +155,15 @@ async fn no_key_is_taken_after_shutdown_returns() {
 /// shutdown with `ShutDown`: shutdown leaves no task waiting for a key it
 /// would only give back.
 async fn shutdown_stops_a_waiting_acquisition(shut: Registry, other: Registry, key: &str) {
-    let holder = other
-        .lock(key)
-        .lease(Duration::from_secs(10))
-        .acquire()
-        .await
-        .expect("holder");
-    let waiter = tokio::spawn({
-        let (shut, key) = (shut.clone(), key.to_owned());
-        async move {
-            shut.lock(key)
-                .wait(Duration::from_secs(5))
-                .lease(Duration::from_secs(10))
-                .acquire()
-                .await
-        }
-    });
-    tokio::time::sleep(100 * MS).await;
+    let holder = hold(&other, key).await;
+    let waiter = waiter(&shut, key).await;
     let report = shut.shutdown(Duration::from_secs(2)).await;
     let stopped = tokio::time::timeout(Duration::from_secs(1), waiter).await;
     holder.release().await.expect("release");
     let answer = stopped
         .unwrap_or_else(|_| panic!("the acquisition still waits after shutdown ({report:?})"))
         .expect("task");
-    assert!(
-        matches!(answer, Err(dlock_runtime::LockError::ShutDown)),
-        "{answer:?}"
-    );
+    assert!(matches!(answer, Err(LockError::ShutDown)), "{answer:?}");
     assert_eq!(report.unfinished, 0, "{report:?}");
 }
 

@@ -2,83 +2,34 @@
 //! need several processes: mutual exclusion between processes sharing the
 //! file, and a SIGKILLed holder that costs the others at most its lease.
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{Registry, lock};
-use dlock_tests::{Faults, Harness, unique_key};
-use futures_util::future::BoxFuture;
-use tokio::sync::OnceCell;
+use dlock_tests::sql_db::{SqlDb, SqlTarget};
+use dlock_tests::sql_support::SqlMode;
+use dlock_tests::{Harness, unique_key};
 
-fn db_path() -> std::path::PathBuf {
-    // One database per test binary run, under target/ (the tests' own).
-    static PATH: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+/// One database per test binary run, under target/ (the tests' own), or
+/// `DLOCK_TEST_SQLITE_PATH`.
+fn db_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
         std::env::var_os("DLOCK_TEST_SQLITE_PATH")
             .map(Into::into)
             .unwrap_or_else(|| {
-                std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+                Path::new(env!("CARGO_TARGET_TMPDIR"))
                     .join(format!("sqlite-{}.db", std::process::id()))
             })
     })
-    .clone()
-}
-
-/// Reads and changes the lease table directly, as an operator would, over a
-/// connection of its own.
-struct SqliteFaults {
-    pool: sqlx::SqlitePool,
-}
-
-impl Faults for SqliteFaults {
-    fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            sqlx::query("DELETE FROM dlock_leases WHERE key = ?1")
-                .bind(stored_key)
-                .execute(&self.pool)
-                .await
-                .expect("delete the row");
-        })
-    }
-
-    fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
-        Box::pin(async move {
-            let held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL \
-                 AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-            )
-            .bind(stored_key)
-            .fetch_one(&self.pool)
-            .await
-            .expect("read the row");
-            held > 0
-        })
-    }
 }
 
 async fn harness() -> &'static Harness {
-    static HARNESS: OnceCell<Harness> = OnceCell::const_new();
-    HARNESS
-        .get_or_init(|| async {
-            let url = format!("sqlite://{}", db_path().display());
-            dlock_runtime::init(Registry::from_url(&url).await.expect("open sqlite"))
-                .expect("first init");
-            let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                .max_connections(1)
-                .connect_with(
-                    sqlx::sqlite::SqliteConnectOptions::new()
-                        .filename(db_path())
-                        .busy_timeout(Duration::from_secs(5)),
-                )
-                .await
-                .expect("second connection");
-            Harness {
-                faults: Arc::new(SqliteFaults { pool }),
-                fences: true,
-            }
-        })
+    SqlTarget::get(SqlDb::Sqlite(db_path()), SqlMode::Lease)
         .await
+        .h
 }
 
 dlock_tests::conformance_suite!(harness);

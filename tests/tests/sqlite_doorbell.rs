@@ -20,9 +20,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock_tests::doorbell_support::{
-    self, backend, bell_path, bells_dir, bucket, handoff, hold, in_child_process, spawn_waiter,
+    self, Queued, TwoBackends, backend, bell_path, bells_dir, bucket, finds_busy, handoff,
+    in_child_process, rung_awake, spawn_waiter,
 };
-use dlock_tests::unique_key;
+use dlock_tests::{hold, unique_key};
 
 /// A fresh database path of this test's own.
 fn db_path(case: &str) -> PathBuf {
@@ -191,19 +192,15 @@ async fn a_database_opened_through_a_symlink_rings_the_same_bells() {
 
     let guard = hold(&holder, &key).await;
     // One lease table: the waiter sees the holder's lease.
-    let busy = waiter
-        .lock(&key)
-        .wait(Duration::from_millis(20))
-        .acquire()
-        .await;
-    assert!(busy.is_err(), "both paths are one database");
-    let waits = spawn_waiter(&waiter, &key);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!waits.is_finished(), "the key was not busy");
-    assert!(waiting.hears_doorbells());
-    let took = handoff(guard, waits, Duration::from_secs(3)).await;
     assert!(
-        took.is_some_and(|t| t < Duration::from_secs(1)),
+        finds_busy(&waiter, &key, Duration::from_millis(20)).await,
+        "both paths are one database"
+    );
+    let queued = Queued::behind(guard, &waiter, &key).await;
+    assert!(waiting.hears_doorbells());
+    let took = queued.release().await;
+    assert!(
+        rung_awake(took),
         "a release through {} did not ring the waiter on {} within 3 s (took \
          {took:?}; poll is 10 s); bells: {:?}",
         link.display(),
@@ -330,13 +327,10 @@ async fn a_release_racing_the_first_waiter_is_heard() {
     let mut slow = Vec::new();
     let mut took_all = Vec::new();
     for round in 0..60u64 {
-        let db = db_path(&format!("race-{round}"));
-        let url = format!("sqlite://{}?poll=10s", db.display());
-        let (_holding, holder) = backend(&url).await;
-        let (_waiting, waiter) = backend(&url).await;
+        let b = TwoBackends::on(db_path(&format!("race-{round}")), "?poll=10s").await;
         let key = unique_key(&format!("doorbell-doorbell-race-{round}"));
-        let guard = hold(&holder, &key).await;
-        let waits = spawn_waiter(&waiter, &key);
+        let guard = hold(&b.holder, &key).await;
+        let waits = spawn_waiter(&b.waiter, &key);
         let delay = Duration::from_micros((round * 50) % 3000);
         std::thread::sleep(delay);
         let took = handoff(guard, waits, Duration::from_secs(3)).await;
@@ -344,7 +338,7 @@ async fn a_release_racing_the_first_waiter_is_heard() {
             Some(t) if t < Duration::from_secs(1) => took_all.push(t),
             other => slow.push((round, delay, other)),
         }
-        let _ = std::fs::remove_dir_all(db.parent().expect("dir"));
+        let _ = std::fs::remove_dir_all(b.db.parent().expect("dir"));
     }
     took_all.sort();
     println!(
@@ -365,38 +359,29 @@ async fn a_release_racing_the_first_waiter_is_heard() {
 /// with the last of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_keys_in_one_bucket_are_each_rung_awake() {
-    let db = db_path("doorbell-bucket");
-    let url = format!("sqlite://{}?poll=10s", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("doorbell-bucket"), "?poll=10s").await;
     let first = unique_key("doorbell-doorbell-bucket-0");
     let second = (1..)
         .map(|i| unique_key(&format!("doorbell-doorbell-bucket-{i}")))
         .find(|k| bucket(&format!("dlock:{k}")) == bucket(&format!("dlock:{first}")))
         .expect("a colliding key");
 
-    let a = hold(&holder, &first).await;
-    let b = hold(&holder, &second).await;
-    let wa = spawn_waiter(&waiter, &first);
-    let wb = spawn_waiter(&waiter, &second);
+    let a = hold(&b.holder, &first).await;
+    let second_guard = hold(&b.holder, &second).await;
+    let wa = spawn_waiter(&b.waiter, &first);
+    let wb = spawn_waiter(&b.waiter, &second);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(waiting.doorbell_waits(), 1, "one bucket for both keys");
+    assert_eq!(b.waiting.doorbell_waits(), 1, "one bucket for both keys");
 
     let took_a = handoff(a, wa, Duration::from_secs(3)).await;
-    assert!(
-        took_a.is_some_and(|t| t < Duration::from_secs(1)),
-        "{took_a:?}"
-    );
+    assert!(rung_awake(took_a), "{took_a:?}");
     assert!(!wb.is_finished(), "the second key is still held");
     assert_eq!(
-        waiting.doorbell_waits(),
+        b.waiting.doorbell_waits(),
         1,
         "the second waiter still listens"
     );
-    let took_b = handoff(b, wb, Duration::from_secs(3)).await;
-    assert!(
-        took_b.is_some_and(|t| t < Duration::from_secs(1)),
-        "{took_b:?}"
-    );
-    assert_eq!(waiting.doorbell_waits(), 0);
+    let took_b = handoff(second_guard, wb, Duration::from_secs(3)).await;
+    assert!(rung_awake(took_b), "{took_b:?}");
+    assert_eq!(b.waiting.doorbell_waits(), 0);
 }

@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dlock_tests::doorbell_support::{
-    self, backend, bells_dir, handoff, hold, in_child_process, inotify_fds, relative_to_cwd,
-    remove_bells, spawn_waiter, wait_until_registered, watcher_threads,
+    self, Queued, TwoBackends, backend, bells_dir, finds_busy, in_child_process, inotify_fds,
+    relative_to_cwd, remove_bells, rung_awake, wait_until_registered, watcher_threads,
 };
-use dlock_tests::unique_key;
+use dlock_tests::{acquire_and_release, hold, unique_key};
 
 /// A fresh database path of this test's own.
 fn db_path(case: &str) -> PathBuf {
@@ -30,80 +30,46 @@ fn db_path(case: &str) -> PathBuf {
 async fn without_a_bells_directory_waiters_poll() {
     let db = db_path("fallback");
     std::fs::write(bells_dir(&db), b"not a directory").expect("block the bells");
-    let url = format!("sqlite://{}?poll=20ms", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db, "?poll=20ms").await;
     let key = unique_key("doorbell-fallback");
-    for _ in 0..5 {
-        let guard = holder
-            .lock(&key)
-            .lease(Duration::from_secs(30))
-            .acquire()
-            .await
-            .expect("hold");
-        let waits = {
-            let waiter = waiter.clone();
-            let key = key.clone();
-            tokio::spawn(async move {
-                waiter
-                    .lock(&key)
-                    .lease(Duration::from_secs(30))
-                    .wait(Duration::from_secs(10))
-                    .acquire()
-                    .await
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let released = Instant::now();
-        guard
-            .release()
-            .await
-            .expect("a release does not fail on a bell");
-        let taken = tokio::time::timeout(Duration::from_secs(5), waits)
-            .await
-            .expect("the waiter ends")
-            .expect("the waiter's task")
-            .expect("the waiter acquires by polling");
-        assert!(released.elapsed() < Duration::from_secs(1));
-        taken.release().await.expect("release");
+    for round in 0..5 {
+        let took = b.queue(&key).await.release().await;
+        assert!(
+            rung_awake(took),
+            "round {round}: the waiter did not acquire by polling (every 20 ms) \
+             within 1 s: {took:?}"
+        );
     }
-    assert!(!waiting.hears_doorbells(), "the watcher cannot exist here");
-    assert!(bells_dir(&db).is_file(), "the blocking file is left alone");
+    assert!(
+        !b.waiting.hears_doorbells(),
+        "the watcher cannot exist here"
+    );
+    assert!(
+        bells_dir(&b.db).is_file(),
+        "the blocking file is left alone"
+    );
 }
 
 /// 1,000 distinct keys leave at most 256 bell files of one byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bells_stay_bounded() {
-    let db = db_path("bounded");
-    let url = format!("sqlite://{}", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("bounded"), "").await;
 
     // No waiter yet: nobody to ring for, no directory.
-    let guard = holder
-        .lock(unique_key("bell-0"))
-        .acquire()
-        .await
-        .expect("lock");
-    guard.release().await.expect("release");
-    assert!(!bells_dir(&db).exists(), "rung with nobody listening");
+    acquire_and_release(&b.holder, &unique_key("bell-0")).await;
+    assert!(!bells_dir(&b.db).exists(), "rung with nobody listening");
 
     // A waiter sets up the bells.
     let key = unique_key("bell-wait");
-    let guard = holder.lock(&key).acquire().await.expect("hold");
-    wait_until_registered(&waiting, &waiter, &key).await;
-    assert!(waiting.hears_doorbells());
+    let guard = b.holder.lock(&key).acquire().await.expect("hold");
+    wait_until_registered(&b.waiting, &b.waiter, &key).await;
+    assert!(b.waiting.hears_doorbells());
     guard.release().await.expect("release");
 
     for i in 0..1000 {
-        let guard = holder
-            .lock(unique_key(&format!("bell-{i}")))
-            .acquire()
-            .await
-            .expect("lock");
-        guard.release().await.expect("release");
+        acquire_and_release(&b.holder, &unique_key(&format!("bell-{i}"))).await;
     }
-    let bells: Vec<_> = std::fs::read_dir(bells_dir(&db))
+    let bells: Vec<_> = std::fs::read_dir(bells_dir(&b.db))
         .expect("the bells directory")
         .map(|e| e.expect("entry").metadata().expect("metadata"))
         .collect();
@@ -117,29 +83,19 @@ async fn the_bells_stay_bounded() {
 /// is still rung awake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_waiters_leave_no_registration() {
-    let db = db_path("cancel");
-    let url = format!("sqlite://{}?poll=10s", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("cancel"), "?poll=10s").await;
     let keys: Vec<_> = (0..5)
         .map(|i| unique_key(&format!("doorbell-cancel-{i}")))
         .collect();
     let mut guards = Vec::new();
     for key in &keys {
-        guards.push(
-            holder
-                .lock(key)
-                .lease(Duration::from_secs(30))
-                .acquire()
-                .await
-                .expect("hold"),
-        );
+        guards.push(hold(&b.holder, key).await);
     }
     let tasks: Vec<_> = keys
         .iter()
         .flat_map(|key| [key.clone(), key.clone()])
         .map(|key| {
-            let waiter = waiter.clone();
+            let waiter = b.waiter.clone();
             tokio::spawn(async move {
                 waiter
                     .lock(key)
@@ -150,12 +106,12 @@ async fn cancelled_waiters_leave_no_registration() {
         })
         .collect();
     let started = Instant::now();
-    while waiting.doorbell_waits() == 0 {
+    while b.waiting.doorbell_waits() == 0 {
         assert!(started.elapsed() < Duration::from_secs(5), "nobody waits");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(waiting.doorbell_waits() <= keys.len());
+    assert!(b.waiting.doorbell_waits() <= keys.len());
     for task in &tasks {
         task.abort();
     }
@@ -165,83 +121,37 @@ async fn cancelled_waiters_leave_no_registration() {
     // The wait loops run on dlock's I/O runtime and stop when they notice
     // their callers are gone.
     let dropped = Instant::now();
-    while waiting.doorbell_waits() > 0 {
+    while b.waiting.doorbell_waits() > 0 {
         assert!(
             dropped.elapsed() < Duration::from_secs(2),
             "cancelled waiters stay registered: {} buckets",
-            waiting.doorbell_waits()
+            b.waiting.doorbell_waits()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
     // The bells still work for the next waiter.
-    let next = {
-        let waiter = waiter.clone();
-        let key = keys[0].clone();
-        tokio::spawn(async move {
-            waiter
-                .lock(key)
-                .wait(Duration::from_secs(20))
-                .acquire()
-                .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let released = Instant::now();
+    let next = Queued::behind(guards.remove(0), &b.waiter, &keys[0]).await;
     for guard in guards {
         guard.release().await.expect("release");
     }
-    let taken = tokio::time::timeout(Duration::from_secs(5), next)
-        .await
-        .expect("the waiter ends")
-        .expect("the waiter's task")
-        .expect("the waiter acquires");
-    assert!(released.elapsed() < Duration::from_secs(1));
-    taken.release().await.expect("release");
-    assert_eq!(waiting.doorbell_waits(), 0);
+    let took = next.release().await;
+    assert!(rung_awake(took), "{took:?}");
+    assert_eq!(b.waiting.doorbell_waits(), 0);
 }
 
 /// The bells directory removed under a watching backend: the next waiter
 /// watches a new one and is rung awake again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_bells_directory_is_watched_anew() {
-    let db = db_path("removed");
-    let url = format!("sqlite://{}?poll=10s", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("removed"), "?poll=10s").await;
     let key = unique_key("doorbell-removed");
     for round in 0..2 {
-        let guard = holder
-            .lock(&key)
-            .lease(Duration::from_secs(30))
-            .acquire()
-            .await
-            .expect("hold");
-        let waits = {
-            let waiter = waiter.clone();
-            let key = key.clone();
-            tokio::spawn(async move {
-                waiter
-                    .lock(key)
-                    .wait(Duration::from_secs(20))
-                    .acquire()
-                    .await
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let released = Instant::now();
-        guard.release().await.expect("release");
-        let taken = tokio::time::timeout(Duration::from_secs(5), waits)
-            .await
-            .expect("the waiter ends")
-            .expect("the waiter's task")
-            .expect("the waiter acquires");
-        let took = released.elapsed();
-        assert!(took < Duration::from_secs(1), "round {round}: {took:?}");
-        taken.release().await.expect("release");
-        assert!(waiting.hears_doorbells());
+        let took = b.queue(&key).await.release().await;
+        assert!(rung_awake(took), "round {round}: {took:?}");
+        assert!(b.waiting.hears_doorbells());
         if round == 0 {
-            remove_bells(&db);
+            remove_bells(&b.db);
             // Let the watcher hear that its directory is gone.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -255,27 +165,23 @@ async fn a_removed_bells_directory_is_watched_anew() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relative_path_notices_its_bells_removed() {
     let db = db_path("doorbell-relative");
-    let rel = relative_to_cwd(&db);
-    let url = format!("sqlite://{}?poll=10s", rel.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let url = format!("sqlite://{}?poll=10s", relative_to_cwd(&db).display());
+    let b = TwoBackends::open(db, url).await;
     let key = unique_key("doorbell-doorbell-relative");
     for round in 0..2 {
-        let guard = hold(&holder, &key).await;
-        let waits = spawn_waiter(&waiter, &key);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!waits.is_finished(), "the key was not busy");
-        let recreated = bells_dir(&db).is_dir();
-        let took = handoff(guard, waits, Duration::from_secs(3)).await;
-        assert!(waiting.hears_doorbells());
+        let queued = b.queue(&key).await;
+        let recreated = bells_dir(&b.db).is_dir();
+        let took = queued.release().await;
+        assert!(b.waiting.hears_doorbells());
         assert!(
-            took.is_some_and(|t| t < Duration::from_secs(1)),
-            "round {round} ({url}): the waiter was not rung awake within 3 s \
+            rung_awake(took),
+            "round {round} ({}): the waiter was not rung awake within 3 s \
              (took {took:?}; poll is 10 s); bells directory recreated by the \
-             waiter: {recreated}"
+             waiter: {recreated}",
+            b.url
         );
         if round == 0 {
-            remove_bells(&db);
+            remove_bells(&b.db);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -287,39 +193,31 @@ async fn a_relative_path_notices_its_bells_removed() {
 /// the next release, not left to its poll.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_already_waiting_are_rung_from_recreated_bells() {
-    let db = db_path("doorbell-recreated");
-    let url = format!("sqlite://{}?poll=10s", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("doorbell-recreated"), "?poll=10s").await;
     // "Another process": a backend of its own, with its own watcher.
-    let (_other, other) = backend(&url).await;
+    let (_other, other) = backend(&b.url).await;
     let key = unique_key("doorbell-doorbell-recreated");
     let other_key = unique_key("doorbell-doorbell-recreated-other");
 
-    let guard = hold(&holder, &key).await;
-    let waits = spawn_waiter(&waiter, &key);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!waits.is_finished(), "the key was not busy");
-    assert!(waiting.hears_doorbells());
+    let queued = b.queue(&key).await;
+    assert!(b.waiting.hears_doorbells());
 
-    remove_bells(&db);
+    remove_bells(&b.db);
     // Let the watcher hear it (and wake its waiter, which finds the key busy).
     tokio::time::sleep(Duration::from_millis(100)).await;
 
     // Another process's first waiter creates the directory again.
-    let other_guard = hold(&holder, &other_key).await;
-    let busy = other
-        .lock(&other_key)
-        .wait(Duration::from_millis(50))
-        .acquire()
-        .await;
-    assert!(busy.is_err(), "the other key was not busy");
-    assert!(bells_dir(&db).is_dir(), "the other waiter made the bells");
+    let other_guard = hold(&b.holder, &other_key).await;
+    assert!(
+        finds_busy(&other, &other_key, Duration::from_millis(50)).await,
+        "the other key was not busy"
+    );
+    assert!(bells_dir(&b.db).is_dir(), "the other waiter made the bells");
     other_guard.release().await.expect("release");
 
-    let took = handoff(guard, waits, Duration::from_secs(3)).await;
+    let took = queued.release().await;
     assert!(
-        took.is_some_and(|t| t < Duration::from_secs(1)),
+        rung_awake(took),
         "the waiter that waited through the removal was not rung awake within \
          3 s (took {took:?}; poll is 10 s)"
     );
@@ -331,34 +229,24 @@ async fn waiters_already_waiting_are_rung_from_recreated_bells() {
 /// tries again (after 1 s), and waiters are rung awake again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_that_failed_is_tried_again() {
-    let db = db_path("doorbell-unavailable");
-    let url = format!("sqlite://{}?poll=10s", db.display());
-    let (_holding, holder) = backend(&url).await;
-    let (waiting, waiter) = backend(&url).await;
+    let b = TwoBackends::on(db_path("doorbell-unavailable"), "?poll=10s").await;
     let key = unique_key("doorbell-doorbell-unavailable");
 
-    std::fs::write(bells_dir(&db), b"stray").expect("block the bells");
-    let guard = hold(&holder, &key).await;
-    let busy = waiter
-        .lock(&key)
-        .wait(Duration::from_millis(30))
-        .acquire()
-        .await;
-    assert!(busy.is_err());
-    assert!(!waiting.hears_doorbells(), "the watcher cannot exist yet");
+    std::fs::write(bells_dir(&b.db), b"stray").expect("block the bells");
+    let guard = hold(&b.holder, &key).await;
+    assert!(finds_busy(&b.waiter, &key, Duration::from_millis(30)).await);
+    assert!(!b.waiting.hears_doorbells(), "the watcher cannot exist yet");
     // The obstacle goes away; another process's waiter makes the bells. The
     // backend tries to watch again a second after it failed.
-    std::fs::remove_file(bells_dir(&db)).expect("unblock");
-    std::fs::create_dir(bells_dir(&db)).expect("bells");
+    std::fs::remove_file(bells_dir(&b.db)).expect("unblock");
+    std::fs::create_dir(bells_dir(&b.db)).expect("bells");
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
-    let waits = spawn_waiter(&waiter, &key);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!waits.is_finished(), "the key was not busy");
-    let hears = waiting.hears_doorbells();
-    let took = handoff(guard, waits, Duration::from_secs(3)).await;
+    let queued = Queued::behind(guard, &b.waiter, &key).await;
+    let hears = b.waiting.hears_doorbells();
+    let took = queued.release().await;
     assert!(
-        took.is_some_and(|t| t < Duration::from_secs(1)),
+        rung_awake(took),
         "a waiter that came after the obstacle was gone was not rung awake \
          within 3 s (took {took:?}; poll is 10 s; hears the bells: {hears})"
     );

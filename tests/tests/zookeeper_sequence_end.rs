@@ -7,85 +7,112 @@
 #![cfg(feature = "zookeeper")]
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_runtime::ZooKeeperBackend;
 use dlock_tests::unique_key;
-use dlock_tests::zk_support::{CounterEndZk, Shared, contenders, java_programs};
+use dlock_tests::zk_support::{CounterEndZk, JavaPrograms, Shared, contenders, java_programs};
+use tokio::task::JoinHandle;
 use zookeeper_client::{Acls, Client, CreateMode};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn never_two_holders_at_the_sequence_counters_end() {
-    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
-        return;
-    };
-    let mut server = CounterEndZk::start(&programs).await;
-    let url = server.url("/dlock-end?session_timeout=5s");
-    let first = ZooKeeperBackend::connect(&url).await.expect("connect");
-    let second = ZooKeeperBackend::connect(&url).await.expect("connect");
-    let key = unique_key("counter-end");
-    let container = first.container_path(&format!("dlock:{key}"));
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let shared = Shared::new(dir.path());
+/// A key at the end of its sequence counter: the server, two dlock sessions
+/// on it, the key's container, and the counter file the contenders share.
+struct CounterEnd {
+    programs: JavaPrograms,
+    server: CounterEndZk,
+    first: ZooKeeperBackend,
+    second: ZooKeeperBackend,
+    key: String,
+    container: String,
+    dir: tempfile::TempDir,
+    shared: Arc<Shared>,
+}
 
-    // Up to the end: Curator and two dlock sessions take turns, about 40
-    // creates from 2147483547 on.
-    server.set_counter(&container, i32::MAX - 100).await;
-    let hosts = format!("127.0.0.1:{}", server.port);
-    let dir_arg = dir.path().display().to_string();
-    let mut curator = programs.curator(
-        &hosts,
-        &container,
-        Duration::from_secs(5),
-        "count",
-        &[&dir_arg, "20", "3"],
-    );
-    assert_eq!(curator.line(Duration::from_secs(60)).await, "connected");
-    let mut tasks = contenders(&first, &key, 1, 10, &shared);
-    tasks.extend(contenders(&second, &key, 1, 10, &shared));
-    for task in tasks {
+impl CounterEnd {
+    /// The server, under the chroot `/dlock-{name}`, and the key
+    /// `counter-{name}`; `None` without Java (`java_programs` says why).
+    async fn start(name: &str) -> Option<CounterEnd> {
+        let programs = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR")))?;
+        let server = CounterEndZk::start(&programs).await;
+        let url = server.url(&format!("/dlock-{name}?session_timeout=5s"));
+        let first = ZooKeeperBackend::connect(&url).await.expect("connect");
+        let second = ZooKeeperBackend::connect(&url).await.expect("connect");
+        let key = unique_key(&format!("counter-{name}"));
+        let container = first.container_path(&format!("dlock:{key}"));
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let shared = Shared::new(dir.path());
+        Some(CounterEnd {
+            programs,
+            server,
+            first,
+            second,
+            key,
+            container,
+            dir,
+            shared,
+        })
+    }
+
+    /// The server's `host:port`.
+    fn hosts(&self) -> String {
+        format!("127.0.0.1:{}", self.server.port)
+    }
+
+    /// A session of its own, as an operator's.
+    async fn admin(&self) -> Client {
+        Client::connector()
+            .with_session_timeout(Duration::from_secs(5))
+            .connect(&self.hosts())
+            .await
+            .expect("admin session")
+    }
+
+    /// Starts `tasks` contenders taking `turns` turns each on each dlock
+    /// session.
+    fn contenders(&self, tasks: usize, turns: usize) -> Vec<JoinHandle<()>> {
+        let mut all = contenders(&self.first, &self.key, tasks, turns, &self.shared);
+        all.extend(contenders(
+            &self.second,
+            &self.key,
+            tasks,
+            turns,
+            &self.shared,
+        ));
+        all
+    }
+
+    /// Runs [`Self::contenders`] to the end.
+    async fn contend(&self, tasks: usize, turns: usize) {
+        finish(self.contenders(tasks, turns)).await;
+    }
+
+    /// No two dlock holders were ever inside at once, the counter is
+    /// `expected` (no lost update), and the tokens increased.
+    fn assert_exclusive(&self, expected: u64, what: &str) {
+        assert_eq!(
+            *self.shared.overlaps.lock().unwrap(),
+            0,
+            "two dlock holders at once"
+        );
+        assert_eq!(self.shared.counter(), expected, "lost updates {what}");
+        let tokens = self.shared.tokens.lock().unwrap().clone();
+        assert!(
+            tokens.windows(2).all(|w| w[0] < w[1]),
+            "tokens not increasing: {tokens:?}"
+        );
+    }
+}
+
+/// Waits for every contender to end.
+async fn finish(contenders: Vec<JoinHandle<()>>) {
+    for task in contenders {
         task.await.expect("contender");
     }
-    assert_eq!(curator.line(Duration::from_secs(120)).await, "done");
-    assert_eq!(curator.wait(Duration::from_secs(30)).await, Some(0));
-    assert_eq!(
-        *shared.overlaps.lock().unwrap(),
-        0,
-        "Curator and dlock overlapped"
-    );
-    assert_eq!(shared.counter(), 40, "lost updates up to the counter's end");
-    let switches = shared.switches();
-    assert!(
-        switches >= 2,
-        "dlock and Curator did not take turns ({switches} switches)"
-    );
-    shared.tokens.lock().unwrap().clear();
+}
 
-    // Past the end: two sessions, two tasks each (pipelined creates), 120
-    // acquisitions, the last 60 or so with repeated or negative suffixes.
-    let mut tasks = contenders(&first, &key, 2, 30, &shared);
-    tasks.extend(contenders(&second, &key, 2, 30, &shared));
-    for task in tasks {
-        task.await.expect("contender");
-    }
-    assert_eq!(
-        *shared.overlaps.lock().unwrap(),
-        0,
-        "two dlock holders at once"
-    );
-    assert_eq!(shared.counter(), 160, "lost updates past the counter's end");
-    let tokens = shared.tokens.lock().unwrap().clone();
-    assert!(
-        tokens.windows(2).all(|w| w[0] < w[1]),
-        "tokens not increasing: {tokens:?}"
-    );
-
-    // The counter is at its end: a new child still gets 2147483647.
-    let admin = Client::connector()
-        .with_session_timeout(Duration::from_secs(5))
-        .connect(&hosts)
-        .await
-        .expect("admin session");
+/// The sequence number ZooKeeper gives a new child of `container` now.
+async fn probe(admin: &Client, container: &str) -> i64 {
     let (_, sequence) = admin
         .create(
             &format!("{container}/probe-"),
@@ -94,41 +121,75 @@ async fn never_two_holders_at_the_sequence_counters_end() {
         )
         .await
         .expect("probe");
-    assert_eq!(sequence.into_i64(), i64::from(i32::MAX));
+    sequence.into_i64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_two_holders_at_the_sequence_counters_end() {
+    let Some(mut end) = CounterEnd::start("end").await else {
+        return;
+    };
+
+    // Up to the end: Curator and two dlock sessions take turns, about 40
+    // creates from 2147483547 on.
+    end.server.set_counter(&end.container, i32::MAX - 100).await;
+    let dir_arg = end.dir.path().display().to_string();
+    let mut curator = end.programs.curator(
+        &end.hosts(),
+        &end.container,
+        Duration::from_secs(5),
+        "count",
+        &[&dir_arg, "20", "3"],
+    );
+    assert_eq!(curator.line(Duration::from_secs(60)).await, "connected");
+    end.contend(1, 10).await;
+    assert_eq!(curator.line(Duration::from_secs(120)).await, "done");
+    assert_eq!(curator.wait(Duration::from_secs(30)).await, Some(0));
+    assert_eq!(
+        *end.shared.overlaps.lock().unwrap(),
+        0,
+        "Curator and dlock overlapped"
+    );
+    assert_eq!(
+        end.shared.counter(),
+        40,
+        "lost updates up to the counter's end"
+    );
+    let switches = end.shared.switches();
+    assert!(
+        switches >= 2,
+        "dlock and Curator did not take turns ({switches} switches)"
+    );
+    end.shared.tokens.lock().unwrap().clear();
+
+    // Past the end: two sessions, two tasks each (pipelined creates), 120
+    // acquisitions, the last 60 or so with repeated or negative suffixes.
+    end.contend(2, 30).await;
+    end.assert_exclusive(160, "past the counter's end");
+
+    // The counter is at its end: a new child still gets 2147483647.
+    let admin = end.admin().await;
+    assert_eq!(probe(&admin, &end.container).await, i64::from(i32::MAX));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_two_holders_when_the_sequence_counter_wraps() {
-    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+    let Some(mut end) = CounterEnd::start("wrap").await else {
         return;
     };
-    let mut server = CounterEndZk::start(&programs).await;
-    let url = server.url("/dlock-wrap?session_timeout=5s");
-    let first = ZooKeeperBackend::connect(&url).await.expect("connect");
-    let second = ZooKeeperBackend::connect(&url).await.expect("connect");
-    let key = unique_key("counter-wrap");
-    let container = first.container_path(&format!("dlock:{key}"));
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let shared = Shared::new(dir.path());
 
     // A holder on 2147483646; waiters queue behind it on 2147483647 (all
     // of them: ZooKeeper 3.8 keeps the counter there).
-    server.set_counter(&container, i32::MAX - 1).await;
+    end.server.set_counter(&end.container, i32::MAX - 1).await;
     let locks = dlock_runtime::Registry::builder()
-        .default_backend(first.clone())
+        .default_backend(end.first.clone())
         .build();
-    let holder = locks.lock(&key).acquire().await.expect("acquire");
-    let mut tasks = contenders(&first, &key, 2, 15, &shared);
-    tasks.extend(contenders(&second, &key, 2, 15, &shared));
-    let hosts = format!("127.0.0.1:{}", server.port);
-    let admin = Client::connector()
-        .with_session_timeout(Duration::from_secs(5))
-        .connect(&hosts)
-        .await
-        .expect("admin session");
+    let holder = locks.lock(&end.key).acquire().await.expect("acquire");
+    let contending = end.contenders(2, 15);
+    let admin = end.admin().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while admin
-        .list_children(&container)
+        .list_children(&end.container)
         .await
         .expect("children")
         .len()
@@ -142,29 +203,10 @@ async fn never_two_holders_when_the_sequence_counter_wraps() {
     }
     // The counter wraps, as on servers that let it: the next children get
     // -2147483648 and up, behind the queued 2147483647s.
-    server.set_counter(&container, i32::MIN).await;
+    end.server.set_counter(&end.container, i32::MIN).await;
     holder.release().await.expect("release");
-    for task in tasks {
-        task.await.expect("contender");
-    }
-    assert_eq!(
-        *shared.overlaps.lock().unwrap(),
-        0,
-        "two dlock holders at once"
-    );
-    assert_eq!(shared.counter(), 60, "lost updates across the wrap");
-    let tokens = shared.tokens.lock().unwrap().clone();
-    assert!(
-        tokens.windows(2).all(|w| w[0] < w[1]),
-        "tokens not increasing: {tokens:?}"
-    );
-    let (_, sequence) = admin
-        .create(
-            &format!("{container}/probe-"),
-            b"",
-            &CreateMode::EphemeralSequential.with_acls(Acls::anyone_all()),
-        )
-        .await
-        .expect("probe");
-    assert!(sequence.into_i64() < 0, "the counter wrapped: {sequence}");
+    finish(contending).await;
+    end.assert_exclusive(60, "across the wrap");
+    let sequence = probe(&admin, &end.container).await;
+    assert!(sequence < 0, "the counter wrapped: {sequence}");
 }
