@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -74,12 +74,5 @@ pub async fn serving(port: u16) -> bool {
 
 /// Waits until the server on `port` serves (up to `within`); whether it did.
 pub async fn wait_until_serving(port: u16, within: Duration) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if serving(port).await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
+    crate::poll(within, Duration::from_millis(50), || serving(port)).await
 }
