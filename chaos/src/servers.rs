@@ -14,11 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use sqlx::Connection as _;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, Command};
-
-/// The class path of the ZooKeeper server (Debian's `zookeeper` package).
-const ZK_CLASS_PATH: &str = "/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar";
 
 /// Where Debian's PostgreSQL 15 programs are (`postgresql-15`).
 const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
@@ -52,23 +48,13 @@ impl Server {
     }
 
     /// Starts a standalone ZooKeeper on `port` (a JVM of 256 MB at most), keeping
-    /// its configuration, data and log in `dir`. A tick of 500 ms lets sessions
+    /// its configuration, data and log in `dir`
+    /// ([`dlock_testkit::zookeeper_server`]). A tick of 500 ms lets sessions
     /// time out from 1 s. The transaction log is written before every answer but
     /// not fsynced (`forceSync=no`): the nemesis kills the process, not the
     /// machine, and the kernel keeps what was written.
     pub(crate) async fn zookeeper(port: u16, dir: &Path) -> anyhow::Result<Self> {
-        let data = dir.join("data");
-        std::fs::create_dir_all(&data)?;
-        std::fs::write(
-            dir.join("zoo.cfg"),
-            format!(
-                "tickTime=500\nminSessionTimeout=1000\nmaxSessionTimeout=30000\n\
-                 dataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-                 maxClientCnxns=0\nforceSync=no\nadmin.enableServer=false\n\
-                 4lw.commands.whitelist=ruok,srvr,stat,mntr\n",
-                data.display()
-            ),
-        )?;
+        dlock_testkit::zookeeper_server::configure(port, dir)?;
         Self::start(Flavor::ZooKeeper, port, dir).await
     }
 
@@ -379,25 +365,21 @@ impl Server {
     }
 
     async fn spawn_zookeeper(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("zookeeper.log"))?;
-        let child = Command::new("java")
-            .args(["-Xmx256m", "-XX:+UseSerialGC", "-cp", ZK_CLASS_PATH])
-            .arg("org.apache.zookeeper.server.ZooKeeperServerMain")
-            .arg(self.dir.join("zoo.cfg"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .context("cannot run java (install the test servers: scripts/servers.sh up)")?;
+        let child = Command::from(dlock_testkit::zookeeper_server::command(
+            &self.dir,
+            256,
+            &[],
+        )?)
+        .kill_on_drop(true)
+        .spawn()
+        .context("cannot run java (install the test servers: scripts/servers.sh up)")?;
         self.child = Some(child);
         // A JVM, then the data and the sessions to load.
         let port = self.port;
-        self.await_ready("ZooKeeper", "zookeeper.log", || zk_serving(port))
-            .await
+        self.await_ready("ZooKeeper", "zookeeper.log", || {
+            dlock_testkit::zookeeper_server::serving(port)
+        })
+        .await
     }
 
     async fn spawn_redis(&mut self) -> anyhow::Result<()> {
@@ -516,22 +498,4 @@ fn temp_root(flavor: &str, port: u16) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(&root)?;
     std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))?;
     Ok(root)
-}
-
-/// `PING` over a bare socket (`+PONG`), no client library needed.
-/// Whether the ZooKeeper on `port` serves requests: `srvr` reports its mode
-/// (`ruok` answers `imok` already while the server still loads its data and
-/// turns sessions away).
-async fn zk_serving(port: u16) -> bool {
-    let attempt = async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        s.write_all(b"srvr").await?;
-        let mut answer = Vec::new();
-        s.read_to_end(&mut answer).await?;
-        std::io::Result::Ok(String::from_utf8_lossy(&answer).contains("Mode:"))
-    };
-    matches!(
-        tokio::time::timeout(Duration::from_millis(500), attempt).await,
-        Ok(Ok(true))
-    )
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -39,12 +39,5 @@ pub async fn answers(port: u16) -> bool {
 
 /// Waits until the server on `port` answers (up to `within`); whether it did.
 pub async fn wait_until_it_answers(port: u16, within: Duration) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if answers(port).await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
+    crate::poll(within, Duration::from_millis(20), || answers(port)).await
 }

@@ -1,20 +1,21 @@
 //! ZooKeeper for the ZooKeeper backend's tests: server-side access (the
-//! suite's [`Faults`]), a TCP proxy that cuts, black-holes or drops the reply
-//! of a create, and a private server that a test may SIGKILL and restart.
+//! suite's [`Faults`]), the shared fault proxy taught ZooKeeper's framing
+//! (it black-holes or resets connections, and cuts one after a create or a
+//! delete, dropping the reply), a private server that a test may SIGKILL and
+//! restart, and the Java programs (Curator, a server whose sequence counters
+//! can be set).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dlock_runtime::{Registry, ZooKeeperBackend};
+use dlock_testkit::{Fault, FaultProxy, RequestFilter, Verdict, zookeeper_server};
 use futures_util::future::BoxFuture;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::io::AsyncWriteExt as _;
 use zookeeper_client::{Client, Error as ZkError};
 
 use crate::Faults;
@@ -97,16 +98,6 @@ impl Faults for ZkFaults {
     }
 }
 
-/// What the proxy does to the bytes of its connections.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Flow {
-    /// Forward at once.
-    Pass,
-    /// Hold everything, both ways, until the flow passes again (a network
-    /// partition: the sockets stay open); new connections are held too.
-    Blackhole,
-}
-
 /// The opcodes of creates of lock nodes (`create`, `create2`), not of
 /// containers (`createContainer`, 19).
 const CREATE_OPCODES: [i32; 2] = [1, 15];
@@ -114,9 +105,10 @@ const CREATE_OPCODES: [i32; 2] = [1, 15];
 /// The opcode of a delete.
 const DELETE_OPCODE: i32 = 2;
 
-struct ProxyShared {
-    flow: watch::Sender<Flow>,
-    resets: watch::Sender<u64>,
+/// ZooKeeper's framing and opcodes, for the fault proxy: each frame is a
+/// 4-byte length and that many bytes; after the first (the connect
+/// request), a request starts with its xid and its opcode.
+struct ZkRequests {
     /// Armed: the next connection that forwards a create drops the reply and
     /// is cut.
     cut_after_create: AtomicBool,
@@ -129,78 +121,103 @@ struct ProxyShared {
     requests: Vec<AtomicU64>,
 }
 
-/// A TCP proxy on a loopback port in front of one ZooKeeper server. It
-/// understands just enough of ZooKeeper's framing to find a create request.
+/// How long a cut connection stays open after its request: time for the
+/// server to take it in.
+const CUT_AFTER: Duration = Duration::from_millis(200);
+
+impl RequestFilter for ZkRequests {
+    fn frame_len(&self, bytes: &[u8]) -> Option<usize> {
+        let len = i32::from_be_bytes(bytes.get(..4)?.try_into().ok()?);
+        Some(4 + usize::try_from(len).ok()?)
+    }
+
+    fn request(&self, index: usize, frame: &[u8]) -> Verdict {
+        if index == 0 || frame.len() < 12 {
+            return Verdict::Forward;
+        }
+        let opcode = i32::from_be_bytes([frame[8], frame[9], frame[10], frame[11]]);
+        if let Some(n) = usize::try_from(opcode)
+            .ok()
+            .and_then(|i| self.requests.get(i))
+        {
+            n.fetch_add(1, Ordering::SeqCst);
+        }
+        let mut verdict = Verdict::Forward;
+        if CREATE_OPCODES.contains(&opcode) && self.cut_after_create.swap(false, Ordering::SeqCst) {
+            self.creates_cut.fetch_add(1, Ordering::SeqCst);
+            verdict = Verdict::ForwardThenCut(CUT_AFTER);
+        }
+        if opcode == DELETE_OPCODE && self.cut_deletes.load(Ordering::SeqCst) {
+            self.deletes_cut.fetch_add(1, Ordering::SeqCst);
+            verdict = Verdict::ForwardThenCut(CUT_AFTER);
+        }
+        verdict
+    }
+}
+
+/// The shared fault proxy ([`FaultProxy`]) on a loopback port in front of
+/// one ZooKeeper server, reading just enough of ZooKeeper's framing to count
+/// requests by opcode and to cut a connection after a create or a delete.
 pub struct ZkProxy {
-    /// The port it listens on.
-    pub port: u16,
-    shared: Arc<ProxyShared>,
+    proxy: FaultProxy,
+    requests: Arc<ZkRequests>,
 }
 
 impl ZkProxy {
     /// Listens on a free loopback port and forwards to `127.0.0.1:upstream`,
-    /// on a thread of its own (so that it outlives a test's runtime).
+    /// on the test's runtime.
     pub async fn start(upstream: u16) -> ZkProxy {
-        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
-        std_listener.set_nonblocking(true).expect("nonblocking");
-        let port = std_listener.local_addr().expect("address").port();
-        let shared = Arc::new(ProxyShared {
-            flow: watch::channel(Flow::Pass).0,
-            resets: watch::channel(0).0,
+        let requests = Arc::new(ZkRequests {
             cut_after_create: AtomicBool::new(false),
             creates_cut: AtomicU64::new(0),
             cut_deletes: AtomicBool::new(false),
             deletes_cut: AtomicU64::new(0),
             requests: (0..128).map(|_| AtomicU64::new(0)).collect(),
         });
-        let serving = shared.clone();
-        std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("proxy runtime");
-            runtime.block_on(async move {
-                let listener = TcpListener::from_std(std_listener).expect("listener");
-                while let Ok((client, _)) = listener.accept().await {
-                    tokio::spawn(serve(client, upstream, serving.clone()));
-                }
-            });
-        });
-        ZkProxy { port, shared }
+        let proxy = FaultProxy::start_filtered(format!("127.0.0.1:{upstream}"), requests.clone())
+            .await
+            .expect("start the proxy");
+        ZkProxy { proxy, requests }
     }
 
-    /// Sets what happens to the bytes.
-    pub fn set(&self, flow: Flow) {
-        self.shared.flow.send_replace(flow);
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.proxy.port()
     }
 
-    /// Closes every open connection (the client sees them reset).
+    /// Sets what happens to the bytes from now on ([`Fault::Hold`]: a
+    /// network partition, the sockets stay open).
+    pub fn set(&self, fault: Fault) {
+        self.proxy.set(fault);
+    }
+
+    /// Resets every open connection.
     pub fn reset_all(&self) {
-        self.shared.resets.send_modify(|n| *n += 1);
+        self.proxy.reset_all();
     }
 
     /// The next create of a lock node is forwarded to the server, its reply
     /// is dropped, and its connection is then closed: the client never
     /// learns whether the create happened.
     pub fn cut_after_next_create(&self) {
-        self.shared.cut_after_create.store(true, Ordering::SeqCst);
+        self.requests.cut_after_create.store(true, Ordering::SeqCst);
     }
 
     /// How many creates had their reply dropped.
     pub fn creates_cut(&self) -> u64 {
-        self.shared.creates_cut.load(Ordering::SeqCst)
+        self.requests.creates_cut.load(Ordering::SeqCst)
     }
 
     /// While `on`, every delete is forwarded to the server, its reply is
     /// dropped and its connection closed: the client never learns whether
     /// the delete happened.
     pub fn cut_deletes(&self, on: bool) {
-        self.shared.cut_deletes.store(on, Ordering::SeqCst);
+        self.requests.cut_deletes.store(on, Ordering::SeqCst);
     }
 
     /// How many deletes had their reply dropped.
     pub fn deletes_cut(&self) -> u64 {
-        self.shared.deletes_cut.load(Ordering::SeqCst)
+        self.requests.deletes_cut.load(Ordering::SeqCst)
     }
 
     /// How many requests with this opcode were forwarded to the server
@@ -209,135 +226,19 @@ impl ZkProxy {
     pub fn requests(&self, opcode: i32) -> u64 {
         usize::try_from(opcode)
             .ok()
-            .and_then(|i| self.shared.requests.get(i))
+            .and_then(|i| self.requests.requests.get(i))
             .map_or(0, |n| n.load(Ordering::SeqCst))
     }
 }
 
-async fn serve(client: TcpStream, upstream: u16, shared: Arc<ProxyShared>) {
-    // Subscribed at accept, before any await: a reset sent while this
-    // connection is still being set up closes it too.
-    let resets = shared.resets.subscribe();
-    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-        return;
-    };
-    if resets.has_changed().unwrap_or(true) {
-        return;
-    }
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
-    // Set when this connection forwarded the create whose reply is dropped.
-    let doomed = Arc::new(AtomicBool::new(false));
-    let up = tokio::spawn(pump(
-        client_read,
-        server_write,
-        shared.clone(),
-        resets.clone(),
-        doomed.clone(),
-        true,
-    ));
-    let down = tokio::spawn(pump(
-        server_read,
-        client_write,
-        shared,
-        resets,
-        doomed,
-        false,
-    ));
-    let _ = up.await;
-    down.abort();
-}
-
-/// Copies one direction. The client-to-server direction parses frames: a
-/// 4-byte length, then (after the first, the connect request) the xid and the
-/// opcode. Once `doomed`, nothing more reaches the client.
-async fn pump(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    shared: Arc<ProxyShared>,
-    mut resets: watch::Receiver<u64>,
-    doomed: Arc<AtomicBool>,
-    client_side: bool,
-) {
-    let mut flow = shared.flow.subscribe();
-    let mut buf = vec![0u8; 64 * 1024];
-    // Client side: bytes of the frame being read, and whether the connect
-    // request (the first frame) is past.
-    let mut frame: Vec<u8> = Vec::new();
-    let mut connected = false;
-    loop {
-        let n = tokio::select! {
-            read = from.read(&mut buf) => match read {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-            _ = resets.changed() => return,
-        };
-        while *flow.borrow_and_update() == Flow::Blackhole {
-            tokio::select! {
-                changed = flow.changed() => if changed.is_err() { return },
-                _ = resets.changed() => return,
-            }
-        }
-        let mut cut = false;
-        if client_side {
-            frame.extend_from_slice(&buf[..n]);
-            while frame.len() >= 4 {
-                let len = i32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
-                if frame.len() < 4 + len {
-                    break;
-                }
-                if connected && len >= 8 {
-                    let opcode = i32::from_be_bytes([frame[8], frame[9], frame[10], frame[11]]);
-                    if let Some(n) = usize::try_from(opcode)
-                        .ok()
-                        .and_then(|i| shared.requests.get(i))
-                    {
-                        n.fetch_add(1, Ordering::SeqCst);
-                    }
-                    if CREATE_OPCODES.contains(&opcode)
-                        && shared.cut_after_create.swap(false, Ordering::SeqCst)
-                    {
-                        shared.creates_cut.fetch_add(1, Ordering::SeqCst);
-                        doomed.store(true, Ordering::SeqCst);
-                        cut = true;
-                    }
-                    if opcode == DELETE_OPCODE && shared.cut_deletes.load(Ordering::SeqCst) {
-                        shared.deletes_cut.fetch_add(1, Ordering::SeqCst);
-                        doomed.store(true, Ordering::SeqCst);
-                        cut = true;
-                    }
-                }
-                connected = true;
-                frame.drain(..4 + len);
-            }
-        } else if doomed.load(Ordering::SeqCst) {
-            // The reply of the cut request, and anything after it: dropped.
-            continue;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-        if cut {
-            // Let the server take the create in, drop everything it answers,
-            // then close both sides.
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            return;
-        }
-    }
-}
-
 /// A ZooKeeper server of a test's own, on a free port, in a temporary
-/// directory: it can be SIGKILLed and restarted on the same port and data.
-/// Uses the Java and jars `scripts/servers.sh` installs; the server is
-/// killed when dropped.
+/// directory (launched by [`zookeeper_server`]): it can be SIGKILLed and
+/// restarted on the same port and data. The server is killed when dropped.
 pub struct PrivateZk {
     /// Its client port.
     pub port: u16,
     dir: tempfile_dir::Dir,
-    extra: Vec<String>,
+    properties: Vec<String>,
     child: Option<Child>,
 }
 
@@ -370,8 +271,6 @@ mod tempfile_dir {
     }
 }
 
-const ZK_JARS: &str = "/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar";
-
 impl PrivateZk {
     /// Starts a server with these extra JVM `-D` properties (for example
     /// `znode.container.checkIntervalMs=100`) and waits until it answers.
@@ -381,23 +280,11 @@ impl PrivateZk {
             .map(|a| a.port())
             .expect("a free port");
         let dir = tempfile_dir::Dir::new("zk");
-        let data: PathBuf = dir.path().join("data");
-        std::fs::create_dir_all(&data).expect("data dir");
-        std::fs::write(
-            dir.path().join("zoo.cfg"),
-            format!(
-                "tickTime=500\nminSessionTimeout=1000\nmaxSessionTimeout=30000\n\
-                 dataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-                 maxClientCnxns=0\nforceSync=no\nadmin.enableServer=false\n\
-                 4lw.commands.whitelist=ruok,srvr,stat,mntr\n",
-                data.display()
-            ),
-        )
-        .expect("zoo.cfg");
+        zookeeper_server::configure(port, dir.path()).expect("zoo.cfg");
         let mut zk = PrivateZk {
             port,
             dir,
-            extra: jvm_properties.iter().map(|p| format!("-D{p}")).collect(),
+            properties: jvm_properties.iter().map(|p| p.to_string()).collect(),
             child: None,
         };
         zk.launch().await;
@@ -410,41 +297,21 @@ impl PrivateZk {
     }
 
     async fn launch(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("zookeeper.log"))
-            .expect("log file");
-        let child = Command::new("java")
-            .arg("-Xmx128m")
-            .arg("-XX:+UseSerialGC")
-            .args(&self.extra)
-            .arg("-cp")
-            .arg(ZK_JARS)
-            .arg("org.apache.zookeeper.server.ZooKeeperServerMain")
-            .arg(self.dir.path().join("zoo.cfg"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
+        let properties: Vec<&str> = self.properties.iter().map(String::as_str).collect();
+        let child = zookeeper_server::command(self.dir.path(), 128, &properties)
+            .expect("log file")
             .spawn()
             .unwrap_or_else(|e| {
                 crate::servers_missing(&format!("java ZooKeeperServerMain on {}", self.port), e)
             });
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if serving(self.port).await {
-                return;
-            }
-            if Instant::now() > deadline {
-                let log = std::fs::read_to_string(self.dir.path().join("zookeeper.log"))
-                    .unwrap_or_default();
-                crate::servers_missing(
-                    &format!("private ZooKeeper on {}", self.port),
-                    format!("did not start within 60 s:\n{log}"),
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        if !zookeeper_server::wait_until_serving(self.port, Duration::from_secs(60)).await {
+            let log =
+                std::fs::read_to_string(self.dir.path().join("zookeeper.log")).unwrap_or_default();
+            crate::servers_missing(
+                &format!("private ZooKeeper on {}", self.port),
+                format!("did not start within 60 s:\n{log}"),
+            );
         }
     }
 
@@ -467,24 +334,6 @@ impl Drop for PrivateZk {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// Whether a ZooKeeper server on this port serves requests (`srvr` reports
-/// its mode; `ruok` answers `imok` already while the server still loads its
-/// data and turns sessions away).
-pub async fn serving(port: u16) -> bool {
-    let attempt = async {
-        let mut stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-        stream.write_all(b"srvr").await.ok()?;
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).await.ok()?;
-        Some(String::from_utf8_lossy(&answer).contains("Mode:"))
-    };
-    tokio::time::timeout(Duration::from_secs(2), attempt)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(false)
 }
 
 /// The jars the Java programs of the tests (`tests/java`) run with: Debian's

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, Registry, ZooKeeperBackend};
-use dlock_tests::zk_support::{Flow, ZkFaults, ZkProxy, admin, children, hosts, port, url};
+use dlock_testkit::Fault;
+use dlock_tests::zk_support::{ZkFaults, ZkProxy, admin, children, hosts, port, url};
 use dlock_tests::{Harness, servers_missing, unique_key};
 use tokio::sync::OnceCell;
 use zookeeper_client::{Acls, Client, CreateMode};
@@ -158,7 +159,7 @@ async fn forced_session_expiry_signals_loss_and_hands_over() {
     let proxy = ZkProxy::start(port(&url())).await;
     let holder_url = format!(
         "{}?session_timeout=4s",
-        url().replacen(&hosts(&url()), &format!("127.0.0.1:{}", proxy.port), 1)
+        url().replacen(&hosts(&url()), &format!("127.0.0.1:{}", proxy.port()), 1)
     );
     let holder_zk = ZooKeeperBackend::connect(&holder_url)
         .await
@@ -187,7 +188,7 @@ async fn forced_session_expiry_signals_loss_and_hands_over() {
     assert!(!waiter.is_finished(), "the waiter queues behind the holder");
 
     let stolen = holder_zk.session_for_tests().expect("a session");
-    proxy.set(Flow::Blackhole);
+    proxy.set(Fault::Hold);
     let mut attempts = 0;
     let thief = loop {
         attempts += 1;
@@ -207,7 +208,7 @@ async fn forced_session_expiry_signals_loss_and_hands_over() {
     drop(thief); // closes the session: its nodes go.
     tokio::time::sleep(Duration::from_millis(300)).await;
     // The holder's client reconnects with the closed session and hears Expired.
-    proxy.set(Flow::Pass);
+    proxy.set(Fault::Pass);
 
     tokio::time::timeout(Duration::from_secs(10), guard.lost())
         .await

@@ -7,7 +7,8 @@
 use std::time::{Duration, Instant};
 
 use dlock_runtime::{LockError, Registry, ZooKeeperBackend};
-use dlock_tests::zk_support::{Flow, PrivateZk, ZkProxy, admin, children, port, url};
+use dlock_testkit::Fault;
+use dlock_tests::zk_support::{PrivateZk, ZkProxy, admin, children, port, url};
 use dlock_tests::{servers_missing, unique_key};
 
 async fn connect(url: &str) -> ZooKeeperBackend {
@@ -22,7 +23,11 @@ fn registry(backend: &ZooKeeperBackend) -> Registry {
 
 /// A backend whose every byte goes through `proxy`.
 async fn through(proxy: &ZkProxy, query: &str) -> ZooKeeperBackend {
-    connect(&format!("zk://127.0.0.1:{}/dlock-test{query}", proxy.port)).await
+    connect(&format!(
+        "zk://127.0.0.1:{}/dlock-test{query}",
+        proxy.port()
+    ))
+    .await
 }
 
 /// The one child of a key's container, and its czxid.
@@ -64,9 +69,9 @@ async fn a_short_cut_keeps_the_lock_and_its_token() {
 
     proxy.reset_all();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    proxy.set(Flow::Blackhole);
+    proxy.set(Fault::Hold);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    proxy.set(Flow::Pass);
+    proxy.set(Fault::Pass);
     // Past two more renewal periods.
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
@@ -104,7 +109,7 @@ async fn a_black_hole_signals_loss_before_the_session_expires() {
     let (node, _) = only_node(&zk, &key).await;
 
     let cut = Instant::now();
-    proxy.set(Flow::Blackhole);
+    proxy.set(Fault::Hold);
     tokio::time::timeout(timeout, guard.lost())
         .await
         .expect("the loss is signalled within the session timeout");
@@ -128,7 +133,7 @@ async fn a_black_hole_signals_loss_before_the_session_expires() {
     assert!(gone > signalled, "loss {signalled:?}, node gone {gone:?}");
     eprintln!("loss signalled {signalled:?} after the cut, node gone after {gone:?}");
 
-    proxy.set(Flow::Pass);
+    proxy.set(Fault::Pass);
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
     // The backend opens a new session once the old one is known expired.
     let next = dlock_tests::acquire_eventually(&locks, &key).await;
@@ -198,7 +203,7 @@ async fn a_release_during_a_black_hole_is_retried_until_it_succeeds() {
         .expect("acquire");
     let (node, _) = only_node(&zk, &key).await;
     let cut = Instant::now();
-    proxy.set(Flow::Blackhole);
+    proxy.set(Fault::Hold);
     let released = guard.release().await;
     let answered = cut.elapsed();
     match released {
@@ -210,7 +215,7 @@ async fn a_release_during_a_black_hole_is_retried_until_it_succeeds() {
     // Heal before the server could expire the session (4 s after it last
     // heard from us).
     tokio::time::sleep_until((cut + Duration::from_millis(2500)).into()).await;
-    proxy.set(Flow::Pass);
+    proxy.set(Fault::Pass);
     let deadline = Instant::now() + Duration::from_secs(3);
     while exists(&node).await {
         assert!(Instant::now() < deadline, "the delete was not retried");

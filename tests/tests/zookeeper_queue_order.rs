@@ -50,7 +50,7 @@ async fn a_background_delete_spares_the_next_node_of_the_same_acquisition() {
     let proxy = ZkProxy::start(server.port).await;
     let zk = ZooKeeperBackend::connect(&format!(
         "zk://127.0.0.1:{}/dlock-reuse?session_timeout=4s",
-        proxy.port
+        proxy.port()
     ))
     .await
     .expect("connect");
@@ -253,7 +253,7 @@ async fn below_the_counters_end_the_queue_is_never_read_node_by_node() {
     let proxy = ZkProxy::start(server.port).await;
     let url = format!(
         "zk://127.0.0.1:{}/dlock-cost?session_timeout=10s",
-        proxy.port
+        proxy.port()
     );
     let admin = admin(server.port).await;
     let creates = || proxy.requests(CREATE) + proxy.requests(CREATE2);

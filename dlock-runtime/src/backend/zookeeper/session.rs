@@ -293,7 +293,7 @@ impl Session {
             if !ended {
                 let session = self.clone();
                 crate::driver::handle().spawn(async move {
-                    let _ = super::delete_until_gone(&session, &node.path, None).await;
+                    let _ = super::release::delete_until_gone(&session, &node.path, None).await;
                 });
             }
         }
@@ -350,7 +350,7 @@ pub(super) async fn reaper(session: Weak<Session>) {
             tracing::debug!(path = %node.path, "dlock zookeeper: lease ran out unrenewed; node deleted");
             let session = strong.clone();
             crate::driver::handle().spawn(async move {
-                let _ = super::delete_until_gone(&session, &node.path, None).await;
+                let _ = super::release::delete_until_gone(&session, &node.path, None).await;
             });
         }
         drop(strong);

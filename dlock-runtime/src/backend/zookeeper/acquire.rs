@@ -1,0 +1,522 @@
+//! Acquisition: an attempt's state across attempts, creating (or finding
+//! again) our node, watching the node ahead of it, and the grant.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use zookeeper_client::{Acls, CreateMode, Error as ZkError, EventType};
+
+use super::connect::mkdir;
+use super::path::{self, Position};
+use super::release::{delete_by_guid, delete_node, delete_until_gone};
+use super::session::Session;
+use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
+use crate::backend::{AcquireRequest, Attempt, Lease};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// Our node, as created (or recovered).
+#[derive(Debug, Clone)]
+pub(super) struct OurNode {
+    pub(super) name: String,
+    pub(super) czxid: i64,
+}
+
+/// A watch on our predecessor. Dropping it removes the watch.
+struct Watch {
+    path: String,
+    /// It was the only lock node ahead of ours when the queue was read.
+    alone: bool,
+    fired: Arc<AtomicBool>,
+    /// The event was the predecessor's deletion.
+    deleted: Arc<AtomicBool>,
+    stop: CancellationToken,
+    /// When the queue was last read: the watch is trusted for a session
+    /// timeout after that, then the queue is read again.
+    checked_at: Instant,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// One acquisition in progress, from its first attempt to its grant,
+/// abandonment or release: its queued node survives across attempts.
+pub(super) struct Pending {
+    owner: String,
+    container: String,
+    guid: String,
+    pub(super) notify: Arc<Notify>,
+    state: Mutex<PendingState>,
+}
+
+#[derive(Default)]
+struct PendingState {
+    /// The session of the latest create.
+    session: Option<Arc<Session>>,
+    /// Our node on that session, when known.
+    node: Option<OurNode>,
+    /// A create was sent on that session and its answer not seen.
+    maybe_created: bool,
+    watch: Option<Watch>,
+}
+
+impl Pending {
+    fn state(&self) -> MutexGuard<'_, PendingState> {
+        lock(&self.state)
+    }
+
+    /// Our node, if it was created on `session` (a node of an ended session
+    /// is gone with it).
+    fn node_on(&self, session: &Arc<Session>) -> Option<OurNode> {
+        let st = self.state();
+        match &st.session {
+            Some(s) if Arc::ptr_eq(s, session) => st.node.clone(),
+            _ => None,
+        }
+    }
+
+    fn forget_node(&self) {
+        let mut st = self.state();
+        st.node = None;
+        st.watch = None;
+    }
+
+    /// Our node, if it holds the key without reading the queue again: the
+    /// only node ahead of it is deleted (nodes created later come after
+    /// ours, so none can have come ahead), and its session lives.
+    fn promoted(&self) -> Option<(Arc<Session>, OurNode)> {
+        let st = self.state();
+        let watch = st.watch.as_ref()?;
+        if !watch.alone || !watch.deleted.load(Ordering::Acquire) {
+            return None;
+        }
+        let session = st.session.as_ref().filter(|s| s.is_alive())?.clone();
+        Some((session, st.node.clone()?))
+    }
+
+    /// Busy without a round trip: our predecessor's watch has not fired, so
+    /// it is still there, ahead of us.
+    fn still_behind(&self) -> Option<Attempt> {
+        let st = self.state();
+        let watch = st.watch.as_ref()?;
+        let session = st.session.as_ref()?;
+        if st.node.is_none() || !session.is_alive() || watch.fired.load(Ordering::Acquire) {
+            return None;
+        }
+        let since = watch.checked_at.elapsed();
+        (since < session.timeout).then(|| Attempt::Busy {
+            retry_in: Some(session.timeout - since),
+        })
+    }
+}
+
+impl Inner {
+    /// The in-progress state of `request`'s acquisition (created at its
+    /// first attempt, before anything is sent).
+    pub(super) fn pending_for(&self, request: &AcquireRequest) -> Arc<Pending> {
+        lock(&self.pending)
+            .entry(request.owner.clone())
+            .or_insert_with(|| {
+                let container = format!("/{}", path::escape_key(&request.key));
+                Arc::new(Pending {
+                    owner: request.owner.clone(),
+                    guid: path::new_guid(),
+                    container,
+                    notify: Arc::new(Notify::new()),
+                    state: Mutex::new(PendingState::default()),
+                })
+            })
+            .clone()
+    }
+
+    /// One attempt: see
+    /// [`LockBackend::try_acquire`](crate::backend::LockBackend::try_acquire).
+    pub(super) async fn attempt(
+        self: &Arc<Self>,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        let started = Instant::now();
+        let pending = self.pending_for(request);
+        if let Some((session, node)) = pending.promoted() {
+            return Ok(Attempt::Held(
+                self.grant(request, &pending, &session, &node, started),
+            ));
+        }
+        if let Some(busy) = pending.still_behind() {
+            return Ok(busy);
+        }
+        let session = match self.session().await {
+            Ok(session) => session,
+            Err(error) if error.is_retryable() => {
+                return Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: RETRY,
+                });
+            }
+            Err(error) => return Err(error),
+        };
+        let unavailable = |what: &str, err: ZkError| {
+            let error = backend_error(what, err);
+            if error.is_retryable() {
+                Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: RETRY,
+                })
+            } else {
+                Err(error)
+            }
+        };
+        for _ in 0..MAX_STEPS {
+            let (node, listed) = match pending.node_on(&session) {
+                Some(node) => (node, None),
+                None => match self.create_node(&session, &pending).await {
+                    Ok(created) => created,
+                    Err(err) => return unavailable("creating the lock node", err),
+                },
+            };
+            let fresh = listed.is_some();
+            let children = match listed {
+                Some(children) => children,
+                None => match session.call(|c| c.list_children(&pending.container)).await {
+                    Ok(children) => children,
+                    Err(ZkError::NoNode) => {
+                        pending.forget_node();
+                        continue;
+                    }
+                    Err(err) => return unavailable("listing the lock's queue", err),
+                },
+            };
+            // A create of ours that surfaced late, beside the node we use.
+            let mine = path::guid_prefix(&pending.guid);
+            let ghosts: Vec<String> = children
+                .iter()
+                .filter(|c| c.starts_with(&mine) && **c != node.name)
+                .map(|c| format!("{}/{c}", pending.container))
+                .collect();
+            if !ghosts.is_empty() {
+                for ghost in ghosts {
+                    let deadline = Some(Instant::now() + session.op_timeout);
+                    if let Err(err) = delete_until_gone(&session, &ghost, deadline).await {
+                        return unavailable("deleting a duplicate lock node", err);
+                    }
+                }
+                continue;
+            }
+            let queue = match self
+                .queue(&session, &pending.container, &children, &node)
+                .await
+            {
+                Ok(queue) => queue,
+                Err(err) => return unavailable("reading the lock's queue", err),
+            };
+            match path::position(&queue, &node.name) {
+                // The listing sent with the create is read after it on the
+                // server, so it shows our node; should it not, read again
+                // rather than forget a node that exists.
+                Position::Missing if fresh => {}
+                Position::Missing => {
+                    // Deleted behind our back while queued: queue again.
+                    pending.forget_node();
+                }
+                Position::Holder => {
+                    return Ok(Attempt::Held(
+                        self.grant(request, &pending, &session, &node, started),
+                    ));
+                }
+                Position::Behind(ahead) => {
+                    if request.wait.is_zero() {
+                        // Tried once: the wait loop abandons, deleting our node.
+                        return Ok(Attempt::Busy { retry_in: None });
+                    }
+                    let alone = path::ahead_of(&queue, &node.name) == 1;
+                    let ahead = format!("{}/{ahead}", pending.container);
+                    match self.watch(&session, &pending, ahead, alone).await {
+                        Ok(true) => {
+                            return Ok(Attempt::Busy {
+                                retry_in: Some(session.timeout),
+                            });
+                        }
+                        Ok(false) => {}
+                        Err(err) => return unavailable("watching the lock's queue", err),
+                    }
+                }
+            }
+        }
+        // The queue kept changing under this attempt: look again at once.
+        Ok(Attempt::Busy {
+            retry_in: Some(Duration::ZERO),
+        })
+    }
+
+    /// Creates our node on `session` — or finds it again, if the answer of
+    /// an earlier create on this session was lost. A fresh create is sent
+    /// together with the listing of the key's children: the server reads
+    /// them after the create (one session's requests are served in order),
+    /// so an uncontended acquisition costs one round trip, not two.
+    async fn create_node(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+    ) -> Result<(OurNode, Option<Vec<String>>), ZkError> {
+        let recovering = {
+            let mut st = pending.state();
+            if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+                // A node of an ended session is gone with it.
+                st.session = Some(session.clone());
+                st.node = None;
+                st.maybe_created = false;
+            }
+            st.watch = None;
+            st.maybe_created
+        };
+        if recovering && let Some(node) = self.find_ours(session, pending).await? {
+            self.counters
+                .creates_recovered
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(node = %node.name, "dlock zookeeper: lost create reply; node recovered by its GUID");
+            let mut st = pending.state();
+            st.node = Some(node.clone());
+            st.maybe_created = false;
+            return Ok((node, None));
+        }
+        let prefix = path::child_prefix(&pending.container, &pending.guid);
+        let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+        for _ in 0..MAX_STEPS {
+            // Sent when called: from here on the node may exist.
+            pending.state().maybe_created = true;
+            let sent = Instant::now();
+            let create = session
+                .client
+                .create(&prefix, pending.owner.as_bytes(), &options);
+            let list = session.client.list_children(&pending.container);
+            let created = session.finish(sent, create).await;
+            let listed = match &created {
+                Ok(_) => session.finish(sent, list).await.ok(),
+                Err(_) => None,
+            };
+            match created {
+                Ok((stat, sequence)) => {
+                    let name = format!("{}{sequence}", &prefix[pending.container.len() + 1..]);
+                    if path::sequence_of(&name).is_none() {
+                        return Err(ZkError::UnexpectedError(format!(
+                            "lock node without a sequence: {name}"
+                        )));
+                    }
+                    let node = OurNode {
+                        name,
+                        czxid: stat.czxid,
+                    };
+                    self.counters.nodes_created.fetch_add(1, Ordering::Relaxed);
+                    let mut st = pending.state();
+                    st.node = Some(node.clone());
+                    st.maybe_created = false;
+                    return Ok((node, listed));
+                }
+                Err(ZkError::NoNode) => {
+                    pending.state().maybe_created = false;
+                    self.create_container(session, &pending.container).await?;
+                }
+                // At the counter's end every child gets the same sequence:
+                // a node of ours, created earlier, has this very name.
+                Err(ZkError::NodeExists) => {
+                    let Some(node) = self.find_ours(session, pending).await? else {
+                        return Err(ZkError::NodeExists);
+                    };
+                    let mut st = pending.state();
+                    st.node = Some(node.clone());
+                    st.maybe_created = false;
+                    return Ok((node, None));
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(ZkError::UnexpectedError(format!(
+            "the container {} kept disappearing",
+            pending.container
+        )))
+    }
+    /// Our node among the key's children, by GUID, if it belongs to
+    /// `session`. Any other node of ours on it is deleted.
+    async fn find_ours(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+    ) -> Result<Option<OurNode>, ZkError> {
+        let children = match session.call(|c| c.list_children(&pending.container)).await {
+            Ok(children) => children,
+            Err(ZkError::NoNode) => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let mine = path::guid_prefix(&pending.guid);
+        let mut found = Vec::new();
+        for name in children.iter().filter(|c| c.starts_with(&mine)) {
+            let node_path = format!("{}/{name}", pending.container);
+            match session.call(|c| c.get_data(&node_path)).await {
+                Ok((data, stat))
+                    if stat.ephemeral_owner == session.id && data == pending.owner.as_bytes() =>
+                {
+                    if path::sequence_of(name).is_some() {
+                        found.push(OurNode {
+                            name: name.clone(),
+                            czxid: stat.czxid,
+                        });
+                    }
+                }
+                // A node of an earlier session: it goes with that session.
+                Ok(_) | Err(ZkError::NoNode) => {}
+                Err(err) => return Err(err),
+            }
+        }
+        found.sort_by_key(|node| node.czxid);
+        let mut found = found.into_iter();
+        let keep = found.next();
+        for extra in found {
+            let extra = format!("{}/{}", pending.container, extra.name);
+            delete_until_gone(session, &extra, Some(Instant::now() + session.op_timeout)).await?;
+        }
+        Ok(keep)
+    }
+
+    /// Creates the key's container (again, if the server reaped it).
+    async fn create_container(&self, session: &Session, container: &str) -> Result<(), ZkError> {
+        let options = CreateMode::Container.with_acls(Acls::anyone_all());
+        for _ in 0..2 {
+            match session.call(|c| c.create(container, &[], &options)).await {
+                Ok(_) | Err(ZkError::NodeExists) => return Ok(()),
+                Err(ZkError::NoNode) if self.target.chroot != "/" => {
+                    // The chroot itself was deleted: create it again.
+                    let sent = Instant::now();
+                    let made = mkdir(&session.root, &self.target.chroot);
+                    session.finish(sent, made).await?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(ZkError::NoNode)
+    }
+
+    /// Watches our predecessor; false if it is already gone.
+    async fn watch(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+        ahead: String,
+        alone: bool,
+    ) -> Result<bool, ZkError> {
+        {
+            let mut st = pending.state();
+            if let Some(watch) = &mut st.watch
+                && watch.path == ahead
+                && !watch.fired.load(Ordering::Acquire)
+            {
+                watch.checked_at = Instant::now();
+                watch.alone = alone;
+                return Ok(true);
+            }
+            st.watch = None;
+        }
+        // A data watch, as Curator sets: on a node already gone it fails
+        // with NoNode and leaves no watch behind (an exists-watch would).
+        let sent = Instant::now();
+        let request = session.client.get_and_watch_data(&ahead);
+        let watcher = match session.finish(sent, request).await {
+            Ok((_, _, watcher)) => watcher,
+            Err(ZkError::NoNode) => return Ok(false),
+            Err(err) => return Err(err),
+        };
+        self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
+        let fired = Arc::new(AtomicBool::new(false));
+        let deleted = Arc::new(AtomicBool::new(false));
+        let stop = CancellationToken::new();
+        let task = {
+            let (fired, deleted, stop) = (fired.clone(), deleted.clone(), stop.clone());
+            let (notify, counters) = (pending.notify.clone(), self.counters.clone());
+            async move {
+                tokio::select! {
+                    event = watcher.changed() => {
+                        deleted.store(event.event_type == EventType::NodeDeleted, Ordering::Release);
+                        fired.store(true, Ordering::Release);
+                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
+                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
+                        notify.notify_waiters();
+                    }
+                    // Dropping the watcher removes the watch.
+                    () = stop.cancelled() => {}
+                }
+            }
+        };
+        crate::driver::handle().spawn(task);
+        pending.state().watch = Some(Watch {
+            path: ahead,
+            alone,
+            fired,
+            deleted,
+            stop,
+            checked_at: Instant::now(),
+        });
+        Ok(true)
+    }
+
+    /// Our node holds the key: the lease, registered with its session.
+    fn grant(
+        &self,
+        request: &AcquireRequest,
+        pending: &Pending,
+        session: &Arc<Session>,
+        node: &OurNode,
+        started: Instant,
+    ) -> Lease {
+        if let Some(done) = lock(&self.pending).remove(&request.owner) {
+            done.state().watch = None;
+        }
+        let held = session.register(
+            format!("{}/{}", pending.container, node.name),
+            request.lost.clone(),
+            crate::time::saturating_add(started, request.lease),
+        );
+        if session.refuses_grants() {
+            // The session ended, or its leases were declared lost while
+            // disconnected, between the read and the registration: this
+            // grant is lost with them. A node that may still exist is
+            // deleted once the server is reachable, as theirs are.
+            session.unregister(&held);
+            request.lost.cancel();
+            if session.is_alive() {
+                let (session, path) = (session.clone(), held.path.clone());
+                crate::driver::handle().spawn(async move {
+                    let _ = delete_until_gone(&session, &path, None).await;
+                });
+            }
+        }
+        Lease::new(request, Some(FencingToken::new(node.czxid as u64))).with_extra(held)
+    }
+
+    /// Ends an acquisition that did not end with a grant: deletes its node
+    /// (by GUID when the create's answer was not seen).
+    pub(super) async fn drop_pending(&self, owner: &str) -> Result<(), BackendError> {
+        let Some(pending) = lock(&self.pending).remove(owner) else {
+            return Ok(());
+        };
+        let (session, node, maybe_created) = {
+            let mut st = pending.state();
+            st.watch = None;
+            (st.session.clone(), st.node.clone(), st.maybe_created)
+        };
+        let Some(session) = session else {
+            return Ok(());
+        };
+        if let Some(node) = node {
+            return delete_node(session, format!("{}/{}", pending.container, node.name)).await;
+        }
+        if maybe_created {
+            return delete_by_guid(session, pending.container.clone(), pending.guid.clone()).await;
+        }
+        Ok(())
+    }
+}
