@@ -143,6 +143,8 @@ pub mod sql_db;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql_lease_table;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
+pub mod sql_server_lease_table;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod sql_session;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(

@@ -22,6 +22,7 @@ async fn harness() -> &'static Harness {
 
 dlock_tests::conformance_suite!(harness);
 dlock_tests::sql_lease_table_suite!(target);
+dlock_tests::sql_server_lease_table_suite!(target);
 
 fn faults() -> MyFaults {
     MyFaults {
