@@ -85,11 +85,12 @@ use rand::Rng;
 use redis::{Client, Script, ScriptInvocation};
 use tokio::sync::watch;
 
-use super::connections::{Conn, Local, Opener, Route};
+use super::connections::{Conn, Opener, Route, local};
 use super::{
     Listener, RELEASE, RENEW, Source, Topology, client, install_crypto_provider, millis, parse_url,
     redis_error,
 };
+use crate::backend::local::Local;
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 
@@ -183,7 +184,7 @@ struct Node {
     number: usize,
     address: String,
     state: watch::Receiver<NodeState>,
-    local: Local,
+    local: Local<Conn>,
     listener: Listener,
 }
 
@@ -211,7 +212,7 @@ impl Node {
             number,
             address: client.get_connection_info().addr().to_string(),
             state: receiver,
-            local: Local::new(opener),
+            local: local(&opener),
             listener: Listener::start(Source::Plain(client), timeout),
         }
     }
@@ -248,7 +249,7 @@ impl Node {
     /// connection.
     fn route(&self) -> Result<Route, BackendError> {
         let home = self.home()?;
-        Ok(self.local.route().unwrap_or_else(|| Route::home(home)))
+        Ok(Route::pick(&self.local, home))
     }
 
     /// One call of `invocation` over `route`, sent once more over home if
