@@ -22,7 +22,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
 use tokio_util::sync::CancellationToken;
 
-use super::{Target, Topology, client};
+use super::url::{Target, Topology};
 use crate::backend::local::Local;
 
 /// One multiplexed connection: to a single server, or to a cluster.
@@ -138,6 +138,25 @@ pub(super) fn cluster_builder(
         });
     }
     builder
+}
+
+pub(super) fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
+    match tls_ca {
+        Some(ca) => Client::build_with_tls(
+            node,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca.clone()),
+            },
+        ),
+        None => Client::open(node),
+    }
+}
+
+/// rustls needs one process-wide crypto provider; dlock installs ring's unless
+/// the application installed one first.
+pub(super) fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// The local connection to one server (or cluster), opened by `opener`:
