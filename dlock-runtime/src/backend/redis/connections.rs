@@ -14,16 +14,19 @@
 //! with the backend. Redlock keeps its own home connection per master (opened
 //! by a reconnect task, see `redlock/node.rs`) and a [`Local`] next to it.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, ScriptInvocation, Value};
 use tokio_util::sync::CancellationToken;
 
+use super::scripts::redis_error;
 use super::url::{Target, Topology};
 use crate::backend::local::Local;
+use crate::error::BackendError;
 
 /// One multiplexed connection: to a single server, or to a cluster.
 #[derive(Clone)]
@@ -212,6 +215,35 @@ impl Route {
     /// Whether this was a local connection whose runtime has shut down since.
     pub(super) fn died(&self) -> bool {
         self.alive.as_ref().is_some_and(|a| a.is_cancelled())
+    }
+
+    /// Sends a command with `send` over this route, and once more over the
+    /// home connection `home()` if this was a local connection that died
+    /// under it.
+    pub(super) async fn send<T, F, Sent>(
+        &self,
+        home: impl FnOnce() -> Result<Conn, BackendError>,
+        send: F,
+    ) -> Result<T, BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: Future<Output = Result<T, RedisError>>,
+    {
+        match send(self.conn.clone()).await {
+            Err(_) if self.died() => send(home()?).await.map_err(redis_error),
+            answer => answer.map_err(redis_error),
+        }
+    }
+}
+
+/// One call of a script over `conn`.
+pub(super) async fn call<T: redis::FromRedisValue>(
+    conn: Conn,
+    invocation: &ScriptInvocation<'_>,
+) -> Result<T, RedisError> {
+    match conn {
+        Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+        Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
     }
 }
 

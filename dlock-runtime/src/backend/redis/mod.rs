@@ -100,7 +100,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use redis::RedisError;
 
-use connections::{Conn, Connections, client, install_crypto_provider};
+use connections::{Conn, Connections, call, client, install_crypto_provider};
 use listener::{Listener, Source};
 use replicas::ReplicaAcks;
 use scripts::{ACQUIRE, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
@@ -244,12 +244,10 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
-        let route = self.conns.route();
-        match call(route.conn.clone(), invocation).await {
-            Err(_) if route.died() => call(self.conns.home(), invocation).await,
-            answer => answer,
-        }
-        .map_err(redis_error)
+        self.conns
+            .route()
+            .send(|| Ok(self.conns.home()), |conn| call(conn, invocation))
+            .await
     }
 
     /// One attempt: the lease, or how long the holder's lease has left. A
@@ -392,16 +390,6 @@ impl RedisBackend {
     /// Owner-checked release over the usual route.
     async fn release_keys(&self, keys: &Keys, owner: &str) -> Result<i64, BackendError> {
         self.invoke(&self.release_invocation(keys, owner)).await
-    }
-}
-
-async fn call<T: redis::FromRedisValue>(
-    conn: Conn,
-    invocation: &redis::ScriptInvocation<'_>,
-) -> Result<T, RedisError> {
-    match conn {
-        Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-        Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
     }
 }
 

@@ -2,6 +2,7 @@
 //! local one, and its pub/sub listener. See **Connections** in the [Redlock
 //! backend's docs](super).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,9 +11,8 @@ use redis::{Client, ScriptInvocation};
 use tokio::sync::watch;
 
 use crate::backend::local::Local;
-use crate::backend::redis::connections::{Conn, Opener, Route, local};
+use crate::backend::redis::connections::{Conn, Opener, Route, call, local};
 use crate::backend::redis::listener::{Listener, Source};
-use crate::backend::redis::scripts::redis_error;
 use crate::error::BackendError;
 
 /// The pause after a node's first failed connection attempt; it doubles after
@@ -108,17 +108,11 @@ impl Node {
         invocation: &ScriptInvocation<'_>,
         timeout: Duration,
     ) -> Result<T, BackendError> {
-        tokio::time::timeout(timeout, async {
-            match invocation.invoke_async(&mut route.conn.clone()).await {
-                Err(_) if route.died() => invocation
-                    .invoke_async(&mut self.home()?)
-                    .await
-                    .map_err(redis_error),
-                answer => answer.map_err(redis_error),
-            }
-        })
+        within(
+            timeout,
+            route.send(|| self.home(), |conn| call(conn, invocation)),
+        )
         .await
-        .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
     }
 
     /// [`invoke`](Self::invoke) for a pipeline.
@@ -128,18 +122,25 @@ impl Node {
         pipe: &redis::Pipeline,
         timeout: Duration,
     ) -> Result<T, BackendError> {
-        tokio::time::timeout(timeout, async {
-            match pipe.query_async(&mut route.conn.clone()).await {
-                Err(_) if route.died() => pipe
-                    .query_async(&mut self.home()?)
-                    .await
-                    .map_err(redis_error),
-                answer => answer.map_err(redis_error),
-            }
-        })
+        within(
+            timeout,
+            route.send(
+                || self.home(),
+                |mut conn| async move { pipe.query_async(&mut conn).await },
+            ),
+        )
+        .await
+    }
+}
+
+/// `answer`, or a node timeout error after `timeout`.
+async fn within<T>(
+    timeout: Duration,
+    answer: impl Future<Output = Result<T, BackendError>>,
+) -> Result<T, BackendError> {
+    tokio::time::timeout(timeout, answer)
         .await
         .unwrap_or_else(|_| Err(node_timeout_error(timeout)))
-    }
 }
 
 /// Connects to one node on dlock's I/O runtime until it answers once, with a
