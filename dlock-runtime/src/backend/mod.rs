@@ -31,6 +31,8 @@ use crate::error::BackendError;
 use crate::token::FencingToken;
 
 mod connect;
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+mod local;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;

@@ -2,38 +2,31 @@
 //!
 //! A redis-crate connection runs its driver task on the runtime that opened it
 //! and dies with that runtime. dlock keeps two for each server (for the one
-//! server or cluster of `redis://`, for each master of `redlock://`):
-//!
-//! - the **home** connection, opened on dlock's own I/O runtime, which lives
-//!   as long as the process: always usable, from any runtime;
-//! - a **local** connection ([`Local`]), opened in the background on the
-//!   application's runtime the first time a command comes from there, and
-//!   used only by commands from that runtime. They then reach the socket
-//!   without a hop between runtimes (a thread wake-up each way, which costs
-//!   about a third of the throughput of a lock at concurrency 1 on loopback).
-//!   Commands from any other runtime, and from dlock's I/O runtime (the
-//!   watchdog's renewals), go home. A command never waits for the local
-//!   connection to open: until it is ready, commands go home.
-//!
-//! A sentinel task on the local connection's runtime marks it dead when that
-//! runtime shuts down (each `#[tokio::test]` has its own runtime): commands go
-//! home again, and the next runtime that calls gets a local connection of its
-//! own. A command that fails because its local connection died under it is
-//! sent once more over the home connection.
+//! server or cluster of `redis://`, for each master of `redlock://`): the
+//! **home** connection, on dlock's own I/O runtime, usable from any runtime,
+//! and a **local** one on the application's runtime, used only by commands
+//! from there (see [`local`](crate::backend::local); the hop it saves costs
+//! about a third of the throughput of a lock at concurrency 1 on loopback).
+//! A command that fails because its local connection died under it (its
+//! runtime shut down) is sent once more over the home connection.
 //!
 //! [`Connections`] is the pair for `redis://`, whose home connection is opened
 //! with the backend. Redlock keeps its own home connection per master (opened
-//! by a reconnect task, see `redlock.rs`) and a [`Local`] next to it.
+//! by a reconnect task, see `redlock/node.rs`) and a [`Local`] next to it.
 
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, ScriptInvocation, Value};
 use tokio_util::sync::CancellationToken;
 
-use super::{Target, Topology, client};
+use super::scripts::redis_error;
+use super::url::{Target, Topology};
+use crate::backend::local::Local;
+use crate::error::BackendError;
 
 /// One multiplexed connection: to a single server, or to a cluster.
 #[derive(Clone)]
@@ -69,9 +62,6 @@ impl ConnectionLike for Conn {
         }
     }
 }
-
-/// How long to wait before opening a local connection again after a failure.
-const REOPEN_AFTER: Duration = Duration::from_secs(1);
 
 /// How to open one more connection to a server (or cluster): the home one,
 /// and the local ones.
@@ -153,105 +143,42 @@ pub(super) fn cluster_builder(
     builder
 }
 
-enum LocalState {
-    Closed {
-        reopen_at: Option<Instant>,
-    },
-    Opening,
-    Open {
-        conn: Conn,
-        alive: CancellationToken,
-        /// The runtime that drives it.
-        runtime: tokio::runtime::Id,
-    },
+pub(super) fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
+    match tls_ca {
+        Some(ca) => Client::build_with_tls(
+            node,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca.clone()),
+            },
+        ),
+        None => Client::open(node),
+    }
 }
 
-/// The local connection to one server (or cluster), opened lazily on the
-/// application's runtime. See the [module docs](self).
-pub(super) struct Local {
-    opener: Arc<Opener>,
-    state: Arc<Mutex<LocalState>>,
+/// rustls needs one process-wide crypto provider; dlock installs ring's unless
+/// the application installed one first.
+pub(super) fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-impl Local {
-    /// None open yet: the first command from an application's runtime starts
-    /// opening one with `opener`.
-    pub(super) fn new(opener: Arc<Opener>) -> Local {
-        Local {
-            opener,
-            state: Arc::new(Mutex::new(LocalState::Closed { reopen_at: None })),
-        }
-    }
-
-    /// The local connection for a command from the current thread, if one is
-    /// open on this thread's runtime. `None` means: send it home. When none is
-    /// open or opening (and the last failure is more than [`REOPEN_AFTER`]
-    /// ago), this starts opening one in the background on this runtime; it
-    /// never waits for it.
-    pub(super) fn route(&self) -> Option<Route> {
-        if crate::driver::on_io_runtime() {
-            return None;
-        }
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        let mut state = lock(&self.state);
-        match &*state {
-            // Only from its own runtime: another runtime's connection is
-            // driven only while that runtime runs (a current-thread runtime
-            // blocked in a synchronous call would stall our command).
-            LocalState::Open {
-                conn,
-                alive,
-                runtime: opened_on,
-            } if !alive.is_cancelled() => {
-                if *opened_on != runtime.id() {
-                    return None;
-                }
-                return Some(Route {
-                    conn: conn.clone(),
-                    alive: Some(alive.clone()),
-                });
-            }
-            LocalState::Opening => return None,
-            LocalState::Closed {
-                reopen_at: Some(at),
-            } if Instant::now() < *at => return None,
-            _ => {}
-        }
-        *state = LocalState::Opening;
-        drop(state);
-        let sentinel = Sentinel {
-            state: self.state.clone(),
-            alive: CancellationToken::new(),
-        };
-        let opener = self.opener.clone();
-        let runtime_id = runtime.id();
-        runtime.spawn(async move {
-            match tokio::time::timeout(opener.timeout, opener.open()).await {
-                Ok(Ok(conn)) => {
-                    *lock(&sentinel.state) = LocalState::Open {
-                        conn,
-                        alive: sentinel.alive.clone(),
-                        runtime: runtime_id,
-                    };
-                    // Lives as long as the runtime; dropped when it shuts down.
-                    std::future::pending::<()>().await;
-                }
-                _ => {
-                    *lock(&sentinel.state) = LocalState::Closed {
-                        reopen_at: Some(Instant::now() + REOPEN_AFTER),
-                    };
-                }
-            }
-        });
-        None
-    }
+/// The local connection to one server (or cluster), opened by `opener`:
+/// none open yet, the first command from an application's runtime starts
+/// opening one.
+pub(super) fn local(opener: &Arc<Opener>) -> Local<Conn> {
+    let opener = opener.clone();
+    Local::new(opener.timeout, move || {
+        let opener = opener.clone();
+        Box::pin(async move { opener.open().await })
+    })
 }
 
 /// The home connection and the local one of `redis://`. See the
 /// [module docs](self).
 pub(super) struct Connections {
     home: Conn,
-    local: Local,
+    local: Local<Conn>,
+    cluster: bool,
 }
 
 /// The connection for one command, and how to tell that it died under it.
@@ -267,6 +194,19 @@ impl Route {
         Route { conn, alive: None }
     }
 
+    /// The connection for a command from the current thread: `local` when it
+    /// is open on this thread's runtime, else `home` (and `local` starts
+    /// opening).
+    pub(super) fn pick(local: &Local<Conn>, home: Conn) -> Route {
+        match local.get() {
+            Some(opened) => Route {
+                conn: opened.value,
+                alive: Some(opened.alive),
+            },
+            None => Route::home(home),
+        }
+    }
+
     /// Whether this is a local connection (not the home one).
     pub(super) fn is_local(&self) -> bool {
         self.alive.is_some()
@@ -275,6 +215,35 @@ impl Route {
     /// Whether this was a local connection whose runtime has shut down since.
     pub(super) fn died(&self) -> bool {
         self.alive.as_ref().is_some_and(|a| a.is_cancelled())
+    }
+
+    /// Sends a command with `send` over this route, and once more over the
+    /// home connection `home()` if this was a local connection that died
+    /// under it.
+    pub(super) async fn send<T, F, Sent>(
+        &self,
+        home: impl FnOnce() -> Result<Conn, BackendError>,
+        send: F,
+    ) -> Result<T, BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: Future<Output = Result<T, RedisError>>,
+    {
+        match send(self.conn.clone()).await {
+            Err(_) if self.died() => send(home()?).await.map_err(redis_error),
+            answer => answer.map_err(redis_error),
+        }
+    }
+}
+
+/// One call of a script over `conn`.
+pub(super) async fn call<T: redis::FromRedisValue>(
+    conn: Conn,
+    invocation: &ScriptInvocation<'_>,
+) -> Result<T, RedisError> {
+    match conn {
+        Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+        Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
     }
 }
 
@@ -303,12 +272,13 @@ impl Connections {
         .await?;
         Ok(Connections {
             home,
-            local: Local::new(opener),
+            local: local(&opener),
+            cluster: opener.is_cluster(),
         })
     }
 
     pub(super) fn is_cluster(&self) -> bool {
-        self.local.opener.is_cluster()
+        self.cluster
     }
 
     /// The home connection, usable from anywhere.
@@ -319,31 +289,6 @@ impl Connections {
     /// The connection for a command from the current thread: the local one
     /// when it is open, else the home one (and the local one starts opening).
     pub(super) fn route(&self) -> Route {
-        self.local
-            .route()
-            .unwrap_or_else(|| Route::home(self.home.clone()))
+        Route::pick(&self.local, self.home.clone())
     }
-}
-
-/// Held by the task that owns the local connection's life: when the task is
-/// dropped (its runtime shut down), the connection is marked dead.
-struct Sentinel {
-    state: Arc<Mutex<LocalState>>,
-    alive: CancellationToken,
-}
-
-impl Drop for Sentinel {
-    fn drop(&mut self) {
-        self.alive.cancel();
-        let mut state = lock(&self.state);
-        if matches!(*state, LocalState::Opening) {
-            *state = LocalState::Closed { reopen_at: None };
-        }
-    }
-}
-
-/// The state is a few plain fields: a panic elsewhere cannot leave it half
-/// written, so a poisoned lock is still usable.
-fn lock(state: &Mutex<LocalState>) -> MutexGuard<'_, LocalState> {
-    state.lock().unwrap_or_else(|e| e.into_inner())
 }

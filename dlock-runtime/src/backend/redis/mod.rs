@@ -87,44 +87,28 @@
 mod connections;
 mod listener;
 pub mod redlock;
+mod replicas;
+mod scripts;
 mod slots;
+mod url;
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use redis::{Client, RedisError, Script};
+use redis::RedisError;
 
-use connections::{Conn, Connections};
-pub(super) use listener::{Listener, Source};
+use connections::{Conn, Connections, call, client, install_crypto_provider};
+use listener::{Listener, Source};
+use replicas::ReplicaAcks;
+use scripts::{ACQUIRE, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
+use url::{Topology, parse_url};
 
-use crate::backend::{
-    AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource, ceil_millis,
-};
+use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
-
-/// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
-/// Answers `{1, token}` or `{0, holder's remaining ms}`. Sent twice for one
-/// owner (a retry), it grants again (lease from now, a larger token).
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
-
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
-pub(super) static RENEW: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("renew.lua")));
-
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` release channel. Answers 1 if
-/// deleted. Wakes waiters with `PUBLISH` (one server, Redlock's masters).
-pub(super) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("release.lua")));
-
-/// [`RELEASE`] for Redis Cluster: `SPUBLISH`, so the message reaches only
-/// the shard of the key (the channel is in the lock key's slot), where a
-/// `PUBLISH` would be broadcast to every node.
-static RELEASE_SHARDED: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'")));
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The first pause after an attempt that failed transiently (the wait loop
@@ -138,20 +122,6 @@ pub struct RedisBackend {
     shown_url: String,
     timeout: Duration,
     acks: Option<ReplicaAcks>,
-}
-
-/// `?replicas=N`: a grant counts once `N` replicas have acknowledged it
-/// (`WAIT N timeout` after the acquire script, on the connection that sent it).
-///
-/// The grants go over a connection of their own: `WAIT` blocks the
-/// connection's later commands on the server until it answers, and a replica
-/// that is down would otherwise hold up the renewals and releases sharing it.
-struct ReplicaAcks {
-    replicas: u32,
-    /// `WAIT`'s own timeout: half the command timeout, so the server answers
-    /// (with the count so far) before the client gives up on the command.
-    wait: Duration,
-    conns: Connections,
 }
 
 /// A lock's names on the server, built once per attempt and kept with its lease.
@@ -191,37 +161,6 @@ impl fmt::Debug for RedisBackend {
     }
 }
 
-pub(super) fn redis_error(err: RedisError) -> BackendError {
-    if err.is_timeout()
-        || err.is_connection_dropped()
-        || err.is_connection_refusal()
-        || err.is_io_error()
-        || matches!(
-            err.code(),
-            Some(
-                "TRYAGAIN"
-                    | "LOADING"
-                    | "CLUSTERDOWN"
-                    | "MASTERDOWN"
-                    // A script running past its time limit: the server is stalled.
-                    | "BUSY"
-                    // `min-replicas-to-write` not met: replicas reconnecting.
-                    | "NOREPLICAS"
-            )
-        )
-    {
-        BackendError::transient(err)
-    } else {
-        BackendError::permanent(err)
-    }
-}
-
-/// A lease as milliseconds for `PX`/`PEXPIRE`: rounded up, and capped where
-/// Redis still accepts it.
-pub(super) fn millis(d: Duration) -> u64 {
-    ceil_millis(d).min(i64::MAX as u64 / 2)
-}
-
 /// The fence counter that serves `lock_key`: the server's one, or on a
 /// cluster the one of the key's hash slot.
 fn fence_key(cluster: bool, lock_key: &str) -> Cow<'static, str> {
@@ -230,146 +169,6 @@ fn fence_key(cluster: bool, lock_key: &str) -> Cow<'static, str> {
     } else {
         Cow::Borrowed(slots::SINGLE_FENCE_KEY)
     }
-}
-
-/// How the nodes of a URL relate.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Topology {
-    /// One server (`redis://`, `rediss://`).
-    Single,
-    /// A Redis Cluster through its seed nodes (`redis+cluster://`).
-    Cluster,
-    /// Independent masters (`redlock://`, `redlocks://`).
-    Redlock,
-}
-
-/// What the URL says, with dlock's own options taken out. It holds the
-/// credentials, so it has no `Debug`.
-pub(super) struct Target {
-    pub(super) topology: Topology,
-    /// URLs for the redis crate, one per node (one for a single instance).
-    pub(super) nodes: Vec<String>,
-    /// The URL's `timeout` option, if given.
-    pub(super) timeout: Option<Duration>,
-    pub(super) tls_ca: Option<Vec<u8>>,
-    /// `replicas=N`: how many replicas must acknowledge a grant.
-    pub(super) replicas: Option<u32>,
-}
-
-pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
-    let shown = redact_url(url);
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| LockError::config(format!("`{shown}` is not a Redis URL")))?;
-    let (topology, node_scheme) = match scheme.to_ascii_lowercase().as_str() {
-        "redis" => (Topology::Single, "redis"),
-        "rediss" => (Topology::Single, "rediss"),
-        "redis+cluster" => (Topology::Cluster, "redis"),
-        "rediss+cluster" => (Topology::Cluster, "rediss"),
-        "redlock" => (Topology::Redlock, "redis"),
-        "redlocks" => (Topology::Redlock, "rediss"),
-        other => {
-            return Err(LockError::config(format!(
-                "`{other}://` is not a Redis scheme (redis://, rediss://, redis+cluster://, \
-                 redlock://)"
-            )));
-        }
-    };
-    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let mut timeout = None;
-    let mut tls_ca = None;
-    let mut replicas = None;
-    let mut passed_on = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        match pair.split_once('=') {
-            Some(("timeout", value)) => {
-                timeout = Some(
-                    humantime::parse_duration(value)
-                        .ok()
-                        .filter(|t| !t.is_zero())
-                        .ok_or_else(|| {
-                            LockError::config(format!("bad `timeout={value}` in `{shown}`"))
-                        })?,
-                );
-            }
-            Some(("replicas", value)) => {
-                if topology == Topology::Redlock {
-                    return Err(LockError::config(format!(
-                        "`replicas` is an option of redis:// and redis+cluster://, not of \
-                         Redlock (its masters are independent): `{shown}`"
-                    )));
-                }
-                replicas = Some(value.parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(
-                    || {
-                        LockError::config(format!(
-                            "bad `replicas={value}` in `{shown}` (a number of replicas, at least 1)"
-                        ))
-                    },
-                )?);
-            }
-            Some(("tls_ca", path)) => {
-                tls_ca =
-                    Some(std::fs::read(path).map_err(|e| {
-                        LockError::config(format!("cannot read tls_ca `{path}`: {e}"))
-                    })?);
-            }
-            _ => passed_on.push(pair),
-        }
-    }
-    let query = if passed_on.is_empty() {
-        String::new()
-    } else {
-        format!("?{}", passed_on.join("&"))
-    };
-    let (userinfo, hosts_and_path) = match rest.rfind('@') {
-        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
-        None => (None, rest),
-    };
-    let (hosts, path) = match hosts_and_path.find('/') {
-        Some(i) => hosts_and_path.split_at(i),
-        None => (hosts_and_path, ""),
-    };
-    let auth = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
-    let hosts: Vec<&str> = hosts.split(',').filter(|h| !h.is_empty()).collect();
-    if hosts.is_empty() {
-        return Err(LockError::config(format!("no host in `{shown}`")));
-    }
-    if topology == Topology::Single && hosts.len() > 1 {
-        return Err(LockError::config(format!(
-            "`{shown}` names several hosts: use redis+cluster:// for a cluster, or \
-             redlock:// for independent masters"
-        )));
-    }
-    let nodes = hosts
-        .iter()
-        .map(|h| format!("{node_scheme}://{auth}{h}{path}{query}"))
-        .collect();
-    Ok(Target {
-        topology,
-        nodes,
-        timeout,
-        tls_ca,
-        replicas,
-    })
-}
-
-pub(super) fn client(node: &str, tls_ca: &Option<Vec<u8>>) -> Result<Client, RedisError> {
-    match tls_ca {
-        Some(ca) => Client::build_with_tls(
-            node,
-            redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(ca.clone()),
-            },
-        ),
-        None => Client::open(node),
-    }
-}
-
-/// rustls needs one process-wide crypto provider; dlock installs ring's unless
-/// the application installed one first.
-pub(super) fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 impl RedisBackend {
@@ -403,11 +202,11 @@ impl RedisBackend {
         };
         let conns = Connections::open(&target, timeout).await.map_err(fail)?;
         let acks = match target.replicas {
-            Some(replicas) => Some(ReplicaAcks {
-                replicas,
-                wait: timeout / 2,
-                conns: Connections::open(&target, timeout).await.map_err(fail)?,
-            }),
+            Some(replicas) => Some(
+                ReplicaAcks::open(&target, replicas, timeout)
+                    .await
+                    .map_err(fail)?,
+            ),
             None => None,
         };
         let backend = RedisBackend {
@@ -445,12 +244,10 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
-        let route = self.conns.route();
-        match call(route.conn.clone(), invocation).await {
-            Err(_) if route.died() => call(self.conns.home(), invocation).await,
-            answer => answer,
-        }
-        .map_err(redis_error)
+        self.conns
+            .route()
+            .send(|| Ok(self.conns.home()), |conn| call(conn, invocation))
+            .await
     }
 
     /// One attempt: the lease, or how long the holder's lease has left. A
@@ -468,9 +265,7 @@ impl RedisBackend {
             .arg(millis(request.lease));
         let answer: Result<(i64, i64), BackendError> = match &self.acks {
             None => self.invoke(&invocation).await,
-            Some(acks) => call(acks.conns.home(), &invocation)
-                .await
-                .map_err(redis_error),
+            Some(acks) => call(acks.home(), &invocation).await.map_err(redis_error),
         };
         let (taken, value) = match answer {
             Ok(answer) => answer,
@@ -598,51 +393,6 @@ impl RedisBackend {
     }
 }
 
-impl ReplicaAcks {
-    /// `WAIT replicas timeout` on the connection that sent the grant (on a
-    /// cluster, to the master of the key's slot): an error unless at least
-    /// `replicas` replicas acknowledged every write sent before it.
-    async fn acknowledged(&self, lock_key: &str) -> Result<(), BackendError> {
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(self.replicas).arg(millis(self.wait));
-        let answer: Result<i64, RedisError> = match self.conns.home() {
-            Conn::Single(mut c) => wait.query_async(&mut c).await,
-            Conn::Cluster(mut c) => {
-                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-                let slot = slots::key_slot(lock_key.as_bytes());
-                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
-                    Route::new(slot, SlotAddr::Master),
-                ));
-                c.route_command(wait, route)
-                    .await
-                    .and_then(|v| redis::from_redis_value(v).map_err(RedisError::from))
-            }
-        };
-        match answer {
-            Ok(n) if n >= i64::from(self.replicas) => Ok(()),
-            Ok(n) => Err(BackendError::transient(format!(
-                "redis: only {n} of the {} replicas asked for (`replicas={}`) acknowledged the \
-                 grant within {:?}; undone",
-                self.replicas, self.replicas, self.wait
-            ))),
-            Err(e) => Err(BackendError::transient(format!(
-                "redis: the replicas' acknowledgement (`WAIT {}`) failed: {e}; grant undone",
-                self.replicas
-            ))),
-        }
-    }
-}
-
-async fn call<T: redis::FromRedisValue>(
-    conn: Conn,
-    invocation: &redis::ScriptInvocation<'_>,
-) -> Result<T, RedisError> {
-    match conn {
-        Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-        Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
-    }
-}
-
 fn renewal(extended: i64) -> Renewal {
     if extended == 1 {
         Renewal::Renewed
@@ -762,7 +512,7 @@ impl LockBackend for RedisBackend {
             // follows the abandoned command. Any one succeeding is enough.
             let home: Result<i64, RedisError> = call(self.conns.home(), &invocation).await;
             let acks: Option<Result<i64, RedisError>> = match &self.acks {
-                Some(acks) => Some(call(acks.conns.home(), &invocation).await),
+                Some(acks) => Some(call(acks.home(), &invocation).await),
                 None => None,
             };
             if routed.is_err() && !matches!(acks, Some(Ok(_))) {
@@ -776,53 +526,5 @@ impl LockBackend for RedisBackend {
         // The connections' driver tasks already live on dlock's I/O runtime and
         // keep the order of commands, so calls go straight from the caller.
         false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_cluster_release_script_publishes_to_the_shard() {
-        let sharded = include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'");
-        assert!(sharded.contains("redis.call('SPUBLISH', ARGV[2], '1')"));
-        assert!(!sharded.contains("redis.call('PUBLISH'"));
-    }
-
-    #[test]
-    fn urls() {
-        let t = parse_url("redis://u:p@127.0.0.1:6379/2?timeout=250ms").unwrap();
-        assert!(t.topology == Topology::Single);
-        assert_eq!(t.nodes, ["redis://u:p@127.0.0.1:6379/2"]);
-        assert_eq!(t.timeout, Some(Duration::from_millis(250)));
-        let t = parse_url("redis+cluster://:pw@a:1,b:2,c:3").unwrap();
-        assert!(t.topology == Topology::Cluster);
-        assert_eq!(
-            t.nodes,
-            ["redis://:pw@a:1", "redis://:pw@b:2", "redis://:pw@c:3"]
-        );
-        assert!(parse_url("redis://a:1,b:2").is_err());
-        assert_eq!(
-            parse_url("redis://h:1?replicas=2").unwrap().replicas,
-            Some(2)
-        );
-        assert_eq!(parse_url("redis://h:1").unwrap().replicas, None);
-        for bad in [
-            "redis://h?replicas=0",
-            "redis://h?replicas=two",
-            "redlock://a,b,c?replicas=1",
-        ] {
-            let Err(err) = parse_url(bad) else {
-                panic!("`{bad}` must be refused")
-            };
-            assert!(err.to_string().contains("replicas"), "{err}");
-        }
-        assert!(parse_url("redis://h?timeout=soon").is_err());
-        // `Target` holds credentials and has no `Debug` on purpose.
-        let Err(err) = parse_url("redis://u:hunter2@a:1,b:2") else {
-            panic!("two hosts without +cluster must be refused")
-        };
-        assert!(!err.to_string().contains("hunter2"));
     }
 }

@@ -3,28 +3,20 @@
 //! say the connection failed.
 //!
 //! **Where statements go.** A `sqlx` connection belongs to the runtime that
-//! opened it and dies with it. A backend keeps two kinds of pool:
-//!
-//! - the **home** pool, opened on dlock's own I/O runtime, which lives as long
-//!   as the process: always usable, from dlock's runtime (the watchdog's
-//!   renewals, background releases) and, by a hop to it, from anywhere;
-//! - a **local** pool, opened in the background on the application's runtime
-//!   the first time a call comes from there, and used only by calls from that
-//!   runtime: they then reach the socket without a hop between runtimes (a
-//!   thread wake-up each way). A call never waits for the local pool to
-//!   open: until it is ready, calls hop home.
-//!
-//! A sentinel task on the local pool's runtime marks it dead when that
-//! runtime shuts down (each `#[tokio::test]` has its own runtime); the next
-//! runtime that calls gets a local pool of its own. This is the Redis
-//! backends' home and local connections (`redis/connections.rs`), for pools.
+//! opened it and dies with it. A backend keeps two kinds of pool (see
+//! [`local`](crate::backend::local)): the **home** pool, opened on dlock's
+//! own I/O runtime (the watchdog's renewals and background releases run
+//! there, and calls from elsewhere hop to it), and a **local** pool opened
+//! in the background on the application's runtime, used only by calls from
+//! that runtime, without a hop. A call never waits for the local pool to
+//! open: until it is ready, calls hop home.
 
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use tokio_util::sync::CancellationToken;
 
+use crate::backend::local::Local;
 use crate::error::BackendError;
 
 /// Whether a `sqlx` error says the connection (or the pool) failed, not the
@@ -89,7 +81,7 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
     pub(crate) pool: sqlx::Pool<DB>,
     pub(crate) timeout: Duration,
     pub(crate) classify: fn(sqlx::Error) -> BackendError,
-    local: Arc<Local<DB>>,
+    local: Arc<Local<sqlx::Pool<DB>>>,
 }
 
 impl<DB: sqlx::Database> Clone for Pooled<DB> {
@@ -119,11 +111,7 @@ impl<DB: sqlx::Database> Pooled<DB> {
             pool,
             timeout,
             classify,
-            local: Arc::new(Local {
-                open,
-                timeout,
-                state: Arc::new(Mutex::new(LocalState::Closed { reopen_at: None })),
-            }),
+            local: Arc::new(Local::new(timeout, move || open())),
         }
     }
 
@@ -132,16 +120,16 @@ impl<DB: sqlx::Database> Pooled<DB> {
     /// not, this starts opening it). Otherwise run the calls on dlock's
     /// I/O runtime.
     pub(crate) fn is_near(&self) -> bool {
-        crate::driver::on_io_runtime() || self.local.route().is_some()
+        crate::driver::on_io_runtime() || self.local.get().is_some()
     }
 
     /// The pool for a call from the current thread: the local one when it is
     /// open on this runtime, else the home one.
     fn near(&self) -> sqlx::Pool<DB> {
-        if crate::driver::on_io_runtime() {
-            return self.pool.clone();
+        match self.local.get() {
+            Some(local) => local.value,
+            None => self.pool.clone(),
         }
-        self.local.route().unwrap_or_else(|| self.pool.clone())
     }
 
     /// Runs `statement` on a connection of the pool near this thread (see
@@ -177,108 +165,6 @@ impl<DB: sqlx::Database> Pooled<DB> {
             Err(_) => Err(timed_out(what, self.timeout)),
         }
     }
-}
-
-/// How long to wait before opening a local pool again after a failure.
-const REOPEN_AFTER: Duration = Duration::from_secs(1);
-
-enum LocalState<DB: sqlx::Database> {
-    Closed {
-        reopen_at: Option<Instant>,
-    },
-    Opening,
-    Open {
-        pool: sqlx::Pool<DB>,
-        alive: CancellationToken,
-        /// The runtime its connections belong to.
-        runtime: tokio::runtime::Id,
-    },
-}
-
-/// The local pool, opened lazily on the application's runtime. See the
-/// [module docs](self).
-struct Local<DB: sqlx::Database> {
-    open: Opener<DB>,
-    /// Bounds the opening.
-    timeout: Duration,
-    state: Arc<Mutex<LocalState<DB>>>,
-}
-
-impl<DB: sqlx::Database> Local<DB> {
-    /// The local pool for a call from the current thread, if one is open on
-    /// this thread's runtime. When none is open or opening (and the last
-    /// failure is more than [`REOPEN_AFTER`] ago), this starts opening one in
-    /// the background on this runtime; it never waits for it.
-    fn route(&self) -> Option<sqlx::Pool<DB>> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        let mut state = lock(&self.state);
-        match &*state {
-            // Only from its own runtime: a connection is driven by the
-            // runtime that opened it.
-            LocalState::Open {
-                pool,
-                alive,
-                runtime: opened_on,
-            } if !alive.is_cancelled() => {
-                return (*opened_on == runtime.id()).then(|| pool.clone());
-            }
-            LocalState::Opening => return None,
-            LocalState::Closed {
-                reopen_at: Some(at),
-            } if Instant::now() < *at => return None,
-            _ => {}
-        }
-        *state = LocalState::Opening;
-        drop(state);
-        let sentinel = Sentinel {
-            state: self.state.clone(),
-            alive: CancellationToken::new(),
-        };
-        let (open, timeout, runtime_id) = (self.open.clone(), self.timeout, runtime.id());
-        runtime.spawn(async move {
-            match tokio::time::timeout(timeout, open()).await {
-                Ok(Ok(pool)) => {
-                    *lock(&sentinel.state) = LocalState::Open {
-                        pool,
-                        alive: sentinel.alive.clone(),
-                        runtime: runtime_id,
-                    };
-                    // Lives as long as the runtime; dropped when it shuts down.
-                    std::future::pending::<()>().await;
-                }
-                _ => {
-                    *lock(&sentinel.state) = LocalState::Closed {
-                        reopen_at: Some(Instant::now() + REOPEN_AFTER),
-                    };
-                }
-            }
-        });
-        None
-    }
-}
-
-/// Held by the task that owns the local pool's life: when the task is
-/// dropped (its runtime shut down), the pool is marked dead (and let go
-/// when the next runtime opens its own).
-struct Sentinel<DB: sqlx::Database> {
-    state: Arc<Mutex<LocalState<DB>>>,
-    alive: CancellationToken,
-}
-
-impl<DB: sqlx::Database> Drop for Sentinel<DB> {
-    fn drop(&mut self) {
-        let mut state = lock(&self.state);
-        self.alive.cancel();
-        if matches!(*state, LocalState::Opening) {
-            *state = LocalState::Closed { reopen_at: None };
-        }
-    }
-}
-
-/// The state is a few plain fields: a panic elsewhere cannot leave it half
-/// written, so a poisoned lock is still usable.
-fn lock<DB: sqlx::Database>(state: &Mutex<LocalState<DB>>) -> MutexGuard<'_, LocalState<DB>> {
-    state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One batch statement's error, as the answer of each lease of the batch.
@@ -342,6 +228,8 @@ pub(crate) fn timed_out(what: &str, after: Duration) -> BackendError {
 
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
+    use std::time::Instant;
+
     use sqlx::sqlite::{Sqlite, SqlitePoolOptions};
 
     use super::*;
