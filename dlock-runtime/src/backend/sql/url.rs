@@ -225,11 +225,10 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
 mod tests {
     use super::*;
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
     #[test]
     fn options_are_taken_and_the_rest_handed_on() {
         let mut o = UrlOptions::parse(
@@ -252,7 +251,6 @@ mod tests {
         assert!(o.flag("create", true).unwrap());
     }
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
     #[test]
     fn bad_options_are_config_errors() {
         for query in [
@@ -283,7 +281,6 @@ mod tests {
         }
     }
 
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
     #[test]
     fn table_names() {
         assert!(check_table_name("dlock_leases").is_ok());
