@@ -11,7 +11,8 @@
 //! that runtime, without a hop. A call never waits for the local pool to
 //! open: until it is ready, calls hop home.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -82,6 +83,67 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
     pub(crate) timeout: Duration,
     pub(crate) classify: fn(sqlx::Error) -> BackendError,
     local: Arc<Local<sqlx::Pool<DB>>>,
+    unanswered: Arc<Unanswered>,
+}
+
+/// Statements of an owner's that were dropped while they ran (their caller
+/// went away) and that the server has not answered yet: the owner's next
+/// call — the clean-up release — waits until it has, so that it reaches the
+/// server after the statement it undoes, never before (see
+/// [`Pooled::call_for`]).
+#[derive(Default)]
+struct Unanswered {
+    /// By owner token: dropped when the server has answered.
+    owners: Mutex<HashMap<String, tokio::sync::watch::Receiver<()>>>,
+}
+
+impl Unanswered {
+    fn owners(&self) -> MutexGuard<'_, HashMap<String, tokio::sync::watch::Receiver<()>>> {
+        self.owners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A connection whose statement for `owner` is running. Dropped before it
+/// is answered, it is not closed: a task waits for the server's answer on
+/// it (the statement runs to its end on the server anyway), then gives the
+/// connection back, and until then the owner's calls wait (see
+/// [`Unanswered`]).
+struct Running<'a, DB: sqlx::Database> {
+    conn: Option<Checked<DB>>,
+    owner: &'a str,
+    unanswered: &'a Arc<Unanswered>,
+    timeout: Duration,
+}
+
+impl<DB: sqlx::Database> Drop for Running<'_, DB> {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        // The connection belongs to the runtime that runs this call; if it
+        // is shutting down, the connection closes with it.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (answered, rx) = tokio::sync::watch::channel(());
+        self.unanswered.owners().insert(self.owner.to_owned(), rx);
+        let (unanswered, owner, timeout) =
+            (self.unanswered.clone(), self.owner.to_owned(), self.timeout);
+        runtime.spawn(async move {
+            // A round trip reads the dropped statement's answer first.
+            use sqlx::Connection as _;
+            if let Ok(Ok(())) = tokio::time::timeout(timeout, conn.conn().ping()).await {
+                conn.keep();
+            }
+            let mut owners = unanswered.owners();
+            if owners
+                .get(&owner)
+                .is_some_and(|rx| rx.same_channel(&answered.subscribe()))
+            {
+                owners.remove(&owner);
+            }
+        });
+    }
 }
 
 impl<DB: sqlx::Database> Clone for Pooled<DB> {
@@ -91,6 +153,7 @@ impl<DB: sqlx::Database> Clone for Pooled<DB> {
             timeout: self.timeout,
             classify: self.classify,
             local: self.local.clone(),
+            unanswered: self.unanswered.clone(),
         }
     }
 }
@@ -112,6 +175,7 @@ impl<DB: sqlx::Database> Pooled<DB> {
             timeout,
             classify,
             local: Arc::new(Local::new(timeout, move || open())),
+            unanswered: Arc::default(),
         }
     }
 
@@ -134,18 +198,78 @@ impl<DB: sqlx::Database> Pooled<DB> {
 
     /// Runs `statement` on a connection of the pool near this thread (see
     /// [`is_near`](Self::is_near)). `what` names it in a timeout error.
-    pub(crate) async fn call<T, F>(&self, what: &str, mut statement: F) -> Result<T, BackendError>
+    pub(crate) async fn call<T, F>(&self, what: &str, statement: F) -> Result<T, BackendError>
+    where
+        F: for<'c> FnMut(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    {
+        self.call_inner(None, what, statement).await
+    }
+
+    /// [`call`](Self::call) for a statement of `owner`'s (an acquisition's
+    /// attempt, its release): it goes out only once the server has answered
+    /// every statement of `owner`'s that a caller dropped while it ran, so a
+    /// clean-up release is ordered after the attempt it undoes.
+    pub(crate) async fn call_for<T, F>(
+        &self,
+        owner: &str,
+        what: &str,
+        statement: F,
+    ) -> Result<T, BackendError>
+    where
+        F: for<'c> FnMut(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    {
+        self.call_inner(Some(owner), what, statement).await
+    }
+
+    async fn call_inner<T, F>(
+        &self,
+        owner: Option<&str>,
+        what: &str,
+        mut statement: F,
+    ) -> Result<T, BackendError>
     where
         F: for<'c> FnMut(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
     {
         let pool = self.near();
         let attempts = async {
+            if let Some(owner) = owner {
+                let pending = self.unanswered.owners().get(owner).cloned();
+                if let Some(mut answered) = pending {
+                    // Ends when the drain task drops its sender.
+                    let _ = answered.changed().await;
+                    let mut owners = self.unanswered.owners();
+                    if owners
+                        .get(owner)
+                        .is_some_and(|rx| rx.has_changed().is_err())
+                    {
+                        owners.remove(owner);
+                    }
+                }
+            }
             let mut dead = DeadConnections::new(pool.size() as usize);
             loop {
                 // An error opening a connection ends the call: the server
                 // cannot be reached, and trying again at once would not help.
-                let mut conn = Checked::new(pool.acquire().await?);
-                let answer = statement(conn.conn()).await;
+                let conn = Checked::new(pool.acquire().await?);
+                let mut running = owner.map(|owner| Running {
+                    conn: None,
+                    owner,
+                    unanswered: &self.unanswered,
+                    timeout: self.timeout,
+                });
+                let (answer, conn) = match &mut running {
+                    Some(running) => {
+                        let conn = running.conn.insert(conn);
+                        let answer = statement(conn.conn()).await;
+                        (answer, running.conn.take().expect("put there"))
+                    }
+                    None => {
+                        let mut conn = conn;
+                        let answer = statement(conn.conn()).await;
+                        (answer, conn)
+                    }
+                };
+                drop(running);
                 match answer {
                     Err(err) if is_connection_error(&err) => {
                         drop(conn);

@@ -427,7 +427,7 @@ impl Dialect for Mysql {
         let lease_us = micros(request.lease);
         let id = backend
             .db
-            .call("acquire", |c| {
+            .call_for(&request.owner, "acquire", |c| {
                 let sql = backend.dialect.sql.acquire.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
                 Box::pin(async move {
@@ -483,7 +483,7 @@ impl Dialect for Mysql {
     async fn release_lease(backend: &MysqlBackend, lease: &Lease) -> Result<(), BackendError> {
         backend
             .db
-            .call("release", |c| {
+            .call_for(&lease.owner, "release", |c| {
                 let sql = backend.dialect.sql.release.clone();
                 let (key, owner) = (lease.key.clone(), lease.owner.clone());
                 Box::pin(async move {

@@ -449,7 +449,7 @@ impl Dialect for Postgres {
         }
         let token: Option<i64> = backend
             .db
-            .call("acquire", |c| {
+            .call_for(&request.owner, "acquire", |c| {
                 let sql = backend.dialect.sql.acquire.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
                 let ms = millis(request.lease);
@@ -535,7 +535,7 @@ impl Dialect for Postgres {
     async fn release_lease(backend: &PostgresBackend, lease: &Lease) -> Result<(), BackendError> {
         backend
             .db
-            .call("release", |c| {
+            .call_for(&lease.owner, "release", |c| {
                 let sql = backend.dialect.sql.release.clone();
                 let (key, owner, channel) = (
                     lease.key.clone(),
