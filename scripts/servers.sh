@@ -11,6 +11,8 @@
 #   scripts/servers.sh start-postgres
 #   scripts/servers.sh stop-mysql [kill]      stop MariaDB (`kill`: SIGKILL, a crash)
 #   scripts/servers.sh start-mysql
+#   scripts/servers.sh start-pgbouncer        (PostgreSQL must be up)
+#   scripts/servers.sh stop-pgbouncer
 #
 # Every server listens on 127.0.0.1 on the project's own ports, and all state
 # (data dirs, logs, pid files, urls.env) lives under one directory:
@@ -23,6 +25,9 @@
 # 57001-57003) and a TLS-only instance (46390, throwaway CA in <state>/tls).
 # The ACL user `dlock` (see ACL_RULES) is set on 46379, the cluster nodes and
 # the TLS instance at every `up`/`start-redis`: Redis keeps no ACL on disk here.
+#
+# PgBouncer (Debian's): two instances in front of the PostgreSQL server, one
+# in session pooling (46432) and one in transaction pooling (46433).
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,6 +45,8 @@ TLS_PORT=46390
 ZK_PORT=42181
 PG_PORT=45432
 MYSQL_PORT=43306
+PGB_SESSION_PORT=46432       # PgBouncer, pool_mode = session
+PGB_TRANSACTION_PORT=46433   # PgBouncer, pool_mode = transaction
 
 PG_BIN=/usr/lib/postgresql/15/bin   # Debian's own; /usr/local/bin/postgres may not exist on CI
 ZK_JARS=(/usr/share/java/zookeeper.jar /usr/share/java/slf4j-simple.jar)
@@ -86,6 +93,7 @@ pid_alive() {
         zookeeper.pid) want=ZooKeeperServerMain ;;
         postmaster.pid) want=postgres ;;
         mariadb.pid) want=mariadbd ;;
+        pgbouncer.pid) want=pgbouncer ;;
         *) return 0 ;;
     esac
     cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
@@ -200,6 +208,7 @@ install_missing() {
     for b in mariadbd mariadb-install-db mariadb; do
         command -v "$b" >/dev/null || { pkgs+=(mariadb-server mariadb-client); break; }
     done
+    command -v pgbouncer >/dev/null || pkgs+=(pgbouncer)
     ((${#pkgs[@]})) || return 0
 
     [[ $(id -u) -eq 0 ]] || die "missing packages (${pkgs[*]}); run this script as root or install them"
@@ -588,13 +597,17 @@ PG_URL="postgres://dlock:dlock@$HOST:$PG_PORT/dlock"
 # Postgres refuses to run as root, so its files must be reachable by the
 # `postgres` user. If the state dir isn't (say, a repo under /root), keep the
 # cluster under /tmp and leave a symlink to it in the state dir.
-pg_dir() {
-    local d=$STATE_DIR/postgres
+pg_dir() { postgres_owned_dir postgres; }
+
+# postgres_owned_dir NAME: <state>/NAME, owned by and reachable for the
+# `postgres` user (or a symlink to such a directory under /tmp).
+postgres_owned_dir() {
+    local d=$STATE_DIR/$1
     if [[ -L $d ]]; then
         mkdir -p "$(readlink "$d")"   # /tmp may have been cleaned
     elif [[ ! -e $d ]] && ! as_postgres test -x "$STATE_DIR"; then
         local real
-        real=/tmp/dlock-servers-$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1)-postgres
+        real=/tmp/dlock-servers-$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1)-$1
         mkdir -p "$real"
         ln -s "$real" "$d"
     fi
@@ -696,6 +709,77 @@ kill_postgres() {
     log "postgres (pid $pid) killed"
 }
 
+# ------------------------------------------------------------- PgBouncer ---
+
+# Two PgBouncer instances in front of the PostgreSQL server above, for the
+# tests of dlock behind a pooler: pool_mode = session on PGB_SESSION_PORT,
+# pool_mode = transaction on PGB_TRANSACTION_PORT. Clients log in as
+# dlock/dlock (SCRAM, checked by PgBouncer against its users file); PgBouncer
+# logs in to PostgreSQL as dlock (trust). sqlx sends `extra_float_digits` and
+# dlock sends `options` at startup, which PgBouncer refuses unless told to
+# ignore them (ignored `options` never reach PostgreSQL). PgBouncer refuses to
+# run as root: it runs as `postgres`, its files under <state>/pgbouncer.
+
+pgb_url() { printf 'postgres://dlock:dlock@%s:%s/dlock' "$HOST" "$1"; }
+pgb_ready() { "$PG_BIN/psql" "$(pgb_url "$1")" -qAtc 'select 1' >/dev/null 2>&1; }
+
+# start_pgbouncer_instance POOL_MODE PORT POOL_SIZE
+start_pgbouncer_instance() {
+    local pool_mode=$1 port=$2 pool_size=$3 base
+    base=$(postgres_owned_dir pgbouncer)
+    local dir=$base/$pool_mode
+    local pidfile=$dir/pgbouncer.pid logfile=$dir/pgbouncer.log
+    if pid_alive "$pidfile" && pgb_ready "$port"; then return 0; fi
+    if ! pid_alive "$pidfile"; then
+        rm -f "$pidfile"
+        check_port_free "pgbouncer-$pool_mode" "$port"
+        mkdir -p "$dir"
+        printf '"dlock" "dlock"\n' >"$base/userlist.txt"
+        cat >"$dir/pgbouncer.ini" <<EOF
+[databases]
+dlock = host=$HOST port=$PG_PORT dbname=dlock user=dlock
+
+[pgbouncer]
+listen_addr = $HOST
+listen_port = $port
+unix_socket_dir =
+auth_type = scram-sha-256
+auth_file = $base/userlist.txt
+pool_mode = $pool_mode
+default_pool_size = $pool_size
+max_client_conn = 1000
+ignore_startup_parameters = extra_float_digits,options
+logfile = $logfile
+pidfile = $pidfile
+EOF
+        chown -R postgres:postgres "$base"
+        chmod 600 "$base/userlist.txt"
+        mark_log "$logfile"
+        chown postgres:postgres "$logfile"
+        as_postgres pgbouncer -d "$dir/pgbouncer.ini" </dev/null >>"$logfile" 2>&1 9>&- \
+            || { tail -n 20 "$logfile" >&2; die "pgbouncer-$pool_mode failed to start"; }
+        log "pgbouncer-$pool_mode:$port started"
+    fi
+    wait_for "pgbouncer-$pool_mode" "$logfile" "$pidfile" pgb_ready "$port"
+}
+
+# Needs PostgreSQL up (PgBouncer answers only once it reaches the server).
+start_pgbouncer() {
+    pg_ready || die "pgbouncer: PostgreSQL is not up on $HOST:$PG_PORT"
+    # Session pooling pins a server connection per client connection: room
+    # for the tests' pools. Transaction pooling shares a few.
+    start_pgbouncer_instance session "$PGB_SESSION_PORT" 64
+    start_pgbouncer_instance transaction "$PGB_TRANSACTION_PORT" 4
+}
+
+# SIGTERM: PgBouncer 1.18's immediate shutdown (clients are disconnected).
+stop_pgbouncer() {
+    local pool_mode
+    for pool_mode in session transaction; do
+        stop_pid "pgbouncer-$pool_mode" "$STATE_DIR/pgbouncer/$pool_mode/pgbouncer.pid" 10
+    done
+}
+
 # --------------------------------------------------------------- MariaDB ---
 
 mysql_dlock() {
@@ -768,6 +852,8 @@ print_urls() {
     printf 'DLOCK_TEST_REDLOCK_URL=redlock://%s\n' "$(IFS=,; printf '%s' "${nodes[*]}")"
     printf 'DLOCK_TEST_ZK_URL=zk://%s:%s/dlock-test\n' "$HOST" "$ZK_PORT"
     printf 'DLOCK_TEST_POSTGRES_URL=%s\n' "$PG_URL"
+    printf 'DLOCK_TEST_PGBOUNCER_SESSION_URL=%s\n' "$(pgb_url "$PGB_SESSION_PORT")"
+    printf 'DLOCK_TEST_PGBOUNCER_TRANSACTION_URL=%s\n' "$(pgb_url "$PGB_TRANSACTION_PORT")"
     printf 'DLOCK_TEST_MYSQL_URL=mysql://dlock:dlock@%s:%s/dlock\n' "$HOST" "$MYSQL_PORT"
     nodes=()
     for p in "${CLUSTER_PORTS[@]}"; do nodes+=("$HOST:$p"); done
@@ -797,6 +883,7 @@ cmd_up() {
     start_tls_redis
     start_zookeeper
     start_postgres
+    start_pgbouncer
     start_mariadb
     print_urls >"$STATE_DIR/urls.env.tmp"
     mv "$STATE_DIR/urls.env.tmp" "$STATE_DIR/urls.env"
@@ -810,6 +897,7 @@ cmd_down() {
         stop_redis "$p"
     done
     stop_zookeeper
+    stop_pgbouncer
     stop_postgres
     stop_mariadb
 }
@@ -848,12 +936,16 @@ cmd_status() {
     fi
     report "zookeeper:$ZK_PORT" "$STATE_DIR/zookeeper/zookeeper.pid" zk_ruok
     report "postgres:$PG_PORT" "$STATE_DIR/postgres/data/postmaster.pid" pg_ready
+    report "pgbouncer:$PGB_SESSION_PORT" "$STATE_DIR/pgbouncer/session/pgbouncer.pid" \
+        pgb_ready "$PGB_SESSION_PORT"
+    report "pgbouncer:$PGB_TRANSACTION_PORT" "$STATE_DIR/pgbouncer/transaction/pgbouncer.pid" \
+        pgb_ready "$PGB_TRANSACTION_PORT"
     report "mariadb:$MYSQL_PORT" "$STATE_DIR/mariadb/mariadb.pid" mysql_ready
     return "$all_up"
 }
 
 usage() {
-    sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,15s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
     exit 2
 }
 
@@ -895,6 +987,14 @@ case ${1:-up} in
     start-mysql)
         take_lock
         start_mariadb
+        ;;
+    start-pgbouncer)
+        take_lock
+        start_pgbouncer
+        ;;
+    stop-pgbouncer)
+        take_lock
+        stop_pgbouncer
         ;;
     -h | --help | help) usage ;;
     *) usage ;;

@@ -36,19 +36,24 @@
 //! and with a back-off of 5 ms up to 50 ms while the listener is down.
 //! Waiters in the releasing process are woken at once.
 //!
-//! **PgBouncer** in transaction mode works for everything but `LISTEN`
-//! (PgBouncer ≥ 1.21 with `max_prepared_statements`, and
-//! `ignore_startup_parameters = options`): give a direct connection for the
-//! listener with `?listen_url=`, or the backend finds at connect that its
-//! probe notification does not come back, says so in a `warn` event, and its
-//! waiters poll with back-off instead.
+//! **Poolers.** Behind a pooler in session pooling (PgBouncer's
+//! `pool_mode = session`, with `ignore_startup_parameters =
+//! extra_float_digits,options`) both modes work: the backend finds at
+//! connect that the pooler dropped its startup `options` and sets them on
+//! each connection instead. A pooler in transaction pooling is refused at
+//! connect with a [`LockError::Config`]: the driver's prepared statements,
+//! dlock's session settings and session mode's advisory locks all need a
+//! server connection per connection (see `Postgres::inspect` for how it
+//! is found out). If the listener's probe notification does not come back
+//! (`LISTEN` refused), the backend says so in a `warn` event and its waiters
+//! poll with back-off instead; `?listen_url=` gives the listener its own URL.
 //!
 //! **Session mode** (`?mode=session`): `pg_advisory_lock` on a dedicated
 //! connection per held lock (see [session mode](super#session-mode)). The key is the
 //! first 64 bits of the stored key's SHA-256; the fencing token comes from the
 //! hybrid counter row of `<table>_fence`, bumped in the same round trip as
 //! the grant. Advisory locks are not replicated: session mode is unsafe across
-//! a failover and behind transaction-pooling proxies (use lease mode there).
+//! a failover.
 //!
 //! **URL**: `postgres://user:pass@host:port/db?…` with dlock's options
 //! `mode=lease|session`, `table=dlock_leases`, `create=true` (with `false`
@@ -58,14 +63,16 @@
 //! (bounds every statement); the others (`sslmode`, `application_name`, …)
 //! go to the driver.
 
+use std::collections::HashSet;
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Executor as _};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection as _, Executor as _, Row as _};
 
 use self::listener::Listener;
 use self::session::PgSessions;
@@ -90,6 +97,10 @@ const POLL_WHILE_DEAF: Duration = Duration::from_millis(50);
 const SCHEMA_LOCK: i64 = 0x646c_6f63_6b5f_7363; // "dlock_sc"
 /// The lease table's connections.
 const POOL_SIZE: u32 = 10;
+/// The setting dlock's lease-table connections carry in their startup
+/// `options`, with a value of their own: read back, it tells whether those
+/// options reached the server (see `Postgres::inspect`).
+const STARTUP_MARK: &str = "dlock.startup";
 
 /// The statements of one table.
 #[derive(Debug, Clone)]
@@ -213,14 +224,182 @@ fn driver_options(url: &str) -> Result<PgConnectOptions, LockError> {
     })
 }
 
-/// The session settings of dlock's lease-table connections.
+/// The session settings of dlock's lease-table connections, and the
+/// [`STARTUP_MARK`] that tells whether they arrived.
 fn lease_settings(options: PgConnectOptions, timeout: Duration) -> PgConnectOptions {
     let ms = millis(timeout).to_string();
+    let mark = format!(
+        "{:016x}",
+        RandomState::new().hash_one(std::time::SystemTime::now())
+    );
     options.options([
         ("default_transaction_isolation", "read committed"),
         ("statement_timeout", ms.as_str()),
         ("lock_timeout", ms.as_str()),
+        (STARTUP_MARK, mark.as_str()),
     ])
+}
+
+/// The `-c name=value` settings of a startup `options` string as the driver
+/// writes it (`\` escapes a space or a backslash), in order.
+fn startup_settings(options: &str) -> Vec<(String, String)> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut chars = options.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => word.extend(chars.next()),
+            c if c.is_whitespace() => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    let mut settings = Vec::new();
+    let mut words = words.into_iter();
+    while let Some(w) = words.next() {
+        let setting = match w.as_str() {
+            "-c" => words.next(),
+            w => w
+                .strip_prefix("--")
+                .or_else(|| w.strip_prefix("-c"))
+                .map(str::to_owned),
+        };
+        if let Some((name, value)) = setting.as_deref().and_then(|s| s.split_once('=')) {
+            settings.push((name.replace('-', "_"), value.to_owned()));
+        }
+    }
+    settings
+}
+
+/// The mark a connection's startup `options` carry, if any.
+fn startup_mark(options: &PgConnectOptions) -> Option<String> {
+    startup_settings(options.get_options()?)
+        .into_iter()
+        .find_map(|(name, value)| (name == STARTUP_MARK).then_some(value))
+}
+
+/// One statement that sets, for the session, what the startup `options`
+/// set (but the mark).
+fn settings_sql(options: &PgConnectOptions) -> Option<String> {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let sets: Vec<String> = startup_settings(options.get_options()?)
+        .into_iter()
+        .filter(|(name, _)| name != STARTUP_MARK)
+        .map(|(name, value)| format!("set_config({}, {}, false)", quote(&name), quote(&value)))
+        .collect();
+    (!sets.is_empty()).then(|| format!("SELECT {}", sets.join(", ")))
+}
+
+/// The marks of the lease-table pools found behind a pooler in session
+/// pooling: their new connections set what their startup `options` would
+/// have set. One entry per such backend connected in this process.
+static SESSION_POOLED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+fn is_session_pooled(mark: &str) -> bool {
+    SESSION_POOLED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .as_ref()
+        .is_some_and(|marks| marks.contains(mark))
+}
+
+fn set_session_pooled(mark: String) {
+    SESSION_POOLED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get_or_insert_with(HashSet::new)
+        .insert(mark);
+}
+
+/// `pg_backend_pid()` and the text columns that follow it, from the last
+/// row `sql` returns (simple protocol: no prepared statement).
+async fn backend_pid(
+    conn: &mut PgConnection,
+    sql: String,
+) -> Result<(i32, Vec<Option<String>>), sqlx::Error> {
+    let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+        .fetch_all(&mut *conn)
+        .await?;
+    let row = rows.last().ok_or(sqlx::Error::RowNotFound)?;
+    let texts = (1..row.len())
+        .map(|i| row.try_get::<Option<String>, _>(i))
+        .collect::<Result<_, _>>()?;
+    Ok((row.try_get::<i32, _>(0)?, texts))
+}
+
+/// How many times `keeps_its_server` watches the two connections.
+const POOLER_CHECK_ROUNDS: usize = 4;
+
+/// Whether `a` (whose server process was `pid` a moment ago, outside any
+/// transaction) keeps its server connection while `b`, another connection
+/// through the same pooler, opens and ends transactions; `false` when the
+/// pooler hands server connections out per transaction. See
+/// `Postgres::inspect`.
+async fn keeps_its_server(
+    a: &mut PgConnection,
+    b: &mut PgConnection,
+    pid: i32,
+) -> Result<bool, sqlx::Error> {
+    let nonce = RandomState::new().hash_one(std::time::SystemTime::now());
+    let mut step = 0;
+    let mut a_reads = async |a: &mut PgConnection| {
+        step += 1;
+        let sql = format!("SELECT pg_backend_pid() /* dlock pooler check {nonce:016x} {step} */");
+        Ok::<_, sqlx::Error>((backend_pid(a, sql.clone()).await?.0, sql))
+    };
+    let (a_pid, mut last) = a_reads(&mut *a).await?;
+    if a_pid != pid {
+        return Ok(false);
+    }
+    for _ in 0..POOLER_CHECK_ROUNDS {
+        // `b` in a transaction: its server connection is its own until the
+        // end. `a`'s server process must be idle after `a`'s statement
+        // (`disabled` without `track_activities`: nothing to see then).
+        let (b_pid, on_a) = backend_pid(
+            b,
+            format!(
+                "BEGIN; SELECT pg_backend_pid(), \
+                 (SELECT state FROM pg_stat_activity WHERE pid = {pid}), \
+                 (SELECT query FROM pg_stat_activity WHERE pid = {pid})"
+            ),
+        )
+        .await?;
+        let used_by_another = match (on_a[0].as_deref(), on_a[1].as_deref()) {
+            (Some("idle"), Some(query)) => query != last,
+            (Some(state), _) => state.starts_with("active") || state.starts_with("idle in"),
+            (None, _) => false,
+        };
+        if b_pid == pid || used_by_another {
+            return Ok(false);
+        }
+        let (a_pid, _) = a_reads(&mut *a).await?;
+        sqlx::raw_sql("ROLLBACK").execute(&mut *b).await?;
+        // `b`'s server connection is free again (and first in line).
+        let (a_pid_after, sql) = a_reads(&mut *a).await?;
+        if a_pid != pid || a_pid_after != pid {
+            return Ok(false);
+        }
+        last = sql;
+    }
+    Ok(true)
+}
+
+/// The refusal of a URL that leads to a pooler in transaction pooling.
+fn transaction_pooler(shown_url: &str) -> LockError {
+    LockError::config(format!(
+        "`{shown_url}` leads to a connection pooler in transaction pooling mode (such as \
+         PgBouncer with `pool_mode = transaction`), which hands each transaction any \
+         server connection: the driver's prepared statements, dlock's session settings \
+         and session mode's advisory locks need one server connection per connection. \
+         Use a direct URL to PostgreSQL, or a pooler in session pooling mode (PgBouncer's \
+         `pool_mode = session`, with `ignore_startup_parameters = extra_float_digits,options`)"
+    ))
 }
 
 impl PostgresBackend {
@@ -323,28 +502,121 @@ impl Dialect for Postgres {
         timeout: Duration,
     ) -> BoxFuture<'static, Result<PgPool, sqlx::Error>> {
         let lease_options = lease_settings(options.driver, timeout);
+        let mark = startup_mark(&lease_options).unwrap_or_default();
+        let settings: Option<Arc<str>> = settings_sql(&lease_options).map(Arc::from);
         Box::pin(async move {
             PgPoolOptions::new()
                 .max_connections(POOL_SIZE)
                 .min_connections(0)
                 .acquire_timeout(timeout)
                 .test_before_acquire(false)
+                // Behind a session pooler that dropped the startup options
+                // (found out by `inspect`), each new connection sets them.
+                // Nothing is sent on a direct connection.
+                .after_connect(move |conn, _| {
+                    let settings = settings.clone().filter(|_| is_session_pooled(&mark));
+                    Box::pin(async move {
+                        if let Some(sql) = settings {
+                            sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?;
+                        }
+                        Ok(())
+                    })
+                })
                 .connect_with(lease_options)
                 .await
         })
     }
 
+    /// Reads `server_version_num`, and finds out whether a pooler stands in
+    /// between and how it pools; refuses transaction pooling.
+    ///
+    /// The lease-table connections carry a mark of their own in their
+    /// startup `options` ([`STARTUP_MARK`]). Read back with the version (no
+    /// extra round trip), it says that the server session was started from
+    /// this very connection's startup message: a direct connection, or a
+    /// proxy that forwards the startup message and then the bytes, one
+    /// server connection per connection. Nothing more is done then. Poolers
+    /// start their server connections themselves: PgBouncer refuses
+    /// `options` or, told to ignore them, drops them; no pooler can forward
+    /// one client's mark to a server session it shares with others unless it
+    /// is configured with this setting's name.
+    ///
+    /// Without the mark, connection `a` (just read on server process `P`,
+    /// outside any transaction) and a second connection `b` are watched for
+    /// a few rounds: `b` opens a transaction and reads its server process
+    /// and the last statement `P` ran (`pg_stat_activity`), `a` reads its
+    /// server process, `b` rolls back, `a` reads its own again. A connection
+    /// direct or through a session pooler keeps one server connection from
+    /// its first statement to its end, used by no other connection: there
+    /// `b` never reads `P`, `P`'s last statement is always `a`'s (each
+    /// carries a nonce), and `a` always reads `P`; so the check cannot
+    /// refuse such a path. A transaction pooler gives a server connection
+    /// back to its pool after each transaction and, by default (PgBouncer's
+    /// `server_round_robin = 0`), hands out the one given back last: `b`
+    /// then gets `P`; when another client took `P` meanwhile, `P` ran its
+    /// statement, or it still runs it and `a` gets another; once `b` rolls
+    /// back, `a` gets `b`'s. Without other clients this is certain. With
+    /// clients running transactions without pause, each of `a`'s reads may
+    /// still find `P` free again: measured through PgBouncer 1.18 with a
+    /// pool of 4 and three pgbench clients, with one round (pids only), 1
+    /// connect in 60 took the pooler for a session pooler; with these four
+    /// rounds and `pg_stat_activity`, none in 600 connects. A pooler that
+    /// kept every idle client on the same server connection whatever the
+    /// others do would pass, and behave as a session pooler. Found behind a
+    /// session pooler, the dropped settings are set on `a` and on every
+    /// later connection of the pool.
+    ///
+    /// Every statement here runs with the simple protocol (no prepared
+    /// statement), so nothing is left on a pooler's server connections. The
+    /// settings dlock relies on (isolation level, statement and lock
+    /// timeouts) are session state; they hold on every path this check lets
+    /// through.
     fn inspect(
         pool: PgPool,
         _mode: Mode,
         shown_url: String,
     ) -> BoxFuture<'static, Result<i64, LockError>> {
         Box::pin(async move {
-            sqlx::query_scalar::<_, String>("SHOW server_version_num")
-                .fetch_one(&pool)
+            let query_failed =
+                |e: sqlx::Error| failed::<Self>(format!("cannot query {shown_url}: {e}"), e);
+            let options = pool.connect_options();
+            let mark = startup_mark(&options);
+            let mut a = pool.acquire().await.map_err(query_failed)?;
+            let row = sqlx::raw_sql(
+                "SELECT current_setting('server_version_num'), \
+                        current_setting('dlock.startup', true), pg_backend_pid()",
+            )
+            .fetch_one(&mut *a)
+            .await
+            .map_err(query_failed)?;
+            let facts = (|| {
+                let version = row.try_get::<String, _>(0)?.parse().unwrap_or(0);
+                Ok::<_, sqlx::Error>((
+                    version,
+                    row.try_get::<Option<String>, _>(1)?,
+                    row.try_get::<i32, _>(2)?,
+                ))
+            })();
+            let (version, seen, pid) = facts.map_err(query_failed)?;
+            let Some(mark) = mark.filter(|mark| seen.as_deref() != Some(mark.as_str())) else {
+                return Ok(version);
+            };
+            let mut b = PgConnection::connect_with(&options)
                 .await
-                .map(|v| v.parse().unwrap_or(0))
-                .map_err(|e| failed::<Self>(format!("cannot query {shown_url}: {e}"), e))
+                .map_err(|e| failed::<Self>(format!("cannot connect to {shown_url}: {e}"), e))?;
+            let kept = keeps_its_server(&mut a, &mut b, pid).await;
+            let _ = b.close().await;
+            if !kept.map_err(query_failed)? {
+                return Err(transaction_pooler(&shown_url));
+            }
+            if let Some(sql) = settings_sql(&options) {
+                sqlx::raw_sql(AssertSqlSafe(sql))
+                    .execute(&mut *a)
+                    .await
+                    .map_err(query_failed)?;
+            }
+            set_session_pooled(mark);
+            Ok(version)
         })
     }
 
@@ -623,6 +895,55 @@ mod tests {
             panic!("bad mode accepted")
         };
         assert!(!err.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn startup_options_are_read_back_as_settings() {
+        let options = lease_settings(
+            PgConnectOptions::new().options([("search_path", "a b\\c")]),
+            Duration::from_millis(1500),
+        );
+        let settings = startup_settings(options.get_options().unwrap());
+        let names: Vec<&str> = settings.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "search_path",
+                "default_transaction_isolation",
+                "statement_timeout",
+                "lock_timeout",
+                STARTUP_MARK
+            ]
+        );
+        assert_eq!(settings[0].1, "a b\\c");
+        assert_eq!(settings[1].1, "read committed");
+        assert_eq!(settings[2].1, "1500");
+        let mark = startup_mark(&options).unwrap();
+        assert_eq!(mark.len(), 16);
+        let other = lease_settings(PgConnectOptions::new(), Duration::from_secs(1));
+        assert_ne!(startup_mark(&other), Some(mark.clone()), "a mark per pool");
+        let sql = settings_sql(&options).unwrap();
+        assert_eq!(
+            sql,
+            "SELECT set_config('search_path', 'a b\\c', false), \
+             set_config('default_transaction_isolation', 'read committed', false), \
+             set_config('statement_timeout', '1500', false), \
+             set_config('lock_timeout', '1500', false)"
+        );
+        assert!(!sql.contains(&mark));
+        assert_eq!(
+            startup_settings("--work-mem=4MB -cstatement_timeout=5 -c a.b='x''y' junk"),
+            [
+                ("work_mem".to_owned(), "4MB".to_owned()),
+                ("statement_timeout".to_owned(), "5".to_owned()),
+                ("a.b".to_owned(), "'x''y'".to_owned()),
+            ]
+        );
+        assert_eq!(
+            settings_sql(&PgConnectOptions::new().options([("x.y", "it's")])).unwrap(),
+            "SELECT set_config('x.y', 'it''s', false)"
+        );
+        assert_eq!(settings_sql(&PgConnectOptions::new()), None);
     }
 
     #[test]
