@@ -460,6 +460,10 @@ async fn ensure_schema<D: Dialect>(
     check::<D>(&pool, &sql).await.map_err(backend_error::<D>)
 }
 
+/// How soon an attempt that met a transient failure is tried again (doubled
+/// while the failures go on, see [`Attempt::Unavailable`]).
+const OUTAGE_RETRY: Duration = Duration::from_millis(25);
+
 impl<D: Dialect> LockBackend for SqlBackend<D> {
     fn kind(&self) -> &'static str {
         D::KIND
@@ -470,13 +474,22 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(async move {
-            match &self.sessions {
+            let attempt = match &self.sessions {
                 Some(sessions) => sessions.try_acquire(request).await,
                 None if self.db.is_near() => D::try_lease(self, request).await,
                 None => {
                     let (this, request) = (self.clone(), copy_request(request));
                     attempt_at_home(async move { D::try_lease(&this, &request).await }).await
                 }
+            };
+            match attempt {
+                // The server restarting, a connection it ended with no other
+                // to go on with, a timeout: tried again while `wait` lasts.
+                Err(error) if error.is_retryable() => Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                }),
+                attempt => attempt,
             }
         })
     }

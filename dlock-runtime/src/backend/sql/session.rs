@@ -86,6 +86,10 @@ pub trait SessionDb: Send + Sync + 'static {
     /// closed instead.
     fn cancel<'a>(&'a self, conn: &'a Self::Conn) -> BoxFuture<'a, bool>;
 
+    /// Ends `conn`'s server session from another connection (whatever it
+    /// runs or holds ends with it); answers whether it did.
+    fn terminate<'a>(&'a self, conn: &'a Self::Conn) -> BoxFuture<'a, bool>;
+
     /// Resolves when the idle connection is found closed (never, where the
     /// driver cannot watch an idle connection).
     fn watch<'a>(&'a self, conn: &'a mut Self::Conn) -> BoxFuture<'a, String>;
@@ -191,8 +195,8 @@ impl<S: SessionDb> Sessions<S> {
                 Some(c) => c,
                 None => match tokio::time::timeout(self.timeout, self.db.open(fresh)).await {
                     Ok(Ok(c)) => c,
-                    Ok(Err(e)) => return Err(self.db.classify(e)),
-                    Err(_) => return Err(timed_out("opening a session connection", self.timeout)),
+                    Ok(Err(e)) => break Err(self.db.classify(e)),
+                    Err(_) => break Err(timed_out("opening a session connection", self.timeout)),
                 },
             };
             // Dropped while the server runs the lock: see `Abandoned`.
@@ -207,22 +211,34 @@ impl<S: SessionDb> Sessions<S> {
                     .lock(running.conn(), &request.key, slice, request.lease),
             )
             .await;
+            let Ok(locked) = locked else {
+                // No answer in time: given up like a dropped attempt.
+                drop(running);
+                break Err(timed_out(
+                    "a session lock",
+                    slice.saturating_add(self.timeout),
+                ));
+            };
             let c = running.finished();
             match locked {
-                Ok(Ok(locked)) => break (locked, c),
-                Ok(Err(e)) if dead.try_another(&e) => {
+                Ok(locked) => break Ok((locked, c)),
+                Err(e) if dead.try_another(&e) => {
                     // A kept connection died meanwhile (a server restart, a
                     // `KILL`): on another one.
                     drop(c);
                     fresh = true;
                 }
-                Ok(Err(e)) => return Err(self.db.classify(e)),
-                Err(_) => {
-                    return Err(timed_out(
-                        "a session lock",
-                        slice.saturating_add(self.timeout),
-                    ));
-                }
+                Err(e) => break Err(self.db.classify(e)),
+            }
+        };
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                // The wait loop may try again (a transient failure): the
+                // wait's budget still counts from its start.
+                lock_owners(&self.owners)
+                    .insert(request.owner.clone(), Owner::Waiting { since, conn: None });
+                return Err(error);
             }
         };
         match outcome {
@@ -343,28 +359,43 @@ impl<S: SessionDb> Abandoned<S> {
 
 impl<S: SessionDb> Drop for Abandoned<S> {
     fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else {
+        let Some(conn) = self.conn.take() else {
             return;
         };
-        let (db, timeout) = (self.db.clone(), self.timeout);
-        crate::driver::handle().spawn(async move {
-            if !matches!(
-                tokio::time::timeout(timeout, db.cancel(&conn)).await,
-                Ok(true)
-            ) {
-                return;
-            }
-            // The first statement reads the cancelled one's error; the
-            // second one unlocks.
-            for _ in 0..2 {
-                match tokio::time::timeout(timeout, db.unlock(&mut conn)).await {
-                    Ok(Ok(())) => return db.recycle(conn),
-                    Ok(Err(e)) if !is_connection_error(&e) => {}
-                    _ => return,
-                }
-            }
-        });
+        crate::driver::handle().spawn(end_abandoned(self.db.clone(), conn, self.timeout));
     }
+}
+
+/// How long an abandoned connection is given to answer after a cancel
+/// before it is cancelled again (the statement may have reached the server
+/// after the cancel did).
+const DRAIN_AFTER_CANCEL: Duration = Duration::from_millis(200);
+
+/// Ends the lock statement an abandoned attempt left running on `conn`
+/// (see [`Abandoned`]) and recycles the connection; if that cannot be done
+/// within `timeout`, ends its server session, so it is granted nothing.
+async fn end_abandoned<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    let mut cancel = true;
+    while let Some(left) = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
+    {
+        if cancel && !matches!(tokio::time::timeout(left, db.cancel(&conn)).await, Ok(true)) {
+            break;
+        }
+        let drain = left.min(DRAIN_AFTER_CANCEL);
+        match tokio::time::timeout(drain, db.unlock(&mut conn)).await {
+            Ok(Ok(())) => return db.recycle(conn),
+            // The cancelled statement's error, read first: unlock again.
+            Ok(Err(e)) if !is_connection_error(&e) => cancel = false,
+            // Closed: its server session has ended.
+            Ok(Err(_)) => return,
+            // Still running: the cancel came before the statement.
+            Err(_) => cancel = true,
+        }
+    }
+    let _ = tokio::time::timeout(timeout, db.terminate(&conn)).await;
 }
 
 struct HoldTask<S: SessionDb> {

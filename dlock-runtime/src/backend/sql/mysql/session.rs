@@ -134,6 +134,10 @@ impl SessionDb for MySessions {
         Box::pin(std::future::ready(false))
     }
 
+    fn terminate<'a>(&'a self, _conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
+        Box::pin(std::future::ready(false))
+    }
+
     fn watch<'a>(&'a self, _conn: &'a mut Self::Conn) -> BoxFuture<'a, String> {
         // sqlx cannot watch an idle MySQL connection: a killed one is
         // noticed by the next ping (a third of the lease).

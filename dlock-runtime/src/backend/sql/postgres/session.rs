@@ -48,8 +48,9 @@ pub struct PgSessions {
     /// Clean connections kept for reuse, oldest first, with when each was
     /// given back.
     idle: Mutex<Vec<(PgSession, std::time::Instant)>>,
-    /// A connection of the backend's own for `pg_cancel_backend`, opened when
-    /// first needed (see [`SessionDb::cancel`]).
+    /// A connection of the backend's own for `pg_cancel_backend` and
+    /// `pg_terminate_backend`, opened when first needed (see
+    /// [`PgSessions::control`]).
     control: tokio::sync::Mutex<Option<PgConnection>>,
 }
 
@@ -91,6 +92,39 @@ impl PgSessions {
             idle_limit: version >= 140_000,
             idle: Mutex::default(),
             control: tokio::sync::Mutex::default(),
+        })
+    }
+
+    /// Runs `sql` (a function of a server process id) for `pid` on the
+    /// backend's own control connection, one call at a time: taken out while
+    /// in use, so one
+    /// that stalls or fails is dropped (a statement cut off by a timeout
+    /// leaves it in an unknown state), and the next call opens another. A
+    /// failure on a kept one is tried once more on a new one.
+    fn control<'a>(&'a self, sql: &'static str, pid: i32) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            let mut slot = self.control.lock().await;
+            let kept = slot.take();
+            let tries = if kept.is_some() { 2 } else { 1 };
+            let mut conn = kept;
+            for _ in 0..tries {
+                let mut c = match conn.take() {
+                    Some(c) => c,
+                    None => match <PgConnection as sqlx::Connection>::connect_with(
+                        &self.pool.connect_options(),
+                    )
+                    .await
+                    {
+                        Ok(c) => c,
+                        Err(_) => return false,
+                    },
+                };
+                if sqlx::query(sql).bind(pid).execute(&mut c).await.is_ok() {
+                    *slot = Some(c);
+                    return true;
+                }
+            }
+            false
         })
     }
 
@@ -221,30 +255,13 @@ impl SessionDb for PgSessions {
     }
 
     fn cancel<'a>(&'a self, conn: &'a PgSession) -> BoxFuture<'a, bool> {
-        Box::pin(async move {
-            let mut control = self.control.lock().await;
-            let c = match &mut *control {
-                Some(c) => c,
-                None => match <PgConnection as sqlx::Connection>::connect_with(
-                    &self.pool.connect_options(),
-                )
-                .await
-                {
-                    Ok(c) => control.insert(c),
-                    Err(_) => return false,
-                },
-            };
-            // Returns once the server process was signalled: a statement
-            // it runs ends at once (57014); an idle one ignores it.
-            let cancelled = sqlx::query("SELECT pg_cancel_backend($1)")
-                .bind(conn.pid)
-                .execute(&mut *c)
-                .await;
-            if cancelled.is_err() {
-                *control = None;
-            }
-            cancelled.is_ok()
-        })
+        // Returns once the server process was signalled: a statement it
+        // runs ends at once (57014); an idle one ignores it.
+        self.control("SELECT pg_cancel_backend($1)", conn.pid)
+    }
+
+    fn terminate<'a>(&'a self, conn: &'a PgSession) -> BoxFuture<'a, bool> {
+        self.control("SELECT pg_terminate_backend($1)", conn.pid)
     }
 
     fn watch<'a>(&'a self, conn: &'a mut PgSession) -> BoxFuture<'a, String> {
