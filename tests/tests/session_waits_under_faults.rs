@@ -345,6 +345,46 @@ async fn my_waiting(faults: &dlock_tests::sql_support::MyFaults, stored_key: &st
     .expect("processlist")
 }
 
+/// MariaDB/MySQL: a caller that goes away while `GET_LOCK` makes it wait
+/// for a held key. The abandoned wait must end on the server long before its
+/// slice does (not be left to be granted the key for nobody).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_abandoned_wait_ends_on_the_server() {
+    use dlock_tests::sql_support::{MyFaults, SqlMode};
+
+    let db = SqlDb::Mysql;
+    let holder = db.registry("mode=session").await;
+    let waiters = db.registry("mode=session").await;
+    let key = unique_key("mysql-abandoned-wait");
+    let stored = format!("{}{key}", waiters.key_prefix());
+    let faults = MyFaults {
+        url: db.url(),
+        mode: SqlMode::Session,
+    };
+    let guard = holder.lock(&key).acquire().await.expect("hold");
+    let waiter = spawn_waiter(&waiters, &key);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            !my_waiting(&faults, &stored).await.is_empty()
+        })
+        .await,
+        "the waiter never waited on the server"
+    );
+    waiter.abort();
+    let abandoned = Instant::now();
+    let ended = eventually(ENDED_WITHIN, || async {
+        my_waiting(&faults, &stored).await.is_empty()
+    })
+    .await;
+    guard.release().await.expect("release");
+    assert!(
+        ended,
+        "{:?} after its caller went away, the abandoned wait still waits on the server",
+        abandoned.elapsed()
+    );
+}
+
 /// Server processes of `app` holding an advisory lock.
 #[cfg(feature = "postgres")]
 async fn pg_granted_to(app: &str) -> i64 {

@@ -45,9 +45,7 @@ pub(crate) fn is_connection_error(err: &sqlx::Error) -> bool {
 /// back with [`keep`](Checked::keep): a statement dropped halfway (a
 /// timeout, a caller that went away) or a broken connection never goes back
 /// to the pool in an unknown state.
-// `pub` for MySQL's session connections (a `Dialect`'s interface).
-#[cfg_attr(not(feature = "mysql"), allow(unreachable_pub))]
-pub struct Checked<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
+pub(crate) struct Checked<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
 
 impl<DB: sqlx::Database> Checked<DB> {
     pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt as _;
 use futures_util::future::BoxFuture;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
-use sqlx::{AssertSqlSafe, Either};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool};
+use sqlx::{AssertSqlSafe, Either, Row as _};
 
 use super::{N, my_error, pool_options};
 use crate::backend::sql::pool::Checked;
@@ -20,6 +20,18 @@ const MAX_SESSIONS: u32 = 1024;
 pub struct MySessions {
     pool: MySqlPool,
     fence: String,
+    /// A connection of the backend's own for `KILL QUERY` and `KILL`,
+    /// opened when first needed (see [`MySessions::control`]).
+    control: tokio::sync::Mutex<Option<MySqlConnection>>,
+}
+
+/// A session connection and its server-side id (`CONNECTION_ID()`, read by
+/// each lock statement before it waits), for a cancel from another
+/// connection.
+pub struct MySession {
+    conn: Checked<sqlx::MySql>,
+    /// 0 until a lock statement has reported it.
+    id: u64,
 }
 
 impl MySessions {
@@ -35,7 +47,54 @@ impl MySessions {
         MySessions {
             pool,
             fence: format!("{table}_fence"),
+            control: tokio::sync::Mutex::default(),
         }
+    }
+
+    /// Runs `KILL {what}{id}` on the backend's own control connection, one
+    /// call at a time: taken out while in use, so one that stalls or fails
+    /// is dropped and the next call opens another. A failure on a kept one
+    /// is tried once more on a new one.
+    fn control<'a>(&'a self, what: &'static str, id: u64) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            if id == 0 {
+                return false;
+            }
+            let mut slot = self.control.lock().await;
+            let kept = slot.take();
+            let tries = if kept.is_some() { 2 } else { 1 };
+            let mut conn = kept;
+            for _ in 0..tries {
+                let mut c = match conn.take() {
+                    Some(c) => c,
+                    None => match <MySqlConnection as sqlx::Connection>::connect_with(
+                        &self.pool.connect_options(),
+                    )
+                    .await
+                    {
+                        Ok(c) => c,
+                        Err(_) => return false,
+                    },
+                };
+                let sql = format!("KILL {what}{id}");
+                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut c).await {
+                    Ok(_) => {
+                        *slot = Some(c);
+                        return true;
+                    }
+                    // 1094: no such thread — its session has ended already.
+                    Err(sqlx::Error::Database(e))
+                        if e.code().as_deref() == Some("HY000")
+                            && e.message().contains("Unknown thread") =>
+                    {
+                        *slot = Some(c);
+                        return true;
+                    }
+                    Err(_) => {}
+                }
+            }
+            false
+        })
     }
 }
 
@@ -46,12 +105,17 @@ fn idle_seconds(ttl: Duration) -> u64 {
 }
 
 impl SessionDb for MySessions {
-    type Conn = Checked<sqlx::MySql>;
+    type Conn = MySession;
 
     fn open(&self, _fresh: bool) -> BoxFuture<'_, Result<Self::Conn, sqlx::Error>> {
         // The pool hands out its idle connections first, new ones after: a
         // dead one fails the lock statement at once and is replaced.
-        Box::pin(async move { Ok(Checked::new(self.pool.acquire().await?)) })
+        Box::pin(async move {
+            Ok(MySession {
+                conn: Checked::new(self.pool.acquire().await?),
+                id: 0,
+            })
+        })
     }
 
     fn pooled(&self) -> usize {
@@ -70,25 +134,32 @@ impl SessionDb for MySessions {
             let name = format!("dlock:{:016x}", k as u64);
             let fence = &self.fence;
             let wait = format!("{}.{:03}", wait.as_secs(), wait.subsec_millis());
-            // One round trip: the lock (waiting up to `wait`), the token in
-            // the same statement, and the idle limit only if the lock is ours.
+            // One round trip: the connection's id (answered before the
+            // wait, for a cancel), the lock (waiting up to `wait`), the token
+            // in the same statement, and the idle limit only if the lock is
+            // ours.
             let sql = format!(
-                "INSERT INTO {fence} (k, token) SELECT {k}, LAST_INSERT_ID({N}) FROM DUAL \
+                "SELECT CONNECTION_ID(); \
+                 INSERT INTO {fence} (k, token) SELECT {k}, LAST_INSERT_ID({N}) FROM DUAL \
                  WHERE GET_LOCK('{name}', {wait}) = 1 \
                  ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {N})); \
                  SET SESSION wait_timeout = \
                  IF(IS_USED_LOCK('{name}') = CONNECTION_ID(), {}, @@GLOBAL.wait_timeout)",
                 idle_seconds(ttl)
             );
-            let results: Vec<Either<sqlx::mysql::MySqlQueryResult, sqlx::mysql::MySqlRow>> =
-                sqlx::raw_sql(AssertSqlSafe(sql))
-                    .fetch_many(conn.conn())
-                    .try_collect()
-                    .await?;
-            let inserted = results.iter().find_map(|r| match r {
-                Either::Left(done) => Some((done.rows_affected(), done.last_insert_id())),
-                Either::Right(_) => None,
-            });
+            let MySession { conn, id } = conn;
+            let mut answers = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_many(conn.conn());
+            // The statements' outcomes in order: the SELECT's, the INSERT's…
+            let mut outcomes = Vec::with_capacity(3);
+            while let Some(answer) = answers.try_next().await? {
+                match answer {
+                    Either::Right(row) => *id = row.try_get::<u64, _>(0)?,
+                    Either::Left(done) => {
+                        outcomes.push((done.rows_affected(), done.last_insert_id()))
+                    }
+                }
+            }
+            let inserted = outcomes.get(1).copied();
             match inserted {
                 Some((rows, token)) if rows > 0 => Ok(Locked::Yes(token)),
                 // GET_LOCK answered 0 (timeout) or NULL: nothing is held,
@@ -109,7 +180,7 @@ impl SessionDb for MySessions {
         Box::pin(async move {
             let sql = format!("SET SESSION wait_timeout = {}", idle_seconds(ttl));
             sqlx::raw_sql(AssertSqlSafe(sql))
-                .execute(conn.conn())
+                .execute(conn.conn.conn())
                 .await?;
             Ok(())
         })
@@ -120,22 +191,20 @@ impl SessionDb for MySessions {
             sqlx::raw_sql(
                 "DO RELEASE_ALL_LOCKS(); SET SESSION wait_timeout = @@GLOBAL.wait_timeout",
             )
-            .execute(conn.conn())
+            .execute(conn.conn.conn())
             .await?;
             Ok(())
         })
     }
 
-    fn cancel<'a>(&'a self, _conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
-        // Cancelling (`KILL QUERY`) needs the connection's id, which a pooled
-        // connection does not carry: the connection is closed instead, and
-        // the server ends its session (and whatever it was granted) when it
-        // finds the client gone.
-        Box::pin(std::future::ready(false))
+    fn cancel<'a>(&'a self, conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
+        // Ends the statement the connection runs (`GET_LOCK` answers NULL);
+        // an idle connection is not affected.
+        self.control("QUERY ", conn.id)
     }
 
-    fn terminate<'a>(&'a self, _conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
-        Box::pin(std::future::ready(false))
+    fn terminate<'a>(&'a self, conn: &'a Self::Conn) -> BoxFuture<'a, bool> {
+        self.control("", conn.id)
     }
 
     fn watch<'a>(&'a self, _conn: &'a mut Self::Conn) -> BoxFuture<'a, String> {
@@ -145,7 +214,7 @@ impl SessionDb for MySessions {
     }
 
     fn recycle(&self, conn: Self::Conn) {
-        conn.keep();
+        conn.conn.keep();
     }
 
     fn classify(&self, err: sqlx::Error) -> BackendError {
