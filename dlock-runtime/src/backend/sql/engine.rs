@@ -478,8 +478,13 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
                 Some(sessions) => sessions.try_acquire(request).await,
                 None if self.db.is_near() => D::try_lease(self, request).await,
                 None => {
-                    let (this, request) = (self.clone(), copy_request(request));
-                    attempt_at_home(async move { D::try_lease(&this, &request).await }).await
+                    let (this, copy) = (self.clone(), copy_request(request));
+                    self.db
+                        .at_home_for(
+                            &request.owner,
+                            async move { D::try_lease(&this, &copy).await },
+                        )
+                        .await
                 }
             };
             match attempt {
@@ -587,29 +592,6 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         // lease table's calls go to a pool near the caller, or hop there
         // themselves (see `pool`).
         self.sessions.is_some()
-    }
-}
-
-/// Runs an attempt on dlock's I/O runtime. Unlike [`crate::driver::run`],
-/// dropping the caller's future stops the attempt there too, as it would
-/// stop one running here: its connection is closed and the runtime's
-/// owner-checked release follows it, never an attempt still under way.
-async fn attempt_at_home<T: Send + 'static>(
-    attempt: impl Future<Output = T> + Send + 'static,
-) -> T {
-    /// Aborts the task when the caller goes away.
-    struct AbortOnDrop(tokio::task::AbortHandle);
-    impl Drop for AbortOnDrop {
-        fn drop(&mut self) {
-            self.0.abort();
-        }
-    }
-    let task = crate::driver::handle().spawn(attempt);
-    let _abort = AbortOnDrop(task.abort_handle());
-    match task.await {
-        Ok(answer) => answer,
-        // Aborted only when this future is dropped: a join error is a panic.
-        Err(err) => std::panic::resume_unwind(err.into_panic()),
     }
 }
 

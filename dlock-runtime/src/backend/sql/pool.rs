@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
@@ -42,9 +42,8 @@ pub(crate) fn is_connection_error(err: &sqlx::Error) -> bool {
 }
 
 /// A pooled connection that is **closed** when dropped, unless it was handed
-/// back with [`keep`](Checked::keep): a statement dropped halfway (a
-/// timeout, a caller that went away) or a broken connection never goes back
-/// to the pool in an unknown state.
+/// back with [`keep`](Checked::keep): a broken connection, or one whose
+/// state is unknown, never goes back to the pool.
 pub(crate) struct Checked<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
 
 impl<DB: sqlx::Database> Checked<DB> {
@@ -88,29 +87,75 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
 /// went away) and that the server has not answered yet: the owner's next
 /// call — the clean-up release — waits until it has, so that it reaches the
 /// server after the statement it undoes, never before (see
-/// [`Pooled::call_for`]).
+/// [`Pooled::call_for`]). It waits one call timeout at most: a statement is
+/// answered or timed out by then (and the runtime's backstop release, sent
+/// that long after, does not wait at all).
 #[derive(Default)]
 struct Unanswered {
-    /// By owner token: dropped when the server has answered.
-    owners: Mutex<HashMap<String, tokio::sync::watch::Receiver<()>>>,
+    /// By owner token: when the wait ends, and a receiver that closes when
+    /// the server has answered.
+    owners: Mutex<HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>>,
 }
 
+/// Closed (dropped) when an owner's dropped statement has been answered.
+type Answered = tokio::sync::watch::Sender<()>;
+
 impl Unanswered {
-    fn owners(&self) -> MutexGuard<'_, HashMap<String, tokio::sync::watch::Receiver<()>>> {
+    fn owners(
+        &self,
+    ) -> MutexGuard<'_, HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>> {
         self.owners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `owner`'s calls wait, for `timeout` at most, until `answered`
+    /// is dropped.
+    fn register(&self, owner: &str, timeout: Duration) -> Answered {
+        let (answered, rx) = tokio::sync::watch::channel(());
+        self.owners()
+            .insert(owner.to_owned(), (Instant::now() + timeout, rx));
+        answered
+    }
+
+    /// Waits until `owner`'s dropped statements have been answered, or their
+    /// time is up.
+    async fn wait_for(&self, owner: &str) {
+        let pending = self.owners().get(owner).cloned();
+        if let Some((until, mut answered)) = pending {
+            // Ends when the sender is dropped.
+            let _ = tokio::time::timeout_at(until.into(), answered.changed()).await;
+            let mut owners = self.owners();
+            if owners
+                .get(owner)
+                .is_some_and(|(until, rx)| rx.has_changed().is_err() || Instant::now() >= *until)
+            {
+                owners.remove(owner);
+            }
+        }
     }
 }
 
-/// A connection whose statement for `owner` is running. Dropped before it
-/// is answered, it is not closed: a task waits for the server's answer on
-/// it (the statement runs to its end on the server anyway), then gives the
-/// connection back, and until then the owner's calls wait (see
-/// [`Unanswered`]).
+/// A connection whose statement is running. Dropped before it is answered
+/// (a caller that went away, a timeout), it is not closed: a task waits for
+/// the server's answer on it (the statement runs to its end on the server
+/// anyway), then gives the connection back — so callers that hang up cost
+/// no connections — and until then the calls of the statement's `owner`, if
+/// it has one, wait (see [`Unanswered`]).
 struct Running<'a, DB: sqlx::Database> {
     conn: Option<Checked<DB>>,
-    owner: &'a str,
+    owner: Option<&'a str>,
     unanswered: &'a Arc<Unanswered>,
     timeout: Duration,
+}
+
+impl<DB: sqlx::Database> Running<'_, DB> {
+    fn conn(&mut self) -> &mut DB::Connection {
+        self.conn.as_mut().expect("present until finished").conn()
+    }
+
+    /// The statement answered: the connection, back.
+    fn finished(mut self) -> Checked<DB> {
+        self.conn.take().expect("present until finished")
+    }
 }
 
 impl<DB: sqlx::Database> Drop for Running<'_, DB> {
@@ -123,23 +168,18 @@ impl<DB: sqlx::Database> Drop for Running<'_, DB> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (answered, rx) = tokio::sync::watch::channel(());
-        self.unanswered.owners().insert(self.owner.to_owned(), rx);
-        let (unanswered, owner, timeout) =
-            (self.unanswered.clone(), self.owner.to_owned(), self.timeout);
+        // Dropped when the server has answered (or the task is dropped).
+        let answered = self
+            .owner
+            .map(|owner| self.unanswered.register(owner, self.timeout));
+        let timeout = self.timeout;
         runtime.spawn(async move {
             // A round trip reads the dropped statement's answer first.
             use sqlx::Connection as _;
             if let Ok(Ok(())) = tokio::time::timeout(timeout, conn.conn().ping()).await {
                 conn.keep();
             }
-            let mut owners = unanswered.owners();
-            if owners
-                .get(&owner)
-                .is_some_and(|rx| rx.same_channel(&answered.subscribe()))
-            {
-                owners.remove(&owner);
-            }
+            drop(answered);
         });
     }
 }
@@ -194,6 +234,55 @@ impl<DB: sqlx::Database> Pooled<DB> {
         }
     }
 
+    /// Runs `attempt`, an attempt of `owner`'s, on dlock's I/O runtime (a
+    /// call from a runtime whose own pool is not open yet). A caller that
+    /// goes away does not stop it there: it runs to its end (each of its
+    /// statements is bounded by the timeout), and until then `owner`'s calls
+    /// wait (see [`Unanswered`]) — so the clean-up release follows it, as it
+    /// follows an attempt dropped on the caller's own pool.
+    pub(crate) async fn at_home_for<T: Send + 'static>(
+        &self,
+        owner: &str,
+        attempt: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> T {
+        /// Registers the owner's wait if the caller goes away first.
+        struct Gone<'a> {
+            unanswered: &'a Unanswered,
+            owner: &'a str,
+            until: Instant,
+            answered: Option<tokio::sync::watch::Receiver<()>>,
+        }
+        impl Drop for Gone<'_> {
+            fn drop(&mut self) {
+                if let Some(rx) = self.answered.take() {
+                    self.unanswered
+                        .owners()
+                        .insert(self.owner.to_owned(), (self.until, rx));
+                }
+            }
+        }
+        let (answered, rx) = tokio::sync::watch::channel(());
+        let task = crate::driver::handle().spawn(async move {
+            let answer = attempt.await;
+            drop(answered);
+            answer
+        });
+        let mut gone = Gone {
+            unanswered: &self.unanswered,
+            owner,
+            // Its statements, one after the other.
+            until: Instant::now() + self.timeout * 2,
+            answered: Some(rx),
+        };
+        let answer = task.await;
+        gone.answered = None;
+        match answer {
+            Ok(answer) => answer,
+            // The runtime never aborts its tasks: a join error is a panic.
+            Err(err) => std::panic::resume_unwind(err.into_panic()),
+        }
+    }
+
     /// Runs `statement` on a connection of the pool near this thread (see
     /// [`is_near`](Self::is_near)). `what` names it in a timeout error.
     pub(crate) async fn call<T, F>(&self, what: &str, statement: F) -> Result<T, BackendError>
@@ -228,46 +317,24 @@ impl<DB: sqlx::Database> Pooled<DB> {
     where
         F: for<'c> FnMut(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
     {
+        if let Some(owner) = owner {
+            self.unanswered.wait_for(owner).await;
+        }
         let pool = self.near();
         let attempts = async {
-            if let Some(owner) = owner {
-                let pending = self.unanswered.owners().get(owner).cloned();
-                if let Some(mut answered) = pending {
-                    // Ends when the drain task drops its sender.
-                    let _ = answered.changed().await;
-                    let mut owners = self.unanswered.owners();
-                    if owners
-                        .get(owner)
-                        .is_some_and(|rx| rx.has_changed().is_err())
-                    {
-                        owners.remove(owner);
-                    }
-                }
-            }
             let mut dead = DeadConnections::new(pool.size() as usize);
             loop {
                 // An error opening a connection ends the call: the server
                 // cannot be reached, and trying again at once would not help.
                 let conn = Checked::new(pool.acquire().await?);
-                let mut running = owner.map(|owner| Running {
-                    conn: None,
+                let mut running = Running {
+                    conn: Some(conn),
                     owner,
                     unanswered: &self.unanswered,
                     timeout: self.timeout,
-                });
-                let (answer, conn) = match &mut running {
-                    Some(running) => {
-                        let conn = running.conn.insert(conn);
-                        let answer = statement(conn.conn()).await;
-                        (answer, running.conn.take().expect("put there"))
-                    }
-                    None => {
-                        let mut conn = conn;
-                        let answer = statement(conn.conn()).await;
-                        (answer, conn)
-                    }
                 };
-                drop(running);
+                let answer = statement(running.conn()).await;
+                let conn = running.finished();
                 match answer {
                     Err(err) if is_connection_error(&err) => {
                         drop(conn);

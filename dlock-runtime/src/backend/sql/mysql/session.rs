@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt as _;
 use futures_util::future::BoxFuture;
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{AssertSqlSafe, Either, Row as _};
 
 use super::{N, my_error, pool_options};
@@ -15,14 +15,17 @@ use crate::error::BackendError;
 
 /// The most session connections one backend opens.
 const MAX_SESSIONS: u32 = 1024;
+/// How many cancels (or session ends) one backend sends at once: a storm of
+/// callers hanging up is cancelled in parallel.
+const CONTROL_CONNECTIONS: u32 = 4;
 
 /// `GET_LOCK` on dedicated connections.
 pub struct MySessions {
     pool: MySqlPool,
     fence: String,
-    /// A connection of the backend's own for `KILL QUERY` and `KILL`,
+    /// A few connections of the backend's own for `KILL QUERY` and `KILL`,
     /// opened when first needed (see [`MySessions::control`]).
-    control: tokio::sync::Mutex<Option<MySqlConnection>>,
+    control: MySqlPool,
 }
 
 /// A session connection and its server-side id (`CONNECTION_ID()`, read by
@@ -38,56 +41,50 @@ impl MySessions {
     /// The session locks, their counters in `<table>_fence`. Connections
     /// are opened lazily.
     pub(super) async fn new(options: MySqlConnectOptions, table: &str, timeout: Duration) -> Self {
-        let pool = crate::driver::run(async move {
-            pool_options(MAX_SESSIONS, timeout)
-                .idle_timeout(Duration::from_secs(60))
-                .connect_lazy_with(options)
+        let (pool, control) = crate::driver::run(async move {
+            (
+                pool_options(MAX_SESSIONS, timeout)
+                    .idle_timeout(Duration::from_secs(60))
+                    .connect_lazy_with(options.clone()),
+                pool_options(CONTROL_CONNECTIONS, timeout)
+                    .idle_timeout(Duration::from_secs(60))
+                    .connect_lazy_with(options),
+            )
         })
         .await;
         MySessions {
             pool,
             fence: format!("{table}_fence"),
-            control: tokio::sync::Mutex::default(),
+            control,
         }
     }
 
-    /// Runs `KILL {what}{id}` on the backend's own control connection, one
-    /// call at a time: taken out while in use, so one that stalls or fails
-    /// is dropped and the next call opens another. A failure on a kept one
-    /// is tried once more on a new one.
+    /// Runs `KILL {what}{id}` on one of the backend's own control
+    /// connections. One cut off (a timeout) or failing is closed, never
+    /// reused; a failure is tried once more on another connection. A session
+    /// that has ended already counts as done.
     fn control<'a>(&'a self, what: &'static str, id: u64) -> BoxFuture<'a, bool> {
         Box::pin(async move {
             if id == 0 {
                 return false;
             }
-            let mut slot = self.control.lock().await;
-            let kept = slot.take();
-            let tries = if kept.is_some() { 2 } else { 1 };
-            let mut conn = kept;
-            for _ in 0..tries {
-                let mut c = match conn.take() {
-                    Some(c) => c,
-                    None => match <MySqlConnection as sqlx::Connection>::connect_with(
-                        &self.pool.connect_options(),
-                    )
-                    .await
-                    {
-                        Ok(c) => c,
-                        Err(_) => return false,
-                    },
+            for _ in 0..2 {
+                let Ok(conn) = self.control.acquire().await else {
+                    return false;
                 };
+                let mut conn = Checked::new(conn);
                 let sql = format!("KILL {what}{id}");
-                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut c).await {
+                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn.conn()).await {
                     Ok(_) => {
-                        *slot = Some(c);
+                        conn.keep();
                         return true;
                     }
-                    // 1094: no such thread — its session has ended already.
+                    // ER_NO_SUCH_THREAD: its session has ended already.
                     Err(sqlx::Error::Database(e))
                         if e.code().as_deref() == Some("HY000")
                             && e.message().contains("Unknown thread") =>
                     {
-                        *slot = Some(c);
+                        conn.keep();
                         return true;
                     }
                     Err(_) => {}

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 
 use super::{NOW_US, pg_error, sqlstate};
+use crate::backend::sql::pool::Checked;
 use crate::backend::sql::session::{Locked, SessionDb, session_hash};
 use crate::backend::sql::upkeep::millis;
 use crate::error::BackendError;
@@ -19,6 +20,9 @@ use crate::error::BackendError;
 const MAX_SESSIONS: u32 = 1024;
 /// How many clean session connections are kept for reuse.
 const IDLE_SESSIONS: usize = 128;
+/// How many cancels (or session ends) one backend sends at once: a storm of
+/// callers hanging up is cancelled in parallel.
+const CONTROL_CONNECTIONS: u32 = 4;
 /// How long a clean session connection is kept unused before it is closed.
 const IDLE_SESSION_FOR: Duration = Duration::from_secs(60);
 
@@ -48,10 +52,10 @@ pub struct PgSessions {
     /// Clean connections kept for reuse, oldest first, with when each was
     /// given back.
     idle: Mutex<Vec<(PgSession, std::time::Instant)>>,
-    /// A connection of the backend's own for `pg_cancel_backend` and
+    /// A few connections of the backend's own for `pg_cancel_backend` and
     /// `pg_terminate_backend`, opened when first needed (see
     /// [`PgSessions::control`]).
-    control: tokio::sync::Mutex<Option<PgConnection>>,
+    control: PgPool,
 }
 
 /// A session connection: a `PgListener`, whose idle socket can be watched
@@ -82,45 +86,47 @@ impl PgSessions {
             // A connection given up is closed, never reused: the
             // clean ones are kept by `PgSessions` itself.
             .after_release(|_, _| Box::pin(async { Ok(false) }));
-        let pool = crate::driver::run(async move {
-            Ok::<_, sqlx::Error>(pool.connect_lazy_with(session_options))
+        let control = PgPoolOptions::new()
+            .max_connections(CONTROL_CONNECTIONS)
+            .min_connections(0)
+            .acquire_timeout(timeout)
+            .test_before_acquire(false)
+            .idle_timeout(Duration::from_secs(60));
+        let control_options = session_options.clone();
+        let (pool, control) = crate::driver::run(async move {
+            (
+                pool.connect_lazy_with(session_options),
+                control.connect_lazy_with(control_options),
+            )
         })
-        .await?;
+        .await;
         Ok(PgSessions {
             pool,
             lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
             idle_limit: version >= 140_000,
             idle: Mutex::default(),
-            control: tokio::sync::Mutex::default(),
+            control,
         })
     }
 
-    /// Runs `sql` (a function of a server process id) for `pid` on the
-    /// backend's own control connection, one call at a time: taken out while
-    /// in use, so one
-    /// that stalls or fails is dropped (a statement cut off by a timeout
-    /// leaves it in an unknown state), and the next call opens another. A
-    /// failure on a kept one is tried once more on a new one.
+    /// Runs `sql` (a function of a server process id) for `pid` on one of
+    /// the backend's own control connections. One cut off (a timeout) or
+    /// failing is closed, never reused; a failure is tried once more on
+    /// another connection.
     fn control<'a>(&'a self, sql: &'static str, pid: i32) -> BoxFuture<'a, bool> {
         Box::pin(async move {
-            let mut slot = self.control.lock().await;
-            let kept = slot.take();
-            let tries = if kept.is_some() { 2 } else { 1 };
-            let mut conn = kept;
-            for _ in 0..tries {
-                let mut c = match conn.take() {
-                    Some(c) => c,
-                    None => match <PgConnection as sqlx::Connection>::connect_with(
-                        &self.pool.connect_options(),
-                    )
-                    .await
-                    {
-                        Ok(c) => c,
-                        Err(_) => return false,
-                    },
+            for _ in 0..2 {
+                let Ok(conn) = self.control.acquire().await else {
+                    return false;
                 };
-                if sqlx::query(sql).bind(pid).execute(&mut c).await.is_ok() {
-                    *slot = Some(c);
+                let mut conn = Checked::new(conn);
+                if sqlx::query(sql)
+                    .bind(pid)
+                    .execute(conn.conn())
+                    .await
+                    .is_ok()
+                {
+                    conn.keep();
                     return true;
                 }
             }
