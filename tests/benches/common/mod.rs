@@ -1,8 +1,13 @@
 //! What the benchmark programs share: timing helpers, the convoy that
-//! measures handoffs, spreading operations over tasks, and the macro-overhead
-//! pair (the attribute against the hand-written guard, same global registry).
+//! measures handoffs (in one process here, over processes in [`convoy`]),
+//! spreading operations over tasks, the macro-overhead pair (the attribute
+//! against the hand-written guard, same global registry), and pinning and
+//! CPU time ([`cpu`]).
 
 #![allow(dead_code)] // each bench uses its own subset
+
+pub(crate) mod convoy;
+pub(crate) mod cpu;
 
 use std::future::Future;
 use std::sync::Arc;
