@@ -76,7 +76,9 @@ use redis::Script;
 use redis::aio::MultiplexedConnection;
 
 mod common;
-use common::{CONVOY, CONVOYS, ROUNDS, convoy, handoffs, hold, macro_overhead, median, spread};
+use common::{
+    CONVOY, CONVOYS, ROUNDS, convoy, handoffs, hold, join, macro_overhead, median, spread,
+};
 
 #[path = "redis/chart.rs"]
 mod chart;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use dlock_runtime::Registry;
 
-use super::{CONVOY, hold, join, now_micros, per_handoff};
+use super::{CONVOY, dlock_turn, join, now_micros, per_handoff};
 
 /// The argument that makes a benchmark program a convoy process (its `main`
 /// hands the arguments after it to [`convoy_child`]).
@@ -67,7 +67,7 @@ pub(crate) fn convoy_processes(url: &str, key: &str, processes: usize) -> anyhow
 /// connections as it has tasks (one lock on a key of its own each, so that
 /// the convoy measures handoffs, not connection set-ups), then at
 /// `START_AT_MICROS` runs its tasks: each acquires `KEY` once, holds it for
-/// [`HOLD`](super::HOLD) and releases. Prints one line per task: its hold
+/// [`HOLD`](super::HOLD) and releases ([`dlock_turn`]). Prints one line per task: its hold
 /// and the instant it released, in µs.
 pub(crate) async fn convoy_child(args: &[String]) -> anyhow::Result<()> {
     let [url, key, tasks, start_at] = args else {
@@ -101,18 +101,7 @@ pub(crate) async fn convoy_child(args: &[String]) -> anyhow::Result<()> {
         .map(|_| {
             let (registry, key) = (registry.clone(), key.clone());
             tokio::spawn(async move {
-                let guard = registry
-                    .lock(key)
-                    .wait(Duration::from_secs(30))
-                    .lease(Duration::from_secs(30))
-                    .acquire()
-                    .await
-                    .unwrap_or_else(|e| panic!("convoy process: acquire failed: {e}"));
-                let held = hold().await;
-                guard
-                    .release()
-                    .await
-                    .unwrap_or_else(|e| panic!("convoy process: release failed: {e}"));
+                let held = dlock_turn(&registry, key, "convoy process").await;
                 (held, now_micros())
             })
         })

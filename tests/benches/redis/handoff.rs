@@ -3,6 +3,7 @@
 use super::*;
 
 pub(super) use crate::common::convoy::{convoy_child, convoy_processes};
+use crate::common::dlock_turn;
 
 /// Section 2's figures, milliseconds per handoff.
 pub(super) struct HandoffFigures {
@@ -29,22 +30,7 @@ pub(super) async fn handoff_section(
         let c = c.clone();
         convoy(move |_| {
             let (c, key) = (c.clone(), format!("handoff:{}:{k}", c.run));
-            async move {
-                let guard = c
-                    .dlock
-                    .lock(key)
-                    .wait(Duration::from_secs(30))
-                    .lease(Duration::from_secs(30))
-                    .acquire()
-                    .await
-                    .unwrap_or_else(|e| panic!("dlock handoff: acquire failed: {e}"));
-                let held = hold().await;
-                guard
-                    .release()
-                    .await
-                    .unwrap_or_else(|e| panic!("dlock handoff: release failed: {e}"));
-                held
-            }
+            async move { dlock_turn(&c.dlock, key, "dlock handoff").await }
         })
     })
     .await;
