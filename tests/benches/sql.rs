@@ -66,7 +66,7 @@ use dlock_runtime::{MemoryBackend, Registry};
 
 mod common;
 use common::convoy::{CONVOY_CHILD, convoy_child, convoy_processes};
-use common::{CONVOY, median};
+use common::{CONVOY, median, tick};
 
 #[path = "sql/contenders.rs"]
 mod contenders;
@@ -167,10 +167,6 @@ fn main() -> anyhow::Result<()> {
         || std::env::var("DLOCK_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let plan = if quick { Plan::quick() } else { Plan::full() };
     runtime.block_on(bench(plan, quick))
-}
-
-fn tick(ok: bool) -> &'static str {
-    if ok { "✓" } else { "✗" }
 }
 
 /// Where the servers' directories go: `target/bench-sql/`.

@@ -1,13 +1,14 @@
 //! What the benchmark programs share: timing helpers, the convoy that
 //! measures handoffs (in one process here, over processes in [`convoy`]),
 //! spreading operations over tasks, the macro-overhead pair (the attribute
-//! against the hand-written guard, same global registry), and pinning and
-//! CPU time ([`cpu`]).
+//! against the hand-written guard, same global registry), pinning and CPU
+//! time ([`cpu`]), and interleaved rounds of contenders ([`rounds`]).
 
 #![allow(dead_code)] // each bench uses its own subset
 
 pub(crate) mod convoy;
 pub(crate) mod cpu;
+pub(crate) mod rounds;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -47,6 +48,11 @@ where
         op(i).await;
     }
     n as f64 / started.elapsed().as_secs_f64()
+}
+
+/// A target's mark: met or not.
+pub(crate) fn tick(ok: bool) -> &'static str {
+    if ok { "✓" } else { "✗" }
 }
 
 /// Tasks per convoy.

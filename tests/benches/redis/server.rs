@@ -4,7 +4,7 @@
 use super::*;
 
 pub(super) use crate::common::cpu::{
-    PinnedServer, client_cpu_ns, cpu_seconds, cpus_allowed, has_taskset, on_path, schedstat,
+    PinnedServer, client_cpu_ns, cpu_seconds, cpus_allowed, on_path, schedstat,
 };
 
 /// Starts the benchmark's own server and checks that what answers is it.

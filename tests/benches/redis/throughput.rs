@@ -3,6 +3,7 @@
 //! pinned concurrency-1 child.
 
 use super::*;
+use crate::common::rounds::{report_affinity, rotated_rounds, run_pinned_child};
 
 /// The halves of a pair, measured apart (all acquisitions, then all
 /// releases) to split the server's cost between them.
@@ -252,34 +253,24 @@ pub(super) async fn measure(
 }
 
 /// The throughput section at one concurrency: a warm-up run of each
-/// contender, then [`THROUGHPUT_ROUNDS`] rounds, each running every contender
-/// once in an order rotated by one each round. Answers (round, contender,
-/// sample) in the order run.
+/// contender, then [`THROUGHPUT_ROUNDS`] interleaved rounds
+/// ([`rotated_rounds`]). Answers (round, contender, sample) in the order run.
 pub(super) async fn throughput_rounds(
     c: &Arc<Contenders>,
     concurrency: u64,
     n: u64,
 ) -> anyhow::Result<Vec<(usize, Who, Sample)>> {
-    for who in Who::ALL {
-        run_pairs(
-            c,
-            who,
-            concurrency,
-            WARMUP_PAIRS,
-            &format!("warm:{concurrency}"),
-        )
-        .await;
-    }
-    let mut samples = Vec::new();
-    for round in 0..THROUGHPUT_ROUNDS {
-        let mut order = Who::ALL;
-        order.rotate_left(round % Who::ALL.len());
-        for who in order {
+    let warm_up = format!("warm:{concurrency}");
+    rotated_rounds(
+        &Who::ALL,
+        THROUGHPUT_ROUNDS,
+        async |who| run_pairs(c, who, concurrency, WARMUP_PAIRS, &warm_up).await,
+        async |round, who| {
             let tag = format!("{round}:{concurrency}");
-            samples.push((round, who, measure(c, who, concurrency, n, &tag).await?));
-        }
-    }
-    Ok(samples)
+            measure(c, who, concurrency, n, &tag).await
+        },
+    )
+    .await
 }
 
 /// A contender's medians over the rounds.
@@ -360,7 +351,7 @@ pub(super) async fn pinned_child(args: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("usage: --pinned-c1 URL RUN SERVER_PID");
     };
     let c = Contenders::connect(url, run.parse()?, server_pid.parse()?).await?;
-    println!("affinity\t{}", cpus_allowed("self")?);
+    report_affinity()?;
     let check = CpuCheck::start()?;
     let samples = throughput_rounds(&c, 1, C1_PAIRS).await?;
     let (threads, ticks) = check.since()?;
@@ -381,48 +372,21 @@ pub(super) struct C1 {
 /// Runs the concurrency-1 section in a child of this program, pinned with the
 /// server to [`PINNED_CPU`] when `taskset` is there.
 pub(super) fn concurrency_1(url: &str, server_pid: u32, run: u64) -> anyhow::Result<C1> {
-    let exe = std::env::current_exe()?;
     let (run, pid) = (run.to_string(), server_pid.to_string());
     let child_args = ["--pinned-c1", url, &run, &pid];
-    let pinned = has_taskset();
-    let (output, _pin) = if pinned {
-        let pin = PinnedServer::pin(server_pid, PINNED_CPU)?;
-        let output = std::process::Command::new("taskset")
-            .args(["-c", PINNED_CPU])
-            .arg(&exe)
-            .args(child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        (output, Some(pin))
-    } else {
-        println!("taskset not found (util-linux): concurrency 1 runs unpinned, and is not gated");
-        let output = std::process::Command::new(&exe)
-            .args(child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        (output, None)
-    };
-    anyhow::ensure!(
-        output.status.success(),
-        "the concurrency-1 child failed ({}); its messages are above",
-        output.status
-    );
+    let child = run_pinned_child(
+        PINNED_CPU,
+        || PinnedServer::pin(server_pid, PINNED_CPU),
+        &child_args,
+    )?;
     let mut c1 = C1 {
         samples: Vec::new(),
-        pinned,
+        pinned: child.pinned,
         check: (0.0, 0.0),
     };
-    for line in String::from_utf8(output.stdout)?.lines() {
+    for line in child.output.lines() {
         let fields: Vec<&str> = line.split('\t').collect();
         match fields.as_slice() {
-            ["affinity", cpus] => {
-                if pinned {
-                    anyhow::ensure!(
-                        *cpus == PINNED_CPU,
-                        "the pinned child runs on CPUs {cpus}, not {PINNED_CPU}"
-                    );
-                }
-            }
             ["sample", round, who, rest @ ..] => {
                 c1.samples
                     .push((round.parse()?, Who::from_id(who)?, Sample::decode(rest)?));

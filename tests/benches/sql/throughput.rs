@@ -8,10 +8,9 @@ use std::time::Instant;
 use super::contenders::{Contenders, Who, pair};
 use super::server::Flavor;
 use super::{PINNED_CPU, Plan};
-use crate::common::cpu::{
-    PinnedServer, cpus_allowed, has_taskset, process_tree, schedstat, thread_cpus, tree_schedstat,
-};
-use crate::common::{median, spread};
+use crate::common::cpu::{PinnedServer, process_tree, schedstat, thread_cpus, tree_schedstat};
+use crate::common::rounds::{median_of, report_affinity, rotated_rounds, run_pinned_child};
+use crate::common::spread;
 
 /// The servers' processes: PostgreSQL's postmaster (its backends are its
 /// children) and MariaDB's one process.
@@ -134,9 +133,7 @@ async fn measure(
 }
 
 /// The throughput section at one concurrency: a warm-up run of each
-/// contender, then `plan.rounds` rounds, each running every contender once
-/// in an order rotated by one each round. Answers (round, contender, sample)
-/// in the order run.
+/// contender, then `plan.rounds` interleaved rounds ([`rotated_rounds`]).
 pub(super) async fn throughput_rounds(
     c: &Arc<Contenders>,
     pids: ServerPids,
@@ -144,21 +141,17 @@ pub(super) async fn throughput_rounds(
     concurrency: u64,
     n: u64,
 ) -> anyhow::Result<Vec<(usize, Who, Sample)>> {
-    for who in Who::ALL {
-        let tag = format!("warm:{concurrency}");
-        run_pairs(c, who, concurrency, plan.warmup_pairs, &tag).await;
-    }
-    let mut samples = Vec::new();
-    for round in 0..plan.rounds {
-        let mut order = Who::ALL;
-        order.rotate_left(round % Who::ALL.len());
-        for who in order {
+    let warm_up = format!("warm:{concurrency}");
+    rotated_rounds(
+        &Who::ALL,
+        plan.rounds,
+        async |who| run_pairs(c, who, concurrency, plan.warmup_pairs, &warm_up).await,
+        async |round, who| {
             let tag = format!("{round}:{concurrency}");
-            let sample = measure(c, pids, who, concurrency, n, &tag).await?;
-            samples.push((round, who, sample));
-        }
-    }
-    Ok(samples)
+            measure(c, pids, who, concurrency, n, &tag).await
+        },
+    )
+    .await
 }
 
 /// A contender's medians over the rounds.
@@ -172,26 +165,20 @@ pub(super) struct Medians {
 }
 
 pub(super) fn medians(samples: &[(usize, Who, Sample)]) -> BTreeMap<Who, Medians> {
-    let mut out = BTreeMap::new();
-    for who in Who::ALL {
-        let mine: Vec<[f64; Sample::FIELDS]> = samples
-            .iter()
-            .filter(|(_, w, _)| *w == who)
-            .map(|(_, _, s)| s.values())
-            .collect();
-        let of = |field: usize| median(mine.iter().map(|v| v[field]).collect());
-        out.insert(
-            who,
-            Medians {
-                pairs_per_s: of(0),
-                client_us: of(1),
-                server_us: of(2),
-                client_wait_us: of(3),
-                server_wait_us: of(4),
-            },
-        );
-    }
-    out
+    Who::ALL
+        .into_iter()
+        .map(|who| {
+            let of = |f: fn(&Sample) -> f64| median_of(samples, &who, f);
+            let m = Medians {
+                pairs_per_s: of(|s| s.pairs_per_s),
+                client_us: of(|s| s.client_us),
+                server_us: of(|s| s.server_us),
+                client_wait_us: of(|s| s.client_wait_us),
+                server_wait_us: of(|s| s.server_wait_us),
+            };
+            (who, m)
+        })
+        .collect()
 }
 
 /// The pinned concurrency-1 section's child: `PG_URL MY_URL RUN PG_PID
@@ -226,7 +213,7 @@ pub(super) async fn pinned_child(args: &[String]) -> anyhow::Result<()> {
         ..Plan::full()
     };
     let c = Contenders::connect(pg_url, my_url, run.parse()?, 1).await?;
-    println!("affinity\t{}", cpus_allowed("self")?);
+    report_affinity()?;
     let samples = throughput_rounds(&c, pids, &plan, 1, plan.c1_pairs).await?;
     for (round, who, sample) in samples {
         println!("sample\t{round}\t{}\t{}", who.id(), sample.encode());
@@ -258,7 +245,6 @@ pub(super) fn concurrency_1(
     run: u64,
     plan: &Plan,
 ) -> anyhow::Result<C1> {
-    let exe = std::env::current_exe()?;
     let numbers = [
         run.to_string(),
         pids.postgres.to_string(),
@@ -269,39 +255,20 @@ pub(super) fn concurrency_1(
     ];
     let mut child_args = vec!["--pinned-c1", pg_url, my_url];
     child_args.extend(numbers.iter().map(String::as_str));
-    let pinned = has_taskset();
-    let output = if pinned {
-        let _pin = PinnedServer::pin_all(&pids.all()?, PINNED_CPU)?;
-        std::process::Command::new("taskset")
-            .args(["-c", PINNED_CPU])
-            .arg(&exe)
-            .args(&child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?
-    } else {
-        println!("taskset not found (util-linux): concurrency 1 runs unpinned, and is not gated");
-        std::process::Command::new(&exe)
-            .args(&child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?
-    };
-    anyhow::ensure!(
-        output.status.success(),
-        "the concurrency-1 child failed ({}); its messages are above",
-        output.status
-    );
+    let child = run_pinned_child(
+        PINNED_CPU,
+        || PinnedServer::pin_all(&pids.all()?, PINNED_CPU),
+        &child_args,
+    )?;
+    let pinned = child.pinned;
     let mut c1 = C1 {
         samples: Vec::new(),
         pinned,
         server_threads: 0,
     };
-    for line in String::from_utf8(output.stdout)?.lines() {
+    for line in child.output.lines() {
         let fields: Vec<&str> = line.split('\t').collect();
         match fields.as_slice() {
-            ["affinity", cpus] => anyhow::ensure!(
-                !pinned || *cpus == PINNED_CPU,
-                "the pinned child runs on CPUs {cpus}, not {PINNED_CPU}"
-            ),
             ["server", thread, cpus] => {
                 anyhow::ensure!(
                     !pinned || *cpus == PINNED_CPU,
