@@ -10,7 +10,8 @@
 //! them; their servers need not run) and, for the pinned section, `taskset`
 //! (util-linux). The benchmark starts **servers of its own**: a PostgreSQL
 //! cluster made by `initdb` on `127.0.0.1:47871` and a MariaDB data directory
-//! made by `mariadb-install-db` on `127.0.0.1:47872`, both under
+//! made by `mariadb-install-db` on `127.0.0.1:47872` (or the first free of the
+//! next few ports of the same parity), both under
 //! `target/bench-sql/`, with the test servers' settings (no fsync), runs
 //! every section against them and stops and removes them at the end, also
 //! when a contender fails. So the servers serve nobody else: their CPU time
@@ -78,8 +79,9 @@ use contenders::{Contenders, Who};
 use server::OwnServer;
 use throughput::{C1, Medians, ServerPids, concurrency_1, medians, throughput_rounds};
 
-/// The benchmark's own servers (the Redis bench's is 29430, the shared test
-/// servers' 45432 and 43306).
+/// The benchmark's own servers' ports, or the first free of the next few of
+/// the same parity (the Redis bench's is 29430, the shared test servers'
+/// 45432 and 43306).
 const PG_PORT: u16 = 47871;
 const MARIADB_PORT: u16 = 47872;
 /// The CPU the concurrency-1 section (client and servers) is pinned to.
@@ -196,6 +198,12 @@ async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
     )?;
     let run: u64 = rand::random();
     let mut out = String::new();
+    writeln!(
+        out,
+        "Servers of the benchmark's own: PostgreSQL on 127.0.0.1:{}, MariaDB on 127.0.0.1:{}.\n",
+        pg.port(),
+        my.port()
+    )?;
     if quick {
         writeln!(
             out,

@@ -48,6 +48,11 @@ impl OwnServer {
         }
     }
 
+    /// The port it listens on.
+    pub(super) fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The server's process: PostgreSQL's postmaster (its backends are its
     /// children), MariaDB's one process.
     pub(super) fn pid(&self) -> anyhow::Result<u32> {
@@ -57,7 +62,8 @@ impl OwnServer {
             .ok_or_else(|| anyhow::anyhow!("the {} server is not running", self.flavor.name()))
     }
 
-    /// Starts PostgreSQL 15 on `port`: a cluster made by `initdb
+    /// Starts PostgreSQL 15 on `port` (or a free port near it, see
+    /// [`free_port`]): a cluster made by `initdb
     /// --auth=trust` under `root` (PostgreSQL refuses to run as root: it
     /// runs as the `postgres` user), the role and database `dlock`, the test
     /// servers' settings (`fsync=off`, `full_page_writes=off`,
@@ -72,7 +78,7 @@ impl OwnServer {
             );
         }
         let (uid, gid) = (id("-u")?, id("-g")?);
-        port_free(port)?;
+        let port = free_port(port)?;
         let dir = fresh_dir(root, &format!("postgres-{port}"))?;
         chown(&dir, uid, gid)?;
         let status = Command::new(Path::new(PG_BIN).join("initdb"))
@@ -132,10 +138,10 @@ impl OwnServer {
         Ok(server)
     }
 
-    /// Starts MariaDB on `port`: a data directory made by
-    /// `mariadb-install-db` under `root`, the user `dlock` (all rights on the
-    /// database `dlock`), the test servers' settings
-    /// (`innodb_flush_log_at_trx_commit=2`, no binary log).
+    /// Starts MariaDB on `port` (or a free port near it, see [`free_port`]):
+    /// a data directory made by `mariadb-install-db` under `root`, the user
+    /// `dlock` (all rights on the database `dlock`), the test servers'
+    /// settings (`innodb_flush_log_at_trx_commit=2`, no binary log).
     pub(super) async fn mariadb(port: u16, root: &Path) -> anyhow::Result<OwnServer> {
         for program in ["mariadbd", "mariadb-install-db"] {
             anyhow::ensure!(
@@ -143,7 +149,7 @@ impl OwnServer {
                 "{program} is not on PATH: scripts/servers.sh up installs MariaDB"
             );
         }
-        port_free(port)?;
+        let port = free_port(port)?;
         let dir = fresh_dir(root, &format!("mariadb-{port}"))?;
         let status = Command::new("mariadb-install-db")
             .arg("--no-defaults")
@@ -337,11 +343,17 @@ fn log(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
         .open(dir.join(name))?)
 }
 
-/// Fails if something listens on `port` already (it would answer in place of
-/// the benchmark's server).
-fn port_free(port: u16) -> anyhow::Result<()> {
-    std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| {
-        anyhow::anyhow!("port {port} is taken ({e}): is another benchmark running?")
-    })?;
-    Ok(())
+/// `port` if nothing holds it (a server left there would answer in place of
+/// the benchmark's), else the first free of the next few of its parity
+/// (47000–47999 lies in Linux's ephemeral range: a client's connection may
+/// hold a port there for a while).
+fn free_port(port: u16) -> anyhow::Result<u16> {
+    let tried: Vec<u16> = (0..8).map(|i| port + 2 * i).collect();
+    tried
+        .iter()
+        .copied()
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .ok_or_else(|| {
+            anyhow::anyhow!("ports {tried:?} are all taken: is another benchmark running?")
+        })
 }
