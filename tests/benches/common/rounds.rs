@@ -123,3 +123,64 @@ pub(crate) fn run_pinned_child(
         pinned,
     })
 }
+
+/// One run of one contender, per pair: its rate and the CPU time on both
+/// sides.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PairSample {
+    pub(crate) pairs_per_s: f64,
+    /// This process's CPU time, µs.
+    pub(crate) client_us: f64,
+    /// The server's CPU time, µs.
+    pub(crate) server_us: f64,
+    /// Time this process's threads and the server's spent runnable but
+    /// waiting for a CPU (schedstat), µs: the machine's other load.
+    pub(crate) client_wait_us: f64,
+    pub(crate) server_wait_us: f64,
+}
+
+impl PairSample {
+    /// How many numbers it holds.
+    pub(crate) const FIELDS: usize = 5;
+
+    /// Its numbers, in the order of the fields.
+    pub(crate) fn values(&self) -> [f64; PairSample::FIELDS] {
+        [
+            self.pairs_per_s,
+            self.client_us,
+            self.server_us,
+            self.client_wait_us,
+            self.server_wait_us,
+        ]
+    }
+
+    /// Tab-separated, for a pinned child's output.
+    pub(crate) fn encode(&self) -> String {
+        self.values().map(|v| v.to_string()).join("\t")
+    }
+
+    /// What [`PairSample::encode`] wrote, split at the tabs.
+    pub(crate) fn decode(fields: &[&str]) -> anyhow::Result<PairSample> {
+        let values: Vec<f64> = fields
+            .iter()
+            .map(|f| f.parse::<f64>())
+            .collect::<Result<_, _>>()?;
+        let [
+            pairs_per_s,
+            client_us,
+            server_us,
+            client_wait_us,
+            server_wait_us,
+        ] = values[..]
+        else {
+            anyhow::bail!("bad sample {fields:?}");
+        };
+        Ok(PairSample {
+            pairs_per_s,
+            client_us,
+            server_us,
+            client_wait_us,
+            server_wait_us,
+        })
+    }
+}

@@ -3,7 +3,7 @@
 //! pinned concurrency-1 child.
 
 use super::*;
-use crate::common::rounds::{report_affinity, rotated_rounds, run_pinned_child};
+use crate::common::rounds::{PairSample, report_affinity, rotated_rounds, run_pinned_child};
 
 /// The halves of a pair, measured apart (all acquisitions, then all
 /// releases) to split the server's cost between them.
@@ -126,15 +126,8 @@ pub(super) type Commands = BTreeMap<String, (f64, f64)>;
 /// One run of one contender, per pair.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Sample {
-    pub(super) pairs_per_s: f64,
-    /// This process's CPU time, µs.
-    pub(super) client_us: f64,
-    /// The server's CPU time (`INFO cpu`), µs.
-    pub(super) server_us: f64,
-    /// Time this process's threads and the server's spent runnable but
-    /// waiting for a CPU (schedstat), µs: the machine's other load.
-    pub(super) client_wait_us: f64,
-    pub(super) server_wait_us: f64,
+    /// Its rate and CPU time (the server's from `INFO cpu`).
+    pub(super) pair: PairSample,
     /// `INFO commandstats`: command → (calls, usec) per pair.
     pub(super) commands: BTreeMap<String, (f64, f64)>,
 }
@@ -162,35 +155,15 @@ impl Sample {
             .iter()
             .map(|(name, (calls, usec))| format!("{name}={calls}/{usec}"))
             .collect();
-        format!(
-            "{}\t{}\t{}\t{}\t{}\t{}",
-            self.pairs_per_s,
-            self.client_us,
-            self.server_us,
-            self.client_wait_us,
-            self.server_wait_us,
-            commands.join(",")
-        )
+        format!("{}\t{}", self.pair.encode(), commands.join(","))
     }
 
     pub(super) fn decode(fields: &[&str]) -> anyhow::Result<Sample> {
-        let [
-            pairs_per_s,
-            client_us,
-            server_us,
-            client_wait_us,
-            server_wait_us,
-            commands,
-        ] = fields
-        else {
+        let [pair @ .., commands] = fields else {
             anyhow::bail!("bad sample {fields:?}");
         };
         let mut sample = Sample {
-            pairs_per_s: pairs_per_s.parse()?,
-            client_us: client_us.parse()?,
-            server_us: server_us.parse()?,
-            client_wait_us: client_wait_us.parse()?,
-            server_wait_us: server_wait_us.parse()?,
+            pair: PairSample::decode(pair)?,
             commands: BTreeMap::new(),
         };
         for entry in commands.split(',').filter(|e| !e.is_empty()) {
@@ -243,11 +216,13 @@ pub(super) async fn measure(
         .map(|(name, (calls, usec))| (name, (calls as f64 / n as f64, usec as f64 / n as f64)))
         .collect();
     Ok(Sample {
-        pairs_per_s: n as f64 / elapsed.as_secs_f64(),
-        client_us: per_pair(client_before.0, client_after.0),
-        server_us: (server_after - server_before) * 1e6 / n as f64,
-        client_wait_us: per_pair(client_before.1, client_after.1),
-        server_wait_us: per_pair(server_sched_before.1, server_sched_after.1),
+        pair: PairSample {
+            pairs_per_s: n as f64 / elapsed.as_secs_f64(),
+            client_us: per_pair(client_before.0, client_after.0),
+            server_us: (server_after - server_before) * 1e6 / n as f64,
+            client_wait_us: per_pair(client_before.1, client_after.1),
+            server_wait_us: per_pair(server_sched_before.1, server_sched_after.1),
+        },
         commands,
     })
 }
@@ -307,11 +282,11 @@ pub(super) fn medians(samples: &[(usize, Who, Sample)]) -> BTreeMap<Who, Medians
         out.insert(
             who,
             Medians {
-                pairs_per_s: of(&|s| s.pairs_per_s),
-                client_us: of(&|s| s.client_us),
-                server_us: of(&|s| s.server_us),
-                client_wait_us: of(&|s| s.client_wait_us),
-                server_wait_us: of(&|s| s.server_wait_us),
+                pairs_per_s: of(&|s| s.pair.pairs_per_s),
+                client_us: of(&|s| s.pair.client_us),
+                server_us: of(&|s| s.pair.server_us),
+                client_wait_us: of(&|s| s.pair.client_wait_us),
+                server_wait_us: of(&|s| s.pair.server_wait_us),
                 command_us: of(&|s| s.command_us(who)),
                 commands,
             },

@@ -9,6 +9,7 @@ use super::contenders::{Contenders, Who, pair};
 use super::server::Flavor;
 use super::{PINNED_CPU, Plan};
 use crate::common::cpu::{PinnedServer, process_tree, schedstat, thread_cpus, tree_schedstat};
+pub(super) use crate::common::rounds::PairSample as Sample;
 use crate::common::rounds::{median_of, report_affinity, rotated_rounds, run_pinned_child};
 use crate::common::spread;
 
@@ -35,59 +36,6 @@ impl ServerPids {
         let mut pids = process_tree(self.postgres)?;
         pids.push(self.mariadb);
         Ok(pids)
-    }
-}
-
-/// One run of one contender, per pair.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Sample {
-    pub(super) pairs_per_s: f64,
-    /// This process's CPU time, µs.
-    pub(super) client_us: f64,
-    /// The contender's server's CPU time (schedstat of its processes), µs.
-    pub(super) server_us: f64,
-    /// Time this process's threads and the server's spent runnable but
-    /// waiting for a CPU, µs: the machine's other load.
-    pub(super) client_wait_us: f64,
-    pub(super) server_wait_us: f64,
-}
-
-impl Sample {
-    const FIELDS: usize = 5;
-
-    fn values(&self) -> [f64; Sample::FIELDS] {
-        [
-            self.pairs_per_s,
-            self.client_us,
-            self.server_us,
-            self.client_wait_us,
-            self.server_wait_us,
-        ]
-    }
-
-    /// One line of the pinned child's output (tab-separated).
-    fn encode(&self) -> String {
-        self.values().map(|v| v.to_string()).join("\t")
-    }
-
-    fn decode(fields: &[&str]) -> anyhow::Result<Sample> {
-        let [
-            pairs_per_s,
-            client_us,
-            server_us,
-            client_wait_us,
-            server_wait_us,
-        ] = fields
-        else {
-            anyhow::bail!("bad sample {fields:?}");
-        };
-        Ok(Sample {
-            pairs_per_s: pairs_per_s.parse()?,
-            client_us: client_us.parse()?,
-            server_us: server_us.parse()?,
-            client_wait_us: client_wait_us.parse()?,
-            server_wait_us: server_wait_us.parse()?,
-        })
     }
 }
 
