@@ -77,8 +77,7 @@ use redis::aio::MultiplexedConnection;
 
 mod common;
 use common::{
-    CONVOY, CONVOYS, ROUNDS, convoy, handoffs, hold, join, macro_overhead, median, now_micros,
-    per_handoff, spread,
+    CONVOY, CONVOYS, ROUNDS, convoy, handoffs, hold, join, macro_overhead, median, spread, tick,
 };
 
 #[path = "redis/chart.rs"]
@@ -164,10 +163,6 @@ fn main() -> anyhow::Result<()> {
         return runtime.block_on(convoy_child(&args[at + 1..]));
     }
     runtime.block_on(bench())
-}
-
-fn tick(ok: bool) -> &'static str {
-    if ok { "✓" } else { "✗" }
 }
 
 async fn bench() -> anyhow::Result<()> {

@@ -1,111 +1,194 @@
-//! dlock on PostgreSQL and MySQL/MariaDB against what people write by hand
-//! with sqlx, in one run, as ratios.
+//! dlock on PostgreSQL and MariaDB against what people write by hand with
+//! sqlx, in one run, as ratios.
 //!
 //! ```sh
-//! scripts/servers.sh up
 //! cargo bench -p dlock-tests --features postgres,mysql --bench sql
+//! cargo bench -p dlock-tests --features postgres,mysql --bench sql -- --quick
 //! ```
 //!
-//! 1. **Lease-mode throughput**, uncontended acquire+release over distinct
-//!    keys at concurrency 1 and 32: dlock's guard (watchdog registration,
-//!    tracing span, the I/O runtime hop included) against the same two
-//!    statements (dlock's acquire upsert and release) written by hand with
-//!    sqlx on one pool of the same size and settings.
-//! 2. **PostgreSQL session mode** against sqlx's own `PgAdvisoryLock` (what a
-//!    Rust user reaches for): acquire+release over distinct keys at
-//!    concurrency 1 and 32, sqlx's pool sized to the concurrency.
-//! 3. **Cross-process handoff**: 16 waiters in 4 processes (4 tasks each,
-//!    `dlock-lock-child handoff`, connections warmed up) take one key 4 times
-//!    each, releasing at once;
-//!    per handoff = the gap from one holder's release to the next holder's
-//!    grant (wall clock, one machine), the median over a convoy, the median
-//!    over convoys. PostgreSQL lease mode (NOTIFY), MySQL lease mode (polling,
-//!    cap 50 ms), and both session modes (the server hands the key over).
+//! Needs PostgreSQL 15 and MariaDB installed (`scripts/servers.sh up` installs
+//! them; their servers need not run) and, for the pinned section, `taskset`
+//! (util-linux). The benchmark starts **servers of its own**: a PostgreSQL
+//! cluster made by `initdb` on `127.0.0.1:47871` and a MariaDB data directory
+//! made by `mariadb-install-db` on `127.0.0.1:47872` (or the first free of the
+//! next few ports of the same parity), both under
+//! `target/bench-sql/`, with the test servers' settings (no fsync), runs
+//! every section against them and stops and removes them at the end, also
+//! when a contender fails. So the servers serve nobody else: their CPU time
+//! is the contenders', and what is left in them at the end is counted.
 //!
-//! It prints a Markdown table.
+//! 1. **Throughput**, uncontended acquire+release pairs over distinct keys:
+//!    - **Lease mode**, PostgreSQL and MariaDB: dlock's guard (watchdog
+//!      registration, tracing span included) against the same two statements
+//!      (dlock's acquire upsert and release) written by hand with sqlx on one
+//!      pool of the same size and settings.
+//!    - **PostgreSQL session mode** against sqlx's own `PgAdvisoryLock` (what
+//!      a Rust user reaches for), sqlx's pool sized to the concurrency.
+//!    - **Concurrency 1 runs pinned**: the benchmark runs that section in a
+//!      child process of itself under `taskset -c 1`, with the servers pinned
+//!      to the same CPU for the duration (every thread of MariaDB; the
+//!      postmaster and every process it has forked, so that the backends it
+//!      forks for the child inherit the CPU), and a current-thread runtime.
+//!      While its connections are still open, the child lists every server
+//!      thread's CPUs, the backends serving it included, and the run fails
+//!      unless all are on CPU 1. Without `taskset` the section runs
+//!      unpinned, is marked so, and no target is judged on it.
+//!    - **Concurrency 32 runs unpinned** (client and servers on both CPUs).
+//!    - **Interleaved rounds**: every round runs each contender once, in an
+//!      order rotated each round, so no contender always runs first (or right
+//!      after the same neighbour); one unrecorded warm-up run of each first.
+//!      Medians over the rounds.
+//!    - **CPU per lock** next to pairs/s, measured around each contender's
+//!      run only and divided by its pairs: the client's from the sum over
+//!      this process's threads of `/proc/self/task/*/schedstat`, the server's
+//!      the same sum over the server's threads (PostgreSQL: the postmaster
+//!      and all its children, the backends included).
+//! 2. **Handoff** on one hot key: a convoy of 16 tasks over 4 processes
+//!    (children of this program, given the server's URL, connections warmed
+//!    up) that start together, each acquires once, holds 1 ms and releases.
+//!    Per handoff = (wall time − the holds) / 15, the median of several
+//!    convoys. PostgreSQL lease mode (`NOTIFY`), MariaDB lease mode (polling,
+//!    cap 50 ms) and both session modes (the server hands the key over).
+//! 3. **Left in the servers** after all of the above: leases still held (rows
+//!    with an owner), advisory locks still held, and the rows that collection
+//!    has not removed yet.
+//!
+//! It prints Markdown tables and the targets with ✓/✗. Targets are printed,
+//! never asserted: a contender that fails aborts the run instead.
+//! `--quick` (or `DLOCK_BENCH_QUICK=1`) runs every section briefly (well
+//! under a minute), to check that it works; its figures are not for reading.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::path::PathBuf;
+use std::time::Duration;
 
-use dlock_runtime::{MemoryBackend, MysqlBackend, PostgresBackend, Registry};
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgPoolOptions};
+use dlock_runtime::{MemoryBackend, Registry};
 
 mod common;
-use common::{ROUNDS, median, throughput};
+use common::convoy::{CONVOY_CHILD, convoy_child, convoy_processes};
+use common::{CONVOY, median, tick};
 
-const CONVOY_PROCESSES: usize = 4;
-const CONVOY_TASKS: usize = 4;
-const CONVOYS: usize = 5;
-/// Holds per task and convoy.
-const CONVOY_ROUNDS: usize = 4;
+#[path = "sql/contenders.rs"]
+mod contenders;
+#[path = "sql/server.rs"]
+mod server;
+#[path = "sql/throughput.rs"]
+mod throughput;
+use contenders::{Contenders, Who};
+use server::OwnServer;
+use throughput::{C1, Medians, ServerPids, concurrency_1, medians, throughput_rounds};
 
-/// dlock's PostgreSQL lease statements (`dlock-runtime/src/backend/sql/postgres/mod.rs`).
-const PG_ACQUIRE: &str = "INSERT INTO dlock_leases AS l (key, owner, token, expires_at) \
-    VALUES ($1, $2, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
-            clock_timestamp() + $3 * interval '1 millisecond') \
-    ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
-        token = GREATEST(l.token + 1, excluded.token), \
-        expires_at = excluded.expires_at, wanted = false \
-    WHERE l.owner IS NULL OR l.owner = excluded.owner OR l.expires_at <= clock_timestamp() \
-    RETURNING token";
-const PG_RELEASE: &str = "WITH r AS (UPDATE dlock_leases SET owner = NULL, \
-        expires_at = clock_timestamp() WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
-    SELECT pg_notify($3, key) FROM r WHERE wanted";
+/// The benchmark's own servers' ports, or the first free of the next few of
+/// the same parity (the Redis bench's is 29430, the shared test servers'
+/// 45432 and 43306).
+const PG_PORT: u16 = 47871;
+const MARIADB_PORT: u16 = 47872;
+/// The CPU the concurrency-1 section (client and servers) is pinned to.
+const PINNED_CPU: &str = "1";
+/// The concurrency of the unpinned section.
+const HIGH_CONCURRENCY: u64 = 32;
+/// Processes a handoff convoy is spread over.
+const PROCESSES: usize = 4;
 
-/// dlock's MySQL lease statements (`dlock-runtime/src/backend/sql/mysql/mod.rs`).
-const MY_N: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
+/// The targets (ratios in one run).
+const TARGET_LEASE_VS_HAND: f64 = 0.9;
+const TARGET_SESSION_VS_ADVISORY: f64 = 1.0;
 
-fn my_acquire() -> String {
-    let n = MY_N;
-    let free = format!("(expires_us <= {n} OR owner = ?)");
-    format!(
-        "INSERT INTO dlock_leases (k, owner, token, expires_us) \
-         VALUES (?, ?, LAST_INSERT_ID({n}), {n} + ?) \
-         ON DUPLICATE KEY UPDATE \
-         token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {n})), \
-                    token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {n}, 0), 1099511627775) + 1)), \
-         owner = IF({free}, ?, owner), \
-         expires_us = IF({free}, {n} + ?, expires_us)"
-    )
+/// How much a run measures.
+#[derive(Clone, Debug)]
+pub(crate) struct Plan {
+    /// Recorded rounds of each throughput contender.
+    pub(crate) rounds: usize,
+    /// Pairs per run at concurrency 1 and [`HIGH_CONCURRENCY`], and per
+    /// warm-up run.
+    pub(crate) c1_pairs: u64,
+    pub(crate) high_pairs: u64,
+    pub(crate) warmup_pairs: u64,
+    /// Convoys per handoff figure.
+    pub(crate) convoys: usize,
 }
 
-fn my_release() -> String {
-    format!("UPDATE dlock_leases SET owner = NULL, expires_us = {MY_N} WHERE k = ? AND owner = ?")
-}
+impl Plan {
+    /// Every contender takes every position in the rotated order twice.
+    fn full() -> Plan {
+        Plan {
+            rounds: 2 * Who::ALL.len(),
+            c1_pairs: 2_000,
+            high_pairs: 5_000,
+            warmup_pairs: 200,
+            convoys: 5,
+        }
+    }
 
-fn pg_url() -> String {
-    std::env::var("DLOCK_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://dlock:dlock@127.0.0.1:45432/dlock".into())
-}
-
-fn my_url() -> String {
-    std::env::var("DLOCK_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://dlock:dlock@127.0.0.1:43306/dlock".into())
-}
-
-fn owner() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    /// Each section briefly: checks that the benchmark works.
+    fn quick() -> Plan {
+        Plan {
+            rounds: Who::ALL.len(),
+            c1_pairs: 100,
+            high_pairs: 300,
+            warmup_pairs: 20,
+            convoys: 1,
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "dlock on PostgreSQL and MariaDB against the same statements by hand and sqlx's \
+             PgAdvisoryLock, as ratios.\n\
+             usage: cargo bench -p dlock-tests --features postgres,mysql --bench sql [-- --quick]\n\
+             Starts PostgreSQL 15 on 127.0.0.1:{PG_PORT} and MariaDB on 127.0.0.1:{MARIADB_PORT} \
+             (fresh, under target/bench-sql/; taskset for the pinned section), runs the \
+             throughput sections (c=1 pinned, c={HIGH_CONCURRENCY}) and the handoff convoys, \
+             counts what is left in the servers and prints Markdown tables and the targets. \
+             --quick (or DLOCK_BENCH_QUICK=1): every section briefly, to check that it works."
+        );
+        return Ok(());
+    }
+    if let Some(at) = args.iter().position(|a| a == "--pinned-c1") {
+        // All of the client on one thread: the process is pinned to one CPU.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .thread_keep_alive(Duration::from_secs(24 * 3600))
+            .build()?;
+        return runtime.block_on(throughput::pinned_child(&args[at + 1..]));
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
+        // No thread may exit while the client's CPU time is summed over them.
+        .thread_keep_alive(Duration::from_secs(24 * 3600))
         .build()?;
-    runtime.block_on(bench())
+    if let Some(at) = args.iter().position(|a| a == CONVOY_CHILD) {
+        return runtime.block_on(convoy_child(&args[at + 1..]));
+    }
+    let quick = args.iter().any(|a| a == "--quick")
+        || std::env::var("DLOCK_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let plan = if quick { Plan::quick() } else { Plan::full() };
+    runtime.block_on(bench(plan, quick))
 }
 
-async fn connect(url: &str) -> anyhow::Result<Registry> {
-    let backend = dlock_runtime::connect(url)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}: start the servers first (scripts/servers.sh up)"))?;
-    Ok(Registry::builder().default_backend(backend).build())
+/// Where the servers' directories go: `target/bench-sql/`.
+fn servers_root() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+        .join("bench-sql")
 }
 
-async fn bench() -> anyhow::Result<()> {
+async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
+    let load_at_start = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let root = servers_root();
+    let pg = OwnServer::postgres(PG_PORT, &root).await?;
+    let my = OwnServer::mariadb(MARIADB_PORT, &root).await?;
+    let (pg_url, my_url) = (pg.url(), my.url());
+    let pids = ServerPids {
+        postgres: pg.pid()?,
+        mariadb: my.pid()?,
+    };
     // The global registry is not used; install one so that nothing falls
     // back to it by accident.
     dlock_runtime::init(
@@ -113,246 +196,243 @@ async fn bench() -> anyhow::Result<()> {
             .default_backend(MemoryBackend::new())
             .build(),
     )?;
-    // Make sure the tables exist.
-    PostgresBackend::connect(&pg_url()).await?;
-    MysqlBackend::connect(&my_url()).await?;
     let run: u64 = rand::random();
-    let mut table = String::new();
-    writeln!(table, "| measure | dlock | baseline | ratio |")?;
-    writeln!(table, "|---|---:|---:|---:|")?;
-
-    // 1. Lease-mode throughput against the same statements by hand.
-    let pg = connect(&pg_url()).await?;
-    let my = connect(&my_url()).await?;
-    let pg_options: PgConnectOptions = pg_url().parse()?;
-    let pg_pool = PgPoolOptions::new()
-        .max_connections(10)
-        .test_before_acquire(false)
-        .connect_with(pg_options.options([("default_transaction_isolation", "read committed")]))
-        .await?;
-    let my_pool = MySqlPoolOptions::new()
-        .max_connections(10)
-        .test_before_acquire(false)
-        .connect(&my_url())
-        .await?;
-    let my_acquire: Arc<str> = my_acquire().into();
-    let my_release: Arc<str> = my_release().into();
-    for (concurrency, n) in [(1u64, 1_000u64), (32, 5_000)] {
-        let (mut pg_ours, mut pg_hand, mut my_ours, mut my_hand) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for round in 0..ROUNDS {
-            let tag = format!("{run}:{round}:{concurrency}");
-            pg_hand.push(
-                throughput(concurrency, n, {
-                    let (pool, tag) = (pg_pool.clone(), tag.clone());
-                    move |i| {
-                        let (pool, key) = (pool.clone(), format!("bench:pg-hand:{tag}:{i}"));
-                        async move {
-                            let owner = owner();
-                            let token: Option<i64> = sqlx::query_scalar(PG_ACQUIRE)
-                                .bind(&key)
-                                .bind(&owner)
-                                .bind(30_000i64)
-                                .fetch_optional(&pool)
-                                .await
-                                .expect("acquire");
-                            assert!(token.is_some());
-                            sqlx::query(PG_RELEASE)
-                                .bind(&key)
-                                .bind(&owner)
-                                .bind("dlock")
-                                .execute(&pool)
-                                .await
-                                .expect("release");
-                        }
-                    }
-                })
-                .await,
-            );
-            pg_ours.push(dlock_throughput(&pg, concurrency, n, &format!("pg:{tag}")).await);
-            my_hand.push(
-                throughput(concurrency, n, {
-                    let (pool, tag) = (my_pool.clone(), tag.clone());
-                    let (acquire, release) = (my_acquire.clone(), my_release.clone());
-                    move |i| {
-                        let (pool, key) = (pool.clone(), format!("bench:my-hand:{tag}:{i}"));
-                        let (acquire, release) = (acquire.clone(), release.clone());
-                        async move {
-                            let owner = owner();
-                            let lease_us = 30_000_000i64;
-                            let done = sqlx::query(sqlx::AssertSqlSafe(acquire))
-                                .bind(&key)
-                                .bind(&owner)
-                                .bind(lease_us)
-                                .bind(&owner)
-                                .bind(&owner)
-                                .bind(&owner)
-                                .bind(&owner)
-                                .bind(lease_us)
-                                .execute(&pool)
-                                .await
-                                .expect("acquire");
-                            assert!(done.last_insert_id() > 1 << 40);
-                            sqlx::query(sqlx::AssertSqlSafe(release))
-                                .bind(&key)
-                                .bind(&owner)
-                                .execute(&pool)
-                                .await
-                                .expect("release");
-                        }
-                    }
-                })
-                .await,
-            );
-            my_ours.push(dlock_throughput(&my, concurrency, n, &format!("my:{tag}")).await);
-        }
-        for (db, ours, hand) in [
-            ("PostgreSQL", median(pg_ours), median(pg_hand)),
-            ("MariaDB", median(my_ours), median(my_hand)),
-        ] {
-            writeln!(
-                table,
-                "| {db} lease, acquire+release/s, c={concurrency} | {ours:.0} | same statements by hand (sqlx, one pool) {hand:.0} | {:.2}× |",
-                ours / hand
-            )?;
-        }
-    }
-
-    // 2. PostgreSQL session mode against sqlx's PgAdvisoryLock.
-    let pg_session = connect(&format!("{}?mode=session", pg_url())).await?;
-    for (concurrency, n) in [(1u64, 1_000u64), (32, 5_000)] {
-        let sqlx_pool = PgPoolOptions::new()
-            .max_connections(concurrency as u32)
-            .connect(&pg_url())
-            .await?;
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-        for round in 0..ROUNDS {
-            let tag = format!("{run}:{round}:{concurrency}");
-            theirs.push(
-                throughput(concurrency, n, {
-                    let (pool, tag) = (sqlx_pool.clone(), tag.clone());
-                    move |i| {
-                        let (pool, key) = (pool.clone(), format!("bench:sqlx-advisory:{tag}:{i}"));
-                        async move {
-                            let lock = PgAdvisoryLock::new(key);
-                            let conn = pool.acquire().await.expect("connection");
-                            let guard = lock.acquire(conn).await.expect("lock");
-                            guard.release_now().await.expect("unlock");
-                        }
-                    }
-                })
-                .await,
-            );
-            ours.push(dlock_throughput(&pg_session, concurrency, n, &format!("pgs:{tag}")).await);
-        }
-        let (ours, theirs) = (median(ours), median(theirs));
+    let mut out = String::new();
+    writeln!(
+        out,
+        "Servers of the benchmark's own: PostgreSQL on 127.0.0.1:{}, MariaDB on 127.0.0.1:{}.\n",
+        pg.port(),
+        my.port()
+    )?;
+    if quick {
         writeln!(
-            table,
-            "| PostgreSQL session, acquire+release/s, c={concurrency} | {ours:.0} | sqlx `PgAdvisoryLock` {theirs:.0} | {:.2}× |",
-            ours / theirs
+            out,
+            "**Quick mode**: every section briefly, to check that the benchmark works; \
+             these figures are not for reading.\n"
         )?;
-        sqlx_pool.close().await;
     }
 
-    // 3. Cross-process handoff.
-    for (name, url, target) in [
-        ("PostgreSQL lease (NOTIFY)", pg_url(), "≤ 1 ms"),
-        (
-            "MariaDB lease (polling, cap 50 ms)",
-            my_url(),
-            "poll cap 50 ms",
-        ),
-        (
-            "PostgreSQL session",
-            format!("{}?mode=session", pg_url()),
-            "≤ 1 ms",
-        ),
-        (
-            "MariaDB session",
-            format!("{}?mode=session", my_url()),
-            "≤ 1 ms",
-        ),
+    // 1. Throughput: concurrency 1 pinned (in a child, before this process
+    // opens any connection), then the high concurrency unpinned (here).
+    let c1 = concurrency_1(&pg_url, &my_url, pids, run, &plan)?;
+    let c1_label = if c1.pinned {
+        format!("c=1, pinned to CPU {PINNED_CPU} (client and servers)")
+    } else {
+        "c=1 (unpinned, not gated)".to_owned()
+    };
+    let c = Contenders::connect(&pg_url, &my_url, run, HIGH_CONCURRENCY).await?;
+    let high = throughput_rounds(&c, pids, &plan, HIGH_CONCURRENCY, plan.high_pairs).await?;
+    let high_label = format!("c={HIGH_CONCURRENCY}, unpinned (both CPUs)");
+    let sections = [
+        (c1_label.clone(), medians(&c1.samples)),
+        (high_label.clone(), medians(&high)),
+    ];
+    throughput_table(&mut out, &plan, &c1, &sections)?;
+
+    // 2. Handoff.
+    writeln!(
+        out,
+        "\n## Handoff: a {CONVOY}-task convoy over {PROCESSES} processes on one key\n"
+    )?;
+    writeln!(out, "| mode | ms per handoff |")?;
+    writeln!(out, "|---|---:|")?;
+    for (name, url) in [
+        ("PostgreSQL lease (NOTIFY)", pg_url.clone()),
+        ("MariaDB lease (polling, cap 50 ms)", my_url.clone()),
+        ("PostgreSQL session", format!("{pg_url}?mode=session")),
+        ("MariaDB session", format!("{my_url}?mode=session")),
     ] {
         let mut convoys = Vec::new();
-        for k in 0..CONVOYS {
-            convoys.push(convoy_processes(
-                &url,
-                &format!("handoff:{run}:{name}:{k}"),
-            )?);
+        for k in 0..plan.convoys {
+            let key = format!("handoff:{run}:{name}:{k}");
+            convoys.push(convoy_processes(&url, &key, PROCESSES)?);
         }
-        let ms = median(convoys);
-        writeln!(
-            table,
-            "| handoff, {} waiters in {CONVOY_PROCESSES} processes, ms: {name} | {ms:.3} | target {target} | |",
-            CONVOY_PROCESSES * CONVOY_TASKS
-        )?;
+        writeln!(out, "| {name} | {:.3} |", median(convoys))?;
     }
+    writeln!(
+        out,
+        "\nPer handoff: (wall time − the 1 ms holds) / {}; median of {} convoys.",
+        CONVOY - 1,
+        plan.convoys
+    )?;
 
-    print!("{table}");
-    println!("\n{ROUNDS} rounds of each throughput pair, {CONVOYS} convoys per handoff, medians.");
+    // 3. What is left in the servers.
+    drop(c);
+    let held = left_in_servers(&mut out, &pg_url, &my_url).await?;
+    targets(&mut out, &c1, &sections, held)?;
+    let load = |line: &str| {
+        line.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    writeln!(
+        out,
+        "\nLoad average (1, 5, 15 min) at start {}, at end {}.",
+        load(&load_at_start),
+        load(&std::fs::read_to_string("/proc/loadavg").unwrap_or_default())
+    )?;
+    print!("{out}");
+    drop((pg, my));
     Ok(())
 }
 
-/// dlock's guard: acquire+release per second over distinct keys.
-async fn dlock_throughput(registry: &Registry, concurrency: u64, n: u64, tag: &str) -> f64 {
-    throughput(concurrency, n, {
-        let (registry, tag) = (registry.clone(), tag.to_owned());
-        move |i| {
-            let (registry, key) = (registry.clone(), format!("bench:dlock:{tag}:{i}"));
-            async move {
-                let guard = registry
-                    .lock(key)
-                    .lease(Duration::from_secs(30))
-                    .acquire()
-                    .await
-                    .expect("acquire");
-                guard.release().await.expect("release");
-            }
-        }
-    })
-    .await
+/// The contender a contender is compared with.
+fn baseline(who: Who) -> Who {
+    match who {
+        Who::PgDlock | Who::PgHand => Who::PgHand,
+        Who::MyDlock | Who::MyHand => Who::MyHand,
+        Who::PgSession | Who::PgAdvisory => Who::PgAdvisory,
+    }
 }
 
-/// One convoy over [`CONVOY_PROCESSES`] child processes: answers the median
-/// milliseconds from a release to the next grant.
-fn convoy_processes(url: &str, key: &str) -> anyhow::Result<f64> {
-    let start_at = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() + 2_000;
-    let children: Vec<_> = (0..CONVOY_PROCESSES)
-        .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_dlock-lock-child"))
-                .args([
-                    "handoff",
-                    url,
-                    key,
-                    &CONVOY_TASKS.to_string(),
-                    &CONVOY_ROUNDS.to_string(),
-                    &start_at.to_string(),
-                ])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-        })
-        .collect::<Result<_, _>>()?;
-    let mut holds: Vec<(u128, u128)> = Vec::new();
-    for child in children {
-        let out = child.wait_with_output()?;
-        anyhow::ensure!(out.status.success(), "a convoy child failed");
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let mut parts = line.split_whitespace().skip(1);
-            let (Some(a), Some(r)) = (parts.next(), parts.next()) else {
-                continue;
-            };
-            holds.push((a.parse()?, r.parse()?));
+fn throughput_table(
+    out: &mut String,
+    plan: &Plan,
+    c1: &C1,
+    sections: &[(String, BTreeMap<Who, Medians>)],
+) -> anyhow::Result<()> {
+    writeln!(
+        out,
+        "## Throughput: uncontended acquire+release pairs over distinct keys\n"
+    )?;
+    writeln!(
+        out,
+        "| concurrency | contender | pairs/s | × baseline | client CPU µs/pair | server CPU µs/pair | × baseline's server CPU | waiting for a CPU µs/pair, client / server |"
+    )?;
+    writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|")?;
+    for (label, m) in sections {
+        for who in [
+            Who::PgDlock,
+            Who::PgHand,
+            Who::MyDlock,
+            Who::MyHand,
+            Who::PgSession,
+            Who::PgAdvisory,
+        ] {
+            let (x, base) = (&m[&who], &m[&baseline(who)]);
+            writeln!(
+                out,
+                "| {label} | {} | {:.0} | {:.2}× | {:.1} | {:.1} | {:.2}× | {:.1} / {:.1} |",
+                who.name(),
+                x.pairs_per_s,
+                x.pairs_per_s / base.pairs_per_s,
+                x.client_us,
+                x.server_us,
+                x.server_us / base.server_us,
+                x.client_wait_us,
+                x.server_wait_us
+            )?;
         }
     }
-    anyhow::ensure!(
-        holds.len() == CONVOY_PROCESSES * CONVOY_TASKS * CONVOY_ROUNDS,
-        "holds: {holds:?}"
-    );
-    holds.sort_unstable();
-    let gaps: Vec<f64> = holds
-        .windows(2)
-        .map(|w| w[1].0.saturating_sub(w[0].1) as f64 / 1e6)
-        .collect();
-    Ok(median(gaps))
+    writeln!(
+        out,
+        "\n{} interleaved rounds (order rotated each round) after a warm-up; \
+         {} pairs per run at c=1, {} at c={HIGH_CONCURRENCY}; medians. \
+         CPU per pair measured around each run only (schedstat). \
+         Waiting for a CPU: time runnable but not running, the machine's other load.",
+        plan.rounds, plan.c1_pairs, plan.high_pairs
+    )?;
+    if c1.pinned {
+        writeln!(
+            out,
+            "Pinned section: {} server threads (MariaDB's, PostgreSQL's processes with the \
+             backends serving the child) checked on CPU {PINNED_CPU} while the child ran.",
+            c1.server_threads
+        )?;
+    }
+    Ok(())
+}
+
+/// What is still held in the servers, and the rows collection has not
+/// removed yet; answers the count of what is held (leases with an owner,
+/// advisory locks).
+async fn left_in_servers(out: &mut String, pg_url: &str, my_url: &str) -> anyhow::Result<i64> {
+    use sqlx::Connection as _;
+    let mut pg = sqlx::PgConnection::connect(pg_url).await?;
+    let mut pg_counts = Vec::new();
+    for sql in [
+        "SELECT count(*) FROM dlock_leases",
+        "SELECT count(*) FROM dlock_leases WHERE owner IS NOT NULL",
+        "SELECT count(*) FROM dlock_leases_fence",
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+    ] {
+        pg_counts.push(sqlx::query_scalar::<_, i64>(sql).fetch_one(&mut pg).await?);
+    }
+    pg.close().await?;
+    let [pg_rows, pg_held, pg_fence, advisory] = pg_counts[..] else {
+        unreachable!("four counts");
+    };
+    let mut my = sqlx::MySqlConnection::connect(my_url).await?;
+    let mut my_counts = Vec::new();
+    for sql in [
+        "SELECT count(*) FROM dlock_leases",
+        "SELECT count(*) FROM dlock_leases WHERE owner IS NOT NULL",
+    ] {
+        my_counts.push(sqlx::query_scalar::<_, i64>(sql).fetch_one(&mut my).await?);
+    }
+    my.close().await?;
+    let [my_rows, my_held] = my_counts[..] else {
+        unreachable!("two counts");
+    };
+    writeln!(out, "\n## Left in the benchmark's servers\n")?;
+    writeln!(
+        out,
+        "PostgreSQL: {pg_held} leases held, {advisory} advisory locks held; rows not collected \
+         yet: {pg_rows} in dlock_leases, {pg_fence} session counters in dlock_leases_fence. \
+         MariaDB: {my_held} leases held; {my_rows} rows not collected yet in dlock_leases."
+    )?;
+    Ok(pg_held + advisory + my_held)
+}
+
+/// The targets, with ✓/✗.
+fn targets(
+    out: &mut String,
+    c1: &C1,
+    sections: &[(String, BTreeMap<Who, Medians>)],
+    held: i64,
+) -> anyhow::Result<()> {
+    let ratio = |m: &BTreeMap<Who, Medians>, a: Who, b: Who| m[&a].pairs_per_s / m[&b].pairs_per_s;
+    writeln!(out, "\n## Targets (ratios in this run)\n")?;
+    writeln!(out, "| target | measured | met |")?;
+    writeln!(out, "|---|---:|:---:|")?;
+    for (i, (label, m)) in sections.iter().enumerate() {
+        let gated = i > 0 || c1.pinned;
+        for (db, ours, hand) in [
+            ("PostgreSQL", Who::PgDlock, Who::PgHand),
+            ("MariaDB", Who::MyDlock, Who::MyHand),
+        ] {
+            let r = ratio(m, ours, hand);
+            writeln!(
+                out,
+                "| {label}: {db} lease mode ≥ {TARGET_LEASE_VS_HAND}× the same statements by hand | {r:.2}× | {} |",
+                if gated {
+                    tick(r >= TARGET_LEASE_VS_HAND)
+                } else {
+                    "not gated"
+                }
+            )?;
+        }
+    }
+    let (label, m) = &sections[1];
+    let r = ratio(m, Who::PgSession, Who::PgAdvisory);
+    let (ours, theirs) = (&m[&Who::PgSession], &m[&Who::PgAdvisory]);
+    writeln!(
+        out,
+        "| {label}: PostgreSQL session mode ≥ {TARGET_SESSION_VS_ADVISORY:.1}× sqlx `PgAdvisoryLock` | {r:.2}× ({:.0} vs {:.0} pairs/s; server CPU {:.1} vs {:.1} µs/pair, {:+.1} µs; client CPU {:.1} vs {:.1} µs/pair) | {} |",
+        ours.pairs_per_s,
+        theirs.pairs_per_s,
+        ours.server_us,
+        theirs.server_us,
+        ours.server_us - theirs.server_us,
+        ours.client_us,
+        theirs.client_us,
+        tick(r >= TARGET_SESSION_VS_ADVISORY)
+    )?;
+    writeln!(
+        out,
+        "| nothing held in the servers at the end | {held} | {} |",
+        tick(held == 0)
+    )?;
+    Ok(())
 }

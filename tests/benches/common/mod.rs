@@ -1,14 +1,20 @@
 //! What the benchmark programs share: timing helpers, the convoy that
-//! measures handoffs, spreading operations over tasks, and the macro-overhead
-//! pair (the attribute against the hand-written guard, same global registry).
+//! measures handoffs (in one process here, over processes in [`convoy`]),
+//! spreading operations over tasks, the macro-overhead pair (the attribute
+//! against the hand-written guard, same global registry), pinning and CPU
+//! time ([`cpu`]), and interleaved rounds of contenders ([`rounds`]).
 
 #![allow(dead_code)] // each bench uses its own subset
+
+pub(crate) mod convoy;
+pub(crate) mod cpu;
+pub(crate) mod rounds;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dlock_runtime::{LockError, distributed_lock, lock};
+use dlock_runtime::{LockError, Registry, distributed_lock, lock};
 use tokio::sync::Barrier;
 
 pub(crate) use dlock_tests::handoff::median_f64 as median;
@@ -44,6 +50,11 @@ where
     n as f64 / started.elapsed().as_secs_f64()
 }
 
+/// A target's mark: met or not.
+pub(crate) fn tick(ok: bool) -> &'static str {
+    if ok { "✓" } else { "✗" }
+}
+
 /// Tasks per convoy.
 pub(crate) const CONVOY: usize = 16;
 /// Convoys per handoff figure (their median).
@@ -56,6 +67,25 @@ pub(crate) async fn hold() -> Duration {
     let started = Instant::now();
     tokio::time::sleep(HOLD).await;
     started.elapsed()
+}
+
+/// One convoy turn with dlock on `registry`: acquires `key` (waiting up to
+/// 30 s, a lease of 30 s), [`hold`]s it and releases it; answers the hold.
+/// Panics, naming `who`, if a call fails.
+pub(crate) async fn dlock_turn(registry: &Registry, key: String, who: &str) -> Duration {
+    let guard = registry
+        .lock(key)
+        .wait(Duration::from_secs(30))
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("{who}: acquire failed: {e}"));
+    let held = hold().await;
+    guard
+        .release()
+        .await
+        .unwrap_or_else(|e| panic!("{who}: release failed: {e}"));
+    held
 }
 
 /// A task's answer; a panic in it is the benchmark's panic.

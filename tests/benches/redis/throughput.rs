@@ -3,6 +3,7 @@
 //! pinned concurrency-1 child.
 
 use super::*;
+use crate::common::rounds::{PairSample, report_affinity, rotated_rounds, run_pinned_child};
 
 /// The halves of a pair, measured apart (all acquisitions, then all
 /// releases) to split the server's cost between them.
@@ -125,15 +126,8 @@ pub(super) type Commands = BTreeMap<String, (f64, f64)>;
 /// One run of one contender, per pair.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Sample {
-    pub(super) pairs_per_s: f64,
-    /// This process's CPU time, µs.
-    pub(super) client_us: f64,
-    /// The server's CPU time (`INFO cpu`), µs.
-    pub(super) server_us: f64,
-    /// Time this process's threads and the server's spent runnable but
-    /// waiting for a CPU (schedstat), µs: the machine's other load.
-    pub(super) client_wait_us: f64,
-    pub(super) server_wait_us: f64,
+    /// Its rate and CPU time (the server's from `INFO cpu`).
+    pub(super) pair: PairSample,
     /// `INFO commandstats`: command → (calls, usec) per pair.
     pub(super) commands: BTreeMap<String, (f64, f64)>,
 }
@@ -161,35 +155,15 @@ impl Sample {
             .iter()
             .map(|(name, (calls, usec))| format!("{name}={calls}/{usec}"))
             .collect();
-        format!(
-            "{}\t{}\t{}\t{}\t{}\t{}",
-            self.pairs_per_s,
-            self.client_us,
-            self.server_us,
-            self.client_wait_us,
-            self.server_wait_us,
-            commands.join(",")
-        )
+        format!("{}\t{}", self.pair.encode(), commands.join(","))
     }
 
     pub(super) fn decode(fields: &[&str]) -> anyhow::Result<Sample> {
-        let [
-            pairs_per_s,
-            client_us,
-            server_us,
-            client_wait_us,
-            server_wait_us,
-            commands,
-        ] = fields
-        else {
+        let [pair @ .., commands] = fields else {
             anyhow::bail!("bad sample {fields:?}");
         };
         let mut sample = Sample {
-            pairs_per_s: pairs_per_s.parse()?,
-            client_us: client_us.parse()?,
-            server_us: server_us.parse()?,
-            client_wait_us: client_wait_us.parse()?,
-            server_wait_us: server_wait_us.parse()?,
+            pair: PairSample::decode(pair)?,
             commands: BTreeMap::new(),
         };
         for entry in commands.split(',').filter(|e| !e.is_empty()) {
@@ -242,44 +216,36 @@ pub(super) async fn measure(
         .map(|(name, (calls, usec))| (name, (calls as f64 / n as f64, usec as f64 / n as f64)))
         .collect();
     Ok(Sample {
-        pairs_per_s: n as f64 / elapsed.as_secs_f64(),
-        client_us: per_pair(client_before.0, client_after.0),
-        server_us: (server_after - server_before) * 1e6 / n as f64,
-        client_wait_us: per_pair(client_before.1, client_after.1),
-        server_wait_us: per_pair(server_sched_before.1, server_sched_after.1),
+        pair: PairSample {
+            pairs_per_s: n as f64 / elapsed.as_secs_f64(),
+            client_us: per_pair(client_before.0, client_after.0),
+            server_us: (server_after - server_before) * 1e6 / n as f64,
+            client_wait_us: per_pair(client_before.1, client_after.1),
+            server_wait_us: per_pair(server_sched_before.1, server_sched_after.1),
+        },
         commands,
     })
 }
 
 /// The throughput section at one concurrency: a warm-up run of each
-/// contender, then [`THROUGHPUT_ROUNDS`] rounds, each running every contender
-/// once in an order rotated by one each round. Answers (round, contender,
-/// sample) in the order run.
+/// contender, then [`THROUGHPUT_ROUNDS`] interleaved rounds
+/// ([`rotated_rounds`]). Answers (round, contender, sample) in the order run.
 pub(super) async fn throughput_rounds(
     c: &Arc<Contenders>,
     concurrency: u64,
     n: u64,
 ) -> anyhow::Result<Vec<(usize, Who, Sample)>> {
-    for who in Who::ALL {
-        run_pairs(
-            c,
-            who,
-            concurrency,
-            WARMUP_PAIRS,
-            &format!("warm:{concurrency}"),
-        )
-        .await;
-    }
-    let mut samples = Vec::new();
-    for round in 0..THROUGHPUT_ROUNDS {
-        let mut order = Who::ALL;
-        order.rotate_left(round % Who::ALL.len());
-        for who in order {
+    let warm_up = format!("warm:{concurrency}");
+    rotated_rounds(
+        &Who::ALL,
+        THROUGHPUT_ROUNDS,
+        async |who| run_pairs(c, who, concurrency, WARMUP_PAIRS, &warm_up).await,
+        async |round, who| {
             let tag = format!("{round}:{concurrency}");
-            samples.push((round, who, measure(c, who, concurrency, n, &tag).await?));
-        }
-    }
-    Ok(samples)
+            measure(c, who, concurrency, n, &tag).await
+        },
+    )
+    .await
 }
 
 /// A contender's medians over the rounds.
@@ -316,11 +282,11 @@ pub(super) fn medians(samples: &[(usize, Who, Sample)]) -> BTreeMap<Who, Medians
         out.insert(
             who,
             Medians {
-                pairs_per_s: of(&|s| s.pairs_per_s),
-                client_us: of(&|s| s.client_us),
-                server_us: of(&|s| s.server_us),
-                client_wait_us: of(&|s| s.client_wait_us),
-                server_wait_us: of(&|s| s.server_wait_us),
+                pairs_per_s: of(&|s| s.pair.pairs_per_s),
+                client_us: of(&|s| s.pair.client_us),
+                server_us: of(&|s| s.pair.server_us),
+                client_wait_us: of(&|s| s.pair.client_wait_us),
+                server_wait_us: of(&|s| s.pair.server_wait_us),
                 command_us: of(&|s| s.command_us(who)),
                 commands,
             },
@@ -360,7 +326,7 @@ pub(super) async fn pinned_child(args: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("usage: --pinned-c1 URL RUN SERVER_PID");
     };
     let c = Contenders::connect(url, run.parse()?, server_pid.parse()?).await?;
-    println!("affinity\t{}", cpus_allowed("self")?);
+    report_affinity()?;
     let check = CpuCheck::start()?;
     let samples = throughput_rounds(&c, 1, C1_PAIRS).await?;
     let (threads, ticks) = check.since()?;
@@ -381,48 +347,21 @@ pub(super) struct C1 {
 /// Runs the concurrency-1 section in a child of this program, pinned with the
 /// server to [`PINNED_CPU`] when `taskset` is there.
 pub(super) fn concurrency_1(url: &str, server_pid: u32, run: u64) -> anyhow::Result<C1> {
-    let exe = std::env::current_exe()?;
     let (run, pid) = (run.to_string(), server_pid.to_string());
     let child_args = ["--pinned-c1", url, &run, &pid];
-    let pinned = has_taskset();
-    let (output, _pin) = if pinned {
-        let pin = PinnedServer::pin(server_pid, PINNED_CPU)?;
-        let output = std::process::Command::new("taskset")
-            .args(["-c", PINNED_CPU])
-            .arg(&exe)
-            .args(child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        (output, Some(pin))
-    } else {
-        println!("taskset not found (util-linux): concurrency 1 runs unpinned, and is not gated");
-        let output = std::process::Command::new(&exe)
-            .args(child_args)
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        (output, None)
-    };
-    anyhow::ensure!(
-        output.status.success(),
-        "the concurrency-1 child failed ({}); its messages are above",
-        output.status
-    );
+    let child = run_pinned_child(
+        PINNED_CPU,
+        || PinnedServer::pin(server_pid, PINNED_CPU),
+        &child_args,
+    )?;
     let mut c1 = C1 {
         samples: Vec::new(),
-        pinned,
+        pinned: child.pinned,
         check: (0.0, 0.0),
     };
-    for line in String::from_utf8(output.stdout)?.lines() {
+    for line in child.output.lines() {
         let fields: Vec<&str> = line.split('\t').collect();
         match fields.as_slice() {
-            ["affinity", cpus] => {
-                if pinned {
-                    anyhow::ensure!(
-                        *cpus == PINNED_CPU,
-                        "the pinned child runs on CPUs {cpus}, not {PINNED_CPU}"
-                    );
-                }
-            }
             ["sample", round, who, rest @ ..] => {
                 c1.samples
                     .push((round.parse()?, Who::from_id(who)?, Sample::decode(rest)?));
