@@ -63,11 +63,9 @@
 //! (bounds every statement); the others (`sslmode`, `application_name`, …)
 //! go to the driver.
 
-use std::collections::HashSet;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;

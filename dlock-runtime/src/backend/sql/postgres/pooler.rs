@@ -16,6 +16,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{AssertSqlSafe, Row as _};
 
+use crate::backend::sql::upkeep::millis;
 use crate::error::LockError;
 
 /// The setting dlock's lease-table connections carry in their startup
@@ -200,7 +201,6 @@ pub(super) fn transaction_pooler(shown_url: &str) -> LockError {
          `pool_mode = session`, with `ignore_startup_parameters = extra_float_digits,options`)"
     ))
 }
-
 
 #[cfg(test)]
 mod tests {
