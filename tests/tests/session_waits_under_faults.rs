@@ -60,6 +60,21 @@ where
     }
 }
 
+/// Has a waiter of `key` on `waiters` wait on the (PostgreSQL) server, then
+/// drops it; fails naming `who` if it never waited there.
+async fn pg_abandon_a_waiter(waiters: &Registry, key: &str, who: &str) {
+    let stored = format!("{}{key}", waiters.key_prefix());
+    let waiter = spawn_waiter(waiters, key);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            !pg_waiting(&stored).await.is_empty()
+        })
+        .await,
+        "{who} never waited on the server"
+    );
+    waiter.abort();
+}
+
 /// A waiter of `key` on `registry`, in a task of its own.
 fn spawn_waiter(registry: &Registry, key: &str) -> tokio::task::JoinHandle<()> {
     let (registry, key) = (registry.clone(), key.to_owned());
@@ -157,15 +172,7 @@ async fn postgres_abandoned_waits_are_cancelled_after_the_cancel_connection_stal
     );
 
     proxy.hold_next(&[b"pg_cancel_backend"], Duration::from_secs(120));
-    let waiter = spawn_waiter(&waiters, &first);
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            !pg_waiting(&stored(&first)).await.is_empty()
-        })
-        .await,
-        "the first waiter never waited on the server"
-    );
-    waiter.abort();
+    pg_abandon_a_waiter(&waiters, &first, "the first waiter").await;
     assert!(
         eventually(Duration::from_secs(5), || async {
             proxy.held_on().is_some()
@@ -176,15 +183,7 @@ async fn postgres_abandoned_waits_are_cancelled_after_the_cancel_connection_stal
     // The first abandon gives up after the backend's timeout (1 s).
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
-    let waiter = spawn_waiter(&waiters, &second);
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            !pg_waiting(&stored(&second)).await.is_empty()
-        })
-        .await,
-        "the second waiter never waited on the server"
-    );
-    waiter.abort();
+    pg_abandon_a_waiter(&waiters, &second, "the second waiter").await;
     let abandoned = Instant::now();
     let ended = eventually(ENDED_WITHIN, || async {
         pg_waiting(&stored(&second)).await.is_empty()
@@ -469,15 +468,7 @@ async fn postgres_abandoned_waits_end_after_the_cancel_connection_was_terminated
         .unwrap_or_else(|e| dlock_tests::servers_missing(&url, e));
 
     // A first abandoned wait opens the cancel connection.
-    let waiter = spawn_waiter(&waiters, &first);
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            !pg_waiting(&stored(&first)).await.is_empty()
-        })
-        .await,
-        "the first waiter never waited on the server"
-    );
-    waiter.abort();
+    pg_abandon_a_waiter(&waiters, &first, "the first waiter").await;
     assert!(
         eventually(ENDED_WITHIN, || async {
             pg_waiting(&stored(&first)).await.is_empty()
@@ -496,15 +487,7 @@ async fn postgres_abandoned_waits_end_after_the_cancel_connection_was_terminated
     assert_eq!(ended, 1, "one cancel connection");
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let waiter = spawn_waiter(&waiters, &second);
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            !pg_waiting(&stored(&second)).await.is_empty()
-        })
-        .await,
-        "the second waiter never waited on the server"
-    );
-    waiter.abort();
+    pg_abandon_a_waiter(&waiters, &second, "the second waiter").await;
     let abandoned = Instant::now();
     let ended = eventually(ENDED_WITHIN, || async {
         pg_waiting(&stored(&second)).await.is_empty()
