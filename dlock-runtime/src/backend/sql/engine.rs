@@ -523,23 +523,6 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         })
     }
 
-    fn renew<'a>(
-        &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        Box::pin(async move {
-            let batch = [(lease, ttl)];
-            let mut answers = self.renew_all(&batch).await;
-            answers.pop().unwrap_or_else(|| {
-                Err(BackendError::permanent(format!(
-                    "{}: a renewal of one lease answered nothing",
-                    D::KIND
-                )))
-            })
-        })
-    }
-
     fn renew_all<'a>(
         &'a self,
         batch: &'a [(&'a Lease, Duration)],

@@ -11,8 +11,8 @@ use zookeeper_client::{Acls, CreateMode, Error as ZkError, EventType};
 
 use super::connect::mkdir;
 use super::path::{self, Position};
-use super::release::{delete_by_guid, delete_node, delete_until_gone};
-use super::session::Session;
+use super::release::{delete_by_guid, delete_node};
+use super::session::{Session, delete_until_gone};
 use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
 use crate::backend::{AcquireRequest, Attempt, Lease};
 use crate::error::BackendError;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use zookeeper_client::Error as ZkError;
 
-use super::session::{HeldNode, Session};
+use super::session::{HeldNode, Session, delete_until_gone, within};
 use super::{Inner, backend_error, path, session_over, transient};
 use crate::error::BackendError;
 
@@ -19,48 +19,6 @@ impl Inner {
         };
         session.unregister(&node);
         delete_node(session, node.path.clone()).await
-    }
-}
-
-/// `request`, cut short at `deadline` (a `Timeout` then).
-async fn within<T>(
-    deadline: Option<Instant>,
-    request: impl std::future::Future<Output = Result<T, ZkError>>,
-) -> Result<T, ZkError> {
-    match deadline {
-        Some(at) => tokio::time::timeout_at(at.into(), request)
-            .await
-            .unwrap_or(Err(ZkError::Timeout)),
-        None => request.await,
-    }
-}
-
-/// Deletes `path` until it is gone or the session has ended (which deletes
-/// it too), trying again after connection losses; stops at `deadline` with
-/// the last error. Permanent errors end it at once.
-pub(super) async fn delete_until_gone(
-    session: &Session,
-    path: &str,
-    deadline: Option<Instant>,
-) -> Result<(), ZkError> {
-    let mut backoff = Duration::from_millis(10);
-    loop {
-        if !session.is_alive() {
-            return Ok(());
-        }
-        match within(deadline, session.call(|c| c.delete(path, None))).await {
-            Ok(()) | Err(ZkError::NoNode) => return Ok(()),
-            Err(err) if session_over(&err) => return Ok(()),
-            Err(err) if transient(&err) => {
-                let now = Instant::now();
-                if deadline.is_some_and(|d| now + backoff >= d) {
-                    return Err(err);
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
-            Err(err) => return Err(err),
-        }
     }
 }
 

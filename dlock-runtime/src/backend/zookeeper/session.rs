@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use zookeeper_client::{Client, Error as ZkError, SessionState, StateWatcher};
 
-use super::Counters;
 use super::url::LossPolicy;
+use super::{Counters, session_over, transient};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section is a few field updates: poisoning is ignored.
@@ -293,7 +293,7 @@ impl Session {
             if !ended {
                 let session = self.clone();
                 crate::driver::handle().spawn(async move {
-                    let _ = super::release::delete_until_gone(&session, &node.path, None).await;
+                    let _ = delete_until_gone(&session, &node.path, None).await;
                 });
             }
         }
@@ -350,7 +350,7 @@ pub(super) async fn reaper(session: Weak<Session>) {
             tracing::debug!(path = %node.path, "dlock zookeeper: lease ran out unrenewed; node deleted");
             let session = strong.clone();
             crate::driver::handle().spawn(async move {
-                let _ = super::release::delete_until_gone(&session, &node.path, None).await;
+                let _ = delete_until_gone(&session, &node.path, None).await;
             });
         }
         drop(strong);
@@ -449,5 +449,47 @@ async fn heartbeat(session: Weak<Session>) {
         let wake = if now >= due { now + every } else { due };
         drop(strong);
         tokio::time::sleep_until(wake.into()).await;
+    }
+}
+
+/// `request`, cut short at `deadline` (a `Timeout` then).
+pub(super) async fn within<T>(
+    deadline: Option<Instant>,
+    request: impl std::future::Future<Output = Result<T, ZkError>>,
+) -> Result<T, ZkError> {
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at.into(), request)
+            .await
+            .unwrap_or(Err(ZkError::Timeout)),
+        None => request.await,
+    }
+}
+
+/// Deletes `path` until it is gone or the session has ended (which deletes
+/// it too), trying again after connection losses; stops at `deadline` with
+/// the last error. Permanent errors end it at once.
+pub(super) async fn delete_until_gone(
+    session: &Session,
+    path: &str,
+    deadline: Option<Instant>,
+) -> Result<(), ZkError> {
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        if !session.is_alive() {
+            return Ok(());
+        }
+        match within(deadline, session.call(|c| c.delete(path, None))).await {
+            Ok(()) | Err(ZkError::NoNode) => return Ok(()),
+            Err(err) if session_over(&err) => return Ok(()),
+            Err(err) if transient(&err) => {
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now + backoff >= d) {
+                    return Err(err);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(err) => return Err(err),
+        }
     }
 }
