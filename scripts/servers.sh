@@ -6,7 +6,7 @@
 #   scripts/servers.sh status          say which servers are up
 #   scripts/servers.sh urls            print the DLOCK_TEST_* lines
 #   scripts/servers.sh stop-redis PORT stop one Redis instance (for failure tests)
-#   scripts/servers.sh start-redis PORT
+#   scripts/servers.sh start-redis PORT (a Sentinel data node rejoins as a replica)
 #   scripts/servers.sh stop-postgres [kill]   stop PostgreSQL (`kill`: SIGKILL, a crash)
 #   scripts/servers.sh start-postgres
 #   scripts/servers.sh stop-mysql [kill]      stop MariaDB (`kill`: SIGKILL, a crash)
@@ -26,6 +26,12 @@
 # The ACL user `dlock` (see ACL_RULES) is set on 46379, the cluster nodes and
 # the TLS instance at every `up`/`start-redis`: Redis keeps no ACL on disk here.
 #
+# Redis Sentinel: a primary (46401) with one replica (46402), watched by
+# three sentinels (46411-46413, `redis-server --sentinel`, quorum 2, primary
+# name `dlock`) that fail over 1 s after the primary stops answering. After a
+# failover the roles stay swapped; a data node started again joins the
+# primary the sentinels name.
+#
 # PgBouncer (Debian's): two instances in front of the PostgreSQL server, one
 # in session pooling (46432) and one in transaction pooling (46433).
 set -euo pipefail
@@ -42,6 +48,9 @@ PRIMARY_PORT=46384   # has one replica:
 REPLICA_PORT=46385
 CLUSTER_PORTS=(47001 47002 47003)   # cluster bus: port + 10000
 TLS_PORT=46390
+SENTINEL_DATA_PORTS=(46401 46402)   # the first starts as the primary
+SENTINEL_PORTS=(46411 46412 46413)
+SENTINEL_NAME=dlock
 ZK_PORT=42181
 PG_PORT=45432
 MYSQL_PORT=43306
@@ -89,7 +98,7 @@ pid_alive() {
     pid=$(head -n1 "$1" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
     case ${1##*/} in
-        redis.pid) want=redis-server ;;
+        redis.pid | sentinel.pid) want=redis-server ;;
         zookeeper.pid) want=ZooKeeperServerMain ;;
         postmaster.pid) want=postgres ;;
         mariadb.pid) want=mariadbd ;;
@@ -295,6 +304,10 @@ start_redis() {
                     --cluster-node-timeout 2000)
             elif [[ $port == "$REPLICA_PORT" ]]; then
                 mode+=(--replicaof "$HOST" "$PRIMARY_PORT")
+            elif is_sentinel_data_port "$port"; then
+                local primary
+                primary=$(sentinel_primary_port "$port")
+                [[ $primary == "$port" ]] || mode+=(--replicaof "$HOST" "$primary")
             elif [[ $port == "$TLS_PORT" ]]; then
                 local tls
                 tls=$(tls_dir)
@@ -313,7 +326,8 @@ start_redis() {
         fi
         wait_for "redis:$port" "$dir/redis.log" "$dir/redis.pid" redis_ping "$port"
     fi
-    if [[ $port == "$REPLICA_PORT" ]]; then
+    if [[ $port == "$REPLICA_PORT" ]] \
+        || { is_sentinel_data_port "$port" && [[ $(redis_role "$port") == slave ]]; }; then
         wait_for "redis:$port (replication link)" "$dir/redis.log" "$dir/redis.pid" \
             redis_replica_linked "$port"
     fi
@@ -328,10 +342,11 @@ stop_redis() { stop_pid "redis:$1" "$(redis_dir "$1")/redis.pid" 10; }
 
 check_redis_port() {
     local p
-    for p in "${REDIS_PORTS[@]}" "$PRIMARY_PORT" "$REPLICA_PORT" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do
+    for p in "${REDIS_PORTS[@]}" "$PRIMARY_PORT" "$REPLICA_PORT" "${CLUSTER_PORTS[@]}" "$TLS_PORT" \
+        "${SENTINEL_DATA_PORTS[@]}"; do
         [[ $1 == "$p" ]] && return 0
     done
-    die "not one of the project's Redis ports (${REDIS_PORTS[*]} $PRIMARY_PORT $REPLICA_PORT ${CLUSTER_PORTS[*]} $TLS_PORT): ${1:-<none>}"
+    die "not one of the project's Redis ports (${REDIS_PORTS[*]} $PRIMARY_PORT $REPLICA_PORT ${CLUSTER_PORTS[*]} $TLS_PORT ${SENTINEL_DATA_PORTS[*]}): ${1:-<none>}"
 }
 
 # --------------------------------------------------------- Redis: ACL user ---
@@ -544,6 +559,115 @@ start_tls_redis() {
     if ensure_tls_certs; then stop_redis "$TLS_PORT"; fi
     start_redis "$TLS_PORT"
     redis_acl_check "$TLS_PORT"
+}
+
+# --------------------------------------------------------- Redis: Sentinel ---
+
+is_sentinel_data_port() { [[ $1 == "${SENTINEL_DATA_PORTS[0]}" || $1 == "${SENTINEL_DATA_PORTS[1]}" ]]; }
+
+sentinel_dir() { printf '%s/sentinel/%s' "$STATE_DIR" "$1"; }
+
+# redis_role PORT: `master`, `slave`, or nothing if it does not answer.
+redis_role() { rcli "$1" role 2>/dev/null | head -n1 | tr -d '\r'; }
+
+# sentinel_master_addr PORT: "IP PORT" of the primary the sentinel on PORT names.
+sentinel_master_addr() {
+    rcli "$1" sentinel get-master-addr-by-name "$SENTINEL_NAME" 2>/dev/null | tr -d '\r' | paste -sd' '
+}
+
+# sentinel_primary_port [STARTING]: the port of the current primary: the one
+# a running sentinel names, else a data node (other than STARTING, which is
+# about to start) that says it is a master, else the first data node.
+sentinel_primary_port() {
+    local p addr
+    for p in "${SENTINEL_PORTS[@]}"; do
+        addr=$(sentinel_master_addr "$p")
+        if [[ $addr == "$HOST "* ]]; then
+            printf '%s' "${addr#"$HOST "}"
+            return 0
+        fi
+    done
+    for p in "${SENTINEL_DATA_PORTS[@]}"; do
+        if [[ $p != "${1:-}" && $(redis_role "$p") == master ]]; then
+            printf '%s' "$p"
+            return 0
+        fi
+    done
+    printf '%s' "${SENTINEL_DATA_PORTS[0]}"
+}
+
+# sentinel_healthy: every sentinel names the same primary, which says it is a
+# master with its replica linked, and each sees the other two sentinels.
+sentinel_healthy() {
+    local p addr first="" primary replica
+    for p in "${SENTINEL_PORTS[@]}"; do
+        addr=$(sentinel_master_addr "$p")
+        [[ -n $addr ]] || return 1
+        [[ -z $first || $addr == "$first" ]] || return 1
+        first=$addr
+        rcli "$p" sentinel master "$SENTINEL_NAME" 2>/dev/null | tr -d '\r' \
+            | grep -A1 -x num-other-sentinels | tail -n1 | grep -qx 2 || return 1
+    done
+    primary=${first#"$HOST "}
+    [[ $(redis_role "$primary") == master ]] || return 1
+    for replica in "${SENTINEL_DATA_PORTS[@]}"; do
+        [[ $replica == "$primary" ]] || redis_replica_linked "$replica" || return 1
+    done
+}
+
+sentinel_ping() { [[ $(rcli "$1" ping 2>/dev/null) == PONG ]]; }
+
+# start_sentinel PORT: a fresh config file at every start (sentinels rewrite
+# theirs), with a fixed ID per port, so that a restarted sentinel is not
+# counted twice by the others.
+start_sentinel() {
+    local port=$1 dir primary id
+    dir=$(sentinel_dir "$port")
+    if pid_alive "$dir/sentinel.pid" && sentinel_ping "$port"; then return 0; fi
+    if ! pid_alive "$dir/sentinel.pid"; then
+        rm -f "$dir/sentinel.pid"
+        check_port_free "sentinel:$port" "$port"
+        mkdir -p "$dir"
+        primary=$(sentinel_primary_port)
+        id=$(printf 'dlock-sentinel-%s' "$port" | sha1sum | cut -c1-40)
+        cat >"$dir/sentinel.conf" <<EOF
+port $port
+bind $HOST
+daemonize yes
+pidfile $dir/sentinel.pid
+logfile $dir/sentinel.log
+dir $dir
+sentinel myid $id
+sentinel announce-ip $HOST
+sentinel monitor $SENTINEL_NAME $HOST $primary 2
+sentinel down-after-milliseconds $SENTINEL_NAME 1000
+sentinel failover-timeout $SENTINEL_NAME 5000
+sentinel parallel-syncs $SENTINEL_NAME 1
+EOF
+        mark_log "$dir/sentinel.log"
+        redis-server "$dir/sentinel.conf" --sentinel </dev/null >>"$dir/sentinel.log" 2>&1 9>&-
+        log "sentinel:$port started (primary: $primary)"
+    fi
+    wait_for "sentinel:$port" "$dir/sentinel.log" "$dir/sentinel.pid" sentinel_ping "$port"
+}
+
+stop_sentinel() { stop_pid "sentinel:$1" "$(sentinel_dir "$1")/sentinel.pid" 10; }
+
+# start_sentinels: the data nodes (the primary first), then the sentinels,
+# then wait until they agree and the replica is linked.
+start_sentinels() {
+    local p primary
+    primary=$(sentinel_primary_port)
+    start_redis "$primary"
+    for p in "${SENTINEL_DATA_PORTS[@]}"; do [[ $p == "$primary" ]] || start_redis "$p"; done
+    for p in "${SENTINEL_PORTS[@]}"; do start_sentinel "$p"; done
+    wait_for redis-sentinel "$(sentinel_dir "${SENTINEL_PORTS[0]}")/sentinel.log" "" sentinel_healthy
+}
+
+stop_sentinels() {
+    local p
+    for p in "${SENTINEL_PORTS[@]}"; do stop_sentinel "$p"; done
+    for p in "${SENTINEL_DATA_PORTS[@]}"; do stop_redis "$p"; done
 }
 
 # ------------------------------------------------------------- ZooKeeper ---
@@ -861,6 +985,9 @@ print_urls() {
     printf 'DLOCK_TEST_REDIS_ACL_URL=redis://%s:%s@%s:%s/\n' "$ACL_USER" "$ACL_PASS" "$HOST" "${REDIS_PORTS[0]}"
     printf 'DLOCK_TEST_REDIS_PRIMARY_URL=redis://%s:%s/\n' "$HOST" "$PRIMARY_PORT"
     printf 'DLOCK_TEST_REDIS_REPLICA_URL=redis://%s:%s/\n' "$HOST" "$REPLICA_PORT"
+    nodes=()
+    for p in "${SENTINEL_PORTS[@]}"; do nodes+=("$HOST:$p"); done
+    printf 'DLOCK_TEST_REDIS_SENTINEL_URL=redis+sentinel://%s/%s\n' "$(IFS=,; printf '%s' "${nodes[*]}")" "$SENTINEL_NAME"
     if redis_has_tls; then
         printf 'DLOCK_TEST_REDIS_TLS_URL=rediss://%s:%s/\n' "$HOST" "$TLS_PORT"
         printf 'DLOCK_TEST_REDIS_TLS_CA=%s/ca.crt\n' "$(tls_dir)"
@@ -881,6 +1008,7 @@ cmd_up() {
     ensure_cluster
     redis_acl_check "${CLUSTER_PORTS[0]}" -c
     start_tls_redis
+    start_sentinels
     start_zookeeper
     start_postgres
     start_pgbouncer
@@ -896,6 +1024,7 @@ cmd_down() {
     for p in "${REDIS_PORTS[@]}" "$REPLICA_PORT" "$PRIMARY_PORT" "${CLUSTER_PORTS[@]}" "$TLS_PORT"; do
         stop_redis "$p"
     done
+    stop_sentinels
     stop_zookeeper
     stop_pgbouncer
     stop_postgres
@@ -933,6 +1062,18 @@ cmd_status() {
         report "redis-tls:$TLS_PORT" "$(redis_dir "$TLS_PORT")/redis.pid" redis_ping "$TLS_PORT"
     else
         printf '%-16s skipped (no TLS in this Redis build)\n' "redis-tls:$TLS_PORT"
+    fi
+    for p in "${SENTINEL_DATA_PORTS[@]}"; do
+        report "redis:$p" "$(redis_dir "$p")/redis.pid" redis_ping "$p"
+    done
+    for p in "${SENTINEL_PORTS[@]}"; do
+        report "sentinel:$p" "$(sentinel_dir "$p")/sentinel.pid" sentinel_ping "$p"
+    done
+    if sentinel_healthy; then
+        printf '%-16s ok (primary %s)\n' redis-sentinel "$(sentinel_master_addr "${SENTINEL_PORTS[0]}")"
+    else
+        printf '%-16s not ok\n' redis-sentinel
+        all_up=1
     fi
     report "zookeeper:$ZK_PORT" "$STATE_DIR/zookeeper/zookeeper.pid" zk_ruok
     report "postgres:$PG_PORT" "$STATE_DIR/postgres/data/postmaster.pid" pg_ready
