@@ -7,13 +7,13 @@ use crate::error::{LockError, redact_url};
 
 /// The URL schemes dlock knows, for error messages.
 const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
-     rediss+cluster://, redlock://, redlocks://, zk://, postgres://, postgresql://, mysql://, \
+     rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, redlocks://, zk://, postgres://, postgresql://, mysql://, \
      mariadb://";
 
 /// Opens the backend a URL names.
 ///
 /// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
-/// `redis+cluster://` and `redlock://` (feature `redis`), `zk://` (feature
+/// `redis+cluster://`, `redis+sentinel://` and `redlock://` (feature `redis`), `zk://` (feature
 /// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
 /// `mysql`) are available in this release.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
@@ -43,19 +43,17 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
             "the `sqlite` backend is disabled: enable the `sqlite` feature of dlock-runtime",
         )),
         #[cfg(feature = "redis")]
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
-            Ok(Arc::new(super::redis::RedisBackend::connect(url).await?))
-        }
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
+        | "rediss+sentinel" => Ok(Arc::new(super::redis::RedisBackend::connect(url).await?)),
         #[cfg(feature = "redis")]
         "redlock" | "redlocks" => Ok(Arc::new(
             super::redis::redlock::RedlockBackend::connect(url).await?,
         )),
         #[cfg(not(feature = "redis"))]
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redlock" | "redlocks" => {
-            Err(LockError::config(format!(
-                "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
-            )))
-        }
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel"
+        | "rediss+sentinel" | "redlock" | "redlocks" => Err(LockError::config(format!(
+            "the `{scheme}` backend is disabled: enable the `redis` feature of dlock-runtime"
+        ))),
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => Ok(Arc::new(super::sql::PostgresBackend::connect(url).await?)),
         #[cfg(feature = "mysql")]

@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | [`memory`] | `memory://` | always |
 //! | [`sql`] (SQLite) | `sqlite://path` | `sqlite` (default) |
-//! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://` | `redis` |
+//! | [`redis`] | `redis://`, `rediss://`, `redis+cluster://`, `redis+sentinel://` | `redis` |
 //! | [`redis::redlock`] | `redlock://h1:p1,h2:p2,h3:p3` | `redis` |
 //! | [`sql::postgres`] | `postgres://`, `postgresql://` | `postgres` |
 //! | [`sql::mysql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |

@@ -24,6 +24,7 @@ use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, ScriptInvocation, Va
 use tokio_util::sync::CancellationToken;
 
 use super::scripts::redis_error;
+use super::sentinel::Followed;
 use super::url::{Target, Topology};
 use crate::backend::local::Local;
 use crate::error::BackendError;
@@ -176,9 +177,16 @@ pub(super) fn local(opener: &Arc<Opener>) -> Local<Conn> {
 /// The home connection and the local one of `redis://`. See the
 /// [module docs](self).
 pub(super) struct Connections {
-    home: Conn,
-    local: Local<Conn>,
+    home: Home,
     cluster: bool,
+}
+
+enum Home {
+    /// One server or a cluster: the home connection and the local one.
+    Fixed { home: Conn, local: Local<Conn> },
+    /// The primary behind Sentinel: its connection on dlock's I/O runtime
+    /// only, replaced when the primary moves.
+    Followed(Arc<Followed>),
 }
 
 /// The connection for one command, and how to tell that it died under it.
@@ -249,7 +257,17 @@ pub(super) async fn call<T: redis::FromRedisValue>(
 
 impl Connections {
     /// Opens the home connection (on dlock's I/O runtime).
-    pub(super) async fn open(target: &Target, timeout: Duration) -> Result<Self, RedisError> {
+    pub(super) async fn open(target: &Target, timeout: Duration) -> Result<Self, BackendError> {
+        if target.topology == Topology::Sentinel {
+            return Ok(Connections {
+                home: Home::Followed(Followed::open(target, timeout).await?),
+                cluster: false,
+            });
+        }
+        Self::open_fixed(target, timeout).await.map_err(redis_error)
+    }
+
+    async fn open_fixed(target: &Target, timeout: Duration) -> Result<Self, RedisError> {
         let opener = Arc::new(if target.topology == Topology::Cluster {
             Opener {
                 how: How::Cluster {
@@ -271,10 +289,34 @@ impl Connections {
         })
         .await?;
         Ok(Connections {
-            home,
-            local: local(&opener),
+            home: Home::Fixed {
+                home,
+                local: local(&opener),
+            },
             cluster: opener.is_cluster(),
         })
+    }
+
+    /// The primary followed through Sentinel, if that is what this is.
+    pub(super) fn followed(&self) -> Option<&Arc<Followed>> {
+        match &self.home {
+            Home::Followed(followed) => Some(followed),
+            Home::Fixed { .. } => None,
+        }
+    }
+
+    /// Sends a command with `send` over [`route`](Self::route), once more
+    /// over the home connection if a local one died under it, or, behind
+    /// Sentinel, once more to the new primary if it moved.
+    pub(super) async fn send<T, F, Sent>(&self, send: F) -> Result<T, BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: Future<Output = Result<T, RedisError>>,
+    {
+        match &self.home {
+            Home::Fixed { .. } => self.route().send(|| Ok(self.home()), send).await,
+            Home::Followed(followed) => followed.send(send).await,
+        }
     }
 
     pub(super) fn is_cluster(&self) -> bool {
@@ -283,12 +325,18 @@ impl Connections {
 
     /// The home connection, usable from anywhere.
     pub(super) fn home(&self) -> Conn {
-        self.home.clone()
+        match &self.home {
+            Home::Fixed { home, .. } => home.clone(),
+            Home::Followed(followed) => followed.current().conn.clone(),
+        }
     }
 
     /// The connection for a command from the current thread: the local one
     /// when it is open, else the home one (and the local one starts opening).
     pub(super) fn route(&self) -> Route {
-        Route::pick(&self.local, self.home.clone())
+        match &self.home {
+            Home::Fixed { home, local } => Route::pick(local, home.clone()),
+            Home::Followed(followed) => Route::home(followed.current().conn.clone()),
+        }
     }
 }

@@ -10,7 +10,9 @@
 //! node gives a slot away (a migration, a demotion) it sends `SUNSUBSCRIBE`
 //! for the slot's channels, and the listener subscribes again itself. Either
 //! way the channel's waiters are woken (a release may have gone unheard
-//! meanwhile).
+//! meanwhile). Behind Sentinel the listener subscribes on the primary as
+//! last resolved; when the primary moves it drops that connection,
+//! subscribes again on the new one and wakes every waiter.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,6 +24,7 @@ use redis::{Client, PushInfo, PushKind, RedisResult, Value};
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::connections::cluster_builder;
+use super::sentinel::Followed;
 
 /// The release channels this process waits on, over one pub/sub connection.
 ///
@@ -88,6 +91,8 @@ pub(in crate::backend) enum Source {
         nodes: Vec<String>,
         tls_ca: Option<Vec<u8>>,
     },
+    /// The primary behind Sentinel, wherever it is now: `SUBSCRIBE` there.
+    Followed(Arc<Followed>),
 }
 
 /// An open subscriber connection.
@@ -195,6 +200,10 @@ async fn listen(source: Source, timeout: Duration, mut commands: mpsc::Unbounded
     let mut channels: HashMap<String, Channel> = HashMap::new();
     let mut connection: Option<PubSub> = None;
     let mut reconnect_at = tokio::time::Instant::now();
+    let mut moves = match &source {
+        Source::Followed(followed) => Some(followed.subscribe()),
+        _ => None,
+    };
     loop {
         if connection.is_none() && tokio::time::Instant::now() >= reconnect_at {
             connection = connect(&source, timeout, channels.keys()).await;
@@ -306,6 +315,20 @@ async fn listen(source: Source, timeout: Duration, mut commands: mpsc::Unbounded
                 }
             },
             () = tokio::time::sleep_until(reconnect_at), if connection.is_none() => {}
+            Some(()) = async {
+                match moves.as_mut() {
+                    Some(moved) => moved.changed().await.ok(),
+                    None => std::future::pending().await,
+                }
+            } => {
+                // The primary moved: subscribe there, and let everyone look
+                // (a release may have gone to the new primary meanwhile).
+                connection = None;
+                reconnect_at = tokio::time::Instant::now();
+                for channel in channels.values() {
+                    channel.notify.notify_waiters();
+                }
+            }
         }
     }
 }
@@ -317,7 +340,16 @@ async fn connect<'a>(
     channels: impl Iterator<Item = &'a String>,
 ) -> Option<PubSub> {
     let channels: Vec<&String> = channels.collect();
+    let followed;
+    let source = match source {
+        Source::Followed(primary) => {
+            followed = Source::Plain(primary.current().client.clone());
+            &followed
+        }
+        source => source,
+    };
     match source {
+        Source::Followed(_) => unreachable!("resolved to the current primary above"),
         Source::Plain(client) => {
             let pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
                 .await

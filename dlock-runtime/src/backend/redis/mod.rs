@@ -89,6 +89,7 @@ mod listener;
 pub mod redlock;
 mod replicas;
 mod scripts;
+mod sentinel;
 mod slots;
 mod url;
 
@@ -181,26 +182,33 @@ impl RedisBackend {
                 "`{shown_url}` is a Redlock URL: open it with RedlockBackend::connect"
             )));
         }
-        if target.nodes.iter().any(|n| n.starts_with("rediss")) {
+        if target.nodes.iter().any(|n| n.starts_with("rediss"))
+            || target.sentinel.as_ref().is_some_and(|s| s.tls_nodes())
+        {
             install_crypto_provider();
         }
         let timeout = target.timeout.unwrap_or(DEFAULT_TIMEOUT);
-        let fail = |e: RedisError| LockError::Backend {
+        let fail = |e: BackendError| LockError::Backend {
             backend: "redis",
             source: BackendError::transient(format!("cannot connect to {shown_url}: {e}")),
         };
-        let source = if target.topology == Topology::Cluster {
-            Source::Sharded {
+        let source = match target.topology {
+            Topology::Cluster => Some(Source::Sharded {
                 nodes: target.nodes.clone(),
                 tls_ca: target.tls_ca.clone(),
-            }
-        } else {
-            Source::Plain(
+            }),
+            Topology::Sentinel => None,
+            _ => Some(Source::Plain(
                 client(&target.nodes[0], &target.tls_ca)
                     .map_err(|e| LockError::config(format!("bad Redis URL `{shown_url}`: {e}")))?,
-            )
+            )),
         };
         let conns = Connections::open(&target, timeout).await.map_err(fail)?;
+        let source = match (source, conns.followed()) {
+            (Some(source), _) => source,
+            (None, Some(followed)) => Source::Followed(followed.clone()),
+            (None, None) => unreachable!("a Sentinel URL opens a followed primary"),
+        };
         let acks = match target.replicas {
             Some(replicas) => Some(
                 ReplicaAcks::open(&target, replicas, timeout)
@@ -244,10 +252,7 @@ impl RedisBackend {
         &self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<T, BackendError> {
-        self.conns
-            .route()
-            .send(|| Ok(self.conns.home()), |conn| call(conn, invocation))
-            .await
+        self.conns.send(|conn| call(conn, invocation)).await
     }
 
     /// One attempt: the lease, or how long the holder's lease has left. A
@@ -265,7 +270,7 @@ impl RedisBackend {
             .arg(millis(request.lease));
         let answer: Result<(i64, i64), BackendError> = match &self.acks {
             None => self.invoke(&invocation).await,
-            Some(acks) => call(acks.home(), &invocation).await.map_err(redis_error),
+            Some(acks) => acks.call(&invocation).await,
         };
         let (taken, value) = match answer {
             Ok(answer) => answer,
@@ -448,15 +453,14 @@ impl LockBackend for RedisBackend {
         batch: &'a [(&'a Lease, Duration)],
     ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
         Box::pin(async move {
-            // The watchdog calls from dlock's I/O runtime: this is the home connection.
-            let Conn::Single(mut conn) = self.conns.route().conn else {
+            if self.conns.is_cluster() {
                 // A cluster routes each key to its node; the commands still
                 // share each node's connection.
                 return futures_util::future::join_all(
                     batch.iter().map(|(lease, ttl)| self.renew_one(lease, *ttl)),
                 )
                 .await;
-            };
+            }
             let mut pipe = redis::pipe();
             pipe.load_script(&RENEW).ignore();
             for (lease, ttl) in batch {
@@ -467,7 +471,12 @@ impl LockBackend for RedisBackend {
                         .arg(millis(*ttl)),
                 );
             }
-            match pipe.query_async::<Vec<i64>>(&mut conn).await {
+            let pipe = &pipe;
+            let answer = self
+                .conns
+                .send(|mut conn| async move { pipe.query_async::<Vec<i64>>(&mut conn).await })
+                .await;
+            match answer {
                 Ok(answers) if answers.len() == batch.len() => answers
                     .into_iter()
                     .map(|extended| Ok(renewal(extended)))
@@ -477,7 +486,6 @@ impl LockBackend for RedisBackend {
                     .map(|_| Err(BackendError::permanent("redis: short pipeline answer")))
                     .collect(),
                 Err(err) => {
-                    let err = redis_error(err);
                     let (transient, message) = (err.is_retryable(), err.to_string());
                     batch
                         .iter()

@@ -33,7 +33,7 @@ impl ReplicaAcks {
         target: &Target,
         replicas: u32,
         timeout: Duration,
-    ) -> Result<ReplicaAcks, RedisError> {
+    ) -> Result<ReplicaAcks, BackendError> {
         Ok(ReplicaAcks {
             replicas,
             wait: timeout / 2,
@@ -44,6 +44,17 @@ impl ReplicaAcks {
     /// The grants' own connection.
     pub(super) fn home(&self) -> Conn {
         self.conns.home()
+    }
+
+    /// A script call over the grants' own connection (behind Sentinel,
+    /// sent once more to the new primary if it moved).
+    pub(super) async fn call<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, BackendError> {
+        self.conns
+            .send(|conn| super::connections::call(conn, invocation))
+            .await
     }
 
     /// `WAIT replicas timeout` on the connection that sent the grant (on a

@@ -1,6 +1,7 @@
-//! The Redis URLs: `redis://`, `rediss://`, `redis+cluster://` and
-//! `redlock://`, with dlock's own options (`timeout`, `tls_ca`, `replicas`)
-//! taken out.
+//! The Redis URLs: `redis://`, `rediss://`, `redis+cluster://`,
+//! `redis+sentinel://` and `redlock://`, with dlock's own options (`timeout`,
+//! `tls_ca`, `replicas`, and Sentinel's `sentinel_username`,
+//! `sentinel_password`, `sentinel_tls`, `db`) taken out.
 
 use std::time::Duration;
 
@@ -15,19 +16,63 @@ pub(super) enum Topology {
     Cluster,
     /// Independent masters (`redlock://`, `redlocks://`).
     Redlock,
+    /// A primary found through its sentinels (`redis+sentinel://`, `rediss+sentinel://`).
+    Sentinel,
 }
 
 /// What the URL says, with dlock's own options taken out. It holds the
 /// credentials, so it has no `Debug`.
 pub(super) struct Target {
     pub(super) topology: Topology,
-    /// URLs for the redis crate, one per node (one for a single instance).
+    /// URLs for the redis crate, one per node (one for a single instance;
+    /// with Sentinel, the sentinels').
     pub(super) nodes: Vec<String>,
     /// The URL's `timeout` option, if given.
     pub(super) timeout: Option<Duration>,
     pub(super) tls_ca: Option<Vec<u8>>,
     /// `replicas=N`: how many replicas must acknowledge a grant.
     pub(super) replicas: Option<u32>,
+    /// With Sentinel: the primary's name and how to reach the sentinels and the data nodes.
+    pub(super) sentinel: Option<SentinelTarget>,
+}
+
+/// What a `redis+sentinel://` URL says beyond its sentinels' addresses.
+#[derive(Clone)]
+pub(super) struct SentinelTarget {
+    /// The name the sentinels monitor the primary under (the URL's path).
+    pub(super) name: String,
+    /// `sentinel_username`, `sentinel_password` (percent-decoded).
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
+    /// Whether the sentinels are reached over TLS (`sentinel_tls`; default:
+    /// as the data nodes).
+    pub(super) tls: bool,
+    /// `redis` or `rediss`: how the data nodes are reached.
+    data_scheme: &'static str,
+    /// The URL's user info with its `@`, for the data nodes.
+    data_auth: String,
+    /// `/db` and the query options passed on to the redis crate.
+    data_tail: String,
+}
+
+impl SentinelTarget {
+    /// Whether the data nodes are reached over TLS.
+    pub(super) fn tls_nodes(&self) -> bool {
+        self.data_scheme == "rediss"
+    }
+
+    /// The redis crate's URL for the data node at `host:port`.
+    pub(super) fn node_url(&self, host: &str, port: u16) -> String {
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        format!(
+            "{}://{}{host}:{port}{}",
+            self.data_scheme, self.data_auth, self.data_tail
+        )
+    }
 }
 
 pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
@@ -42,10 +87,12 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
         "rediss+cluster" => (Topology::Cluster, "rediss"),
         "redlock" => (Topology::Redlock, "redis"),
         "redlocks" => (Topology::Redlock, "rediss"),
+        "redis+sentinel" => (Topology::Sentinel, "redis"),
+        "rediss+sentinel" => (Topology::Sentinel, "rediss"),
         other => {
             return Err(LockError::config(format!(
                 "`{other}://` is not a Redis scheme (redis://, rediss://, redis+cluster://, \
-                 redlock://)"
+                 redis+sentinel://, redlock://)"
             )));
         }
     };
@@ -54,8 +101,50 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
     let mut tls_ca = None;
     let mut replicas = None;
     let mut passed_on = Vec::new();
+    let (mut sentinel_username, mut sentinel_password, mut sentinel_tls, mut db) =
+        (None, None, None, None);
+    let sentinel_only = |option: &str| {
+        LockError::config(format!(
+            "`{option}` is an option of redis+sentinel:// URLs only: `{shown}`"
+        ))
+    };
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
+            Some((name @ ("sentinel_username" | "sentinel_password"), value)) => {
+                if topology != Topology::Sentinel {
+                    return Err(sentinel_only(name));
+                }
+                let value = percent_encoding::percent_decode_str(value)
+                    .decode_utf8()
+                    .map_err(|_| {
+                        LockError::config(format!("`{name}` is not UTF-8 text in `{shown}`"))
+                    })?
+                    .into_owned();
+                if name == "sentinel_username" {
+                    sentinel_username = Some(value);
+                } else {
+                    sentinel_password = Some(value);
+                }
+            }
+            Some(("sentinel_tls", value)) => {
+                if topology != Topology::Sentinel {
+                    return Err(sentinel_only("sentinel_tls"));
+                }
+                sentinel_tls = Some(match value {
+                    "on" | "true" | "yes" => true,
+                    "off" | "false" | "no" => false,
+                    _ => {
+                        return Err(LockError::config(format!(
+                            "bad `sentinel_tls={value}` in `{shown}` (on or off)"
+                        )));
+                    }
+                });
+            }
+            Some(("db", value)) if topology == Topology::Sentinel => {
+                db = Some(value.parse::<u32>().map_err(|_| {
+                    LockError::config(format!("bad `db={value}` in `{shown}` (a database number)"))
+                })?);
+            }
             Some(("timeout", value)) => {
                 timeout = Some(
                     humantime::parse_duration(value)
@@ -114,6 +203,52 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
              redlock:// for independent masters"
         )));
     }
+    if topology == Topology::Sentinel {
+        let name = path.strip_prefix('/').unwrap_or(path);
+        if name.is_empty() || name.contains('/') {
+            return Err(LockError::config(format!(
+                "`{shown}` names no primary: redis+sentinel://s1:26379,s2:26379/<primary-name> \
+                 (the name the sentinels monitor it under)"
+            )));
+        }
+        let name = percent_encoding::percent_decode_str(name)
+            .decode_utf8()
+            .map_err(|_| {
+                LockError::config(format!("the primary's name in `{shown}` is not UTF-8"))
+            })?
+            .into_owned();
+        let tls = sentinel_tls.unwrap_or(node_scheme == "rediss");
+        let sentinel_scheme = if tls { "rediss" } else { "redis" };
+        for host in &hosts {
+            if host
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+            {
+                return Err(LockError::config(format!(
+                    "`{shown}`: the sentinel `{host}` has no port (host:port, e.g. {host}:26379)"
+                )));
+            }
+        }
+        return Ok(Target {
+            topology,
+            nodes: hosts
+                .iter()
+                .map(|h| format!("{sentinel_scheme}://{h}"))
+                .collect(),
+            timeout,
+            tls_ca,
+            replicas,
+            sentinel: Some(SentinelTarget {
+                name,
+                username: sentinel_username,
+                password: sentinel_password,
+                tls,
+                data_scheme: node_scheme,
+                data_auth: auth,
+                data_tail: format!("/{}{query}", db.unwrap_or(0)),
+            }),
+        });
+    }
     let nodes = hosts
         .iter()
         .map(|h| format!("{node_scheme}://{auth}{h}{path}{query}"))
@@ -124,6 +259,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
         timeout,
         tls_ca,
         replicas,
+        sentinel: None,
     })
 }
 
