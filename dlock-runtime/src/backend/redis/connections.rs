@@ -13,6 +13,8 @@
 //! [`Connections`] is the pair for `redis://`, whose home connection is opened
 //! with the backend. Redlock keeps its own home connection per master (opened
 //! by a reconnect task, see `redlock/node.rs`) and a [`Local`] next to it.
+//! Behind Sentinel there is no local connection: the home one goes to the
+//! primary as last resolved and is replaced when it moves (`sentinel.rs`).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Redis (`redis://`, `rediss://`, `redis+cluster://`).
+//! Redis (`redis://`, `rediss://`, `redis+cluster://`, `redis+sentinel://`).
 //!
 //! One round trip per operation, each a script that checks the owner:
 //!
@@ -77,8 +77,31 @@
 //! stays asynchronous, and a replica promoted before it heard a renewal can
 //! still expire a lease early.
 //!
+//! **Redis Sentinel** (`redis+sentinel://`): commands go to the primary the
+//! sentinels name, which must confirm it with `ROLE`; the sentinels are asked
+//! in the URL's order and the first confirmed answer wins. They are asked again
+//! when a command meets `READONLY` (transient here: a failover), a dropped or
+//! refused connection or a timeout — the command is then sent once more if the
+//! primary moved — and every second regardless, because after `SENTINEL
+//! FAILOVER` the old primary keeps accepting writes for about 11 s. Renewals,
+//! releases and acquisitions follow; the listener subscribes again on the new
+//! primary and wakes every waiter. redis-rs's `sentinel` feature is not used:
+//! it resolves the primary only when a connection is made, and its
+//! `ConnectionManager` then reconnects to that address for ever. Commands
+//! go over the connection on dlock's I/O runtime only (no local connection,
+//! which could not be moved). A grant the new primary lacks (replication is
+//! asynchronous; a grant on the old primary in the second before the move) is
+//! reported lost at its holder's next renewal; tokens keep growing (the
+//! counter is replicated, and the clock rule above covers the rest).
+//! `?replicas=N` covers grants, not renewals. An ACL user needs `+role` on the
+//! data nodes beside the commands above.
+//!
 //! URLs: `redis://[user:pass@]host:port[/db]`, `rediss://…` (TLS; `?tls_ca=/path/ca.pem`
-//! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`.
+//! to trust a private CA), `redis+cluster://[user:pass@]h1:p1,h2:p2,…`,
+//! `redis+sentinel://[user:pass@]s1:p1,s2:p2/<primary-name>` (the user and
+//! password are the data nodes'; `?sentinel_username=`, `?sentinel_password=`
+//! for the sentinels, `?db=N`, `?sentinel_tls=on|off`; `rediss+sentinel://`
+//! for TLS to the data nodes and, unless `sentinel_tls=off`, the sentinels).
 //! Options: `timeout` (default 2 s) bounds every command; `replicas=N`
 //! (above). The connection reconnects in the background, and while it is
 //! down renewals fail until the watchdog declares the lease lost, before it

@@ -302,4 +302,78 @@ mod tests {
         };
         assert!(!err.to_string().contains("hunter2"));
     }
+
+    #[test]
+    fn sentinel_urls() {
+        let t =
+            parse_url("redis+sentinel://u:p%40ss@s1:26379,s2:26380/mymaster?timeout=1s").unwrap();
+        assert!(t.topology == Topology::Sentinel);
+        assert_eq!(t.nodes, ["redis://s1:26379", "redis://s2:26380"]);
+        assert_eq!(t.timeout, Some(Duration::from_secs(1)));
+        let s = t.sentinel.as_ref().unwrap();
+        assert_eq!(s.name, "mymaster");
+        assert_eq!((s.username.as_deref(), s.password.as_deref()), (None, None));
+        assert!(!s.tls && !s.tls_nodes());
+        // The URL's credentials go to the data nodes, the sentinels get their own.
+        assert_eq!(
+            s.node_url("10.0.0.7", 6379),
+            "redis://u:p%40ss@10.0.0.7:6379/0"
+        );
+        assert_eq!(s.node_url("::1", 6379), "redis://u:p%40ss@[::1]:6379/0");
+
+        let t = parse_url(
+            "rediss+sentinel://s1:26379/m?sentinel_username=watch&sentinel_password=a%26b&db=3\
+             &replicas=1&protocol=resp3",
+        )
+        .unwrap();
+        assert_eq!(t.nodes, ["rediss://s1:26379"], "TLS to the sentinels too");
+        assert_eq!(t.replicas, Some(1));
+        let s = t.sentinel.as_ref().unwrap();
+        assert_eq!(s.username.as_deref(), Some("watch"));
+        assert_eq!(s.password.as_deref(), Some("a&b"));
+        assert!(s.tls && s.tls_nodes());
+        assert_eq!(s.node_url("h", 1), "rediss://h:1/3?protocol=resp3");
+        let t = parse_url("rediss+sentinel://s1:26379/m?sentinel_tls=off").unwrap();
+        assert_eq!(t.nodes, ["redis://s1:26379"]);
+        assert!(t.sentinel.as_ref().unwrap().tls_nodes());
+
+        for (bad, says) in [
+            ("redis+sentinel://s1:26379", "names no primary"),
+            ("redis+sentinel://s1:26379/", "names no primary"),
+            ("redis+sentinel://s1:26379/a/b", "names no primary"),
+            ("redis+sentinel:///m", "no host"),
+            ("redis+sentinel://s1/m", "has no port"),
+            ("redis+sentinel://s1:x/m", "has no port"),
+            ("redis+sentinel://s1:1/m?sentinel_tls=maybe", "sentinel_tls"),
+            ("redis+sentinel://s1:1/m?db=x", "db=x"),
+            ("redis+sentinel://s1:1/m?replicas=0", "replicas"),
+            (
+                "redis://h:1?sentinel_username=u",
+                "redis+sentinel:// URLs only",
+            ),
+            (
+                "redis+cluster://h:1?sentinel_tls=on",
+                "redis+sentinel:// URLs only",
+            ),
+        ] {
+            match parse_url(bad) {
+                Err(LockError::Config { message }) => {
+                    assert!(message.contains(says), "{bad}: {message}")
+                }
+                Err(other) => panic!("{bad}: not a configuration error: {other:?}"),
+                Ok(_) => panic!("`{bad}` must be refused"),
+            }
+        }
+        // Neither password is ever shown.
+        let Err(err) =
+            parse_url("redis+sentinel://u:hunter2@s1:1/?sentinel_password=s3cret&timeout=1s")
+        else {
+            panic!("no primary name")
+        };
+        let shown = format!("{err} {err:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+    }
 }
