@@ -91,12 +91,9 @@ pub(super) struct Current {
 enum Resolved {
     /// They still name the node we use.
     Same,
-    /// Another node, which confirmed it is the primary.
-    Moved {
-        address: String,
-        client: Client,
-        conn: Conn,
-    },
+    /// Another node, which confirmed it is the primary (its generation
+    /// not set yet).
+    Moved(Box<Current>),
     /// No answer we could use: why, per sentinel.
     Failed(String),
 }
@@ -167,11 +164,12 @@ impl Sentinels {
             }
             match self.confirm(&host, port).await {
                 Ok((client, conn)) => {
-                    return Resolved::Moved {
+                    return Resolved::Moved(Box::new(Current {
+                        generation: 0,
                         address,
                         client,
                         conn,
-                    };
+                    }));
                 }
                 Err(e) => why.push(format!(
                     "sentinel {} ({sentinel}) names {address}: {e}",
@@ -274,12 +272,8 @@ impl Followed {
     ) -> Result<Arc<Followed>, BackendError> {
         let sentinels = Sentinels::new(target, timeout).map_err(BackendError::permanent)?;
         crate::driver::run(async move {
-            let (address, client, conn) = match sentinels.resolve(None).await {
-                Resolved::Moved {
-                    address,
-                    client,
-                    conn,
-                } => (address, client, conn),
+            let found = match sentinels.resolve(None).await {
+                Resolved::Moved(found) => found,
                 Resolved::Same => unreachable!("there is no current primary to be the same"),
                 Resolved::Failed(why) => {
                     return Err(BackendError::transient(format!(
@@ -288,12 +282,7 @@ impl Followed {
                     )));
                 }
             };
-            let (current, _) = watch::channel(Arc::new(Current {
-                generation: 0,
-                address,
-                client,
-                conn,
-            }));
+            let (current, _) = watch::channel(Arc::from(found));
             let followed = Arc::new(Followed {
                 sentinels,
                 current,
@@ -339,23 +328,15 @@ impl Followed {
         *last = Instant::now();
         match resolved {
             Resolved::Same => {}
-            Resolved::Moved {
-                address,
-                client,
-                conn,
-            } => {
+            Resolved::Moved(mut found) => {
                 tracing::info!(
                     primary = %self.sentinels.name,
                     from = %current.address,
-                    to = %address,
+                    to = %found.address,
                     "dlock: the Redis primary moved (Sentinel failover)"
                 );
-                self.current.send_replace(Arc::new(Current {
-                    generation: current.generation + 1,
-                    address,
-                    client,
-                    conn,
-                }));
+                found.generation = current.generation + 1;
+                self.current.send_replace(Arc::from(found));
             }
             Resolved::Failed(why) => tracing::warn!(
                 primary = %self.sentinels.name,
