@@ -82,8 +82,10 @@
 //! in the URL's order and the first confirmed answer wins. They are asked again
 //! when a command meets `READONLY` (transient here: a failover), a dropped or
 //! refused connection or a timeout — the command is then sent once more if the
-//! primary moved — and every second regardless, because after `SENTINEL
-//! FAILOVER` the old primary keeps accepting writes for about 11 s. Renewals,
+//! primary moved —, the switch is followed as soon as a sentinel announces it
+//! (`+switch-master`), and the sentinels are asked every second regardless,
+//! because after `SENTINEL FAILOVER` the old primary keeps accepting writes for
+//! about 11 s. Renewals,
 //! releases and acquisitions follow; the listener subscribes again on the new
 //! primary and wakes every waiter. redis-rs's `sentinel` feature is not used:
 //! it resolves the primary only when a connection is made, and its

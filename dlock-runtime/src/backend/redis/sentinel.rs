@@ -15,18 +15,23 @@
 //!   refused connection, or a timeout ([`moves`]): the sentinels are asked
 //!   again (at most once per [`MIN_RESOLVE_INTERVAL`] however many commands
 //!   fail), and the command is sent once more if the primary moved;
-//! - every [`POLL`], by a task of its own: after `SENTINEL FAILOVER` the old
-//!   primary still accepted writes for ≈11 s (measured), so waiting for an
-//!   error would leave grants on a node about to be reset.
+//! - as soon as the sentinel it listens to announces the switch
+//!   (`+switch-master` on one sentinel's pub/sub, moved to the next sentinel
+//!   when that one fails), and every [`POLL`] in any case, by a task of its
+//!   own ([`watch`]): after `SENTINEL FAILOVER` the old primary still accepted
+//!   writes for ≈11 s (measured), so waiting for an error would leave grants
+//!   and renewals on a node about to be reset.
 //!
 //! A node is taken only if it confirms `ROLE` master; the sentinels are asked
-//! in the URL's order, and the first confirmed answer wins. Every step is
-//! bounded by the backend's timeout.
+//! in the URL's order, and the first confirmed answer wins (an announced
+//! switch is followed at once once its node confirms). Every step is bounded
+//! by the backend's timeout.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError};
 use tokio::sync::watch;
@@ -180,6 +185,16 @@ impl Sentinels {
         Resolved::Failed(why.join("; "))
     }
 
+    /// A subscription to the switches sentinel `number` announces, if it answers.
+    async fn listen(&self, number: usize) -> Option<redis::aio::PubSubStream> {
+        let (client, _) = self.sentinels.get(number)?;
+        let mut pubsub = self.bounded(client.get_async_pubsub()).await.ok()?;
+        self.bounded(pubsub.subscribe("+switch-master"))
+            .await
+            .ok()?;
+        Some(pubsub.into_on_message())
+    }
+
     /// `SENTINEL GET-MASTER-ADDR-BY-NAME` on one sentinel, over its kept
     /// connection (opened again after an error).
     async fn ask(
@@ -288,7 +303,7 @@ impl Followed {
                 current,
                 resolving: tokio::sync::Mutex::new(Instant::now()),
             });
-            tokio::spawn(poll(Arc::downgrade(&followed)));
+            tokio::spawn(watch(Arc::downgrade(&followed)));
             Ok(followed)
         })
         .await
@@ -328,21 +343,60 @@ impl Followed {
         *last = Instant::now();
         match resolved {
             Resolved::Same => {}
-            Resolved::Moved(mut found) => {
-                tracing::info!(
-                    primary = %self.sentinels.name,
-                    from = %current.address,
-                    to = %found.address,
-                    "dlock: the Redis primary moved (Sentinel failover)"
-                );
-                found.generation = current.generation + 1;
-                self.current.send_replace(Arc::from(found));
-            }
+            Resolved::Moved(found) => self.moved(found),
             Resolved::Failed(why) => tracing::warn!(
                 primary = %self.sentinels.name,
                 "dlock: no sentinel named a reachable Redis primary: {why}"
             ),
         }
+    }
+
+    /// A sentinel announced a switch (`<name> <old ip> <old port> <new ip>
+    /// <new port>`): if it is ours, to a node other than ours that confirms
+    /// it is the primary, follow at once (without waiting for the sentinels
+    /// asked first to hear of it).
+    async fn switch_announced(&self, payload: &str) {
+        let words: Vec<&str> = payload.split(' ').collect();
+        let [name, _, _, host, port] = words[..] else {
+            return;
+        };
+        let Ok(port) = port.parse::<u16>() else {
+            return;
+        };
+        if name != self.sentinels.name {
+            return;
+        }
+        let _one_at_a_time = self.resolving.lock().await;
+        let current = self.current();
+        let address = format!("{host}:{port}");
+        if current.address == address {
+            return;
+        }
+        match self.sentinels.confirm(host, port).await {
+            Ok((client, conn)) => self.moved(Box::new(Current {
+                generation: 0,
+                address,
+                client,
+                conn,
+            })),
+            Err(why) => tracing::warn!(
+                primary = %self.sentinels.name,
+                "dlock: a sentinel announced {address} as the Redis primary: {why}"
+            ),
+        }
+    }
+
+    /// Follows the primary to `found`.
+    fn moved(&self, mut found: Box<Current>) {
+        let current = self.current();
+        tracing::info!(
+            primary = %self.sentinels.name,
+            from = %current.address,
+            to = %found.address,
+            "dlock: the Redis primary moved (Sentinel failover)"
+        );
+        found.generation = current.generation + 1;
+        self.current.send_replace(Arc::from(found));
     }
 
     /// Sends a command with `send` to the primary; if it fails in a way
@@ -370,14 +424,52 @@ impl Followed {
     }
 }
 
-/// Asks the sentinels every [`POLL`] while the primary is followed.
-async fn poll(followed: Weak<Followed>) {
+/// Follows the primary while it is followed: at once when the sentinel
+/// listened to announces a switch (`+switch-master`), and every [`POLL`] in
+/// any case (a sentinel that lags, a listening connection lost). The
+/// listening connection moves to the next sentinel when it fails.
+async fn watch(followed: Weak<Followed>) {
+    let mut listened: Option<redis::aio::PubSubStream> = None;
+    let mut next_sentinel = 0;
+    let mut poll_at = tokio::time::Instant::now() + POLL;
+    let mut listen_at = tokio::time::Instant::now();
     loop {
-        tokio::time::sleep(POLL).await;
-        let Some(followed) = followed.upgrade() else {
+        if listened.is_none() && tokio::time::Instant::now() >= listen_at {
+            let Some(strong) = followed.upgrade() else {
+                return;
+            };
+            listened = strong.sentinels.listen(next_sentinel).await;
+            if listened.is_none() {
+                next_sentinel = (next_sentinel + 1) % strong.sentinels.sentinels.len();
+                listen_at = tokio::time::Instant::now() + POLL;
+            }
+        }
+        let announced = tokio::select! {
+            message = async {
+                match listened.as_mut() {
+                    Some(stream) => stream.next().await,
+                    None => std::future::pending().await,
+                }
+            } => Some(message),
+            () = tokio::time::sleep_until(poll_at) => None,
+        };
+        let Some(strong) = followed.upgrade() else {
             return;
         };
-        let seen = followed.current().generation;
-        followed.resolve_after(seen, Duration::ZERO).await;
+        match announced {
+            Some(Some(message)) => {
+                let payload: String = message.get_payload().unwrap_or_default();
+                strong.switch_announced(&payload).await;
+            }
+            Some(None) => {
+                listened = None;
+                next_sentinel = (next_sentinel + 1) % strong.sentinels.sentinels.len();
+            }
+            None => {
+                poll_at = tokio::time::Instant::now() + POLL;
+                let seen = strong.current().generation;
+                strong.resolve_after(seen, Duration::ZERO).await;
+            }
+        }
     }
 }
