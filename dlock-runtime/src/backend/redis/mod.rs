@@ -81,18 +81,18 @@
 //! sentinels name, which must confirm it with `ROLE`; the sentinels are asked
 //! in the URL's order and the first confirmed answer wins. They are asked again
 //! when a command meets `READONLY` (transient here: a failover), a dropped or
-//! refused connection or a timeout — the command is then sent once more if the
-//! primary moved —, the switch is followed as soon as a sentinel announces it
-//! (`+switch-master`), and the sentinels are asked every second regardless,
+//! refused connection or a timeout (the command is then sent once more if the
+//! primary moved); a switch is followed as soon as a sentinel announces it
+//! (`+switch-master`); and the sentinels are asked every second regardless,
 //! because after `SENTINEL FAILOVER` the old primary keeps accepting writes for
-//! about 11 s. Renewals,
-//! releases and acquisitions follow; the listener subscribes again on the new
-//! primary and wakes every waiter. redis-rs's `sentinel` feature is not used:
-//! it resolves the primary only when a connection is made, and its
-//! `ConnectionManager` then reconnects to that address for ever. Commands
-//! go over the connection on dlock's I/O runtime only (no local connection,
-//! which could not be moved). A grant the new primary lacks (replication is
-//! asynchronous; a grant on the old primary in the second before the move) is
+//! about 11 s. Renewals, releases and acquisitions follow; the listener
+//! subscribes again on the new primary and wakes every waiter. redis-rs's
+//! `sentinel` feature is not used: it resolves the primary only when a
+//! connection is made, and its `ConnectionManager` then reconnects to that
+//! address for ever. Commands go over the connection on dlock's I/O runtime
+//! only (no local connection, which could not be moved). A lease the new
+//! primary lacks (replication is asynchronous: a grant or renewal it had not
+//! received, or one sent to the old primary in the moment before the move) is
 //! reported lost at its holder's next renewal; tokens keep growing (the
 //! counter is replicated, and the clock rule above covers the rest).
 //! `?replicas=N` covers grants, not renewals. An ACL user needs `+role` on the
