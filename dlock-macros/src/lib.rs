@@ -78,9 +78,9 @@
 //! `FuturesUnordered` — are not one call chain: they take turns, each within
 //! its own `wait`, so their bodies never run at once. A nested call shares the
 //! outer lease (its watchdog, fencing token and `hold_at_least`); its own
-//! `lease`, `watchdog`, `fencing` and `hold_at_least` do not apply (a `debug` event says so
-//! when they differ), and it reports `LockError::Lost` if the shared lease was
-//! lost. A task spawned inside the body does not inherit the hold.
+//! `lease`, `watchdog` and `hold_at_least` do not apply (a `debug` event says so
+//! when they differ), nor does its `fencing`, and it reports `LockError::Lost`
+//! if the shared lease was lost. A task spawned inside the body does not inherit the hold.
 //!
 //! # Compile-time errors
 //!
