@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use dlock_runtime::backend::{AcquireRequest, Attempt, LockBackend};
 use dlock_runtime::{LockError, RedisBackend, Registry, distributed_lock};
-use dlock_tests::redis_support::{RedisFaults, RedisKeyFaults, hash_tagged};
+use dlock_tests::redis_support::{OwnRedis, RedisFaults, RedisKeyFaults, hash_tagged};
 use dlock_tests::{Harness, server_url, servers_missing, unique_key};
 use futures_util::FutureExt;
 use tokio::sync::OnceCell;
@@ -188,6 +188,82 @@ async fn an_unfenced_hold_has_no_token() {
     guard.release().await.expect("release");
 }
 
+/// A port of this file's own server (the shared servers are 46379 and up,
+/// the other tests' own 29401–29408).
+const OWN_PORT: u16 = 47140;
+
+/// The calls of each command the server ran since the last `CONFIG RESETSTAT`.
+async fn commands(admin: &mut redis::aio::MultiplexedConnection) -> Vec<(String, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .filter(|(name, _)| !matches!(name.as_str(), "info" | "config|resetstat"))
+        .collect()
+}
+
+/// On a server of its own, where every command is the test's: an unfenced
+/// grant is one `SET` and one `PTTL`, no script; a fenced one runs the
+/// acquire script. Both leave the same key, the owner with the lease as TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfenced_grant_is_a_set_and_a_pttl_without_a_script() {
+    let server = OwnRedis::start(OWN_PORT, &[]).await;
+    let mut admin = server.admin().await;
+    let registry = registry_at(&server.url()).await;
+    for fencing in [false, true] {
+        let key = format!("grant-commands-{fencing}");
+        let () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut admin)
+            .await
+            .expect("CONFIG RESETSTAT");
+        let guard = registry
+            .lock(&key)
+            .lease(Duration::from_secs(20))
+            .fencing(fencing)
+            .acquire()
+            .await
+            .expect("acquire");
+        let sent = commands(&mut admin).await;
+        if fencing {
+            // The script's own commands are counted too (and its first call
+            // loads it).
+            assert!(
+                sent.iter().any(|(name, _)| name == "evalsha"),
+                "fenced grant: {sent:?}"
+            );
+        } else {
+            assert_eq!(
+                sent,
+                [("pttl".to_owned(), 1), ("set".to_owned(), 1)],
+                "unfenced grant"
+            );
+        }
+        let stored = hash_tagged(&format!("{}{key}", registry.key_prefix()));
+        let (owner, ttl): (String, i64) = redis::pipe()
+            .get(&stored)
+            .pttl(&stored)
+            .query_async(&mut admin)
+            .await
+            .expect("GET, PTTL");
+        assert_eq!(owner.len(), 32, "the owner token: {owner}");
+        assert!((19_000..=20_000).contains(&ttl), "TTL {ttl} ms");
+        guard.release().await.expect("release");
+    }
+}
+
 /// A waiter is woken by an unfenced holder's release message, not by its
 /// 30 s lease running out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -260,6 +336,42 @@ async fn a_crashed_unfenced_holders_key_frees_at_its_ttl() {
     assert!(waited >= ttl - Duration::from_millis(50), "{waited:?}");
     assert!(waited < ttl + Duration::from_secs(3), "{waited:?}");
     guard.release().await.expect("release");
+}
+
+/// An unfenced attempt sent again for the same owner (a retry after an
+/// attempt whose answer was lost) takes the key again, its lease from now;
+/// another owner is told the holder's remaining TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_unfenced_attempt_takes_its_own_key_again() {
+    let h = harness().await;
+    let backend = connect(&with_option(&url(), "fencing=off")).await;
+    let stored = h.stored(&unique_key("retried"));
+    let first = AcquireRequest::new(&stored, "retried-owner", Duration::from_secs(2));
+    assert!(matches!(
+        backend.try_acquire(&first).await.expect("first"),
+        Attempt::Held(_)
+    ));
+    let retry = AcquireRequest::new(&stored, "retried-owner", Duration::from_secs(20));
+    match backend.try_acquire(&retry).await.expect("retry") {
+        Attempt::Held(lease) => assert_eq!(lease.token, None),
+        other => panic!("the retry found its own key busy: {other:?}"),
+    }
+    let other = AcquireRequest::new(&stored, "another-owner", Duration::from_secs(2));
+    match backend.try_acquire(&other).await.expect("other") {
+        Attempt::Busy {
+            retry_in: Some(retry_in),
+        } => assert!(
+            retry_in > Duration::from_secs(15) && retry_in <= Duration::from_secs(20),
+            "the holder's TTL, extended by the retry: {retry_in:?}"
+        ),
+        other => panic!("another owner: {other:?}"),
+    }
+    let lease = match backend.try_acquire(&retry).await.expect("again") {
+        Attempt::Held(lease) => lease,
+        other => panic!("{other:?}"),
+    };
+    backend.release(&lease).await.expect("release");
+    assert!(!h.faults.is_held(&stored).await);
 }
 
 /// `?fencing=off` (and `on`) on `redis://` and `redis+cluster://`; anything
