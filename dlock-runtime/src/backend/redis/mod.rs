@@ -292,25 +292,11 @@ impl RedisBackend {
         };
         let (taken, value) = match answer {
             Ok(answer) => answer,
-            Err(error) if error.is_retryable() => {
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: OUTAGE_RETRY,
-                });
-            }
-            Err(error) => return Err(error),
+            Err(error) => return unanswered(error),
         };
         if taken == 1 {
-            if let Some(acks) = &self.acks
-                && let Err(error) = acks.acknowledged(&keys.lock).await
-            {
-                // Not on enough replicas: a failover now could lose it. Undo
-                // (owner-checked; the waiters hear the key is free again).
-                let _ = self.release_keys(&keys, &request.owner).await;
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: OUTAGE_RETRY,
-                });
+            if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+                return Ok(unacknowledged);
             }
             let token = fenced.then(|| FencingToken::new(value as u64));
             Ok(Attempt::Held(
@@ -360,13 +346,7 @@ impl RedisBackend {
         };
         let (holder, ttl) = match answer {
             Ok(answer) => answer,
-            Err(error) if error.is_retryable() => {
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: OUTAGE_RETRY,
-                });
-            }
-            Err(error) => return Err(error),
+            Err(error) => return unanswered(error),
         };
         let taken = match holder {
             None => true,
@@ -376,13 +356,7 @@ impl RedisBackend {
                     .await
                 {
                     Ok(renewed) => renewed == Renewal::Renewed,
-                    Err(error) if error.is_retryable() => {
-                        return Ok(Attempt::Unavailable {
-                            error,
-                            retry_in: OUTAGE_RETRY,
-                        });
-                    }
-                    Err(error) => return Err(error),
+                    Err(error) => return unanswered(error),
                 }
             }
             Some(_) => false,
@@ -393,18 +367,25 @@ impl RedisBackend {
                 retry_in: Some(Duration::from_millis(ttl.max(1) as u64)),
             });
         }
-        if let Some(acks) = &self.acks
-            && let Err(error) = acks.acknowledged(&keys.lock).await
-        {
-            let _ = self.release_keys(&keys, &request.owner).await;
-            return Ok(Attempt::Unavailable {
-                error,
-                retry_in: OUTAGE_RETRY,
-            });
+        if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+            return Ok(unacknowledged);
         }
         Ok(Attempt::Held(
             Lease::new(request, None).with_extra(Arc::new(keys)),
         ))
+    }
+
+    /// With `?replicas=N`, after a grant of `keys` to `owner`: `None` once
+    /// enough replicas acknowledged it. Else the grant is undone (a failover
+    /// now could lose it; owner-checked, and the waiters hear the key is free
+    /// again) and the answer is the attempt's [`Attempt::Unavailable`].
+    async fn unacknowledged(&self, keys: &Keys, owner: &str) -> Option<Attempt> {
+        let error = self.acks.as_ref()?.acknowledged(&keys.lock).await.err()?;
+        let _ = self.release_keys(keys, owner).await;
+        Some(Attempt::Unavailable {
+            error,
+            retry_in: OUTAGE_RETRY,
+        })
     }
 
     /// Refuses a server older than 6.2: the acquire script reads and writes
@@ -502,6 +483,19 @@ impl RedisBackend {
     /// Owner-checked release over the usual route.
     async fn release_keys(&self, keys: &Keys, owner: &str) -> Result<i64, BackendError> {
         self.invoke(&self.release_invocation(keys, owner)).await
+    }
+}
+
+/// An attempt that failed: [`Attempt::Unavailable`] when the failure is
+/// transient (the wait loop tries again while `wait` lasts), else the error.
+fn unanswered(error: BackendError) -> Result<Attempt, BackendError> {
+    if error.is_retryable() {
+        Ok(Attempt::Unavailable {
+            error,
+            retry_in: OUTAGE_RETRY,
+        })
+    } else {
+        Err(error)
     }
 }
 
