@@ -122,6 +122,7 @@ fn generate(model: &Model) -> TokenStream {
         }
     };
     let watchdog = syn::LitBool::new(model.watchdog.value, model.watchdog.span);
+    let fencing = syn::LitBool::new(model.fencing.value, model.fencing.span);
     let hold_at_least = match model.hold_at_least {
         Some(d) => {
             let d = duration(&k, d);
@@ -222,6 +223,7 @@ fn generate(model: &Model) -> TokenStream {
                 on_busy: #on_busy,
                 on_lost: #on_lost,
                 watchdog: #watchdog,
+                fencing: #fencing,
                 hold_at_least: #hold_at_least,
                 backend: #backend,
             };
@@ -328,6 +330,7 @@ mod tests {
             "on_busy:::dlock_runtime::__private::BusyPolicy::Fail",
             "on_lost:::dlock_runtime::__private::LostPolicy::Cancel",
             "watchdog:true",
+            "fencing:true",
             "hold_at_least:::core::option::Option::None",
             "backend:::core::option::Option::None",
             "let__dlock_key:::dlock_runtime::__private::String=::dlock_runtime::__private::format!(\"order:{}\",&order.id);",
@@ -341,7 +344,8 @@ mod tests {
     fn options_and_skip() {
         let out = expand_str(
             r#"key = "{{x}}:{self.0}:{p.a.1}", on_busy = "skip", on_lost = "continue",
-               watchdog = false, hold_at_least = "1500ms", backend = "zk", crate = "my::rt""#,
+               watchdog = false, fencing = false, hold_at_least = "1500ms", backend = "zk",
+               crate = "my::rt""#,
             "async fn m(&self, p: P) { }",
         );
         let compact: String = out.split_whitespace().collect();
@@ -351,6 +355,7 @@ mod tests {
             "on_busy:my::rt::__private::BusyPolicy::Skip",
             "on_lost:my::rt::__private::LostPolicy::Continue",
             "watchdog:false",
+            "fencing:false",
             "hold_at_least:::core::option::Option::Some(my::rt::__private::Duration::new(1,500000000))",
             "backend:::core::option::Option::Some(\"zk\")",
             "format!(\"{{x}}:{}:{}\",&self.0,&p.a.1)",

@@ -38,6 +38,7 @@
 //! | `on_busy` | `"fail"` or `"skip"` | `"fail"`: return the busy error; `"skip"`: do not run the body, return the skip value | `"fail"` |
 //! | `on_lost` | `"cancel"` or `"continue"` | `"cancel"`: when the lease is lost, stop the body at its next `.await` and return the lost error; `"continue"`: let it finish (logged) | `"cancel"` |
 //! | `watchdog` | `true` or `false` | `false`: no renewal, `lease` is a hard cap on how long the lock is held | `true` |
+//! | `fencing` | `true` or `false` | `false`: the hold has no fencing token (`fencing_token()` is `None`); on Redis (`redis://`, `redis+cluster://`) the grant is then a plain `SET NX PX`, without the token's script; elsewhere the backend does the same work and the token is dropped | `true` |
 //! | `hold_at_least` | duration string | keep the lock at least this long after the body ends (as a lease that expires, never a sleep in the caller) | none |
 //! | `backend` | non-empty string | name of a registered backend | the default backend |
 //! | `crate` | string holding a path | path of the runtime crate, for renamed dependencies | `"::dlock_runtime"` |
@@ -78,8 +79,8 @@
 //! its own `wait`, so their bodies never run at once. A nested call shares the
 //! outer lease (its watchdog, fencing token and `hold_at_least`); its own
 //! `lease`, `watchdog` and `hold_at_least` do not apply (a `debug` event says so
-//! when they differ), and it reports `LockError::Lost` if the shared lease was
-//! lost. A task spawned inside the body does not inherit the hold.
+//! when they differ), nor does its `fencing`, and it reports `LockError::Lost`
+//! if the shared lease was lost. A task spawned inside the body does not inherit the hold.
 //!
 //! # Compile-time errors
 //!
@@ -142,6 +143,7 @@
 //!         on_busy: ::dlock_runtime::__private::BusyPolicy::Fail,
 //!         on_lost: ::dlock_runtime::__private::LostPolicy::Cancel,
 //!         watchdog: true,
+//!         fencing: true,
 //!         hold_at_least: ::core::option::Option::None,
 //!         backend: ::core::option::Option::None,
 //!     };
@@ -219,8 +221,8 @@ use proc_macro::TokenStream;
 /// ```
 ///
 /// Arguments: `key` (required template), `wait`, `lease`, `on_busy` (`"fail"` |
-/// `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`, `hold_at_least`,
-/// `backend` and `crate`. See the [crate documentation](crate) for what each does, the
+/// `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`, `fencing`,
+/// `hold_at_least`, `backend` and `crate`. See the [crate documentation](crate) for what each does, the
 /// supported return types, and the code this expands to.
 #[proc_macro_attribute]
 pub fn distributed_lock(attr: TokenStream, item: TokenStream) -> TokenStream {

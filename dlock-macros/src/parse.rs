@@ -17,13 +17,14 @@ mod kw {
     syn::custom_keyword!(on_busy);
     syn::custom_keyword!(on_lost);
     syn::custom_keyword!(watchdog);
+    syn::custom_keyword!(fencing);
     syn::custom_keyword!(hold_at_least);
     syn::custom_keyword!(backend);
 }
 
 /// Every argument name, in the order the docs list them.
 pub(crate) const ALLOWED: &str =
-    "key, wait, lease, on_busy, on_lost, watchdog, hold_at_least, backend, crate";
+    "key, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, backend, crate";
 
 /// The parsed (not yet validated) arguments.
 #[derive(Default)]
@@ -34,6 +35,7 @@ pub(crate) struct Args {
     pub(crate) on_busy: Option<LitStr>,
     pub(crate) on_lost: Option<LitStr>,
     pub(crate) watchdog: Option<LitBool>,
+    pub(crate) fencing: Option<LitBool>,
     pub(crate) hold_at_least: Option<LitStr>,
     pub(crate) backend: Option<LitStr>,
     pub(crate) krate: Option<LitStr>,
@@ -53,6 +55,7 @@ enum Name {
     OnBusy,
     OnLost,
     Watchdog,
+    Fencing,
     HoldAtLeast,
     Backend,
     Crate,
@@ -67,6 +70,7 @@ impl Name {
             Name::OnBusy => "on_busy",
             Name::OnLost => "on_lost",
             Name::Watchdog => "watchdog",
+            Name::Fencing => "fencing",
             Name::HoldAtLeast => "hold_at_least",
             Name::Backend => "backend",
             Name::Crate => "crate",
@@ -82,6 +86,7 @@ impl Name {
             Name::OnBusy => "on_busy = \"fail\"",
             Name::OnLost => "on_lost = \"cancel\"",
             Name::Watchdog => "watchdog = true",
+            Name::Fencing => "fencing = false",
             Name::HoldAtLeast => "hold_at_least = \"1s\"",
             Name::Backend => "backend = \"redis\"",
             Name::Crate => "crate = \"::dlock_runtime\"",
@@ -95,7 +100,7 @@ impl Name {
             Name::Wait | Name::Lease | Name::HoldAtLeast => "a duration string",
             Name::OnBusy => "a string, \"fail\" or \"skip\"",
             Name::OnLost => "a string, \"cancel\" or \"continue\"",
-            Name::Watchdog => "a bool literal",
+            Name::Watchdog | Name::Fencing => "a bool literal",
             Name::Backend => "a string naming a registered backend",
             Name::Crate => "a string holding a path",
         }
@@ -152,6 +157,7 @@ impl Args {
     fn set(&mut self, name: Name, name_span: Span, value: Value) {
         let duplicate = match (name, value) {
             (Name::Watchdog, Value::Bool(b)) => replace(&mut self.watchdog, b),
+            (Name::Fencing, Value::Bool(b)) => replace(&mut self.fencing, b),
             (Name::Key, Value::Str(s)) => replace(&mut self.key, s),
             (Name::Wait, Value::Str(s)) => replace(&mut self.wait, s),
             (Name::Lease, Value::Str(s)) => replace(&mut self.lease, s),
@@ -160,7 +166,8 @@ impl Args {
             (Name::HoldAtLeast, Value::Str(s)) => replace(&mut self.hold_at_least, s),
             (Name::Backend, Value::Str(s)) => replace(&mut self.backend, s),
             (Name::Crate, Value::Str(s)) => replace(&mut self.krate, s),
-            // `parse_value` only returns a bool for `watchdog` and a string otherwise.
+            // `parse_value` only returns a bool for `watchdog` and `fencing`, and
+            // a string otherwise.
             _ => false,
         };
         if duplicate {
@@ -244,6 +251,7 @@ fn parse_name(input: ParseStream<'_>) -> syn::Result<(Name, Span)> {
         kw::on_busy => Name::OnBusy,
         kw::on_lost => Name::OnLost,
         kw::watchdog => Name::Watchdog,
+        kw::fencing => Name::Fencing,
         kw::hold_at_least => Name::HoldAtLeast,
         kw::backend => Name::Backend,
     }
@@ -311,11 +319,13 @@ fn parse_value(name: Name, tokens: TokenStream) -> syn::Result<Value> {
         return Err(wrong(String::new()));
     };
     match (name, lit) {
-        (Name::Watchdog, Lit::Bool(b)) => Ok(Value::Bool(b)),
-        (Name::Watchdog, Lit::Str(s)) if matches!(s.value().as_str(), "true" | "false") => {
+        (Name::Watchdog | Name::Fencing, Lit::Bool(b)) => Ok(Value::Bool(b)),
+        (Name::Watchdog | Name::Fencing, Lit::Str(s))
+            if matches!(s.value().as_str(), "true" | "false") =>
+        {
             Err(wrong(" without quotes".to_owned()))
         }
-        (Name::Watchdog, _) => Err(wrong(String::new())),
+        (Name::Watchdog | Name::Fencing, _) => Err(wrong(String::new())),
         (_, Lit::Str(s)) => Ok(Value::Str(s)),
         (Name::Wait | Name::Lease | Name::HoldAtLeast, Lit::Int(_) | Lit::Float(_)) => {
             Err(wrong(" with a unit".to_owned()))
@@ -343,7 +353,7 @@ mod tests {
     fn all_arguments() {
         let args = parse(
             r#"key = "order:{order.id}", wait = "3s", lease = "10s", on_busy = "skip",
-               on_lost = "continue", watchdog = false, hold_at_least = "1s",
+               on_lost = "continue", watchdog = false, fencing = false, hold_at_least = "1s",
                backend = "zk", crate = "::my_dlock","#,
         );
         assert!(args.errors.is_none());
@@ -353,6 +363,7 @@ mod tests {
         assert_eq!(args.on_busy.unwrap().value(), "skip");
         assert_eq!(args.on_lost.unwrap().value(), "continue");
         assert!(!args.watchdog.unwrap().value);
+        assert!(!args.fencing.unwrap().value);
         assert_eq!(args.hold_at_least.unwrap().value(), "1s");
         assert_eq!(args.backend.unwrap().value(), "zk");
         assert_eq!(args.krate.unwrap().value(), "::my_dlock");
@@ -371,7 +382,7 @@ mod tests {
             errors(r#"key = "k", timeout = "3s""#),
             [
                 "unknown argument `timeout` (allowed: key, wait, lease, on_busy, on_lost, \
-              watchdog, hold_at_least, backend, crate)"
+              watchdog, fencing, hold_at_least, backend, crate)"
             ]
         );
         assert!(errors(r#"key = "k", leese = "3s""#)[0].contains("did you mean `lease`?"));
@@ -424,6 +435,18 @@ mod tests {
         assert_eq!(
             errors("watchdog = 1"),
             ["`watchdog` expects a bool literal, e.g. `watchdog = true`"]
+        );
+        assert_eq!(
+            errors(r#"fencing = "false""#),
+            ["`fencing` expects a bool literal without quotes, e.g. `fencing = false`"]
+        );
+        assert_eq!(
+            errors("fencing = off"),
+            ["`fencing` expects a bool literal, e.g. `fencing = false`"]
+        );
+        assert_eq!(
+            errors(r#"key = "a", fencing = false, fencing = true"#),
+            ["duplicate argument `fencing`: each argument may be given once"]
         );
         assert_eq!(
             errors("crate = ::dlock_runtime"),

@@ -33,6 +33,7 @@ pub(crate) struct Model {
     pub(crate) on_busy: Spanned<BusyPolicy>,
     pub(crate) on_lost: Spanned<LostPolicy>,
     pub(crate) watchdog: Spanned<bool>,
+    pub(crate) fencing: Spanned<bool>,
     pub(crate) hold_at_least: Option<Spanned<Duration>>,
     pub(crate) backend: Option<LitStr>,
 }
@@ -184,6 +185,10 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         || Spanned::new(true, Span::call_site()),
         |b| Spanned::new(b.value, b.span),
     );
+    let fencing = args.fencing.as_ref().map_or_else(
+        || Spanned::new(true, Span::call_site()),
+        |b| Spanned::new(b.value, b.span),
+    );
 
     // backend
     if let Some(backend) = &args.backend
@@ -244,6 +249,7 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
                 on_busy,
                 on_lost,
                 watchdog,
+                fencing,
                 hold_at_least: hold_at_least.flatten(),
                 backend: args.backend,
             })
@@ -297,6 +303,7 @@ mod tests {
         assert_eq!(model.on_busy.value, BusyPolicy::Fail);
         assert_eq!(model.on_lost.value, LostPolicy::Cancel);
         assert!(model.watchdog.value);
+        assert!(model.fencing.value);
         assert!(model.hold_at_least.is_none());
         assert!(model.backend.is_none());
         assert!(model.krate.is_none());
@@ -306,8 +313,8 @@ mod tests {
     fn every_argument() {
         let model = check(
             r#"key = "o:{o.id}", wait = "1m 30s", lease = "10s", on_busy = "skip",
-               on_lost = "continue", watchdog = false, hold_at_least = "250ms",
-               backend = "zk", crate = "::renamed""#,
+               on_lost = "continue", watchdog = false, fencing = false,
+               hold_at_least = "250ms", backend = "zk", crate = "::renamed""#,
             "async fn f(o: &Order) -> Option<()> { None }",
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -316,6 +323,7 @@ mod tests {
         assert_eq!(model.on_busy.value, BusyPolicy::Skip);
         assert_eq!(model.on_lost.value, LostPolicy::Continue);
         assert!(!model.watchdog.value);
+        assert!(!model.fencing.value);
         assert_eq!(
             model.hold_at_least.map(|d| d.value),
             Some(Duration::from_millis(250))

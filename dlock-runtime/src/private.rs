@@ -46,6 +46,8 @@ pub struct Spec {
     pub on_lost: LostPolicy,
     /// `watchdog`.
     pub watchdog: bool,
+    /// `fencing`.
+    pub fencing: bool,
     /// `hold_at_least`.
     pub hold_at_least: Option<Duration>,
     /// `backend`.
@@ -83,6 +85,7 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         wait: spec.wait,
         lease: spec.lease,
         watchdog: spec.watchdog,
+        fencing: spec.fencing,
         hold_at_least: spec.hold_at_least,
         backend: spec.backend.map(Cow::Borrowed),
     };

@@ -15,9 +15,11 @@
 //!
 //! 1. **Throughput**, uncontended acquire+release pairs over distinct keys:
 //!    dlock's guard (fence counter, watchdog registration, tracing span
-//!    included) against (a) the floor, the same job hand-written with the
-//!    redis crate on one multiplexed connection (`SET NX PX`, then the
-//!    compare-and-delete script), (b) `rslock` with one instance, and (c)
+//!    included), fenced and unfenced (`fencing(false)`: a pipeline of
+//!    `SET NX PX GET` and `PTTL` instead of the acquire script), against
+//!    (a) the floor, the same job hand-written with the redis crate on one
+//!    multiplexed connection (`SET NX PX`, then the compare-and-delete
+//!    script), (b) `rslock` with one instance, and (c)
 //!    dlock's own two scripts (with the fence counter and the release
 //!    message) hand-written on that connection: the gap between (a) and (c)
 //!    is what the protocol costs the server, the gap between (c) and dlock is
@@ -109,7 +111,7 @@ const BENCH_PORT: u16 = 29430;
 const PINNED_CPU: &str = "1";
 /// Recorded rounds of each throughput contender: every contender takes every
 /// position in the rotated order twice.
-const THROUGHPUT_ROUNDS: usize = 8;
+const THROUGHPUT_ROUNDS: usize = 10;
 /// Pairs per run at concurrency 1 and 64, and per warm-up run.
 const C1_PAIRS: u64 = 10_000;
 const C64_PAIRS: u64 = 20_000;
@@ -129,6 +131,8 @@ const WATCHDOG_WINDOW: Duration = Duration::from_secs(6);
 const TARGET_C64_FLOOR: f64 = 0.75;
 const TARGET_C64_RSLOCK: f64 = 1.0;
 const TARGET_C1_FLOOR: f64 = 0.85;
+/// dlock without a fencing token (`fencing(false)`: a plain `SET NX PX`).
+const TARGET_UNFENCED_C64_FLOOR: f64 = 0.9;
 const TARGET_SERVER_CPU: f64 = 1.6;
 
 fn main() -> anyhow::Result<()> {

@@ -62,6 +62,10 @@ pub struct AcquireRequest {
     /// Cancelled by the backend when it learns on its own that the lease is gone
     /// (a session expired, a connection died). The runtime watches it.
     pub lost: CancellationToken,
+    /// Whether the holder wants a fencing token (default `true`). `false`: the
+    /// runtime drops whatever token the grant carries, and a backend may skip
+    /// work it does only for the token (Redis grants with a plain `SET NX PX`).
+    pub fencing: bool,
 }
 
 impl AcquireRequest {
@@ -74,12 +78,19 @@ impl AcquireRequest {
             lease,
             wait: Duration::ZERO,
             lost: CancellationToken::new(),
+            fencing: true,
         }
     }
 
     /// Waits up to `wait` for a busy key.
     pub fn with_wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
+        self
+    }
+
+    /// `false`: the holder needs no fencing token (see [`fencing`](Self::fencing)).
+    pub fn with_fencing(mut self, fencing: bool) -> Self {
+        self.fencing = fencing;
         self
     }
 }

@@ -119,8 +119,10 @@ impl CurrentLock {
         &self.held.backend_name
     }
 
-    /// The fencing token of this acquisition; `None` only on backends without a
-    /// safe token (Redlock).
+    /// The fencing token of this acquisition; `None` for a hold taken without
+    /// one ([`fencing(false)`](crate::LockBuilder::fencing), `fencing = false`,
+    /// a `?fencing=off` Redis backend) and on backends without a safe token
+    /// (Redlock).
     pub fn fencing_token(&self) -> Option<FencingToken> {
         self.held.fencing_token()
     }

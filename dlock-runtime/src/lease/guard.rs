@@ -66,7 +66,10 @@ impl LockGuard {
     }
 
     /// The fencing token of this acquisition: strictly greater than every token
-    /// handed out for this key before. `None` on backends without a safe token (Redlock).
+    /// handed out for this key before. `None` for a hold taken with
+    /// [`fencing(false)`](crate::LockBuilder::fencing) (or `fencing = false`, or
+    /// on a `?fencing=off` Redis backend), and on backends without a safe token
+    /// (Redlock).
     pub fn fencing_token(&self) -> Option<FencingToken> {
         self.held().fencing_token()
     }

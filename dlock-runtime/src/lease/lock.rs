@@ -31,6 +31,7 @@ pub(crate) struct LockOptions {
     pub(crate) wait: Duration,
     pub(crate) lease: Duration,
     pub(crate) watchdog: bool,
+    pub(crate) fencing: bool,
     pub(crate) hold_at_least: Option<Duration>,
     pub(crate) backend: Option<Cow<'static, str>>,
 }
@@ -41,6 +42,7 @@ impl Default for LockOptions {
             wait: Duration::ZERO,
             lease: DEFAULT_LEASE,
             watchdog: true,
+            fencing: true,
             hold_at_least: None,
             backend: None,
         }
@@ -113,6 +115,20 @@ impl LockBuilder {
     /// lost when it runs out.
     pub fn watchdog(mut self, renew: bool) -> Self {
         self.options.watchdog = renew;
+        self
+    }
+
+    /// `false`: this hold needs no fencing token, and
+    /// [`fencing_token`](LockGuard::fencing_token) (on the guard and on
+    /// [`current`](crate::current())) is `None`. The lock excludes other
+    /// holders of the key exactly as a fenced one does, fenced or not. On
+    /// Redis (`redis://`, `rediss://`, `redis+cluster://`) the grant is then a
+    /// plain `SET NX PX` instead of the script that issues the token (the
+    /// fast path; `?fencing=off` on the URL makes it the backend's default).
+    /// On every other backend the acquisition does the same work and the
+    /// token is dropped (Redlock never has one). Default `true`.
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.options.fencing = fencing;
         self
     }
 
@@ -201,6 +217,7 @@ pub(crate) async fn acquire(
         lease: options.lease,
         wait: options.wait,
         lost: lost.clone(),
+        fencing: options.fencing,
     };
     let started = Instant::now();
     let backend = entry.backend.clone();
@@ -247,13 +264,16 @@ pub(crate) async fn acquire(
         tracing::debug!(parent: &span, error = %e, "dlock acquisition failed");
         e.into_lock_error(backend.kind())
     })?;
-    let lease = match acquired {
+    let mut lease = match acquired {
         Acquired::Held(lease) => lease,
         Acquired::Busy => {
             tracing::debug!(parent: &span, waited_ms = waited.as_secs_f64() * 1000.0, "dlock busy");
             return Err(LockError::Busy { key, waited });
         }
     };
+    if !options.fencing {
+        lease.token = None;
+    }
     if let Some(token) = lease.token {
         span.record("token", token.get());
     }

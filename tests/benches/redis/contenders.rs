@@ -1,5 +1,6 @@
-//! The contenders: dlock, the floor (the same job by hand on one connection),
-//! dlock's own scripts by hand, and `rslock`; one acquire+release pair of each.
+//! The contenders: dlock (fenced, and unfenced: `fencing(false)`), the floor
+//! (the same job by hand on one connection), dlock's own scripts by hand, and
+//! `rslock`; one acquire+release pair of each.
 
 use super::*;
 
@@ -100,10 +101,17 @@ pub(super) enum Who {
     Same,
     Rslock,
     Dlock,
+    Unfenced,
 }
 
 impl Who {
-    pub(super) const ALL: [Who; 4] = [Who::Floor, Who::Same, Who::Rslock, Who::Dlock];
+    pub(super) const ALL: [Who; 5] = [
+        Who::Floor,
+        Who::Same,
+        Who::Rslock,
+        Who::Dlock,
+        Who::Unfenced,
+    ];
 
     pub(super) fn name(self) -> &'static str {
         match self {
@@ -111,6 +119,7 @@ impl Who {
             Who::Same => "dlock's scripts by hand",
             Who::Rslock => "rslock",
             Who::Dlock => "dlock",
+            Who::Unfenced => "dlock unfenced",
         }
     }
 
@@ -121,6 +130,7 @@ impl Who {
             Who::Same => "same",
             Who::Rslock => "rslock",
             Who::Dlock => "dlock",
+            Who::Unfenced => "unfenced",
         }
     }
 
@@ -136,6 +146,7 @@ impl Who {
     pub(super) fn direct(self) -> &'static [&'static str] {
         match self {
             Who::Floor | Who::Rslock => &["set"],
+            Who::Unfenced => &["set", "pttl"],
             Who::Same | Who::Dlock => &[],
         }
     }
@@ -191,12 +202,13 @@ pub(super) async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
                 .unwrap_or_else(|e| panic!("rslock: lock failed: {e}"));
             c.rslock.unlock(&lock).await;
         }
-        Who::Dlock => {
+        Who::Dlock | Who::Unfenced => {
             let key = format!("throughput:{}:{tag}:{i}", c.run);
             let guard = c
                 .dlock
                 .lock(key)
                 .lease(Duration::from_secs(30))
+                .fencing(who == Who::Dlock)
                 .acquire()
                 .await
                 .unwrap_or_else(|e| panic!("dlock: acquire failed: {e}"));

@@ -94,6 +94,28 @@ pub(super) fn targets(
             "| {c1_label}: dlock ≥ {TARGET_C1_FLOOR}× the floor | {r:.2}× | not gated |"
         )?;
     }
+    let r = ratio(c64m, Who::Unfenced, Who::Floor);
+    writeln!(
+        out,
+        "| c=64: dlock unfenced ≥ {TARGET_UNFENCED_C64_FLOOR}× the floor | {r:.2}× | {} |",
+        tick(r >= TARGET_UNFENCED_C64_FLOOR)
+    )?;
+    let r = ratio(c64m, Who::Unfenced, Who::Rslock);
+    writeln!(
+        out,
+        "| c=64: dlock unfenced ≥ {TARGET_C64_RSLOCK:.1}× rslock | {r:.2}× | {} |",
+        tick(r >= TARGET_C64_RSLOCK)
+    )?;
+    let r = ratio(c1m, Who::Unfenced, Who::Floor);
+    writeln!(
+        out,
+        "| {c1_label}: dlock unfenced ≥ {TARGET_C1_FLOOR}× the floor | {r:.2}× | {} |",
+        if c1.pinned {
+            tick(r >= TARGET_C1_FLOOR)
+        } else {
+            "not gated"
+        }
+    )?;
     let r = cpu_ratio(c64m);
     writeln!(
         out,

@@ -425,7 +425,13 @@ pub(super) async fn throughput_section(
     for (label, _, m) in &sections {
         let floor = &m[&Who::Floor];
         let mut bars = Vec::new();
-        for who in [Who::Dlock, Who::Floor, Who::Same, Who::Rslock] {
+        for who in [
+            Who::Dlock,
+            Who::Unfenced,
+            Who::Floor,
+            Who::Same,
+            Who::Rslock,
+        ] {
             let x = &m[&who];
             writeln!(
                 out,
@@ -477,7 +483,13 @@ pub(super) async fn throughput_section(
     )?;
     writeln!(out, "|---|---|---:|---|")?;
     for (label, _, m) in &sections {
-        for who in [Who::Dlock, Who::Same, Who::Floor, Who::Rslock] {
+        for who in [
+            Who::Dlock,
+            Who::Unfenced,
+            Who::Same,
+            Who::Floor,
+            Who::Rslock,
+        ] {
             let commands: Vec<String> = m[&who]
                 .commands
                 .iter()
@@ -576,6 +588,16 @@ pub(super) fn comparison_rows(t: &Throughput) -> anyhow::Result<String> {
                 "| acquire+release/s, {label} | {ours:.0} | {} {base:.0} | {:.2}× |",
                 who.name(),
                 ours / base
+            )?;
+        }
+        let unfenced = m[&Who::Unfenced].pairs_per_s;
+        for who in [Who::Floor, Who::Rslock, Who::Dlock] {
+            let base = m[&who].pairs_per_s;
+            writeln!(
+                table,
+                "| unfenced acquire+release/s, {label} | {unfenced:.0} | {} {base:.0} | {:.2}× |",
+                who.name(),
+                unfenced / base
             )?;
         }
     }

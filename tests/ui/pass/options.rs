@@ -1,4 +1,4 @@
-// `crate`, `backend`, `hold_at_least`, `watchdog` and `on_lost` arguments.
+// `crate`, `backend`, `hold_at_least`, `watchdog`, `fencing` and `on_lost` arguments.
 use dlock_runtime::{LockError, distributed_lock};
 
 mod renamed {
@@ -36,6 +36,7 @@ pub async fn other_backend() -> Result<(), AppError> {
     lease = "1h30m",
     hold_at_least = "250ms",
     watchdog = false,
+    fencing = false,
     on_lost = "continue",
     on_busy = "fail",
 )]
@@ -43,7 +44,7 @@ pub async fn everything() -> Result<(), AppError> {
     Ok(())
 }
 
-#[distributed_lock(key = "e", on_lost = "cancel", watchdog = true, lease = "1d")]
+#[distributed_lock(key = "e", on_lost = "cancel", watchdog = true, fencing = true, lease = "1d")]
 pub async fn defaults_spelled_out() -> Result<(), AppError> {
     Ok(())
 }

@@ -10,6 +10,16 @@
 //!   it heard the last grants) therefore never hands out a token again, as
 //!   long as the servers' clocks agree within the replication lag. When
 //!   busy, the script answers the holder's remaining TTL.
+//!   **Without a fencing token** (`fencing(false)` on a lock, `fencing =
+//!   false` in the attribute, or `?fencing=off` on the URL for every lock of
+//!   the backend) no script runs: one pipeline of `SET lock owner NX PX
+//!   lease GET` (nil: taken; else the holder) and `PTTL lock` (the holder's
+//!   remaining TTL, for the wait loop), one round trip. The key and its value
+//!   are the same as a fenced grant's, so fenced and unfenced holds of one
+//!   key exclude each other, and release and renewal are the same scripts.
+//!   A retry that finds the key already ours extends it from now (one more
+//!   round trip, owner-checked). `SET … NX GET` needs Redis 7.0: on 6.2 an
+//!   unfenced grant runs the acquire script and drops the token.
 //! - **release**: compare-and-delete, then a message on the key's release
 //!   channel: `PUBLISH` on one server, `SPUBLISH` on Redis Cluster (a plain
 //!   `PUBLISH` is broadcast to every node of a cluster; a sharded message
@@ -105,7 +115,8 @@
 //! for the sentinels, `?db=N`, `?sentinel_tls=on|off`; `rediss+sentinel://`
 //! for TLS to the data nodes and, unless `sentinel_tls=off`, the sentinels).
 //! Options: `timeout` (default 2 s) bounds every command; `replicas=N`
-//! (above). The connection reconnects in the background, and while it is
+//! (above); `fencing=off` (default `on`): grants without a fencing token
+//! (above), for every lock of the backend. The connection reconnects in the background, and while it is
 //! down renewals fail until the watchdog declares the lease lost, before it
 //! ends on the server.
 
@@ -148,6 +159,11 @@ pub struct RedisBackend {
     shown_url: String,
     timeout: Duration,
     acks: Option<ReplicaAcks>,
+    /// `?fencing=off` makes every grant unfenced (see the module docs).
+    fencing: bool,
+    /// Whether the server takes `SET … NX GET` (Redis >= 7.0), which the
+    /// unfenced grant is built on (else it falls back to the acquire script).
+    set_nx_get: bool,
 }
 
 /// A lock's names on the server, built once per attempt and kept with its lease.
@@ -183,6 +199,7 @@ impl fmt::Debug for RedisBackend {
             .field("cluster", &self.conns.is_cluster())
             .field("timeout", &self.timeout)
             .field("replicas", &self.acks.as_ref().map(|a| a.replicas))
+            .field("fencing", &self.fencing)
             .finish_non_exhaustive()
     }
 }
@@ -242,12 +259,14 @@ impl RedisBackend {
             ),
             None => None,
         };
-        let backend = RedisBackend {
+        let mut backend = RedisBackend {
             conns,
             listener: Listener::start(source, timeout),
             shown_url,
             timeout,
             acks,
+            fencing: target.fencing,
+            set_nx_get: true,
         };
         // One round trip now: a wrong password or a missing ACL permission is
         // an error of `connect`, not of the first lock.
@@ -255,7 +274,7 @@ impl RedisBackend {
             backend: "redis",
             source: e,
         })?;
-        backend.check_version().await?;
+        backend.set_nx_get = backend.check_version().await?;
         backend.warn_if_keys_can_be_evicted().await;
         Ok(backend)
     }
@@ -287,6 +306,10 @@ impl RedisBackend {
     /// (undone first).
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let keys = Keys::new(&request.key);
+        let fenced = self.fencing && request.fencing;
+        if !fenced && self.set_nx_get {
+            return self.try_unfenced(request, keys).await;
+        }
         let fence = fence_key(self.conns.is_cluster(), &keys.lock);
         let mut invocation = ACQUIRE.key(&keys.lock);
         invocation
@@ -299,29 +322,15 @@ impl RedisBackend {
         };
         let (taken, value) = match answer {
             Ok(answer) => answer,
-            Err(error) if error.is_retryable() => {
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: OUTAGE_RETRY,
-                });
-            }
-            Err(error) => return Err(error),
+            Err(error) => return unanswered(error),
         };
         if taken == 1 {
-            if let Some(acks) = &self.acks
-                && let Err(error) = acks.acknowledged(&keys.lock).await
-            {
-                // Not on enough replicas: a failover now could lose it. Undo
-                // (owner-checked; the waiters hear the key is free again).
-                let _ = self.release_keys(&keys, &request.owner).await;
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: OUTAGE_RETRY,
-                });
+            if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+                return Ok(unacknowledged);
             }
+            let token = fenced.then(|| FencingToken::new(value as u64));
             Ok(Attempt::Held(
-                Lease::new(request, Some(FencingToken::new(value as u64)))
-                    .with_extra(Arc::new(keys)),
+                Lease::new(request, token).with_extra(Arc::new(keys)),
             ))
         } else {
             // -1: no expiry (never set by dlock), -2: gone since; look again soon.
@@ -331,21 +340,100 @@ impl RedisBackend {
         }
     }
 
+    /// One unfenced attempt: `SET lock owner NX PX lease GET` and `PTTL lock`
+    /// in one pipeline (one round trip, no script). The `SET` answers nil when
+    /// it took the key, else the holder: ours only for a retry of an attempt
+    /// that did reach the server, then extended from now (owner-checked, one
+    /// more round trip) as the acquire script does. Otherwise the `PTTL` is
+    /// the holder's remaining lease, the wait loop's next look.
+    async fn try_unfenced(
+        &self,
+        request: &AcquireRequest,
+        keys: Keys,
+    ) -> Result<Attempt, BackendError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(&keys.lock)
+            .arg(&request.owner)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(request.lease))
+            .arg("GET")
+            .cmd("PTTL")
+            .arg(&keys.lock);
+        let query = |mut conn: Conn| {
+            let pipe = &pipe;
+            async move { pipe.query_async::<(Option<String>, i64)>(&mut conn).await }
+        };
+        let answer = match &self.acks {
+            None => {
+                self.conns
+                    .route()
+                    .send(|| Ok(self.conns.home()), query)
+                    .await
+            }
+            Some(acks) => query(acks.home()).await.map_err(redis_error),
+        };
+        let (holder, ttl) = match answer {
+            Ok(answer) => answer,
+            Err(error) => return unanswered(error),
+        };
+        let taken = match holder {
+            None => true,
+            Some(holder) if holder == request.owner => {
+                match self
+                    .renew_one_keys(&keys, &request.owner, request.lease)
+                    .await
+                {
+                    Ok(renewed) => renewed == Renewal::Renewed,
+                    Err(error) => return unanswered(error),
+                }
+            }
+            Some(_) => false,
+        };
+        if !taken {
+            // -1: no expiry (never set by dlock), -2: gone since; look again soon.
+            return Ok(Attempt::Busy {
+                retry_in: Some(Duration::from_millis(ttl.max(1) as u64)),
+            });
+        }
+        if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+            return Ok(unacknowledged);
+        }
+        Ok(Attempt::Held(
+            Lease::new(request, None).with_extra(Arc::new(keys)),
+        ))
+    }
+
+    /// With `?replicas=N`, after a grant of `keys` to `owner`: `None` once
+    /// enough replicas acknowledged it. Else the grant is undone (a failover
+    /// now could lose it; owner-checked, and the waiters hear the key is free
+    /// again) and the answer is the attempt's [`Attempt::Unavailable`].
+    async fn unacknowledged(&self, keys: &Keys, owner: &str) -> Option<Attempt> {
+        let error = self.acks.as_ref()?.acknowledged(&keys.lock).await.err()?;
+        let _ = self.release_keys(keys, owner).await;
+        Some(Attempt::Unavailable {
+            error,
+            retry_in: OUTAGE_RETRY,
+        })
+    }
+
     /// Refuses a server older than 6.2: the acquire script reads and writes
     /// the fence counter with one `SET … GET`. An ACL user without `INFO` is
     /// not checked (the first acquisition would then fail with Redis's own
-    /// syntax error).
-    async fn check_version(&self) -> Result<(), LockError> {
+    /// syntax error). Answers whether the server takes `SET … NX GET` (7.0):
+    /// assumed when it cannot tell.
+    async fn check_version(&self) -> Result<bool, LockError> {
         let Conn::Single(mut conn) = self.conns.home() else {
             // Redis Cluster needs 7.0 for SPUBLISH anyway (see the docs).
-            return Ok(());
+            return Ok(true);
         };
         let Ok(info) = redis::cmd("INFO")
             .arg("server")
             .query_async::<String>(&mut conn)
             .await
         else {
-            return Ok(());
+            return Ok(true);
         };
         let version = info
             .lines()
@@ -360,7 +448,7 @@ impl RedisBackend {
                 self.shown_url
             )));
         }
-        Ok(())
+        Ok(version.is_empty() || major >= 7)
     }
 
     /// Warns when the server may evict lock keys to make room: a lock key
@@ -394,13 +482,18 @@ impl RedisBackend {
     }
 
     async fn renew_one(&self, lease: &Lease, ttl: Duration) -> Result<Renewal, BackendError> {
+        self.renew_one_keys(&Keys::of(lease), &lease.owner, ttl)
+            .await
+    }
+
+    async fn renew_one_keys(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<Renewal, BackendError> {
         let extended: i64 = self
-            .invoke(
-                RENEW
-                    .key(&Keys::of(lease).lock)
-                    .arg(&lease.owner)
-                    .arg(millis(ttl)),
-            )
+            .invoke(RENEW.key(&keys.lock).arg(owner).arg(millis(ttl)))
             .await?;
         Ok(renewal(extended))
     }
@@ -420,6 +513,19 @@ impl RedisBackend {
     /// Owner-checked release over the usual route.
     async fn release_keys(&self, keys: &Keys, owner: &str) -> Result<i64, BackendError> {
         self.invoke(&self.release_invocation(keys, owner)).await
+    }
+}
+
+/// An attempt that failed: [`Attempt::Unavailable`] when the failure is
+/// transient (the wait loop tries again while `wait` lasts), else the error.
+fn unanswered(error: BackendError) -> Result<Attempt, BackendError> {
+    if error.is_retryable() {
+        Ok(Attempt::Unavailable {
+            error,
+            retry_in: OUTAGE_RETRY,
+        })
+    } else {
+        Err(error)
     }
 }
 
@@ -533,12 +639,12 @@ impl LockBackend for RedisBackend {
             let keys = Keys::of(lease);
             let invocation = self.release_invocation(&keys, &lease.owner);
             let routed: Result<i64, BackendError> = self.invoke(&invocation).await;
-            if lease.token.is_some() {
+            if lease.extra.is_some() {
                 routed?;
                 return Ok(());
             }
             // The release of an acquisition dropped on the wire (a grant
-            // always has a token): its command may have gone over another
+            // always keeps its `Keys`): its command may have gone over another
             // connection (the local one opened, or went, in between; the
             // grants' own with `replicas`), so release over those too,
             // whatever the first answered — on each, the release then

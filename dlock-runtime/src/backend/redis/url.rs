@@ -1,6 +1,6 @@
 //! The Redis URLs: `redis://`, `rediss://`, `redis+cluster://`,
 //! `redis+sentinel://` and `redlock://`, with dlock's own options (`timeout`,
-//! `tls_ca`, `replicas`, and Sentinel's `sentinel_username`,
+//! `tls_ca`, `replicas`, `fencing`, and Sentinel's `sentinel_username`,
 //! `sentinel_password`, `sentinel_tls`, `db`) taken out.
 
 use std::time::Duration;
@@ -32,6 +32,8 @@ pub(super) struct Target {
     pub(super) tls_ca: Option<Vec<u8>>,
     /// `replicas=N`: how many replicas must acknowledge a grant.
     pub(super) replicas: Option<u32>,
+    /// `fencing=on` (the default) or `off`: whether grants issue a fencing token.
+    pub(super) fencing: bool,
     /// With Sentinel: the primary's name and how to reach the sentinels and the data nodes.
     pub(super) sentinel: Option<SentinelTarget>,
 }
@@ -100,6 +102,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
     let mut timeout = None;
     let mut tls_ca = None;
     let mut replicas = None;
+    let mut fencing = true;
     let mut passed_on = Vec::new();
     let (mut sentinel_username, mut sentinel_password, mut sentinel_tls, mut db) =
         (None, None, None, None);
@@ -170,6 +173,23 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
                     },
                 )?);
             }
+            Some(("fencing", value)) => {
+                fencing = match value {
+                    _ if topology == Topology::Redlock => {
+                        return Err(LockError::config(format!(
+                            "`fencing` is an option of redis://, redis+cluster:// and redis+sentinel://, not of \
+                             Redlock (it never issues a fencing token): `{shown}`"
+                        )));
+                    }
+                    "on" => true,
+                    "off" => false,
+                    _ => {
+                        return Err(LockError::config(format!(
+                            "bad `fencing={value}` in `{shown}` (`on`, the default, or `off`)"
+                        )));
+                    }
+                };
+            }
             Some(("tls_ca", path)) => {
                 tls_ca =
                     Some(std::fs::read(path).map_err(|e| {
@@ -238,6 +258,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
             timeout,
             tls_ca,
             replicas,
+            fencing,
             sentinel: Some(SentinelTarget {
                 name,
                 username: sentinel_username,
@@ -259,6 +280,7 @@ pub(super) fn parse_url(url: &str) -> Result<Target, LockError> {
         timeout,
         tls_ca,
         replicas,
+        fencing,
         sentinel: None,
     })
 }
@@ -296,6 +318,26 @@ mod tests {
             assert!(err.to_string().contains("replicas"), "{err}");
         }
         assert!(parse_url("redis://h?timeout=soon").is_err());
+        assert!(parse_url("redis://h:1").unwrap().fencing);
+        assert!(parse_url("redis://h:1?fencing=on").unwrap().fencing);
+        let t = parse_url("rediss://h:1/3?fencing=off&timeout=1s").unwrap();
+        assert!(!t.fencing);
+        assert_eq!(t.nodes, ["rediss://h:1/3"]);
+        assert!(
+            !parse_url("redis+cluster://a:1,b:2?fencing=off")
+                .unwrap()
+                .fencing
+        );
+        for bad in [
+            "redis://h?fencing=false",
+            "redis://h?fencing=",
+            "redlock://a,b,c?fencing=off",
+        ] {
+            let Err(err) = parse_url(bad) else {
+                panic!("`{bad}` must be refused")
+            };
+            assert!(err.to_string().contains("fencing"), "{err}");
+        }
         // `Target` holds credentials and has no `Debug` on purpose.
         let Err(err) = parse_url("redis://u:hunter2@a:1,b:2") else {
             panic!("two hosts without +cluster must be refused")

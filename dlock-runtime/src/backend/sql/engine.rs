@@ -586,6 +586,7 @@ fn copy_request(request: &AcquireRequest) -> AcquireRequest {
         lease: request.lease,
         wait: request.wait,
         lost: request.lost.clone(),
+        fencing: request.fencing,
     }
 }
 
