@@ -366,12 +366,7 @@ impl RedisBackend {
             async move { pipe.query_async::<(Option<String>, i64)>(&mut conn).await }
         };
         let answer = match &self.acks {
-            None => {
-                self.conns
-                    .route()
-                    .send(|| Ok(self.conns.home()), query)
-                    .await
-            }
+            None => self.conns.send(query).await,
             Some(acks) => query(acks.home()).await.map_err(redis_error),
         };
         let (holder, ttl) = match answer {
