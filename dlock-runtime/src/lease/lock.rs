@@ -11,10 +11,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::background::Releasing;
-use super::context::{self, Frame};
+use super::context::{self, Found, Hold};
 use super::guard::LockGuard;
 use super::held::{HeldLease, NewLease};
-use super::registry::{Registry, global};
+use super::registry::{BackendEntry, Registry, global};
 use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
@@ -65,31 +65,77 @@ impl Default for LockOptions {
 /// ```
 pub fn lock(key: impl Into<String>) -> LockBuilder {
     let registry = global().cloned().ok_or(LockError::NotInitialized);
-    LockBuilder::new(registry, key.into())
+    LockBuilder::new(registry, Keys::One(key.into()))
 }
 
-/// Configures and takes a lock; made by [`lock`](crate::lock()) or [`Registry::lock`].
+/// Starts one hold of several keys, all or nothing, through the registry
+/// installed with [`init`](crate::init).
+///
+/// The keys (de-duplicated) are taken in one canonical order — sorted by
+/// their bytes, without the registry's prefix — so two calls naming the same
+/// keys in different orders never wait on each other for ever. One `wait`
+/// budget covers every key; an acquisition that fails, runs out of time or is
+/// cancelled releases what it took at once. The loss of any key is the loss
+/// of the hold. Every key is checked like [`lock`](crate::lock())'s
+/// ([`LockError::InvalidKey`] names the bad one); no key at all is
+/// [`LockError::Config`].
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use std::time::Duration;
+/// let guard = dlock_runtime::lock_all(["acct:7", "acct:3"])
+///     .wait(Duration::from_secs(3))
+///     .acquire()
+///     .await?;
+/// assert_eq!(guard.keys(), ["acct:3", "acct:7"]);
+/// let token_of_7 = guard.fencing_token_of("acct:7");
+/// # let _ = token_of_7;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub fn lock_all(keys: impl IntoIterator<Item = impl Into<String>>) -> LockBuilder {
+    let registry = global().cloned().ok_or(LockError::NotInitialized);
+    LockBuilder::new(registry, Keys::all(keys))
+}
+
+/// What a builder locks: one key, or several in one hold.
+#[derive(Debug, Clone)]
+pub(crate) enum Keys {
+    One(String),
+    All(Vec<String>),
+}
+
+impl Keys {
+    pub(crate) fn all(keys: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Keys::All(keys.into_iter().map(Into::into).collect())
+    }
+}
+
+/// Configures and takes a lock; made by [`lock`](crate::lock()),
+/// [`lock_all`](crate::lock_all()), [`Registry::lock`] or [`Registry::lock_all`].
 #[must_use = "a LockBuilder does nothing until `.acquire().await`"]
 pub struct LockBuilder {
     registry: Result<Registry, LockError>,
-    key: String,
+    keys: Keys,
     options: LockOptions,
 }
 
 impl fmt::Debug for LockBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LockBuilder")
-            .field("key", &self.key)
-            .field("options", &self.options)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("LockBuilder");
+        match &self.keys {
+            Keys::One(key) => d.field("key", key),
+            Keys::All(keys) => d.field("keys", keys),
+        };
+        d.field("options", &self.options).finish_non_exhaustive()
     }
 }
 
 impl LockBuilder {
-    pub(crate) fn new(registry: Result<Registry, LockError>, key: String) -> Self {
+    pub(crate) fn new(registry: Result<Registry, LockError>, keys: Keys) -> Self {
         LockBuilder {
             registry,
-            key,
+            keys,
             options: LockOptions::default(),
         }
     }
@@ -129,14 +175,18 @@ impl LockBuilder {
         self
     }
 
-    /// Acquires the lock, waiting up to the wait budget.
+    /// Acquires the lock (every key of it), waiting up to the wait budget.
     ///
-    /// Errors: [`LockError::Busy`] when the budget ran out,
-    /// [`LockError::NotInitialized`], [`LockError::UnknownBackend`],
-    /// [`LockError::InvalidKey`], [`LockError::Config`], [`LockError::Backend`].
+    /// Errors: [`LockError::Busy`] when the budget ran out (naming the key
+    /// that was busy), [`LockError::NotInitialized`],
+    /// [`LockError::UnknownBackend`], [`LockError::InvalidKey`],
+    /// [`LockError::Config`], [`LockError::Backend`].
     pub async fn acquire(self) -> Result<LockGuard, LockError> {
         let registry = self.registry?;
-        acquire(&registry, &self.options, self.key).await
+        match self.keys {
+            Keys::One(key) => acquire(&registry, &self.options, key).await,
+            Keys::All(keys) => acquire_all(&registry, &self.options, keys).await,
+        }
     }
 }
 
@@ -171,9 +221,30 @@ pub(crate) async fn acquire(
         .check_key(&stored_key)
         .map_err(|reason| LockError::invalid_key(&key, reason))?;
 
-    if let Some(frame) = context::find(registry.inner.id, &entry.name, &stored_key) {
-        return enter_nested(frame, options, key).await;
+    if let Some(found) = context::find(registry.inner.id, &entry.name, &stored_key) {
+        return enter_nested(found, options, key).await;
     }
+    acquire_new(
+        registry,
+        &entry,
+        options,
+        key,
+        stored_key,
+        CancellationToken::new(),
+    )
+    .await
+}
+
+/// A new lease on `key` (checked, and held nowhere up this call chain);
+/// `lost` is cancelled when it is lost (shared by the keys of one hold).
+async fn acquire_new(
+    registry: &Registry,
+    entry: &BackendEntry,
+    options: &LockOptions,
+    key: String,
+    stored_key: String,
+    lost: CancellationToken,
+) -> Result<LockGuard, LockError> {
     let leases = &registry.inner.leases;
     // Counted by shutdown until this returns: a grant on its way is either
     // tracked (and released by shutdown, or by the check at the end) or
@@ -194,7 +265,6 @@ pub(crate) async fn acquire(
         held_ms = tracing::field::Empty,
         token = tracing::field::Empty,
     );
-    let lost = CancellationToken::new();
     let request = AcquireRequest {
         key: stored_key,
         owner: owner_token(),
@@ -291,7 +361,7 @@ pub(crate) async fn acquire(
 /// shares the outer lease, passing the frame's gate one holder at a time
 /// (siblings take turns, each within its own `wait`).
 async fn enter_nested(
-    frame: Frame,
+    frame: Found,
     options: &LockOptions,
     key: String,
 ) -> Result<LockGuard, LockError> {
@@ -339,6 +409,210 @@ async fn enter_nested(
     }
     tracing::trace!(parent: &held.span, key = %key, "dlock reentrant hold");
     Ok(LockGuard::new(held, Some(permit)))
+}
+
+/// The acquisition of several keys in one hold, shared by the builder and the attribute.
+pub(crate) async fn acquire_all(
+    registry: &Registry,
+    options: &LockOptions,
+    mut keys: Vec<String>,
+) -> Result<LockGuard, LockError> {
+    // The canonical order: the user's keys, by their bytes, each once.
+    keys.sort_unstable();
+    keys.dedup();
+    if keys.is_empty() {
+        return Err(LockError::config("lock_all needs at least one key"));
+    }
+    if keys.len() == 1 {
+        let key = keys.pop().expect("one key");
+        return acquire(registry, options, key).await;
+    }
+    if options.lease < MIN_LEASE {
+        return Err(LockError::config(format!(
+            "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
+            options.lease
+        )));
+    }
+    if registry.inner.leases.is_closing() {
+        return Err(LockError::ShutDown);
+    }
+    let entry = registry.backend(options.backend.as_deref())?.clone();
+    let prefix = registry.key_prefix();
+    let mut stored = Vec::with_capacity(keys.len());
+    for key in &keys {
+        crate::key::check(key, prefix)?;
+        let stored_key = format!("{prefix}{key}");
+        entry
+            .backend
+            .check_key(&stored_key)
+            .map_err(|reason| LockError::invalid_key(key, reason))?;
+        stored.push(stored_key);
+    }
+
+    let found: Vec<Option<Found>> = stored
+        .iter()
+        .map(|k| context::find(registry.inner.id, &entry.name, k))
+        .collect();
+    if found.iter().all(Option::is_some) {
+        let found = found.into_iter().flatten().collect();
+        return enter_nested_all(found, options, keys).await;
+    }
+    if let Some(held) = keys.iter().zip(&found).find(|(_, f)| f.is_some()) {
+        return Err(LockError::config(format!(
+            "this call chain already holds `{}` but not every key of {keys:?}: a hold of \
+             several keys inside a hold of some of them could wait on itself; take them all \
+             in the outer hold",
+            held.0
+        )));
+    }
+
+    let started = Instant::now();
+    let until = crate::time::saturating_add(started, options.wait);
+    let lost = CancellationToken::new();
+    // Dropped (an error, a cancelled acquisition): what was taken is released
+    // at once, in the background.
+    let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
+    for (key, stored_key) in keys.into_iter().zip(stored) {
+        let mut one = options.clone();
+        if options.wait != Duration::MAX {
+            one.wait = until.saturating_duration_since(Instant::now());
+        }
+        let next = acquire_new(registry, &entry, &one, key, stored_key, lost.clone());
+        let answer = tokio::select! {
+            biased;
+            // A key taken first was lost while this one was awaited.
+            () = lost.cancelled() => None,
+            answer = next => Some(answer),
+        };
+        let Some(answer) = answer else {
+            let key = taken
+                .iter()
+                .find(|g| g.is_lost())
+                .unwrap_or(&taken[0])
+                .key()
+                .to_owned();
+            release_taken(taken).await;
+            return Err(LockError::Lost { key });
+        };
+        match answer {
+            Ok(guard) => taken.push(guard),
+            Err(LockError::Busy { key, .. }) => {
+                release_taken(taken).await;
+                return Err(LockError::Busy {
+                    key,
+                    waited: started.elapsed(),
+                });
+            }
+            Err(err) => {
+                release_taken(taken).await;
+                return Err(err);
+            }
+        }
+    }
+    let leases: Vec<Arc<HeldLease>> = taken.into_iter().map(LockGuard::into_lease).collect();
+    let guard = LockGuard::of_hold(
+        Hold {
+            leases: leases.into(),
+            lost,
+        },
+        None,
+        None,
+    );
+    if guard.is_lost() {
+        // A key taken first ran out while a later one was awaited.
+        let key = guard.key().to_owned();
+        let _ = guard.release().await;
+        return Err(LockError::Lost { key });
+    }
+    Ok(guard)
+}
+
+/// Releases the keys of a hold that could not be completed.
+async fn release_taken(taken: Vec<LockGuard>) {
+    // Cancel-safe: the guards not yet released release on drop.
+    let _ = futures_util::future::join_all(taken.into_iter().map(LockGuard::release)).await;
+}
+
+/// A nested hold of several keys, every one held further up this call
+/// chain: it passes the gate of each scope they were found in (outermost
+/// first: siblings take them in the same order), within its `wait`.
+async fn enter_nested_all(
+    found: Vec<Found>,
+    options: &LockOptions,
+    keys: Vec<String>,
+) -> Result<LockGuard, LockError> {
+    let started = Instant::now();
+    let until = crate::time::saturating_add(started, options.wait);
+    let busy = |keys: &[String]| LockError::Busy {
+        key: keys[0].clone(),
+        waited: started.elapsed(),
+    };
+    let lost_key = |found: &[Found], keys: &[String]| {
+        let i = found.iter().position(|f| f.lease.is_lost()).unwrap_or(0);
+        LockError::Lost {
+            key: keys[i].clone(),
+        }
+    };
+    if found.iter().any(|f| f.lease.is_lost()) {
+        return Err(lost_key(&found, &keys));
+    }
+    let mut gates: Vec<(usize, Arc<tokio::sync::Semaphore>)> = Vec::new();
+    for f in &found {
+        if !gates.iter().any(|(_, g)| Arc::ptr_eq(g, &f.gate)) {
+            gates.push((f.depth, f.gate.clone()));
+        }
+    }
+    gates.sort_by_key(|(depth, _)| *depth);
+    let mut any_lost = futures_util::future::select_all(
+        found
+            .iter()
+            .map(|f| Box::pin(f.lease.lost.clone().cancelled_owned())),
+    );
+    let mut permits = Vec::with_capacity(gates.len());
+    for (_, gate) in gates {
+        let permit = match gate.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) if options.wait.is_zero() => return Err(busy(&keys)),
+            Err(_) => tokio::select! {
+                permit = tokio::time::timeout_at(until.into(), gate.acquire_owned()) => match permit {
+                    Ok(Ok(permit)) => permit,
+                    _ => return Err(busy(&keys)),
+                },
+                _ = &mut any_lost => return Err(lost_key(&found, &keys)),
+            },
+        };
+        permits.push(permit);
+    }
+    let mut added = Vec::with_capacity(found.len());
+    for f in &found {
+        if !f.lease.add_nested_hold() {
+            for lease in added {
+                HeldLease::drop_nested_hold(lease);
+            }
+            return Err(lost_key(&found, &keys));
+        }
+        added.push(&*f.lease);
+    }
+    // One loss signal for the hold: any of its leases lost.
+    let lost = CancellationToken::new();
+    let stop = CancellationToken::new();
+    let (signal, stopped) = (lost.clone(), stop.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = any_lost => signal.cancel(),
+            () = stopped.cancelled() => {}
+        }
+    });
+    tracing::trace!(parent: &found[0].lease.span, keys = ?keys, "dlock reentrant hold of several keys");
+    let leases: Vec<Arc<HeldLease>> = found.into_iter().map(|f| f.lease).collect();
+    Ok(LockGuard::of_hold(
+        Hold {
+            leases: leases.into(),
+            lost,
+        },
+        Some(permits),
+        Some(stop.drop_guard()),
+    ))
 }
 
 /// Runs the acquisition on the I/O runtime. A caller that stops waiting (its
