@@ -9,6 +9,7 @@ pub use crate::outcome::{LockOutcome, SkipOutcome};
 pub use std::format;
 pub use std::string::String;
 pub use std::time::Duration;
+pub use std::vec::Vec;
 
 use crate::error::LockError;
 use crate::lease::{Keys, LockOptions, acquire, acquire_all, global};
