@@ -127,9 +127,14 @@ impl Hold {
         self.lost.is_cancelled() || self.leases.iter().any(|l| l.is_lost())
     }
 
-    /// The key to name in a loss: the first lost one, else the first.
+    /// The key to name in a loss: the first one whose own loss was
+    /// signalled, else the first known lost, else the first.
     pub(crate) fn lost_key(&self) -> &str {
-        let lost = self.leases.iter().find(|l| l.is_lost());
+        let lost = self
+            .leases
+            .iter()
+            .find(|l| l.lost_itself())
+            .or_else(|| self.leases.iter().find(|l| l.is_lost()));
         &lost.unwrap_or(&self.leases[0]).user_key
     }
 }

@@ -136,6 +136,11 @@ impl LockGuard {
         self.hold().lost_key()
     }
 
+    /// Whether the loss of one of this guard's own leases was signalled.
+    pub(super) fn lost_itself(&self) -> bool {
+        self.hold().leases.iter().any(|l| l.lost_itself())
+    }
+
     /// Whether the lease is known to be lost: reported lost, or past the
     /// instant at which its holder must give it up (before the server's
     /// expiry) without a renewal — even before the watchdog has looked. For

@@ -487,7 +487,8 @@ pub(crate) async fn acquire_all(
         let Some(answer) = answer else {
             let key = taken
                 .iter()
-                .find(|g| g.is_lost())
+                .find(|g| g.lost_itself())
+                .or_else(|| taken.iter().find(|g| g.is_lost()))
                 .unwrap_or(&taken[0])
                 .key()
                 .to_owned();
@@ -510,6 +511,17 @@ pub(crate) async fn acquire_all(
         }
     }
     let leases: Vec<Arc<HeldLease>> = taken.into_iter().map(LockGuard::into_lease).collect();
+    // The keys of the hold are renewed together, from the first one due on.
+    if let Some(first_due) = leases
+        .iter()
+        .map(|l| l.sched().machine.next_renewal())
+        .min()
+    {
+        for lease in &leases {
+            lease.sched().machine.renew_no_later_than(first_due);
+            registry.inner.watchdog.reschedule(lease);
+        }
+    }
     let guard = LockGuard::of_hold(
         Hold {
             leases: leases.into(),
