@@ -44,6 +44,10 @@ pub(crate) struct HeldLease {
     /// Whether the loss of this lease itself was signalled (not another key's
     /// of its hold).
     lost_itself: AtomicBool,
+    /// The token the backend cancels when it learns on its own that this
+    /// lease is gone: `lost` itself for a single key, this key's own for a
+    /// hold of several (the hold passes it on to `lost`).
+    backend_lost: CancellationToken,
     /// Nested guards alive for this acquisition.
     nested_holds: AtomicUsize,
     pub(crate) acquired_at: Instant,
@@ -66,6 +70,7 @@ pub(crate) struct NewLease {
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
     pub(crate) lost: CancellationToken,
+    pub(crate) backend_lost: CancellationToken,
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
@@ -88,6 +93,7 @@ impl HeldLease {
             hold_at_least: n.hold_at_least,
             lost: n.lost,
             lost_itself: AtomicBool::new(false),
+            backend_lost: n.backend_lost,
             nested_holds: AtomicUsize::new(0),
             acquired_at: now,
             span: n.span,
@@ -127,7 +133,7 @@ impl HeldLease {
     /// Whether the loss of this lease itself was signalled (for a hold of
     /// several keys: this key is the one lost).
     pub(crate) fn lost_itself(&self) -> bool {
-        self.lost_itself.load(Ordering::Acquire)
+        self.lost_itself.load(Ordering::Acquire) || self.backend_lost.is_cancelled()
     }
 
     /// Tells the holder that the lease is lost (once), with the reason.

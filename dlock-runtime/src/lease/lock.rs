@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
 use super::background::Releasing;
@@ -197,12 +197,8 @@ fn owner_token() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// The acquisition shared by the builder and the attribute.
-pub(crate) async fn acquire(
-    registry: &Registry,
-    options: &LockOptions,
-    key: String,
-) -> Result<LockGuard, LockError> {
+/// The backend a lock is taken on, once the options and the registry allow it.
+fn checked_backend(registry: &Registry, options: &LockOptions) -> Result<BackendEntry, LockError> {
     if options.lease < MIN_LEASE {
         return Err(LockError::config(format!(
             "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
@@ -212,31 +208,51 @@ pub(crate) async fn acquire(
     if registry.inner.leases.is_closing() {
         return Err(LockError::ShutDown);
     }
-    let entry = registry.backend(options.backend.as_deref())?.clone();
+    Ok(registry.backend(options.backend.as_deref())?.clone())
+}
+
+/// The stored form of a user's key (with the registry's prefix), checked
+/// by the runtime and by the backend.
+fn stored_key(registry: &Registry, entry: &BackendEntry, key: &str) -> Result<String, LockError> {
     let prefix = registry.key_prefix();
-    crate::key::check(&key, prefix)?;
+    crate::key::check(key, prefix)?;
     let stored_key = format!("{prefix}{key}");
     entry
         .backend
         .check_key(&stored_key)
-        .map_err(|reason| LockError::invalid_key(&key, reason))?;
+        .map_err(|reason| LockError::invalid_key(key, reason))?;
+    Ok(stored_key)
+}
+
+/// The acquisition shared by the builder and the attribute.
+pub(crate) async fn acquire(
+    registry: &Registry,
+    options: &LockOptions,
+    key: String,
+) -> Result<LockGuard, LockError> {
+    let entry = checked_backend(registry, options)?;
+    let stored_key = stored_key(registry, &entry, &key)?;
 
     if let Some(found) = context::find(registry.inner.id, &entry.name, &stored_key) {
         return enter_nested(found, options, key).await;
     }
+    let lost = CancellationToken::new();
     acquire_new(
         registry,
         &entry,
         options,
         key,
         stored_key,
-        CancellationToken::new(),
+        lost.clone(),
+        lost,
     )
     .await
 }
 
-/// A new lease on `key` (checked, and held nowhere up this call chain);
-/// `lost` is cancelled when it is lost (shared by the keys of one hold).
+/// A new lease on `key` (checked, and held nowhere up this call chain).
+/// `lost` is cancelled when it is lost (shared by the keys of one hold);
+/// the backend cancels `backend_lost` when it learns on its own that the
+/// key is gone (`lost` itself for a single key).
 async fn acquire_new(
     registry: &Registry,
     entry: &BackendEntry,
@@ -244,6 +260,7 @@ async fn acquire_new(
     key: String,
     stored_key: String,
     lost: CancellationToken,
+    backend_lost: CancellationToken,
 ) -> Result<LockGuard, LockError> {
     let leases = &registry.inner.leases;
     // Counted by shutdown until this returns: a grant on its way is either
@@ -270,7 +287,7 @@ async fn acquire_new(
         owner: owner_token(),
         lease: options.lease,
         wait: options.wait,
-        lost: lost.clone(),
+        lost: backend_lost.clone(),
     };
     let started = Instant::now();
     let backend = entry.backend.clone();
@@ -340,6 +357,7 @@ async fn acquire_new(
         renew: options.watchdog,
         hold_at_least: options.hold_at_least,
         lost,
+        backend_lost,
         span,
         watchdog: registry.inner.watchdog.clone(),
         leases: registry.inner.leases.clone(),
@@ -427,27 +445,11 @@ pub(crate) async fn acquire_all(
         let key = keys.pop().expect("one key");
         return acquire(registry, options, key).await;
     }
-    if options.lease < MIN_LEASE {
-        return Err(LockError::config(format!(
-            "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
-            options.lease
-        )));
-    }
-    if registry.inner.leases.is_closing() {
-        return Err(LockError::ShutDown);
-    }
-    let entry = registry.backend(options.backend.as_deref())?.clone();
-    let prefix = registry.key_prefix();
-    let mut stored = Vec::with_capacity(keys.len());
-    for key in &keys {
-        crate::key::check(key, prefix)?;
-        let stored_key = format!("{prefix}{key}");
-        entry
-            .backend
-            .check_key(&stored_key)
-            .map_err(|reason| LockError::invalid_key(key, reason))?;
-        stored.push(stored_key);
-    }
+    let entry = checked_backend(registry, options)?;
+    let stored = keys
+        .iter()
+        .map(|key| stored_key(registry, &entry, key))
+        .collect::<Result<Vec<_>, _>>()?;
 
     let found: Vec<Option<Found>> = stored
         .iter()
@@ -469,15 +471,20 @@ pub(crate) async fn acquire_all(
     let started = Instant::now();
     let until = crate::time::saturating_add(started, options.wait);
     let lost = CancellationToken::new();
+    // Each key's own token, for a backend that learns of a loss on its own;
+    // any of them cancelled is the loss of the hold.
+    let backend_lost: Vec<CancellationToken> =
+        keys.iter().map(|_| CancellationToken::new()).collect();
+    let joined_loss = join_losses(&backend_lost, &lost);
     // Dropped (an error, a cancelled acquisition): what was taken is released
     // at once, in the background.
     let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
-    for (key, stored_key) in keys.into_iter().zip(stored) {
+    for ((key, stored_key), own) in keys.into_iter().zip(stored).zip(backend_lost) {
         let mut one = options.clone();
         if options.wait != Duration::MAX {
             one.wait = until.saturating_duration_since(Instant::now());
         }
-        let next = acquire_new(registry, &entry, &one, key, stored_key, lost.clone());
+        let next = acquire_new(registry, &entry, &one, key, stored_key, lost.clone(), own);
         let answer = tokio::select! {
             biased;
             // A key taken first was lost while this one was awaited.
@@ -528,7 +535,7 @@ pub(crate) async fn acquire_all(
             lost,
         },
         None,
-        None,
+        Some(joined_loss),
     );
     if guard.is_lost() {
         // A key taken first ran out while a later one was awaited.
@@ -606,15 +613,10 @@ async fn enter_nested_all(
         added.push(&*f.lease);
     }
     // One loss signal for the hold: any of its leases lost.
+    drop(any_lost);
     let lost = CancellationToken::new();
-    let stop = CancellationToken::new();
-    let (signal, stopped) = (lost.clone(), stop.clone());
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = any_lost => signal.cancel(),
-            () = stopped.cancelled() => {}
-        }
-    });
+    let leases_lost: Vec<CancellationToken> = found.iter().map(|f| f.lease.lost.clone()).collect();
+    let joined_loss = join_losses(&leases_lost, &lost);
     tracing::trace!(parent: &found[0].lease.span, keys = ?keys, "dlock reentrant hold of several keys");
     let leases: Vec<Arc<HeldLease>> = found.into_iter().map(|f| f.lease).collect();
     Ok(LockGuard::of_hold(
@@ -623,8 +625,26 @@ async fn enter_nested_all(
             lost,
         },
         Some(permits),
-        Some(stop.drop_guard()),
+        Some(joined_loss),
     ))
+}
+
+/// Cancels `hold` as soon as any of `parts` is cancelled, until the guard
+/// returned is dropped.
+fn join_losses(parts: &[CancellationToken], hold: &CancellationToken) -> DropGuard {
+    let stop = CancellationToken::new();
+    let any = futures_util::future::select_all(
+        parts.iter().map(|t| Box::pin(t.clone().cancelled_owned())),
+    );
+    let (hold, stopped) = (hold.clone(), stop.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = any => hold.cancel(),
+            () = stopped.cancelled() => {}
+            () = hold.cancelled() => {}
+        }
+    });
+    stop.drop_guard()
 }
 
 /// Runs the acquisition on the I/O runtime. A caller that stops waiting (its
