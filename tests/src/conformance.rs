@@ -335,7 +335,13 @@ async fn revoke_and_expect_the_body_cancelled(
     call: tokio::task::JoinHandle<Result<(), AppError>>,
     counter: &AtomicUsize,
 ) -> Result<(), AppError> {
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Once the body runs: every key is held.
+    let until = Instant::now() + 10 * SECOND;
+    while counter.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < until, "the body never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let revoked_at = Instant::now();
     h.faults.revoke(&h.stored(key)).await;
     let result = call.await.expect("task");

@@ -637,7 +637,8 @@ fn join_losses(parts: &[CancellationToken], hold: &CancellationToken) -> DropGua
         parts.iter().map(|t| Box::pin(t.clone().cancelled_owned())),
     );
     let (hold, stopped) = (hold.clone(), stop.clone());
-    tokio::spawn(async move {
+    // On dlock's own runtime: it outlives the caller's.
+    crate::driver::handle().spawn(async move {
         tokio::select! {
             _ = any => hold.cancel(),
             () = stopped.cancelled() => {}
