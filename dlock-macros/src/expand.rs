@@ -135,34 +135,40 @@ fn generate(model: &Model) -> TokenStream {
         None => quote!(::core::option::Option::None),
     };
 
-    // The key: `format!("order:{}", &order.id)`, identifiers spanned at the key
-    // literal so that they resolve to the function's parameters.
-    let key_span = model.key.span();
-    let mut format = String::new();
-    let mut key_args = Vec::new();
-    for piece in &model.key_pieces {
-        match piece {
-            Piece::Text(text) => format.push_str(&text.replace('{', "{{").replace('}', "}}")),
-            Piece::Placeholder(p) => {
-                format.push_str("{}");
-                let root = ident(&p.root, key_span);
-                let fields = p.fields.iter().map(|field| match field {
-                    Field::Named(name) => Member::Named(ident(name, key_span)),
-                    Field::Index(index) => Member::Unnamed(syn::Index {
-                        index: *index,
-                        span: key_span,
-                    }),
-                });
-                key_args.push(quote_spanned!(key_span=> &#root #(.#fields)*));
-            }
-        }
-    }
-    let format = LitStr::new(&format, key_span);
+    // Each key: `format!("order:{}", &order.id)`, identifiers spanned at the
+    // key literal so that they resolve to the function's parameters.
     // The `format!` path resolves at the call site even for a `crate = "…"` path
     // (keeping its location): with the user's spans, clippy would take the macro
     // call for user code and flag `format!("literal")` of constant keys
     // (`useless_format`).
     let format_k = respan_call_site(krate(model, Span::call_site()));
+    let formats = model.keys.iter().map(|template| {
+        let key_span = template.lit.span();
+        let mut format = String::new();
+        let mut key_args = Vec::new();
+        for piece in &template.pieces {
+            match piece {
+                Piece::Text(text) => {
+                    format.push_str(&text.replace('{', "{{").replace('}', "}}"));
+                }
+                Piece::Placeholder(p) => {
+                    format.push_str("{}");
+                    let root = ident(&p.root, key_span);
+                    let fields = p.fields.iter().map(|field| match field {
+                        Field::Named(name) => Member::Named(ident(name, key_span)),
+                        Field::Index(index) => Member::Unnamed(syn::Index {
+                            index: *index,
+                            span: key_span,
+                        }),
+                    });
+                    key_args.push(quote_spanned!(key_span=> &#root #(.#fields)*));
+                }
+            }
+        }
+        let format = LitStr::new(&format, key_span);
+        quote!(#format_k::__private::format!(#format #(, #key_args)*))
+    });
+    let formats: Vec<TokenStream> = formats.collect();
 
     // Hygienic names: invisible to the user's body.
     let spec = Ident::new("__DLOCK_SPEC", Span::mixed_site());
@@ -191,9 +197,11 @@ fn generate(model: &Model) -> TokenStream {
             (quote_spanned!(span=> ()), span)
         }
     };
-    let run = match model.on_busy.value {
-        BusyPolicy::Fail => Ident::new("run_fail", anchor),
-        BusyPolicy::Skip => Ident::new("run_skip", anchor),
+    let run = match (model.on_busy.value, model.several) {
+        (BusyPolicy::Fail, false) => Ident::new("run_fail", anchor),
+        (BusyPolicy::Skip, false) => Ident::new("run_skip", anchor),
+        (BusyPolicy::Fail, true) => Ident::new("run_fail_all", anchor),
+        (BusyPolicy::Skip, true) => Ident::new("run_skip_all", anchor),
     };
     // A `crate = "…"` path is moved to the anchor too (otherwise the call would span
     // from the attribute to the return type); a path that does not resolve is then
@@ -212,6 +220,15 @@ fn generate(model: &Model) -> TokenStream {
         #call_k::__private::#run::<#ret_ty, _>(&#spec, #key, async move #user_block).await #semi
     };
 
+    let key_binding = if model.several {
+        quote! {
+            let #key: #k::__private::Vec<#k::__private::String> =
+                #k::__private::Vec::from([#(#formats),*]);
+        }
+    } else {
+        quote!(let #key: #k::__private::String = #(#formats)*;)
+    };
+
     quote_spanned! {body_span=>
         #(#outer_attrs)*
         #vis #sig {
@@ -227,7 +244,7 @@ fn generate(model: &Model) -> TokenStream {
                 hold_at_least: #hold_at_least,
                 backend: #backend,
             };
-            let #key: #k::__private::String = #format_k::__private::format!(#format #(, #key_args)*);
+            #key_binding
             #call
         }
     }
@@ -359,6 +376,24 @@ mod tests {
             "hold_at_least:::core::option::Option::Some(my::rt::__private::Duration::new(1,500000000))",
             "backend:::core::option::Option::Some(\"zk\")",
             "format!(\"{{x}}:{}:{}\",&self.0,&p.a.1)",
+        ] {
+            assert!(compact.contains(expected), "missing {expected} in\n{out}");
+        }
+    }
+
+    #[test]
+    fn several_keys_build_one_list() {
+        let out = expand_str(
+            r#"keys = ["acct:{from.id}", "acct:{to.id}"], on_busy = "skip""#,
+            "async fn transfer(from: &Acct, to: &Acct) -> Option<u8> { None }",
+        );
+        let compact: String = out.split_whitespace().collect();
+        for expected in [
+            "let__dlock_key:::dlock_runtime::__private::Vec<::dlock_runtime::__private::String>=\
+             ::dlock_runtime::__private::Vec::from([\
+             ::dlock_runtime::__private::format!(\"acct:{}\",&from.id),\
+             ::dlock_runtime::__private::format!(\"acct:{}\",&to.id)]);",
+            "::dlock_runtime::__private::run_skip_all::<Option<u8>,_>(&__DLOCK_SPEC,__dlock_key,",
         ] {
             assert!(compact.contains(expected), "missing {expected} in\n{out}");
         }

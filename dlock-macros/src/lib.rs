@@ -33,6 +33,7 @@
 //! | argument | value | meaning | default |
 //! |---|---|---|---|
 //! | `key` (required) | string template | the lock's name; `{name}` or `{name.field.field}` interpolates a parameter with `Display` (`{self.id}` in methods, `{pair.0}` for tuple fields); `{{` and `}}` are literal braces | — |
+//! | `keys` | list of string templates | instead of `key`: several keys in one hold, all or nothing, taken in one canonical order (sorted, de-duplicated) so that holds naming them in any order never deadlock; each template is checked like `key`; `key` with `keys`, an empty list or a literal duplicate is an error | — |
 //! | `wait` | duration string | how long to wait for a busy lock before the busy policy applies; `"0s"` tries once | `"0s"` |
 //! | `lease` | duration string, at least `"100ms"` | lease length; the watchdog renews it every `lease / 3` while the body runs | `"30s"` |
 //! | `on_busy` | `"fail"` or `"skip"` | `"fail"`: return the busy error; `"skip"`: do not run the body, return the skip value | `"fail"` |

@@ -12,6 +12,7 @@ use syn::{Ident, Lit, LitBool, LitStr, Token};
 
 mod kw {
     syn::custom_keyword!(key);
+    syn::custom_keyword!(keys);
     syn::custom_keyword!(wait);
     syn::custom_keyword!(lease);
     syn::custom_keyword!(on_busy);
@@ -24,12 +25,14 @@ mod kw {
 
 /// Every argument name, in the order the docs list them.
 pub(crate) const ALLOWED: &str =
-    "key, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, backend, crate";
+    "key, keys, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, backend, crate";
 
 /// The parsed (not yet validated) arguments.
 #[derive(Default)]
 pub(crate) struct Args {
     pub(crate) key: Option<LitStr>,
+    /// `keys = [..]`: the templates and the span of the list.
+    pub(crate) keys: Option<(Vec<LitStr>, Span)>,
     pub(crate) wait: Option<LitStr>,
     pub(crate) lease: Option<LitStr>,
     pub(crate) on_busy: Option<LitStr>,
@@ -42,6 +45,8 @@ pub(crate) struct Args {
     /// Whether a `key` argument was written, even one with a bad value (so that a
     /// bad key is not also reported as a missing one).
     pub(crate) key_written: bool,
+    /// The same for `keys`.
+    pub(crate) keys_written: bool,
     /// Every parse error, combined; `None` if there were none.
     pub(crate) errors: Option<syn::Error>,
 }
@@ -50,6 +55,7 @@ pub(crate) struct Args {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Name {
     Key,
+    Keys,
     Wait,
     Lease,
     OnBusy,
@@ -65,6 +71,7 @@ impl Name {
     fn as_str(self) -> &'static str {
         match self {
             Name::Key => "key",
+            Name::Keys => "keys",
             Name::Wait => "wait",
             Name::Lease => "lease",
             Name::OnBusy => "on_busy",
@@ -81,6 +88,7 @@ impl Name {
     fn example(self) -> &'static str {
         match self {
             Name::Key => "key = \"order:{order.id}\"",
+            Name::Keys => "keys = [\"acct:{from.id}\", \"acct:{to.id}\"]",
             Name::Wait => "wait = \"3s\"",
             Name::Lease => "lease = \"30s\"",
             Name::OnBusy => "on_busy = \"fail\"",
@@ -97,6 +105,7 @@ impl Name {
     fn expects(self) -> &'static str {
         match self {
             Name::Key => "a string literal template",
+            Name::Keys => "a list of string literal templates",
             Name::Wait | Name::Lease | Name::HoldAtLeast => "a duration string",
             Name::OnBusy => "a string, \"fail\" or \"skip\"",
             Name::OnLost => "a string, \"cancel\" or \"continue\"",
@@ -110,6 +119,8 @@ impl Name {
 /// A well-formed value.
 enum Value {
     Str(LitStr),
+    /// `keys`: the templates and the span of the list.
+    Strs(Vec<LitStr>, Span),
     Bool(LitBool),
 }
 
@@ -137,6 +148,11 @@ impl Parse for Args {
             {
                 args.key_written = true;
             }
+            if let Some(TokenTree::Ident(name)) = chunk.clone().into_iter().next()
+                && name == "keys"
+            {
+                args.keys_written = true;
+            }
             match (|input: ParseStream<'_>| parse_arg(input)).parse2(chunk) {
                 Ok((name, name_span, value)) => args.set(name, name_span, value),
                 Err(e) => args.error(e),
@@ -159,6 +175,7 @@ impl Args {
             (Name::Watchdog, Value::Bool(b)) => replace(&mut self.watchdog, b),
             (Name::Fencing, Value::Bool(b)) => replace(&mut self.fencing, b),
             (Name::Key, Value::Str(s)) => replace(&mut self.key, s),
+            (Name::Keys, Value::Strs(list, span)) => replace(&mut self.keys, (list, span)),
             (Name::Wait, Value::Str(s)) => replace(&mut self.wait, s),
             (Name::Lease, Value::Str(s)) => replace(&mut self.lease, s),
             (Name::OnBusy, Value::Str(s)) => replace(&mut self.on_busy, s),
@@ -166,8 +183,8 @@ impl Args {
             (Name::HoldAtLeast, Value::Str(s)) => replace(&mut self.hold_at_least, s),
             (Name::Backend, Value::Str(s)) => replace(&mut self.backend, s),
             (Name::Crate, Value::Str(s)) => replace(&mut self.krate, s),
-            // `parse_value` only returns a bool for `watchdog` and `fencing`, and
-            // a string otherwise.
+            // `parse_value` only returns a bool for `watchdog` and `fencing`, a
+            // list for `keys` and a string otherwise.
             _ => false,
         };
         if duplicate {
@@ -245,6 +262,7 @@ fn parse_name(input: ParseStream<'_>) -> syn::Result<(Name, Span)> {
         };
     }
     keywords! {
+        kw::keys => Name::Keys,
         kw::key => Name::Key,
         kw::wait => Name::Wait,
         kw::lease => Name::Lease,
@@ -315,6 +333,30 @@ fn parse_value(name: Name, tokens: TokenStream) -> syn::Result<Value> {
             ),
         )
     };
+    if name == Name::Keys {
+        let Ok(list) = syn::parse2::<syn::ExprArray>(tokens.clone()) else {
+            return Err(wrong(String::new()));
+        };
+        let span = list.bracket_token.span.join();
+        let mut templates = Vec::with_capacity(list.elems.len());
+        for elem in &list.elems {
+            match elem {
+                syn::Expr::Lit(syn::ExprLit {
+                    lit: Lit::Str(s), ..
+                }) => templates.push(s.clone()),
+                other => {
+                    return Err(syn::Error::new_spanned(
+                        other,
+                        format!(
+                            "each key of `keys` must be a string literal template, e.g. `{}`",
+                            name.example()
+                        ),
+                    ));
+                }
+            }
+        }
+        return Ok(Value::Strs(templates, span));
+    }
     let Ok(lit) = syn::parse2::<Lit>(tokens.clone()) else {
         return Err(wrong(String::new()));
     };
@@ -381,7 +423,7 @@ mod tests {
         assert_eq!(
             errors(r#"key = "k", timeout = "3s""#),
             [
-                "unknown argument `timeout` (allowed: key, wait, lease, on_busy, on_lost, \
+                "unknown argument `timeout` (allowed: key, keys, wait, lease, on_busy, on_lost, \
               watchdog, fencing, hold_at_least, backend, crate)"
             ]
         );

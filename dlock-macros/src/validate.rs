@@ -25,9 +25,11 @@ pub(crate) struct Model {
     pub(crate) func: ItemFn,
     /// The runtime crate path (`crate = "…"`), or `None` for `::dlock_runtime`.
     pub(crate) krate: Option<Path>,
-    /// The key literal (for spans) and its parsed pieces.
-    pub(crate) key: LitStr,
-    pub(crate) key_pieces: Vec<Piece>,
+    /// The key templates (one for `key`, one or more for `keys`): each literal
+    /// (for spans) and its parsed pieces.
+    pub(crate) keys: Vec<KeyTemplate>,
+    /// Whether the keys came as `keys = [..]` (one hold of several keys).
+    pub(crate) several: bool,
     pub(crate) wait: Spanned<Duration>,
     pub(crate) lease: Spanned<Duration>,
     pub(crate) on_busy: Spanned<BusyPolicy>,
@@ -36,6 +38,12 @@ pub(crate) struct Model {
     pub(crate) fencing: Spanned<bool>,
     pub(crate) hold_at_least: Option<Spanned<Duration>>,
     pub(crate) backend: Option<LitStr>,
+}
+
+/// One key template: its literal (for spans) and its parsed pieces.
+pub(crate) struct KeyTemplate {
+    pub(crate) lit: LitStr,
+    pub(crate) pieces: Vec<Piece>,
 }
 
 /// A value and the span of the token it came from (the call site for defaults).
@@ -90,38 +98,77 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
     }
     let sig = &func.sig;
 
-    // key
-    let mut key_pieces = Vec::new();
-    match &args.key {
-        None if args.key_written => {}
-        None => errors.at(
+    // key, keys
+    let mut keys = Vec::new();
+    let mut check_template = |errors: &mut Errors, name: &str, lit: &LitStr| {
+        let text = lit.value();
+        if text.is_empty() {
+            let example = if name == "key" {
+                "key = \"order:{order.id}\""
+            } else {
+                "keys = [\"acct:{from.id}\", \"acct:{to.id}\"]"
+            };
+            errors.at(
+                lit.span(),
+                format!("`{name}` must not be empty, e.g. {example}"),
+            );
+        }
+        let (pieces, messages) = template::parse_lenient(&text);
+        for message in messages {
+            errors.at(lit.span(), message);
+        }
+        let params = template::param_names(sig);
+        for piece in &pieces {
+            if let Piece::Placeholder(p) = piece
+                && !params.contains(&p.root)
+            {
+                errors.at(lit.span(), unknown_param(&p.raw, &p.root, sig, &params));
+            }
+        }
+        keys.push(KeyTemplate {
+            lit: lit.clone(),
+            pieces,
+        });
+    };
+    match (&args.key, &args.keys) {
+        (Some(_), Some((_, span))) => errors.at(
+            *span,
+            "`key` and `keys` cannot be used together: name one key with `key = \"..\"`, \
+             or every key of the hold with `keys = [..]`",
+        ),
+        (None, None) if args.key_written || args.keys_written => {}
+        (None, None) => errors.at(
             Span::call_site(),
             "missing required argument `key`, e.g. \
              #[distributed_lock(key = \"order:{order.id}\")]",
         ),
-        Some(key) => {
-            let text = key.value();
-            if text.is_empty() {
+        (Some(key), None) => check_template(&mut errors, "key", key),
+        (None, Some((list, span))) => {
+            if list.is_empty() {
                 errors.at(
-                    key.span(),
-                    "`key` must not be empty, e.g. key = \"order:{order.id}\"",
+                    *span,
+                    "`keys` must not be empty: name every key of the hold, \
+                     e.g. keys = [\"acct:{from.id}\", \"acct:{to.id}\"]",
                 );
             }
-            let (pieces, messages) = template::parse_lenient(&text);
-            for message in messages {
-                errors.at(key.span(), message);
-            }
-            let params = template::param_names(sig);
-            for piece in &pieces {
-                if let Piece::Placeholder(p) = piece
-                    && !params.contains(&p.root)
+            for (i, lit) in list.iter().enumerate() {
+                if list[..i]
+                    .iter()
+                    .any(|earlier| earlier.value() == lit.value())
                 {
-                    errors.at(key.span(), unknown_param(&p.raw, &p.root, sig, &params));
+                    errors.at(
+                        lit.span(),
+                        format!(
+                            "duplicate key `{}` in `keys`: each key of a hold is named once",
+                            lit.value()
+                        ),
+                    );
                 }
+                check_template(&mut errors, "keys", lit);
             }
-            key_pieces = pieces;
         }
     }
+    let several = args.keys.is_some();
 
     // Durations.
     let mut duration = |lit: Option<&LitStr>, default: Duration| match lit {
@@ -237,13 +284,20 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
     if let Some(errors) = errors.0 {
         return Err(errors);
     }
-    match (args.key, wait, lease, on_busy, on_lost, hold_at_least) {
-        (Some(key), Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least) => {
+    match (
+        keys.is_empty(),
+        wait,
+        lease,
+        on_busy,
+        on_lost,
+        hold_at_least,
+    ) {
+        (false, Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least) => {
             Ok(Model {
                 func,
                 krate,
-                key,
-                key_pieces,
+                keys,
+                several,
                 wait,
                 lease,
                 on_busy,
@@ -419,6 +473,68 @@ mod tests {
         assert!(errors[7].starts_with("`backend` must not be empty"));
         assert!(errors[8].starts_with("invalid `crate` path `not a path`"));
         assert!(errors[9].contains("can only be used on an `async fn`"));
+    }
+
+    #[test]
+    fn several_keys() {
+        let model = check(
+            r#"keys = ["acct:{from}", "acct:{to}"]"#,
+            "async fn transfer(from: u32, to: u32) {}",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(model.several);
+        assert_eq!(model.keys.len(), 2);
+        assert_eq!(model.keys[1].lit.value(), "acct:{to}");
+        assert!(!check(r#"key = "k""#, "async fn f() {}").unwrap().several);
+    }
+
+    #[test]
+    fn key_and_keys_together() {
+        assert_eq!(
+            messages(r#"key = "a", keys = ["b", "c"]"#, "async fn f() {}"),
+            [
+                "`key` and `keys` cannot be used together: name one key with `key = \"..\"`, \
+                 or every key of the hold with `keys = [..]`"
+            ]
+        );
+    }
+
+    #[test]
+    fn empty_keys() {
+        assert_eq!(
+            messages("keys = []", "async fn f() {}"),
+            ["`keys` must not be empty: name every key of the hold, \
+                 e.g. keys = [\"acct:{from.id}\", \"acct:{to.id}\"]"]
+        );
+    }
+
+    #[test]
+    fn duplicate_literal_in_keys() {
+        assert_eq!(
+            messages(r#"keys = ["a:{x}", "b", "a:{x}"]"#, "async fn f(x: u8) {}"),
+            ["duplicate key `a:{x}` in `keys`: each key of a hold is named once"]
+        );
+    }
+
+    #[test]
+    fn each_of_keys_is_checked_like_key() {
+        let e = messages(
+            r#"keys = ["a:{x}", "", "b:{nope}"]"#,
+            "async fn f(x: u8) {}",
+        );
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e[0].starts_with("`keys` must not be empty"), "{e:?}");
+        assert!(
+            e[1].starts_with("placeholder `{nope}` names no parameter"),
+            "{e:?}"
+        );
+        let e = messages(r#"keys = ["a", 1]"#, "async fn f() {}");
+        assert!(
+            e[0].starts_with("each key of `keys` must be a string literal"),
+            "{e:?}"
+        );
+        // A `keys` with a bad value is not also reported as a missing key.
+        assert_eq!(e.len(), 1, "{e:?}");
     }
 
     #[test]

@@ -78,7 +78,7 @@ pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};
 pub use lease::{
     CurrentLock, DEFAULT_LEASE, IntoBackend, LockBuilder, LockGuard, Registry, RegistryBuilder,
-    ShutdownReport, current, global, init, lock, shutdown,
+    ShutdownReport, current, global, init, lock, lock_all, shutdown,
 };
 pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
 pub use time::MIN_LEASE;

@@ -9,9 +9,10 @@ pub use crate::outcome::{LockOutcome, SkipOutcome};
 pub use std::format;
 pub use std::string::String;
 pub use std::time::Duration;
+pub use std::vec::Vec;
 
 use crate::error::LockError;
-use crate::lease::{LockOptions, acquire, global};
+use crate::lease::{Keys, LockOptions, acquire, acquire_all, global};
 
 /// What to do when the lock is busy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +61,7 @@ pub async fn run_fail<R: LockOutcome, F: Future<Output = R>>(
     key: String,
     body: F,
 ) -> R {
-    run(spec, key, body, None).await
+    run(spec, Keys::One(key), body, None).await
 }
 
 /// Runs `body` under the lock, with `on_busy = "skip"`.
@@ -69,12 +70,30 @@ pub async fn run_skip<R: SkipOutcome, F: Future<Output = R>>(
     key: String,
     body: F,
 ) -> R {
-    run(spec, key, body, Some(R::skipped)).await
+    run(spec, Keys::One(key), body, Some(R::skipped)).await
+}
+
+/// Runs `body` under one hold of several keys (`keys = [..]`), with `on_busy = "fail"`.
+pub async fn run_fail_all<R: LockOutcome, F: Future<Output = R>>(
+    spec: &'static Spec,
+    keys: Vec<String>,
+    body: F,
+) -> R {
+    run(spec, Keys::All(keys), body, None).await
+}
+
+/// Runs `body` under one hold of several keys (`keys = [..]`), with `on_busy = "skip"`.
+pub async fn run_skip_all<R: SkipOutcome, F: Future<Output = R>>(
+    spec: &'static Spec,
+    keys: Vec<String>,
+    body: F,
+) -> R {
+    run(spec, Keys::All(keys), body, Some(R::skipped)).await
 }
 
 async fn run<R: LockOutcome, F: Future<Output = R>>(
     spec: &'static Spec,
-    key: String,
+    keys: Keys,
     body: F,
     skipped: Option<fn() -> R>,
 ) -> R {
@@ -89,7 +108,11 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         hold_at_least: spec.hold_at_least,
         backend: spec.backend.map(Cow::Borrowed),
     };
-    let guard = match acquire(registry, &options, key).await {
+    let acquired = match keys {
+        Keys::One(key) => acquire(registry, &options, key).await,
+        Keys::All(keys) => acquire_all(registry, &options, keys).await,
+    };
+    let guard = match acquired {
         Ok(guard) => guard,
         Err(err) => {
             return match (err, skipped) {
@@ -120,7 +143,11 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         }
         LostPolicy::Continue => Some(body.await),
     };
-    let key = guard.key().to_owned();
+    let key = if finished.is_some() {
+        guard.key().to_owned()
+    } else {
+        guard.lost_key().to_owned()
+    };
     let Some(out) = finished else {
         // Return the loss at once: dropping the guard hands the owner-checked
         // release to dlock's runtime (it still frees the key when only our side

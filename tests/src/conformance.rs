@@ -323,9 +323,27 @@ async fn lost_lease_cancels_the_body(h: &Harness) {
         let (key, counter) = (key.clone(), counter.clone());
         async move { counts_until_cancelled(&key, &counter).await }
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _lost = revoke_and_expect_the_body_cancelled(h, &key, call, &counter).await;
+    assert!(started.elapsed() < 4 * SECOND, "the body was not cancelled");
+}
+
+/// Revokes `key` while `call`'s body counts, and checks that the body is
+/// cancelled within a renewal period and counts no more; the call's answer.
+async fn revoke_and_expect_the_body_cancelled(
+    h: &Harness,
+    key: &str,
+    call: tokio::task::JoinHandle<Result<(), AppError>>,
+    counter: &AtomicUsize,
+) -> Result<(), AppError> {
+    // Once the body runs: every key is held.
+    let until = Instant::now() + 10 * SECOND;
+    while counter.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < until, "the body never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let revoked_at = Instant::now();
-    h.faults.revoke(&h.stored(&key)).await;
+    h.faults.revoke(&h.stored(key)).await;
     let result = call.await.expect("task");
     let noticed = revoked_at.elapsed();
     assert!(
@@ -337,7 +355,6 @@ async fn lost_lease_cancels_the_body(h: &Harness) {
         noticed < Duration::from_millis(1500),
         "loss noticed after {noticed:?}"
     );
-    assert!(started.elapsed() < 4 * SECOND, "the body was not cancelled");
     let after = counter.load(Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_eq!(
@@ -345,6 +362,7 @@ async fn lost_lease_cancels_the_body(h: &Harness) {
         after,
         "the body still runs after the loss"
     );
+    result
 }
 
 #[distributed_lock(key = "{key}", lease = "900ms", on_lost = "continue")]
@@ -831,6 +849,340 @@ async fn an_abandoned_waiter_takes_nothing(h: &Harness) {
     .await;
 }
 
+/// Rounds of the opposite-orders case: each of two tasks takes the same two
+/// keys, in opposite orders, this many times.
+const OPPOSITE_ORDER_ROUNDS: usize = 500;
+
+/// Counts the holders of one key at a time; an overlap is a second holder.
+#[derive(Default)]
+struct Occupancy {
+    inside: AtomicUsize,
+    overlaps: AtomicUsize,
+}
+
+impl Occupancy {
+    fn enter(&self) {
+        if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+            self.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn leave(&self) {
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Two tasks naming the same two keys in opposite orders never wait on each
+/// other for ever, and a third taking one of the keys alone never overlaps
+/// with them.
+async fn several_keys_in_opposite_orders_never_deadlock(_h: &Harness) {
+    let (a, b) = (unique_key("opposite-a"), unique_key("opposite-b"));
+    let on_a = Arc::new(Occupancy::default());
+    let on_b = Arc::new(Occupancy::default());
+    let pair_done = Arc::new(AtomicUsize::new(0));
+    let pair = |keys: [String; 2]| {
+        let (on_a, on_b, pair_done) = (on_a.clone(), on_b.clone(), pair_done.clone());
+        tokio::spawn(async move {
+            for _ in 0..OPPOSITE_ORDER_ROUNDS {
+                let guard = dlock_runtime::lock_all(keys.clone())
+                    .wait(30 * SECOND)
+                    .acquire()
+                    .await
+                    .expect("a hold of both keys within the wait");
+                on_a.enter();
+                on_b.enter();
+                tokio::task::yield_now().await;
+                on_b.leave();
+                on_a.leave();
+                guard.release().await.expect("release");
+            }
+            pair_done.fetch_add(1, Ordering::SeqCst);
+        })
+    };
+    let forward = pair([a.clone(), b.clone()]);
+    let backward = pair([b.clone(), a.clone()]);
+    let single = tokio::spawn({
+        let (a, on_a, pair_done) = (a.clone(), on_a.clone(), pair_done.clone());
+        async move {
+            let mut rounds = 0usize;
+            while pair_done.load(Ordering::SeqCst) < 2 {
+                let guard = lock(&a)
+                    .wait(30 * SECOND)
+                    .acquire()
+                    .await
+                    .expect("the single key within the wait");
+                on_a.enter();
+                tokio::task::yield_now().await;
+                on_a.leave();
+                guard.release().await.expect("release");
+                rounds += 1;
+                // Leaves the pair a turn: this task checks exclusion, not fairness.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            rounds
+        }
+    });
+    tokio::time::timeout(300 * SECOND, async {
+        forward.await.expect("forward task");
+        backward.await.expect("backward task");
+    })
+    .await
+    .expect("the two orders finish: they never wait on each other for ever");
+    let single_rounds = single.await.expect("single task");
+    assert!(single_rounds > 0, "the single-key task never ran");
+    assert_eq!(
+        on_a.overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders of `{a}`"
+    );
+    assert_eq!(
+        on_b.overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders of `{b}`"
+    );
+}
+
+/// One key held elsewhere: the hold is busy (naming that key), within its
+/// one wait budget, and the other keys are free afterwards.
+async fn several_keys_all_or_nothing(h: &Harness) {
+    let keys = [
+        unique_key("all-or-nothing-1"),
+        unique_key("all-or-nothing-2"),
+        unique_key("all-or-nothing-3"),
+    ];
+    let elsewhere = lock(&keys[1]).acquire().await.expect("acquire");
+    for wait in [Duration::ZERO, Duration::from_millis(300)] {
+        let started = Instant::now();
+        let err = dlock_runtime::lock_all(keys.iter().rev())
+            .wait(wait)
+            .acquire()
+            .await
+            .expect_err("one key is held elsewhere");
+        let took = started.elapsed();
+        assert!(
+            matches!(&err, LockError::Busy { key, .. } if *key == keys[1]),
+            "expected Busy naming {}, got {err:?}",
+            keys[1]
+        );
+        assert!(
+            took >= wait,
+            "gave up after {took:?}, before the wait of {wait:?}"
+        );
+        assert!(
+            took < wait + 5 * SECOND,
+            "one wait budget for all: took {took:?}"
+        );
+        for key in [&keys[0], &keys[2]] {
+            assert_free(h, key, "a busy hold of several keys").await;
+        }
+        assert!(h.faults.is_held(&h.stored(&keys[1])).await);
+    }
+    elsewhere.release().await.expect("release");
+    let guard = dlock_runtime::lock_all(&keys)
+        .acquire()
+        .await
+        .expect("every key free");
+    for key in &keys {
+        assert!(h.faults.is_held(&h.stored(key)).await, "`{key}` not held");
+    }
+    guard.release().await.expect("release");
+    for key in &keys {
+        assert_free(h, key, "released hold of several keys").await;
+    }
+}
+
+/// Waits until `key` is free on the server (a background release), up to a few seconds.
+async fn eventually_free(h: &Harness, key: &str, why: &str) {
+    let until = Instant::now() + 5 * SECOND;
+    while h.faults.is_held(&h.stored(key)).await {
+        assert!(Instant::now() < until, "{why}: `{key}` is still held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A hold of several keys dropped at each of its awaits in turn leaves
+/// nothing held; so does one dropped while it waits for a busy key.
+async fn several_keys_cancelled_at_each_await_leave_nothing_held(h: &Harness) {
+    let keys = [
+        unique_key("cancel-each-1"),
+        unique_key("cancel-each-2"),
+        unique_key("cancel-each-3"),
+    ];
+    let mut completed = false;
+    for polls in 1..=200usize {
+        let mut acquisition = Box::pin(dlock_runtime::lock_all(&keys).wait(10 * SECOND).acquire());
+        let mut pending = 0usize;
+        let answer = std::future::poll_fn(|cx| match acquisition.as_mut().poll(cx) {
+            std::task::Poll::Ready(answer) => std::task::Poll::Ready(Some(answer)),
+            std::task::Poll::Pending => {
+                pending += 1;
+                if pending >= polls {
+                    std::task::Poll::Ready(None)
+                } else {
+                    std::task::Poll::Pending
+                }
+            }
+        })
+        .await;
+        drop(acquisition);
+        match answer {
+            Some(guard) => {
+                guard.expect("acquire").release().await.expect("release");
+                completed = true;
+                break;
+            }
+            None => {
+                for key in &keys {
+                    eventually_free(h, key, &format!("dropped after {polls} polls")).await;
+                }
+            }
+        }
+    }
+    assert!(
+        completed,
+        "the acquisition never completed within 200 polls"
+    );
+
+    // Dropped while it waits for the middle key: the first is released, and
+    // the middle one is not taken once its holder lets go.
+    let elsewhere = lock(&keys[1]).acquire().await.expect("acquire");
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(300),
+        dlock_runtime::lock_all(&keys).wait(60 * SECOND).acquire(),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the middle key was busy throughout");
+    elsewhere.release().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for key in &keys {
+        eventually_free(h, key, "abandoned while waiting").await;
+    }
+}
+
+#[distributed_lock(keys = ["{a}", "{b}"], lease = "900ms")]
+async fn counts_under_two_keys(a: &str, b: &str, counter: &AtomicUsize) -> Result<(), AppError> {
+    for _ in 0..200 {
+        counter.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    Ok(())
+}
+
+/// The loss of one key of a hold is the loss of the hold: the body is
+/// cancelled, the error names the lost key, and the other key is freed.
+async fn loss_of_one_key_cancels_the_body_of_several(h: &Harness) {
+    let (a, b) = (unique_key("lost-one-a"), unique_key("lost-one-b"));
+    let counter = Arc::new(AtomicUsize::new(0));
+    let call = tokio::spawn({
+        let (a, b, counter) = (a.clone(), b.clone(), counter.clone());
+        async move { counts_under_two_keys(&a, &b, &counter).await }
+    });
+    let result = revoke_and_expect_the_body_cancelled(h, &b, call, &counter).await;
+    if let Err(AppError::Lock(LockError::Lost { key })) = &result {
+        assert_eq!(*key, b, "the error names the lost key");
+    }
+    eventually_free(h, &a, "the key that was not lost").await;
+}
+
+#[distributed_lock(keys = ["{b}", "{a}"], lease = "30s")]
+async fn reports_every_key(
+    a: &str,
+    b: &str,
+) -> Result<
+    (
+        Vec<String>,
+        Option<FencingToken>,
+        Option<FencingToken>,
+        Option<FencingToken>,
+    ),
+    AppError,
+> {
+    let current = dlock_runtime::current().expect("inside");
+    Ok((
+        current.keys(),
+        current.fencing_token(),
+        current.fencing_token_of(a),
+        current.fencing_token_of(b),
+    ))
+}
+
+/// Each key of a hold has its own token (the first key's is the hold's), and
+/// a later holder of each key gets a greater one.
+async fn several_keys_tokens_per_key(h: &Harness) {
+    let (a, b) = (unique_key("tokens-a"), unique_key("tokens-b"));
+    let guard = dlock_runtime::lock_all([&b, &a, &b])
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(
+        guard.keys(),
+        [a.clone(), b.clone()],
+        "canonical order, each key once"
+    );
+    assert_eq!(guard.key(), a);
+    let (ta, tb) = (guard.fencing_token_of(&a), guard.fencing_token_of(&b));
+    assert_eq!(
+        guard.fencing_token(),
+        ta,
+        "the hold's token is the first key's"
+    );
+    assert_eq!(guard.fencing_token_of("not-a-key-of-this-hold"), None);
+    assert_eq!(ta.is_some() && tb.is_some(), h.fences, "{ta:?} {tb:?}");
+    guard.release().await.expect("release");
+
+    let (keys, first, of_a, of_b) = reports_every_key(&a, &b).await.expect("runs");
+    assert_eq!(keys, [a.clone(), b.clone()]);
+    assert_eq!(first, of_a);
+    if h.fences {
+        assert!(
+            of_a > ta && of_b > tb,
+            "{ta:?} {tb:?} then {of_a:?} {of_b:?}"
+        );
+        let later = lock(&b).acquire().await.expect("acquire");
+        assert!(later.fencing_token() > of_b);
+        later.release().await.expect("release");
+    }
+}
+
+#[distributed_lock(keys = ["{a}", "{b}"], lease = "30s")]
+async fn holds_two_keys(a: &str, b: &str, c: &str) -> Result<(), AppError> {
+    // Every key held up the chain: enters at once, in any order.
+    let both = dlock_runtime::lock_all([b, a]).acquire().await?;
+    assert_eq!(
+        both.fencing_token_of(a),
+        dlock_runtime::current()
+            .expect("inside")
+            .fencing_token_of(a)
+    );
+    both.release().await?;
+    // One of them alone enters at once too.
+    let one = lock(b).acquire().await?;
+    one.release().await?;
+    // Some of them and another key: a configuration error at once.
+    let started = Instant::now();
+    let err = dlock_runtime::lock_all([a, c])
+        .wait(10 * SECOND)
+        .acquire()
+        .await
+        .expect_err("holds only some of the keys");
+    assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+    assert!(started.elapsed() < SECOND, "not at once");
+    Ok(())
+}
+
+/// A call chain holding every key enters a hold of them at once; one holding
+/// only some gets `LockError::Config` at once.
+async fn several_keys_reentrancy(h: &Harness) {
+    let (a, b, c) = (unique_key("re-a"), unique_key("re-b"), unique_key("re-c"));
+    tokio::time::timeout(10 * SECOND, holds_two_keys(&a, &b, &c))
+        .await
+        .expect("never waits on itself")
+        .expect("runs");
+    for key in [&a, &b, &c] {
+        assert_free(h, key, "after the outer hold").await;
+    }
+}
+
 crate::suite!(
     conformance_suite,
     conformance,
@@ -861,4 +1213,10 @@ crate::suite!(
     unknown_backend_is_an_error,
     wait_forever_and_the_minimum_lease,
     an_abandoned_waiter_takes_nothing,
+    several_keys_in_opposite_orders_never_deadlock,
+    several_keys_all_or_nothing,
+    several_keys_cancelled_at_each_await_leave_nothing_held,
+    loss_of_one_key_cancels_the_body_of_several,
+    several_keys_tokens_per_key,
+    several_keys_reentrancy,
 );

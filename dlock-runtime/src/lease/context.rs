@@ -20,7 +20,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tokio::sync::Semaphore;
-use tokio_util::sync::WaitForCancellationFutureOwned;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::held::HeldLease;
 use crate::token::FencingToken;
@@ -32,37 +32,61 @@ tokio::task_local! {
 #[derive(Clone, Default)]
 struct Stack(Vec<Frame>);
 
-/// One scope in which a lease is held, and the gate its nested holders pass one at a time.
+/// One scope in which a hold (one lease per key, canonical order) is held,
+/// and the gate its nested holders pass one at a time.
 #[derive(Clone)]
 pub(crate) struct Frame {
-    pub(crate) lease: Arc<HeldLease>,
+    pub(crate) hold: Hold,
     pub(crate) gate: Arc<Semaphore>,
 }
 
-/// Runs `future` with `lease` on top of this task's stack of held locks;
+/// The leases of one hold (one per key, canonical order) and its loss signal:
+/// cancelled when any of them is lost.
+#[derive(Clone)]
+pub(crate) struct Hold {
+    pub(crate) leases: Arc<[Arc<HeldLease>]>,
+    pub(crate) lost: CancellationToken,
+}
+
+/// A key held further up this call chain: the lease holding it and the gate
+/// of the frame it was found in, with that frame's depth in the stack.
+#[derive(Clone)]
+pub(crate) struct Found {
+    pub(crate) lease: Arc<HeldLease>,
+    pub(crate) gate: Arc<Semaphore>,
+    pub(crate) depth: usize,
+}
+
+/// Runs `future` with `hold` on top of this task's stack of held locks;
 /// nested acquisitions inside pass `gate` (the holding guard's) one at a time.
 pub(crate) fn scope<F: Future>(
-    lease: Arc<HeldLease>,
+    hold: Hold,
     gate: Arc<Semaphore>,
     future: F,
 ) -> impl Future<Output = F::Output> {
     let mut stack = HELD.try_with(Stack::clone).unwrap_or_default();
-    stack.0.push(Frame { lease, gate });
+    stack.0.push(Frame { hold, gate });
     HELD.scope(stack, future)
 }
 
 /// The innermost frame of this task holding this registry's backend's stored key.
-pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Frame> {
+pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Found> {
     HELD.try_with(|stack| {
-        stack
-            .0
-            .iter()
-            .rev()
-            .find(|f| {
-                let l = &f.lease;
-                l.registry_id == registry_id && &*l.backend_name == backend && l.lease.key == key
-            })
-            .cloned()
+        stack.0.iter().enumerate().rev().find_map(|(depth, f)| {
+            f.hold
+                .leases
+                .iter()
+                .find(|l| {
+                    l.registry_id == registry_id
+                        && &*l.backend_name == backend
+                        && l.lease.key == key
+                })
+                .map(|lease| Found {
+                    lease: lease.clone(),
+                    gate: f.gate.clone(),
+                    depth,
+                })
+        })
     })
     .ok()
     .flatten()
@@ -85,22 +109,40 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Frame> 
 /// }
 /// ```
 pub fn current() -> Option<CurrentLock> {
-    HELD.try_with(|stack| stack.0.last().map(|f| f.lease.clone()))
+    HELD.try_with(|stack| stack.0.last().map(|f| f.hold.clone()))
         .ok()
         .flatten()
-        .map(|held| CurrentLock { held })
+        .map(|hold| CurrentLock { hold })
 }
 
 /// A lock held by the current task; see [`current()`].
 #[derive(Clone)]
 pub struct CurrentLock {
-    held: Arc<HeldLease>,
+    hold: Hold,
+}
+
+impl Hold {
+    /// Whether the hold's loss was signalled or any of its leases is known lost.
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_cancelled() || self.leases.iter().any(|l| l.is_lost())
+    }
+
+    /// The key to name in a loss: the first one whose own loss was
+    /// signalled, else the first known lost, else the first.
+    pub(crate) fn lost_key(&self) -> &str {
+        let lost = self
+            .leases
+            .iter()
+            .find(|l| l.lost_itself())
+            .or_else(|| self.leases.iter().find(|l| l.is_lost()));
+        &lost.unwrap_or(&self.leases[0]).user_key
+    }
 }
 
 impl std::fmt::Debug for CurrentLock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CurrentLock")
-            .field("key", &self.key())
+            .field("keys", &self.keys())
             .field("backend", &self.backend())
             .field("fencing_token", &self.fencing_token())
             .field("lost", &self.is_lost())
@@ -109,32 +151,60 @@ impl std::fmt::Debug for CurrentLock {
 }
 
 impl CurrentLock {
-    /// The key as written in the attribute or passed to [`lock`](crate::lock()).
+    fn first(&self) -> &HeldLease {
+        &self.hold.leases[0]
+    }
+
+    /// The key as written in the attribute or passed to [`lock`](crate::lock());
+    /// for several keys, the first of [`keys`](CurrentLock::keys).
     pub fn key(&self) -> &str {
-        &self.held.user_key
+        &self.first().user_key
+    }
+
+    /// Every key of the hold as the user wrote it, in canonical order (sorted
+    /// by their bytes, without duplicates); one key for a plain lock.
+    pub fn keys(&self) -> Vec<String> {
+        self.hold
+            .leases
+            .iter()
+            .map(|l| l.user_key.clone())
+            .collect()
+    }
+
+    /// The fencing token of one key of the hold; `None` if the hold does not
+    /// have that key, or on backends without a safe token (Redlock).
+    pub fn fencing_token_of(&self, key: &str) -> Option<FencingToken> {
+        self.hold
+            .leases
+            .iter()
+            .find(|l| l.user_key == key)
+            .and_then(|l| l.fencing_token())
     }
 
     /// The backend's name in the registry (`"default"` for the default backend).
     pub fn backend(&self) -> &str {
-        &self.held.backend_name
+        &self.first().backend_name
     }
 
-    /// The fencing token of this acquisition; `None` for a hold taken without
-    /// one ([`fencing(false)`](crate::LockBuilder::fencing), `fencing = false`,
-    /// a `?fencing=off` Redis backend) and on backends without a safe token
+    /// The fencing token of this acquisition (for several keys, the first
+    /// key's); `None` for a hold taken without one
+    /// ([`fencing(false)`](crate::LockBuilder::fencing), `fencing = false`, a
+    /// `?fencing=off` Redis backend) and on backends without a safe token
     /// (Redlock).
     pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.held.fencing_token()
+        self.first().fencing_token()
     }
 
     /// Whether the lease is known to be lost (also once its local give-up
-    /// instant has passed, before the watchdog has looked).
+    /// instant has passed, before the watchdog has looked); for several keys,
+    /// whether any of them is.
     pub fn is_lost(&self) -> bool {
-        self.held.is_lost()
+        self.hold.is_lost()
     }
 
-    /// Resolves when the lease is lost (never, if it is released first).
+    /// Resolves when the lease (for several keys, any of them) is lost
+    /// (never, if it is released first).
     pub fn lost(&self) -> WaitForCancellationFutureOwned {
-        self.held.lost.clone().cancelled_owned()
+        self.hold.lost.clone().cancelled_owned()
     }
 }

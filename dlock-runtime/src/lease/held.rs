@@ -1,7 +1,7 @@
 //! One held lease, shared by its guards and the watchdog: the I/O around the
 //! [state machine](super::state).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -38,8 +38,16 @@ pub(crate) struct HeldLease {
     /// Whether the watchdog renews it (`watchdog = false` makes the lease a hard cap).
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
-    /// Cancelled when the lease is lost (by the watchdog, or by the backend on its own).
+    /// Cancelled when the lease is lost (by the watchdog, or by the backend on
+    /// its own); shared by the leases of one hold of several keys.
     pub(crate) lost: CancellationToken,
+    /// Whether the loss of this lease itself was signalled (not another key's
+    /// of its hold).
+    lost_itself: AtomicBool,
+    /// The token the backend cancels when it learns on its own that this
+    /// lease is gone: `lost` itself for a single key, this key's own for a
+    /// hold of several (the hold passes it on to `lost`).
+    backend_lost: CancellationToken,
     /// Nested guards alive for this acquisition.
     nested_holds: AtomicUsize,
     pub(crate) acquired_at: Instant,
@@ -62,6 +70,7 @@ pub(crate) struct NewLease {
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
     pub(crate) lost: CancellationToken,
+    pub(crate) backend_lost: CancellationToken,
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
@@ -83,6 +92,8 @@ impl HeldLease {
             renew: n.renew,
             hold_at_least: n.hold_at_least,
             lost: n.lost,
+            lost_itself: AtomicBool::new(false),
+            backend_lost: n.backend_lost,
             nested_holds: AtomicUsize::new(0),
             acquired_at: now,
             span: n.span,
@@ -119,8 +130,15 @@ impl HeldLease {
         }
     }
 
+    /// Whether the loss of this lease itself was signalled (for a hold of
+    /// several keys: this key is the one lost).
+    pub(crate) fn lost_itself(&self) -> bool {
+        self.lost_itself.load(Ordering::Acquire) || self.backend_lost.is_cancelled()
+    }
+
     /// Tells the holder that the lease is lost (once), with the reason.
     pub(crate) fn signal_lost(&self, why: &str) {
+        self.lost_itself.store(true, Ordering::Release);
         if !self.lost.is_cancelled() {
             tracing::warn!(
                 parent: &self.span,

@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
 use super::background::Releasing;
-use super::context::{self, Frame};
+use super::context::{self, Found, Hold};
 use super::guard::LockGuard;
 use super::held::{HeldLease, NewLease};
-use super::registry::{Registry, global};
+use super::registry::{BackendEntry, Registry, global};
 use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
@@ -67,31 +67,77 @@ impl Default for LockOptions {
 /// ```
 pub fn lock(key: impl Into<String>) -> LockBuilder {
     let registry = global().cloned().ok_or(LockError::NotInitialized);
-    LockBuilder::new(registry, key.into())
+    LockBuilder::new(registry, Keys::One(key.into()))
 }
 
-/// Configures and takes a lock; made by [`lock`](crate::lock()) or [`Registry::lock`].
+/// Starts one hold of several keys, all or nothing, through the registry
+/// installed with [`init`](crate::init).
+///
+/// The keys (de-duplicated) are taken in one canonical order — sorted by
+/// their bytes, without the registry's prefix — so two calls naming the same
+/// keys in different orders never wait on each other for ever. One `wait`
+/// budget covers every key; an acquisition that fails, runs out of time or is
+/// cancelled releases what it took at once. The loss of any key is the loss
+/// of the hold. Every key is checked like [`lock`](crate::lock())'s
+/// ([`LockError::InvalidKey`] names the bad one); no key at all is
+/// [`LockError::Config`].
+///
+/// ```no_run
+/// # async fn f() -> Result<(), dlock_runtime::LockError> {
+/// use std::time::Duration;
+/// let guard = dlock_runtime::lock_all(["acct:7", "acct:3"])
+///     .wait(Duration::from_secs(3))
+///     .acquire()
+///     .await?;
+/// assert_eq!(guard.keys(), ["acct:3", "acct:7"]);
+/// let token_of_7 = guard.fencing_token_of("acct:7");
+/// # let _ = token_of_7;
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+pub fn lock_all(keys: impl IntoIterator<Item = impl Into<String>>) -> LockBuilder {
+    let registry = global().cloned().ok_or(LockError::NotInitialized);
+    LockBuilder::new(registry, Keys::all(keys))
+}
+
+/// What a builder locks: one key, or several in one hold.
+#[derive(Debug, Clone)]
+pub(crate) enum Keys {
+    One(String),
+    All(Vec<String>),
+}
+
+impl Keys {
+    pub(crate) fn all(keys: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Keys::All(keys.into_iter().map(Into::into).collect())
+    }
+}
+
+/// Configures and takes a lock; made by [`lock`](crate::lock()),
+/// [`lock_all`](crate::lock_all()), [`Registry::lock`] or [`Registry::lock_all`].
 #[must_use = "a LockBuilder does nothing until `.acquire().await`"]
 pub struct LockBuilder {
     registry: Result<Registry, LockError>,
-    key: String,
+    keys: Keys,
     options: LockOptions,
 }
 
 impl fmt::Debug for LockBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LockBuilder")
-            .field("key", &self.key)
-            .field("options", &self.options)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("LockBuilder");
+        match &self.keys {
+            Keys::One(key) => d.field("key", key),
+            Keys::All(keys) => d.field("keys", keys),
+        };
+        d.field("options", &self.options).finish_non_exhaustive()
     }
 }
 
 impl LockBuilder {
-    pub(crate) fn new(registry: Result<Registry, LockError>, key: String) -> Self {
+    pub(crate) fn new(registry: Result<Registry, LockError>, keys: Keys) -> Self {
         LockBuilder {
             registry,
-            key,
+            keys,
             options: LockOptions::default(),
         }
     }
@@ -145,14 +191,18 @@ impl LockBuilder {
         self
     }
 
-    /// Acquires the lock, waiting up to the wait budget.
+    /// Acquires the lock (every key of it), waiting up to the wait budget.
     ///
-    /// Errors: [`LockError::Busy`] when the budget ran out,
-    /// [`LockError::NotInitialized`], [`LockError::UnknownBackend`],
-    /// [`LockError::InvalidKey`], [`LockError::Config`], [`LockError::Backend`].
+    /// Errors: [`LockError::Busy`] when the budget ran out (naming the key
+    /// that was busy), [`LockError::NotInitialized`],
+    /// [`LockError::UnknownBackend`], [`LockError::InvalidKey`],
+    /// [`LockError::Config`], [`LockError::Backend`].
     pub async fn acquire(self) -> Result<LockGuard, LockError> {
         let registry = self.registry?;
-        acquire(&registry, &self.options, self.key).await
+        match self.keys {
+            Keys::One(key) => acquire(&registry, &self.options, key).await,
+            Keys::All(keys) => acquire_all(&registry, &self.options, keys).await,
+        }
     }
 }
 
@@ -163,12 +213,8 @@ fn owner_token() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// The acquisition shared by the builder and the attribute.
-pub(crate) async fn acquire(
-    registry: &Registry,
-    options: &LockOptions,
-    key: String,
-) -> Result<LockGuard, LockError> {
+/// The backend a lock is taken on, once the options and the registry allow it.
+fn checked_backend(registry: &Registry, options: &LockOptions) -> Result<BackendEntry, LockError> {
     if options.lease < MIN_LEASE {
         return Err(LockError::config(format!(
             "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
@@ -178,18 +224,60 @@ pub(crate) async fn acquire(
     if registry.inner.leases.is_closing() {
         return Err(LockError::ShutDown);
     }
-    let entry = registry.backend(options.backend.as_deref())?.clone();
+    Ok(registry.backend(options.backend.as_deref())?.clone())
+}
+
+/// The stored form of a user's key (with the registry's prefix), checked
+/// by the runtime and by the backend.
+fn stored_key(registry: &Registry, entry: &BackendEntry, key: &str) -> Result<String, LockError> {
     let prefix = registry.key_prefix();
-    crate::key::check(&key, prefix)?;
+    crate::key::check(key, prefix)?;
     let stored_key = format!("{prefix}{key}");
     entry
         .backend
         .check_key(&stored_key)
-        .map_err(|reason| LockError::invalid_key(&key, reason))?;
+        .map_err(|reason| LockError::invalid_key(key, reason))?;
+    Ok(stored_key)
+}
 
-    if let Some(frame) = context::find(registry.inner.id, &entry.name, &stored_key) {
-        return enter_nested(frame, options, key).await;
+/// The acquisition shared by the builder and the attribute.
+pub(crate) async fn acquire(
+    registry: &Registry,
+    options: &LockOptions,
+    key: String,
+) -> Result<LockGuard, LockError> {
+    let entry = checked_backend(registry, options)?;
+    let stored_key = stored_key(registry, &entry, &key)?;
+
+    if let Some(found) = context::find(registry.inner.id, &entry.name, &stored_key) {
+        return enter_nested(found, options, key).await;
     }
+    let lost = CancellationToken::new();
+    acquire_new(
+        registry,
+        &entry,
+        options,
+        key,
+        stored_key,
+        lost.clone(),
+        lost,
+    )
+    .await
+}
+
+/// A new lease on `key` (checked, and held nowhere up this call chain).
+/// `lost` is cancelled when it is lost (shared by the keys of one hold);
+/// the backend cancels `backend_lost` when it learns on its own that the
+/// key is gone (`lost` itself for a single key).
+async fn acquire_new(
+    registry: &Registry,
+    entry: &BackendEntry,
+    options: &LockOptions,
+    key: String,
+    stored_key: String,
+    lost: CancellationToken,
+    backend_lost: CancellationToken,
+) -> Result<LockGuard, LockError> {
     let leases = &registry.inner.leases;
     // Counted by shutdown until this returns: a grant on its way is either
     // tracked (and released by shutdown, or by the check at the end) or
@@ -210,13 +298,12 @@ pub(crate) async fn acquire(
         held_ms = tracing::field::Empty,
         token = tracing::field::Empty,
     );
-    let lost = CancellationToken::new();
     let request = AcquireRequest {
         key: stored_key,
         owner: owner_token(),
         lease: options.lease,
         wait: options.wait,
-        lost: lost.clone(),
+        lost: backend_lost.clone(),
         fencing: options.fencing,
     };
     let started = Instant::now();
@@ -290,6 +377,7 @@ pub(crate) async fn acquire(
         renew: options.watchdog,
         hold_at_least: options.hold_at_least,
         lost,
+        backend_lost,
         span,
         watchdog: registry.inner.watchdog.clone(),
         leases: registry.inner.leases.clone(),
@@ -311,7 +399,7 @@ pub(crate) async fn acquire(
 /// shares the outer lease, passing the frame's gate one holder at a time
 /// (siblings take turns, each within its own `wait`).
 async fn enter_nested(
-    frame: Frame,
+    frame: Found,
     options: &LockOptions,
     key: String,
 ) -> Result<LockGuard, LockError> {
@@ -359,6 +447,225 @@ async fn enter_nested(
     }
     tracing::trace!(parent: &held.span, key = %key, "dlock reentrant hold");
     Ok(LockGuard::new(held, Some(permit)))
+}
+
+/// The acquisition of several keys in one hold, shared by the builder and the attribute.
+pub(crate) async fn acquire_all(
+    registry: &Registry,
+    options: &LockOptions,
+    mut keys: Vec<String>,
+) -> Result<LockGuard, LockError> {
+    // The canonical order: the user's keys, by their bytes, each once.
+    keys.sort_unstable();
+    keys.dedup();
+    if keys.is_empty() {
+        return Err(LockError::config("lock_all needs at least one key"));
+    }
+    if keys.len() == 1 {
+        let key = keys.pop().expect("one key");
+        return acquire(registry, options, key).await;
+    }
+    let entry = checked_backend(registry, options)?;
+    let stored = keys
+        .iter()
+        .map(|key| stored_key(registry, &entry, key))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let found: Vec<Option<Found>> = stored
+        .iter()
+        .map(|k| context::find(registry.inner.id, &entry.name, k))
+        .collect();
+    if found.iter().all(Option::is_some) {
+        let found = found.into_iter().flatten().collect();
+        return enter_nested_all(found, options, keys).await;
+    }
+    if let Some(held) = keys.iter().zip(&found).find(|(_, f)| f.is_some()) {
+        return Err(LockError::config(format!(
+            "this call chain already holds `{}` but not every key of {keys:?}: a hold of \
+             several keys inside a hold of some of them could wait on itself; take them all \
+             in the outer hold",
+            held.0
+        )));
+    }
+
+    let started = Instant::now();
+    let until = crate::time::saturating_add(started, options.wait);
+    let lost = CancellationToken::new();
+    // Each key's own token, for a backend that learns of a loss on its own;
+    // any of them cancelled is the loss of the hold.
+    let backend_lost: Vec<CancellationToken> =
+        keys.iter().map(|_| CancellationToken::new()).collect();
+    let joined_loss = join_losses(&backend_lost, &lost);
+    // Dropped (an error, a cancelled acquisition): what was taken is released
+    // at once, in the background.
+    let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
+    for ((key, stored_key), own) in keys.into_iter().zip(stored).zip(backend_lost) {
+        let mut one = options.clone();
+        if options.wait != Duration::MAX {
+            one.wait = until.saturating_duration_since(Instant::now());
+        }
+        let next = acquire_new(registry, &entry, &one, key, stored_key, lost.clone(), own);
+        let answer = tokio::select! {
+            biased;
+            // A key taken first was lost while this one was awaited.
+            () = lost.cancelled() => None,
+            answer = next => Some(answer),
+        };
+        let Some(answer) = answer else {
+            let key = taken
+                .iter()
+                .find(|g| g.lost_itself())
+                .or_else(|| taken.iter().find(|g| g.is_lost()))
+                .unwrap_or(&taken[0])
+                .key()
+                .to_owned();
+            release_taken(taken).await;
+            return Err(LockError::Lost { key });
+        };
+        match answer {
+            Ok(guard) => taken.push(guard),
+            Err(LockError::Busy { key, .. }) => {
+                release_taken(taken).await;
+                return Err(LockError::Busy {
+                    key,
+                    waited: started.elapsed(),
+                });
+            }
+            Err(err) => {
+                release_taken(taken).await;
+                return Err(err);
+            }
+        }
+    }
+    let leases: Vec<Arc<HeldLease>> = taken.into_iter().map(LockGuard::into_lease).collect();
+    // The keys of the hold are renewed together, from the first one due on.
+    if let Some(first_due) = leases
+        .iter()
+        .map(|l| l.sched().machine.next_renewal())
+        .min()
+    {
+        for lease in &leases {
+            lease.sched().machine.renew_no_later_than(first_due);
+            registry.inner.watchdog.reschedule(lease);
+        }
+    }
+    let guard = LockGuard::of_hold(
+        Hold {
+            leases: leases.into(),
+            lost,
+        },
+        None,
+        Some(joined_loss),
+    );
+    if guard.is_lost() {
+        // A key taken first ran out while a later one was awaited.
+        let key = guard.key().to_owned();
+        let _ = guard.release().await;
+        return Err(LockError::Lost { key });
+    }
+    Ok(guard)
+}
+
+/// Releases the keys of a hold that could not be completed.
+async fn release_taken(taken: Vec<LockGuard>) {
+    // Cancel-safe: the guards not yet released release on drop.
+    let _ = futures_util::future::join_all(taken.into_iter().map(LockGuard::release)).await;
+}
+
+/// A nested hold of several keys, every one held further up this call
+/// chain: it passes the gate of each scope they were found in (outermost
+/// first: siblings take them in the same order), within its `wait`.
+async fn enter_nested_all(
+    found: Vec<Found>,
+    options: &LockOptions,
+    keys: Vec<String>,
+) -> Result<LockGuard, LockError> {
+    let started = Instant::now();
+    let until = crate::time::saturating_add(started, options.wait);
+    let busy = |keys: &[String]| LockError::Busy {
+        key: keys[0].clone(),
+        waited: started.elapsed(),
+    };
+    let lost_key = |found: &[Found], keys: &[String]| {
+        let i = found.iter().position(|f| f.lease.is_lost()).unwrap_or(0);
+        LockError::Lost {
+            key: keys[i].clone(),
+        }
+    };
+    if found.iter().any(|f| f.lease.is_lost()) {
+        return Err(lost_key(&found, &keys));
+    }
+    let mut gates: Vec<(usize, Arc<tokio::sync::Semaphore>)> = Vec::new();
+    for f in &found {
+        if !gates.iter().any(|(_, g)| Arc::ptr_eq(g, &f.gate)) {
+            gates.push((f.depth, f.gate.clone()));
+        }
+    }
+    gates.sort_by_key(|(depth, _)| *depth);
+    let mut any_lost = futures_util::future::select_all(
+        found
+            .iter()
+            .map(|f| Box::pin(f.lease.lost.clone().cancelled_owned())),
+    );
+    let mut permits = Vec::with_capacity(gates.len());
+    for (_, gate) in gates {
+        let permit = match gate.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) if options.wait.is_zero() => return Err(busy(&keys)),
+            Err(_) => tokio::select! {
+                permit = tokio::time::timeout_at(until.into(), gate.acquire_owned()) => match permit {
+                    Ok(Ok(permit)) => permit,
+                    _ => return Err(busy(&keys)),
+                },
+                _ = &mut any_lost => return Err(lost_key(&found, &keys)),
+            },
+        };
+        permits.push(permit);
+    }
+    let mut added = Vec::with_capacity(found.len());
+    for f in &found {
+        if !f.lease.add_nested_hold() {
+            for lease in added {
+                HeldLease::drop_nested_hold(lease);
+            }
+            return Err(lost_key(&found, &keys));
+        }
+        added.push(&*f.lease);
+    }
+    // One loss signal for the hold: any of its leases lost.
+    drop(any_lost);
+    let lost = CancellationToken::new();
+    let leases_lost: Vec<CancellationToken> = found.iter().map(|f| f.lease.lost.clone()).collect();
+    let joined_loss = join_losses(&leases_lost, &lost);
+    tracing::trace!(parent: &found[0].lease.span, keys = ?keys, "dlock reentrant hold of several keys");
+    let leases: Vec<Arc<HeldLease>> = found.into_iter().map(|f| f.lease).collect();
+    Ok(LockGuard::of_hold(
+        Hold {
+            leases: leases.into(),
+            lost,
+        },
+        Some(permits),
+        Some(joined_loss),
+    ))
+}
+
+/// Cancels `hold` as soon as any of `parts` is cancelled, until the guard
+/// returned is dropped.
+fn join_losses(parts: &[CancellationToken], hold: &CancellationToken) -> DropGuard {
+    let stop = CancellationToken::new();
+    let any = futures_util::future::select_all(
+        parts.iter().map(|t| Box::pin(t.clone().cancelled_owned())),
+    );
+    let (hold, stopped) = (hold.clone(), stop.clone());
+    // On dlock's own runtime: it outlives the caller's.
+    crate::driver::handle().spawn(async move {
+        tokio::select! {
+            _ = any => hold.cancel(),
+            () = stopped.cancelled() => {}
+            () = hold.cancelled() => {}
+        }
+    });
+    stop.drop_guard()
 }
 
 /// Runs the acquisition on the I/O runtime. A caller that stops waiting (its

@@ -26,7 +26,7 @@ mod watchdog;
 
 pub use context::{CurrentLock, current};
 pub use guard::LockGuard;
-pub use lock::{DEFAULT_LEASE, LockBuilder, lock};
-pub(crate) use lock::{LockOptions, acquire};
+pub use lock::{DEFAULT_LEASE, LockBuilder, lock, lock_all};
+pub(crate) use lock::{Keys, LockOptions, acquire, acquire_all};
 pub use registry::{IntoBackend, Registry, RegistryBuilder, global, init};
 pub use shutdown::{ShutdownReport, shutdown};

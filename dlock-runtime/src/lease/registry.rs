@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::lock::LockBuilder;
+use super::lock::{Keys, LockBuilder};
 use super::shutdown::Leases;
 use super::watchdog::Watchdog;
 use crate::backend::{self, LockBackend};
@@ -90,7 +90,13 @@ impl Registry {
 
     /// Starts a lock on `key` through this registry (see [`crate::lock()`]).
     pub fn lock(&self, key: impl Into<String>) -> LockBuilder {
-        LockBuilder::new(Ok(self.clone()), key.into())
+        LockBuilder::new(Ok(self.clone()), Keys::One(key.into()))
+    }
+
+    /// Starts one hold of several keys, all or nothing, through this registry
+    /// (see [`crate::lock_all()`]).
+    pub fn lock_all(&self, keys: impl IntoIterator<Item = impl Into<String>>) -> LockBuilder {
+        LockBuilder::new(Ok(self.clone()), Keys::all(keys))
     }
 
     /// The prefix put before every key in the backends.

@@ -153,6 +153,20 @@ impl LeaseState {
     }
 
     /// When the watchdog must look at this lease next; `None`: never again.
+    /// When the next renewal is due (meaningful while held).
+    pub(crate) fn next_renewal(&self) -> Instant {
+        self.next_renewal
+    }
+
+    /// Brings a held lease's next renewal forward to `at` if it is due later
+    /// (renewing early is always safe): the keys of one hold, taken one after
+    /// the other, are then renewed in one batch.
+    pub(crate) fn renew_no_later_than(&mut self, at: Instant) {
+        if self.phase == Phase::Held {
+            self.next_renewal = self.next_renewal.min(at);
+        }
+    }
+
     pub(crate) fn due(&self) -> Option<Due> {
         match self.phase {
             Phase::Held if self.renews => Some(if self.next_renewal < self.give_up_at() {
@@ -337,6 +351,27 @@ mod tests {
         assert_eq!(s.finish_renewal(ticket, answer, t1 + MS), Finished::Renewed);
         assert_eq!(s.valid_until(), t1 + LEASE - MS * 30);
         assert_eq!(s.due(), Some(Due::Renew(t1 + MS + Duration::from_secs(1))));
+    }
+
+    #[test]
+    fn a_renewal_brought_forward_is_due_then() {
+        let t0 = Instant::now();
+        let mut s = fresh(t0);
+        s.renew_no_later_than(t0 + Duration::from_secs(2));
+        assert_eq!(
+            s.due(),
+            Some(Due::Renew(t0 + Duration::from_secs(1))),
+            "never later"
+        );
+        s.renew_no_later_than(t0 + MS * 400);
+        assert_eq!(s.due(), Some(Due::Renew(t0 + MS * 400)));
+        assert!(s.begin_renewal(t0 + MS * 400, t0 + MS * 400).is_some());
+        s.renew_no_later_than(t0);
+        assert_eq!(
+            s.phase(),
+            Phase::Renewing,
+            "a renewal on the wire is left alone"
+        );
     }
 
     #[test]
