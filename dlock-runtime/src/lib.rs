@@ -72,6 +72,8 @@ pub use backend::sql::PostgresBackend;
 pub use backend::sql::SqliteBackend;
 #[cfg(feature = "zookeeper")]
 pub use backend::zookeeper::ZooKeeperBackend;
+#[cfg(feature = "etcd")]
+pub use backend::etcd::EtcdBackend;
 pub use backend::{LockBackend, connect};
 pub use dlock_macros::distributed_lock;
 pub use error::{BackendError, LockError};

@@ -137,6 +137,8 @@ pub fn unique_key(case: &str) -> String {
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]
 pub mod zk_support;
+#[cfg(feature = "etcd")]
+pub mod etcd_support;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql_db;
