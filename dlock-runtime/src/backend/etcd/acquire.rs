@@ -12,7 +12,7 @@ use etcd_client::{
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::session::{Session, delete_entry, delete_own};
+use super::session::{Session, delete_entry, delete_named};
 use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
 use crate::backend::{AcquireRequest, Attempt, Lease};
 use crate::error::BackendError;
@@ -51,8 +51,6 @@ struct PendingState {
     session: Option<Arc<Session>>,
     /// Our entry's create revision on that session, when known.
     revision: Option<i64>,
-    /// A put was sent on that session and its answer not seen.
-    maybe_created: bool,
     watch: Option<Watch>,
 }
 
@@ -161,7 +159,6 @@ impl Inner {
                 // An entry of an ended session goes with its lease.
                 st.session = Some(session.clone());
                 st.revision = None;
-                st.maybe_created = false;
                 st.watch = None;
             }
         }
@@ -262,8 +259,6 @@ impl Inner {
                 TxnOp::get(key, Some(GetOptions::new().with_keys_only())),
                 TxnOp::get(pending.queue.as_str(), Some(first())),
             ]);
-        // Sent when called: from here on the entry may exist.
-        pending.state().maybe_created = true;
         let mut kv = session.client.kv_client();
         let response = session.call(kv.txn(txn)).await?;
         let holder = kvs(&response, 1).into_iter().next();
@@ -277,7 +272,6 @@ impl Inner {
                     // delete it now rather than queue behind it.
                     let deadline = Some(Instant::now() + session.op_timeout);
                     delete_entry(session, key, e.create_revision(), deadline).await?;
-                    pending.state().maybe_created = false;
                     return Ok(None);
                 }
                 None => return Ok(None),
@@ -293,7 +287,6 @@ impl Inner {
         }
         let mut st = pending.state();
         st.revision = Some(revision);
-        st.maybe_created = false;
         Ok(Some((
             revision,
             holder.is_some_and(|h| h.create_revision() == revision),
@@ -397,31 +390,38 @@ impl Inner {
         Lease::new(request, Some(FencingToken::new(revision as u64))).with_extra(held)
     }
 
-    /// Ends an acquisition that did not end with a grant: deletes its entry
-    /// (by its create revision, or as the session's when the put's answer
-    /// was not seen).
-    pub(super) async fn drop_pending(&self, owner: &str) -> Result<(), BackendError> {
-        let Some(pending) = lock(&self.pending).remove(owner) else {
-            return Ok(());
-        };
-        let (session, revision, maybe_created) = {
-            let mut st = pending.state();
-            st.watch = None;
-            (st.session.clone(), st.revision, st.maybe_created)
-        };
-        let Some(session) = session else {
-            return Ok(());
-        };
-        let key = pending.key.clone();
-        let deadline = Instant::now() + session.op_timeout;
-        let deleted = match (revision, maybe_created) {
-            (Some(revision), _) => {
-                delete_entry(&session, &key, revision, Some(deadline)).await
+    /// Ends an acquisition that did not end with a grant (given up,
+    /// dropped, failed): deletes its entry by name. The name holds the
+    /// acquisition's owner token, which no other acquisition uses, so this
+    /// never deletes anyone else's entry; and it is found even when this
+    /// process forgot the acquisition — the runtime's second release of a
+    /// dropped acquisition, after a put that was still on the wire at the
+    /// first, finds the entry that put created.
+    pub(super) async fn drop_pending(
+        self: &Arc<Self>,
+        stored_key: &str,
+        owner: &str,
+    ) -> Result<(), BackendError> {
+        let pending = lock(&self.pending).remove(owner);
+        let session = match &pending {
+            Some(pending) => {
+                let mut st = pending.state();
+                st.watch = None;
+                st.session.clone()
             }
-            (None, true) => delete_own(&session, &key, Some(deadline)).await,
-            (None, false) => return Ok(()),
+            None => None,
         };
-        match deleted {
+        let Some(session) = session.or_else(|| self.current_alive()) else {
+            // No live session: its lease takes every entry with it.
+            return Ok(());
+        };
+        let key = format!(
+            "{}{}",
+            self.queue_of(stored_key),
+            super::url::escape(owner)
+        );
+        let deadline = Instant::now() + session.op_timeout;
+        match delete_named(&session, &key, Some(deadline)).await {
             Ok(()) => Ok(()),
             Err(err) if super::transient(&err) => {
                 let message = format!(
@@ -429,10 +429,7 @@ impl Inner {
                      in the background until it succeeds or the session ends"
                 );
                 crate::driver::handle().spawn(async move {
-                    let _ = match revision {
-                        Some(revision) => delete_entry(&session, &key, revision, None).await,
-                        None => delete_own(&session, &key, None).await,
-                    };
+                    let _ = delete_named(&session, &key, None).await;
                 });
                 Err(BackendError::transient(message))
             }

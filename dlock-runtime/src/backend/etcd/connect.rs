@@ -12,7 +12,7 @@ use super::{Inner, backend_error, lock};
 use crate::error::BackendError;
 
 impl Inner {
-    fn current_alive(&self) -> Option<Arc<Session>> {
+    pub(super) fn current_alive(&self) -> Option<Arc<Session>> {
         lock(&self.current)
             .as_ref()
             .filter(|s| s.is_alive())

@@ -69,9 +69,10 @@
 //! **Release** deletes our entry (already gone counts as released); a delete
 //! that fails is retried within the request bound, then in the background
 //! until it succeeds or the session ends. An acquisition given up or
-//! cancelled at any point leaves no entry: its queued entry is deleted, by
-//! its create revision, or — when the put's answer was not seen — by name,
-//! only if it is under the session's lease.
+//! cancelled at any point leaves no entry: its entry is deleted by name (the
+//! name holds the acquisition's own owner token), also by the runtime's
+//! second, later release of a dropped acquisition, which finds an entry put
+//! by a request that was still on the wire at the first.
 //!
 //! **Keys** are the stored key with `%` and `/` percent-encoded, so no two
 //! keys share a queue and `{prefix}/{key}/{owner}` splits one way only.
@@ -308,7 +309,7 @@ impl LockBackend for EtcdBackend {
 
     fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Err(err) = self.inner.drop_pending(&request.owner).await {
+            if let Err(err) = self.inner.drop_pending(&request.key, &request.owner).await {
                 tracing::warn!(key = %request.key, error = %err, "dlock etcd: abandoned entry not deleted yet");
             }
         })
@@ -326,7 +327,7 @@ impl LockBackend for EtcdBackend {
             match held_entry(lease) {
                 Some(entry) => self.inner.release_held(entry).await,
                 // An acquisition that ended without a grant (dropped, failed).
-                None => self.inner.drop_pending(&lease.owner).await,
+                None => self.inner.drop_pending(&lease.key, &lease.owner).await,
             }
         })
     }

@@ -325,18 +325,14 @@ pub(super) async fn delete_entry(
     delete_with(session, txn, deadline).await
 }
 
-/// Deletes `key` if it is under the session's lease (an entry whose
-/// create's answer was not seen).
-pub(super) async fn delete_own(
+/// Deletes `key`, whatever it holds (an entry named by the owner token of
+/// an acquisition that is over).
+pub(super) async fn delete_named(
     session: &Session,
     key: &str,
     deadline: Option<Instant>,
 ) -> Result<(), EtcdError> {
-    let txn = || {
-        Txn::new()
-            .when([Compare::lease(key, CompareOp::Equal, session.lease_id)])
-            .and_then([TxnOp::delete(key, None)])
-    };
+    let txn = || Txn::new().and_then([TxnOp::delete(key, None)]);
     delete_with(session, txn, deadline).await
 }
 
