@@ -64,6 +64,8 @@ pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::redlock::RedlockBackend;
 
+#[cfg(feature = "etcd")]
+pub use backend::etcd::EtcdBackend;
 #[cfg(feature = "mysql")]
 pub use backend::sql::MysqlBackend;
 #[cfg(feature = "postgres")]
@@ -72,8 +74,6 @@ pub use backend::sql::PostgresBackend;
 pub use backend::sql::SqliteBackend;
 #[cfg(feature = "zookeeper")]
 pub use backend::zookeeper::ZooKeeperBackend;
-#[cfg(feature = "etcd")]
-pub use backend::etcd::EtcdBackend;
 pub use backend::{LockBackend, connect};
 pub use dlock_macros::distributed_lock;
 pub use error::{BackendError, LockError};

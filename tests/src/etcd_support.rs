@@ -83,3 +83,64 @@ impl Faults for EtcdFaults {
         })
     }
 }
+
+/// `scripts/servers.sh`, which starts and stops the test cluster's members.
+fn servers_sh(args: &[&str]) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/servers.sh");
+    let status = std::process::Command::new(script)
+        .args(args)
+        .status()
+        .expect("run scripts/servers.sh");
+    assert!(status.success(), "scripts/servers.sh {args:?} failed");
+}
+
+/// Kills member `index` (0 to 2) of the test cluster with SIGKILL.
+pub fn kill_member(index: usize) {
+    servers_sh(&["stop-etcd", &index.to_string(), "kill"]);
+}
+
+/// Starts member `index` again (a no-op if it runs) and waits until it answers.
+pub fn start_member(index: usize) {
+    servers_sh(&["start-etcd", &index.to_string()]);
+}
+
+/// Starts every member again when dropped, so that a failed assertion does
+/// not leave the cluster short of a member for the next tests.
+pub struct RestartMembersOnDrop;
+
+impl Drop for RestartMembersOnDrop {
+    fn drop(&mut self) {
+        for index in 0..3 {
+            start_member(index);
+        }
+    }
+}
+
+/// The index (in the URL's order) of the member that leads now, asking each
+/// member until one answers.
+pub async fn leader(url: &str) -> usize {
+    let members = endpoints(url);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        for (index, member) in members.iter().enumerate() {
+            let Ok(mut client) = Client::connect([member.as_str()], None).await else {
+                continue;
+            };
+            let Ok(Ok(status)) =
+                tokio::time::timeout(std::time::Duration::from_secs(1), client.status()).await
+            else {
+                continue;
+            };
+            if status.leader() != 0
+                && status.header().map(|h| h.member_id()) == Some(status.leader())
+            {
+                return index;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no etcd member leads: is the test cluster up?"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

@@ -133,12 +133,12 @@ pub fn unique_key(case: &str) -> String {
     format!("conformance:{case}:{run:016x}")
 }
 
+#[cfg(feature = "etcd")]
+pub mod etcd_support;
 #[cfg(feature = "redis")]
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]
 pub mod zk_support;
-#[cfg(feature = "etcd")]
-pub mod etcd_support;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql_db;

@@ -52,7 +52,10 @@ async fn entry_layout_and_create_revision_tokens() {
     let key = format!("{}/with%slash", unique_key("layout"));
     let guard = locks.lock(&key).acquire().await.expect("acquire");
     let queue = etcd.queue_prefix(&format!("dlock:{key}"));
-    assert!(queue.starts_with("/dlock-test/dlock:conformance:layout:"), "{queue}");
+    assert!(
+        queue.starts_with("/dlock-test/dlock:conformance:layout:"),
+        "{queue}"
+    );
     assert!(queue.ends_with("%2Fwith%25slash/"), "{queue}");
     let admin = admin(&url()).await;
     let listed = entries(&admin, &queue).await;

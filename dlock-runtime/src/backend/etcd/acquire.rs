@@ -155,7 +155,11 @@ impl Inner {
         };
         {
             let mut st = pending.state();
-            if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, &session)) {
+            if !st
+                .session
+                .as_ref()
+                .is_some_and(|s| Arc::ptr_eq(s, &session))
+            {
                 // An entry of an ended session goes with its lease.
                 st.session = Some(session.clone());
                 st.revision = None;
@@ -182,12 +186,12 @@ impl Inner {
             // One read of our entry, the holder and our predecessor.
             let mut kv = session.client.kv_client();
             let read = Txn::new().and_then([
-                TxnOp::get(pending.key.as_str(), Some(GetOptions::new().with_keys_only())),
-                TxnOp::get(pending.queue.as_str(), Some(first())),
                 TxnOp::get(
-                    pending.queue.as_str(),
-                    Some(predecessor(revision)),
+                    pending.key.as_str(),
+                    Some(GetOptions::new().with_keys_only()),
                 ),
+                TxnOp::get(pending.queue.as_str(), Some(first())),
+                TxnOp::get(pending.queue.as_str(), Some(predecessor(revision))),
             ]);
             let response = match session.call(kv.txn(read)).await {
                 Ok(response) => response,
@@ -281,7 +285,10 @@ impl Inner {
             self.counters
                 .creates_recovered
                 .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(key, "dlock etcd: lost put reply; entry found again by its key");
+            tracing::debug!(
+                key,
+                "dlock etcd: lost put reply; entry found again by its key"
+            );
         } else {
             self.counters.entries_put.fetch_add(1, Ordering::Relaxed);
         }
@@ -415,11 +422,7 @@ impl Inner {
             // No live session: its lease takes every entry with it.
             return Ok(());
         };
-        let key = format!(
-            "{}{}",
-            self.queue_of(stored_key),
-            super::url::escape(owner)
-        );
+        let key = format!("{}{}", self.queue_of(stored_key), super::url::escape(owner));
         let deadline = Instant::now() + session.op_timeout;
         match delete_named(&session, &key, Some(deadline)).await {
             Ok(()) => Ok(()),

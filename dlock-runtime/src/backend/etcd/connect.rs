@@ -57,9 +57,8 @@ impl Inner {
         )
         .await
         .unwrap_or_else(|_| Err(session::timed_out()));
-        let client = connected.map_err(|e| {
-            backend_error(&format!("cannot connect to {}", self.shown_url), e)
-        })?;
+        let client = connected
+            .map_err(|e| backend_error(&format!("cannot connect to {}", self.shown_url), e))?;
         *lock(&self.client) = Some(client.clone());
         Ok(client)
     }

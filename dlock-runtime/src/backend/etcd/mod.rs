@@ -130,8 +130,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn lease_gone(err: &EtcdError) -> bool {
     match err {
         EtcdError::GRpcStatus(status) => {
-            status.code() == tonic::Code::NotFound
-                && status.message().contains("lease not found")
+            status.code() == tonic::Code::NotFound && status.message().contains("lease not found")
         }
         _ => false,
     }

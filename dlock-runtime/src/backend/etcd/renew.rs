@@ -32,8 +32,7 @@ impl Inner {
                 continue;
             };
             let session = entry.session.upgrade().filter(|s| s.is_alive());
-            let Some(session) =
-                session.filter(|_| !entry.is_ended() && !entry.lost.is_cancelled())
+            let Some(session) = session.filter(|_| !entry.is_ended() && !entry.lost.is_cancelled())
             else {
                 answers[i] = Some(Ok(Renewal::Lost));
                 continue;
@@ -58,10 +57,12 @@ impl Inner {
                         let results = response.op_responses();
                         for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
                             let ours = match results.get(n) {
-                                Some(TxnOpResponse::Get(get)) => get.kvs().first().is_some_and(|e| {
-                                    e.create_revision() == entry.revision
-                                        && e.lease() == session.lease_id
-                                }),
+                                Some(TxnOpResponse::Get(get)) => {
+                                    get.kvs().first().is_some_and(|e| {
+                                        e.create_revision() == entry.revision
+                                            && e.lease() == session.lease_id
+                                    })
+                                }
                                 _ => false,
                             };
                             answers[*i] = Some(Ok(

@@ -130,7 +130,10 @@ impl Session {
         if let Err(err) = &answer
             && lease_gone(err)
         {
-            self.end("etcd no longer knows the session's lease (expired or revoked)", true);
+            self.end(
+                "etcd no longer knows the session's lease (expired or revoked)",
+                true,
+            );
         }
         answer
     }
@@ -442,7 +445,10 @@ pub(super) async fn keeper(session: Weak<Session>) {
             match &mut stream {
                 None => {
                     let opened = leases.keep_alive(id).await?;
-                    strong.counters.streams_opened.fetch_add(1, Ordering::Relaxed);
+                    strong
+                        .counters
+                        .streams_opened
+                        .fetch_add(1, Ordering::Relaxed);
                     stream = Some(opened);
                     Ok(Some(1))
                 }
@@ -456,16 +462,25 @@ pub(super) async fn keeper(session: Weak<Session>) {
         match answer {
             Ok(Ok(Some(ttl))) if ttl > 0 => strong.heard(sent),
             Ok(Ok(Some(_))) => {
-                strong.end("etcd no longer knows the session's lease (expired or revoked)", true);
+                strong.end(
+                    "etcd no longer knows the session's lease (expired or revoked)",
+                    true,
+                );
                 return;
             }
             Ok(Err(EtcdError::LeaseKeepAliveError(_))) if stream.is_none() => {
                 // Opening the stream on a lease etcd no longer knows.
-                strong.end("etcd no longer knows the session's lease (expired or revoked)", true);
+                strong.end(
+                    "etcd no longer knows the session's lease (expired or revoked)",
+                    true,
+                );
                 return;
             }
             Ok(Err(err)) if lease_gone(&err) => {
-                strong.end("etcd no longer knows the session's lease (expired or revoked)", true);
+                strong.end(
+                    "etcd no longer knows the session's lease (expired or revoked)",
+                    true,
+                );
                 return;
             }
             other => {

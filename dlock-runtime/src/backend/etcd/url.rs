@@ -103,7 +103,8 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
     if prefix.contains("//") {
         return Err(bad("the prefix has an empty component (`//`)"));
     }
-    let prefix = percent_decode(&prefix).ok_or_else(|| bad("bad percent-encoding in the prefix"))?;
+    let prefix =
+        percent_decode(&prefix).ok_or_else(|| bad("bad percent-encoding in the prefix"))?;
     let mut session_ttl = DEFAULT_SESSION_TTL;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
