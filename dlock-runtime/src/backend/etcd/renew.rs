@@ -1,6 +1,8 @@
-//! Renewal: one read transaction per session (and per 64 entries) checks
-//! that every held entry still exists, is ours and is under the session's
-//! lease; the lease itself is kept alive by the session's keeper.
+//! Renewal, batched: one keep-alive of the session's etcd lease (sent by its
+//! keeper) and one read transaction per 64 entries that checks every held
+//! entry still exists, is ours and is under the session's lease. A lease
+//! is renewed only when both answered, the keep-alive sent after the batch
+//! started: etcd then keeps the entry at least a session TTL from then.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,53 +45,34 @@ impl Inner {
             }
         }
         for (session, items) in groups {
-            for chunk in items.chunks(PER_TXN) {
-                let reads: Vec<TxnOp> = chunk
-                    .iter()
-                    .map(|(_, e, _)| {
-                        TxnOp::get(e.key.as_str(), Some(GetOptions::new().with_keys_only()))
-                    })
-                    .collect();
-                let sent = Instant::now();
-                let mut kv = session.client.kv_client();
-                match session.call(kv.txn(Txn::new().and_then(reads))).await {
-                    Ok(response) => {
-                        let results = response.op_responses();
-                        for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
-                            let ours = match results.get(n) {
-                                Some(TxnOpResponse::Get(get)) => {
-                                    get.kvs().first().is_some_and(|e| {
-                                        e.create_revision() == entry.revision
-                                            && e.lease() == session.lease_id
-                                    })
-                                }
-                                _ => false,
-                            };
-                            answers[*i] = Some(Ok(
-                                if ours && session.is_alive() && session.extend(entry, sent, *ttl) {
-                                    Renewal::Renewed
-                                } else {
-                                    session.unregister(entry);
-                                    Renewal::Lost
-                                },
-                            ));
+            let started = Instant::now();
+            let kept = session.keep_alive_since(started, started + session.op_timeout);
+            let reads = async {
+                let mut answers = Vec::new();
+                for chunk in items.chunks(PER_TXN) {
+                    answers.push(self.read_chunk(&session, chunk).await);
+                }
+                answers
+            };
+            let (kept, read) = tokio::join!(kept, reads);
+            for (chunk, read) in items.chunks(PER_TXN).zip(read) {
+                for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
+                    answers[*i] = Some(match &read {
+                        Ok(ours) if !ours[n] || !session.is_alive() => {
+                            session.unregister(entry);
+                            Ok(Renewal::Lost)
                         }
-                    }
-                    Err(_) if !session.is_alive() => {
-                        for (i, _, _) in chunk {
-                            answers[*i] = Some(Ok(Renewal::Lost));
+                        Ok(_) if !kept => Err(BackendError::transient(
+                            "etcd: no keep-alive of the session's lease answered in time",
+                        )),
+                        Ok(_) if session.extend(entry, started, *ttl) => Ok(Renewal::Renewed),
+                        Ok(_) => Ok(Renewal::Lost),
+                        Err(_) if !session.is_alive() => Ok(Renewal::Lost),
+                        Err(err) if err.is_retryable() => {
+                            Err(BackendError::transient(err.to_string()))
                         }
-                    }
-                    Err(err) => {
-                        let err = backend_error("renewal", err);
-                        for (i, _, _) in chunk {
-                            answers[*i] = Some(Err(if err.is_retryable() {
-                                BackendError::transient(err.to_string())
-                            } else {
-                                BackendError::permanent(err.to_string())
-                            }));
-                        }
-                    }
+                        Err(err) => Err(BackendError::permanent(err.to_string())),
+                    });
                 }
             }
         }
@@ -97,6 +80,34 @@ impl Inner {
             .into_iter()
             .map(|a| a.unwrap_or_else(|| Err(BackendError::permanent("etcd: no answer"))))
             .collect()
+    }
+
+    /// Whether each entry of `chunk` is still ours, read in one transaction.
+    async fn read_chunk(
+        &self,
+        session: &Session,
+        chunk: &[(usize, Arc<HeldEntry>, Duration)],
+    ) -> Result<Vec<bool>, BackendError> {
+        let reads: Vec<TxnOp> = chunk
+            .iter()
+            .map(|(_, e, _)| TxnOp::get(e.key.as_str(), Some(GetOptions::new().with_keys_only())))
+            .collect();
+        let mut kv = session.client.kv_client();
+        let response = session
+            .call(kv.txn(Txn::new().and_then(reads)))
+            .await
+            .map_err(|err| backend_error("renewal", err))?;
+        let results = response.op_responses();
+        Ok(chunk
+            .iter()
+            .enumerate()
+            .map(|(n, (_, entry, _))| match results.get(n) {
+                Some(TxnOpResponse::Get(get)) => get.kvs().first().is_some_and(|e| {
+                    e.create_revision() == entry.revision && e.lease() == session.lease_id
+                }),
+                _ => false,
+            })
+            .collect())
     }
 }
 

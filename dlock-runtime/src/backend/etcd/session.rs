@@ -35,6 +35,10 @@ pub(super) struct Session {
     held: Mutex<Held>,
     next_id: AtomicU64,
     reaper: Arc<tokio::sync::Notify>,
+    /// Asks the keeper for a keep-alive now (a renewal batch).
+    kick: tokio::sync::Notify,
+    /// Notified whenever a keep-alive is answered.
+    answered: tokio::sync::Notify,
     /// Cancelled when the session has ended (its lease expired, revoked, or
     /// declared lost) or is dropped.
     pub(super) ended: CancellationToken,
@@ -91,6 +95,8 @@ impl Session {
             held: Mutex::new(Held::default()),
             next_id: AtomicU64::new(1),
             reaper: Arc::new(tokio::sync::Notify::new()),
+            kick: tokio::sync::Notify::new(),
+            answered: tokio::sync::Notify::new(),
             ended: CancellationToken::new(),
             counters,
         })
@@ -104,6 +110,31 @@ impl Session {
         let ns = sent.saturating_duration_since(self.base).as_nanos();
         self.last_heard
             .fetch_max(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::AcqRel);
+        self.answered.notify_waiters();
+    }
+
+    /// Has the keeper send a keep-alive now and waits until one sent at or
+    /// after `since` is answered: true then, false at `deadline` or when the
+    /// session ends. A renewal batch is one such keep-alive, so a renewed
+    /// lease's etcd lease was extended after the renewal was sent.
+    pub(super) async fn keep_alive_since(&self, since: Instant, deadline: Instant) -> bool {
+        self.kick.notify_one();
+        loop {
+            let answered = self.answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if self.last_heard() >= since {
+                return true;
+            }
+            if !self.is_alive() {
+                return false;
+            }
+            tokio::select! {
+                () = &mut answered => {}
+                () = self.ended.cancelled() => return false,
+                () = tokio::time::sleep_until(deadline.into()) => return self.last_heard() >= since,
+            }
+        }
     }
 
     fn last_heard(&self) -> Instant {
@@ -397,7 +428,7 @@ pub(super) async fn reaper(session: Weak<Session>) {
 }
 
 /// Keeps the session's etcd lease alive for the session's whole life: a
-/// keep-alive every sixth of the TTL on one stream, the stream opened
+/// keep-alive every sixth of the TTL and one per renewal batch, on one stream, the stream opened
 /// again when it breaks (etcd-client's streams do not reconnect), and the
 /// session ended — every entry declared lost — when etcd answers that the
 /// lease is gone, or when no keep-alive was answered for ⅔ of the TTL.
@@ -414,6 +445,7 @@ pub(super) async fn keeper(session: Weak<Session>) {
     strong.heard(strong.base);
     drop(strong);
     let mut stream = None;
+    let mut kicked = false;
     loop {
         let Some(strong) = session.upgrade() else {
             return;
@@ -431,14 +463,19 @@ pub(super) async fn keeper(session: Weak<Session>) {
             return;
         }
         let due = strong.last_heard() + every;
-        if now < due {
+        if now < due && !kicked {
             drop(strong);
+            let Some(kick) = session.upgrade() else {
+                return;
+            };
             tokio::select! {
                 () = ended.cancelled() => return,
+                () = kick.kick.notified() => kicked = true,
                 () = tokio::time::sleep_until(due.min(loss_at).into()) => {}
             }
             continue;
         }
+        kicked = false;
         let sent = now;
         let bound = (sent + strong.op_timeout).min(loss_at);
         let answer = tokio::time::timeout_at(bound.into(), async {
