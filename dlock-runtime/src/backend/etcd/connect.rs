@@ -47,7 +47,10 @@ impl Inner {
             .with_connect_timeout(bound)
             .with_timeout(bound)
             .with_keep_alive(Duration::from_secs(1), bound)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            // A member cut off from the leader refuses at once, and ends its
+            // watches, rather than leave them waiting.
+            .with_require_leader(true);
         if let Some((user, password)) = &t.user {
             options = options.with_user(user.clone(), password.clone());
         }
