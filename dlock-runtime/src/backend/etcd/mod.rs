@@ -29,8 +29,10 @@
 //! own. With one lease per session an uncontended acquisition is one
 //! transaction, a release one delete, and one keep-alive stream renews
 //! every entry of the process at once (renewal is batched by construction).
-//! Measured on the three-member test cluster (loopback, 2 shared cores):
-//! see the README's etcd section. So, as with ZooKeeper's session:
+//! Measured on the three-member test cluster (etcd 3.4, loopback, 2 shared
+//! cores, 400 sequential pairs): an acquire + release pair took 3.5–3.9 ms
+//! with the session's lease and 6.2–6.5 ms with a lease per hold. So, as
+//! with ZooKeeper's session:
 //!
 //! - While this process runs, `lease` behaves as on every backend: the
 //!   watchdog renews it (each renewal batch is one read transaction that
