@@ -648,7 +648,9 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         lease_ms: MAX_LEASE.as_millis() as u64,
         session_timeout_ms: match args.backend {
             Backend::Zk => Some(ZK_SESSION_TIMEOUT.as_millis() as u64),
-            Backend::Etcd => Some(ETCD_SESSION_TTL.as_millis() as u64),
+            // etcd: a renewal makes the session's lease outlast the renewed
+            // lease, not a whole TTL past the renewal: measured against the
+            // lease, as on Redis.
             _ => None,
         },
         keys_left,

@@ -37,7 +37,8 @@
 //! - While this process runs, `lease` behaves as on every backend: the
 //!   watchdog renews it (each renewal batch is one read transaction that
 //!   checks every held entry still exists, is ours and is under the
-//!   session's lease), time-driven loss is the runtime's (a lease not
+//!   session's lease, plus one keep-alive of the session's lease when that
+//!   could end before the renewed lease does), time-driven loss is the runtime's (a lease not
 //!   renewed by its give-up instant is lost at that instant), and an entry
 //!   whose lease is not renewed by its end — a forgotten guard,
 //!   `watchdog = false`, `hold_at_least` — is deleted by the backend then.

@@ -1,8 +1,10 @@
-//! Renewal, batched: one keep-alive of the session's etcd lease (sent by its
-//! keeper) and one read transaction per 64 entries that checks every held
-//! entry still exists, is ours and is under the session's lease. A lease
-//! is renewed only when both answered, the keep-alive sent after the batch
-//! started: etcd then keeps the entry at least a session TTL from then.
+//! Renewal, batched: one read transaction per 64 entries that checks every
+//! held entry still exists, is ours and is under the session's lease, and —
+//! when the session's etcd lease could end before the longest lease renewed
+//! (`last keep-alive answered + TTL` earlier than its new end) — one
+//! keep-alive of it, sent by its keeper after the batch started. A lease is
+//! renewed only when both answered: etcd then keeps its entry at least until
+//! the lease's new end.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,7 +48,20 @@ impl Inner {
         }
         for (session, items) in groups {
             let started = Instant::now();
-            let kept = session.keep_alive_since(started, started + session.op_timeout);
+            let longest = items
+                .iter()
+                .map(|(_, _, ttl)| *ttl)
+                .max()
+                .unwrap_or_default();
+            let kept = async {
+                // A keep-alive is needed only when the session's lease could
+                // end before the longest renewed lease (a lease close to the
+                // session TTL); short leases renew with the reads alone.
+                session.outlasts(crate::time::saturating_add(started, longest))
+                    || session
+                        .keep_alive_since(started, started + session.op_timeout)
+                        .await
+            };
             let reads = async {
                 let mut answers = Vec::new();
                 for chunk in items.chunks(PER_TXN) {
@@ -90,7 +105,14 @@ impl Inner {
     ) -> Result<Vec<bool>, BackendError> {
         let reads: Vec<TxnOp> = chunk
             .iter()
-            .map(|(_, e, _)| TxnOp::get(e.key.as_str(), Some(GetOptions::new().with_keys_only())))
+            .map(|(_, e, _)| {
+                // Served by the member itself, without a round to the
+                // leader: a member cut off from it (or a lagging one) is
+                // caught by the keep-alive the session needs, and an entry
+                // deleted behind our back is seen one replication later.
+                let options = GetOptions::new().with_keys_only().with_serializable();
+                TxnOp::get(e.key.as_str(), Some(options))
+            })
             .collect();
         let mut kv = session.client.kv_client();
         let response = session

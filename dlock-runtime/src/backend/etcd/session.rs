@@ -113,6 +113,13 @@ impl Session {
         self.answered.notify_waiters();
     }
 
+    /// Whether etcd keeps the session's lease at least until `at` without
+    /// another keep-alive: it cannot expire it before the last answered
+    /// keep-alive was sent + the TTL.
+    pub(super) fn outlasts(&self, at: Instant) -> bool {
+        self.is_alive() && self.last_heard() + self.ttl >= at
+    }
+
     /// Has the keeper send a keep-alive now and waits until one sent at or
     /// after `since` is answered: true then, false at `deadline` or when the
     /// session ends. A renewal batch is one such keep-alive, so a renewed
