@@ -73,7 +73,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
     match backend {
         Backend::Url => &[PauseHolder, KillWorker],
         Backend::Sqlite => &[PauseHolder, KillWorker, SideStall],
-        Backend::Redis => &[
+        Backend::Redis | Backend::Etcd => &[
             PauseHolder,
             KillWorker,
             KillServer,
@@ -97,15 +97,6 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
             ProxyBlackhole,
             ProxyReset,
             SessionExpiry,
-            SideStall,
-        ],
-        Backend::Etcd => &[
-            PauseHolder,
-            KillWorker,
-            KillServer,
-            ProxyDelay,
-            ProxyBlackhole,
-            ProxyReset,
             SideStall,
         ],
         Backend::Postgres | Backend::Mysql => match mode {
