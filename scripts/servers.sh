@@ -13,6 +13,8 @@
 #   scripts/servers.sh start-mysql
 #   scripts/servers.sh start-pgbouncer        (PostgreSQL must be up)
 #   scripts/servers.sh stop-pgbouncer
+#   scripts/servers.sh stop-etcd N [kill]     stop etcd member N (0-2; `kill`: SIGKILL)
+#   scripts/servers.sh start-etcd N
 #
 # Every server listens on 127.0.0.1 on the project's own ports, and all state
 # (data dirs, logs, pid files, urls.env) lives under one directory:
@@ -31,6 +33,9 @@
 # name `dlock`) that fail over 1 s after the primary stops answering. After a
 # failover the roles stay swapped; a data node started again joins the
 # primary the sentinels name.
+#
+# etcd (Debian's etcd-server): a three-member cluster, clients on
+# 42379/42389/42399, peers on 42380/42390/42400, data under <state>/etcd.
 #
 # PgBouncer (Debian's): two instances in front of the PostgreSQL server, one
 # in session pooling (46432) and one in transaction pooling (46433).
@@ -56,6 +61,7 @@ PG_PORT=45432
 MYSQL_PORT=43306
 PGB_SESSION_PORT=46432       # PgBouncer, pool_mode = session
 PGB_TRANSACTION_PORT=46433   # PgBouncer, pool_mode = transaction
+ETCD_CLIENT_PORTS=(42379 42389 42399)   # member i: client port, peer port + 1
 
 PG_BIN=/usr/lib/postgresql/15/bin   # Debian's own; /usr/local/bin/postgres may not exist on CI
 ZK_JARS=(/usr/share/java/zookeeper.jar /usr/share/java/slf4j-simple.jar)
@@ -103,6 +109,7 @@ pid_alive() {
         postmaster.pid) want=postgres ;;
         mariadb.pid) want=mariadbd ;;
         pgbouncer.pid) want=pgbouncer ;;
+        etcd.pid) want=etcd ;;
         *) return 0 ;;
     esac
     cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
@@ -218,6 +225,9 @@ install_missing() {
         command -v "$b" >/dev/null || { pkgs+=(mariadb-server mariadb-client); break; }
     done
     command -v pgbouncer >/dev/null || pkgs+=(pgbouncer)
+    command -v etcd >/dev/null || pkgs+=(etcd-server)
+    # etcd-client (the etcd backend's gRPC client) runs protoc at build time.
+    command -v protoc >/dev/null || pkgs+=(protobuf-compiler)
     ((${#pkgs[@]})) || return 0
 
     [[ $(id -u) -eq 0 ]] || die "missing packages (${pkgs[*]}); run this script as root or install them"
@@ -975,6 +985,7 @@ print_urls() {
     printf 'DLOCK_TEST_REDIS_URL=redis://%s:%s/\n' "$HOST" "${REDIS_PORTS[0]}"
     printf 'DLOCK_TEST_REDLOCK_URL=redlock://%s\n' "$(IFS=,; printf '%s' "${nodes[*]}")"
     printf 'DLOCK_TEST_ZK_URL=zk://%s:%s/dlock-test\n' "$HOST" "$ZK_PORT"
+    printf 'DLOCK_TEST_ETCD_URL=%s\n' "$(etcd_url)"
     printf 'DLOCK_TEST_POSTGRES_URL=%s\n' "$PG_URL"
     printf 'DLOCK_TEST_PGBOUNCER_SESSION_URL=%s\n' "$(pgb_url "$PGB_SESSION_PORT")"
     printf 'DLOCK_TEST_PGBOUNCER_TRANSACTION_URL=%s\n' "$(pgb_url "$PGB_TRANSACTION_PORT")"
@@ -992,6 +1003,79 @@ print_urls() {
         printf 'DLOCK_TEST_REDIS_TLS_URL=rediss://%s:%s/\n' "$HOST" "$TLS_PORT"
         printf 'DLOCK_TEST_REDIS_TLS_CA=%s/ca.crt\n' "$(tls_dir)"
     fi
+}
+
+# ------------------------------------------------------------------ etcd ---
+
+etcd_dir() { printf '%s/etcd/m%s' "$STATE_DIR" "$1"; }
+etcd_client_port() { printf '%s' "${ETCD_CLIENT_PORTS[$1]}"; }
+etcd_peer_port() { printf '%s' $((${ETCD_CLIENT_PORTS[$1]} + 1)); }
+
+check_etcd_member() {
+    [[ ${1:-} =~ ^[0-2]$ ]] || die "expected an etcd member index (0, 1 or 2), got '${1:-}'"
+}
+
+# etcd_healthy I: member I answers and sees a leader.
+etcd_healthy() {
+    curl -fsS --max-time 2 "http://$HOST:$(etcd_client_port "$1")/health" 2>/dev/null \
+        | grep -q '"health":"true"'
+}
+
+# etcd_answers I: member I's client port answers HTTP (a member alone, with
+# no quorum, answers but is not healthy).
+etcd_answers() { curl -sS --max-time 2 -o /dev/null "http://$HOST:$(etcd_client_port "$1")/version"; }
+
+# start_etcd_member I: starts member I (joining the cluster the first time,
+# rejoining with its data dir after). Does not wait for a quorum.
+start_etcd_member() {
+    local i=$1 dir cluster="" j
+    dir=$(etcd_dir "$i")
+    local pidfile=$dir/etcd.pid logfile=$dir/etcd.log
+    if pid_alive "$pidfile"; then return 0; fi
+    rm -f "$pidfile"
+    check_port_free "etcd:$(etcd_client_port "$i")" "$(etcd_client_port "$i")"
+    mkdir -p "$dir"
+    for j in 0 1 2; do
+        cluster+="${cluster:+,}m$j=http://$HOST:$(etcd_peer_port "$j")"
+    done
+    mark_log "$logfile"
+    setsid etcd --name "m$i" --data-dir "$dir/data" \
+        --listen-client-urls "http://$HOST:$(etcd_client_port "$i")" \
+        --advertise-client-urls "http://$HOST:$(etcd_client_port "$i")" \
+        --listen-peer-urls "http://$HOST:$(etcd_peer_port "$i")" \
+        --initial-advertise-peer-urls "http://$HOST:$(etcd_peer_port "$i")" \
+        --initial-cluster "$cluster" --initial-cluster-token dlock-test \
+        --initial-cluster-state new --unsafe-no-fsync \
+        </dev/null >>"$logfile" 2>&1 9>&- &
+    echo $! >"$pidfile"
+    log "etcd:$(etcd_client_port "$i") started"
+}
+
+start_etcd() {
+    local i
+    for i in 0 1 2; do start_etcd_member "$i"; done
+    for i in 0 1 2; do
+        wait_for "etcd:$(etcd_client_port "$i")" "$(etcd_dir "$i")/etcd.log" \
+            "$(etcd_dir "$i")/etcd.pid" etcd_healthy "$i"
+    done
+}
+
+# stop_etcd_member I [kill]
+stop_etcd_member() {
+    local sig=TERM
+    [[ ${2:-} == kill ]] && sig=KILL
+    stop_pid "etcd:$(etcd_client_port "$1")" "$(etcd_dir "$1")/etcd.pid" 20 "$sig"
+}
+
+stop_etcd() {
+    local i
+    for i in 0 1 2; do stop_etcd_member "$i"; done
+}
+
+etcd_url() {
+    local eps=() i
+    for i in 0 1 2; do eps+=("$HOST:$(etcd_client_port "$i")"); done
+    printf 'etcd://%s/dlock-test' "$(IFS=,; printf '%s' "${eps[*]}")"
 }
 
 # ------------------------------------------------------------- commands ---
@@ -1013,6 +1097,7 @@ cmd_up() {
     start_postgres
     start_pgbouncer
     start_mariadb
+    start_etcd
     print_urls >"$STATE_DIR/urls.env.tmp"
     mv "$STATE_DIR/urls.env.tmp" "$STATE_DIR/urls.env"
     cat "$STATE_DIR/urls.env"
@@ -1029,6 +1114,7 @@ cmd_down() {
     stop_pgbouncer
     stop_postgres
     stop_mariadb
+    stop_etcd
 }
 
 cmd_status() {
@@ -1082,11 +1168,14 @@ cmd_status() {
     report "pgbouncer:$PGB_TRANSACTION_PORT" "$STATE_DIR/pgbouncer/transaction/pgbouncer.pid" \
         pgb_ready "$PGB_TRANSACTION_PORT"
     report "mariadb:$MYSQL_PORT" "$STATE_DIR/mariadb/mariadb.pid" mysql_ready
+    for p in 0 1 2; do
+        report "etcd:$(etcd_client_port "$p")" "$(etcd_dir "$p")/etcd.pid" etcd_answers "$p"
+    done
     return "$all_up"
 }
 
 usage() {
-    sed -n '2,15s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,17s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
     exit 2
 }
 
@@ -1136,6 +1225,19 @@ case ${1:-up} in
     stop-pgbouncer)
         take_lock
         stop_pgbouncer
+        ;;
+    stop-etcd)
+        check_etcd_member "${2:-}"
+        [[ -z ${3:-} || $3 == kill ]] || die "$1: the only option is \`kill\` (SIGKILL)"
+        take_lock
+        stop_etcd_member "$2" "${3:-}"
+        ;;
+    start-etcd)
+        check_etcd_member "${2:-}"
+        take_lock
+        start_etcd_member "$2"
+        wait_for "etcd:$(etcd_client_port "$2")" "$(etcd_dir "$2")/etcd.log" \
+            "$(etcd_dir "$2")/etcd.pid" etcd_answers "$2"
         ;;
     -h | --help | help) usage ;;
     *) usage ;;

@@ -30,7 +30,8 @@ enum Kind {
     /// SIGKILL a worker inside the lock and start it again.
     KillWorker,
     /// SIGKILL the Redis server while a body runs; restart it with its data, then
-    /// (next time) without.
+    /// (next time) without. etcd: one member, picked at random (the leader
+    /// or a follower), restarted with its data.
     KillServer,
     /// Delay one to three workers' traffic by 20–200 ms for 1–2 s.
     ProxyDelay,
@@ -72,7 +73,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
     match backend {
         Backend::Url => &[PauseHolder, KillWorker],
         Backend::Sqlite => &[PauseHolder, KillWorker, SideStall],
-        Backend::Redis => &[
+        Backend::Redis | Backend::Etcd => &[
             PauseHolder,
             KillWorker,
             KillServer,
@@ -235,20 +236,30 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 let keep = server_kills % 2 == 1
                     || matches!(
                         cluster.args.backend,
-                        Backend::Zk | Backend::Postgres | Backend::Mysql
+                        Backend::Zk | Backend::Etcd | Backend::Postgres | Backend::Mysql
                     );
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, Some(0), long(lease)).await;
                 let mut servers = cluster.servers.lock().await;
-                servers[0].kill().await?;
-                let what = if cluster.args.backend == Backend::Zk {
-                    "restart with its data and sessions"
-                } else if matches!(cluster.args.backend, Backend::Postgres | Backend::Mysql) {
-                    "restart with its data (crash recovery)"
-                } else if keep {
-                    "restart from its append-only file"
+                let victim = if cluster.args.backend == Backend::Etcd {
+                    rng.random_range(0..servers.len())
                 } else {
-                    "restart empty (no persistence)"
+                    0
+                };
+                servers[victim].kill().await?;
+                let what = if cluster.args.backend == Backend::Etcd {
+                    format!(
+                        "member {victim} (port {}); restart with its data",
+                        servers[victim].port()
+                    )
+                } else if cluster.args.backend == Backend::Zk {
+                    "restart with its data and sessions".to_owned()
+                } else if matches!(cluster.args.backend, Backend::Postgres | Backend::Mysql) {
+                    "restart with its data (crash recovery)".to_owned()
+                } else if keep {
+                    "restart from its append-only file".to_owned()
+                } else {
+                    "restart empty (no persistence)".to_owned()
                 };
                 cluster.fault(
                     id,
@@ -258,7 +269,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     format!("while worker {w} holds (lease {lease:?}); {what}"),
                 );
                 tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
-                servers[0].restart(keep).await?;
+                servers[victim].restart(keep).await?;
                 cluster.fault(id, fault, Phase::Heal, vec![], String::new());
             }
             Kind::ProxyDelay => {

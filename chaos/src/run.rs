@@ -38,6 +38,10 @@ pub(crate) enum Backend {
     /// server kills and restarts, delays, black holes, resets and forced session
     /// expiries); the side backend is a SQLite file.
     Zk,
+    /// A three-member etcd cluster the harness runs, each worker behind a
+    /// fault proxy to one member (adds member kills and restarts, delays,
+    /// black holes and resets); the side backend is a SQLite file.
+    Etcd,
     /// One PostgreSQL the harness runs, behind a fault proxy per worker (adds
     /// server kills and restarts, delays, black holes, resets; in lease mode a
     /// holder's row deleted or taken over behind its back, in session mode its
@@ -97,7 +101,8 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 0.15)]
     pub(crate) side_rate: f64,
     /// First loopback port of the servers the harness runs (Redis from here,
-    /// the side Redis at +6, ZooKeeper at +7, PostgreSQL at +8, MariaDB at +9).
+    /// the side Redis at +6, ZooKeeper at +7, PostgreSQL at +8, MariaDB at +9,
+    /// etcd's members at +10 to +12, their peer ports at +13 to +15).
     /// Below Linux's ephemeral range (32768–60999): a port in it can be taken
     /// at any moment by the local end of some outgoing connection, and a
     /// restarted server then cannot bind it again.
@@ -167,6 +172,20 @@ fn mysql_port(args: &RunArgs) -> u16 {
     args.port_base + 9
 }
 
+/// Client ports of the etcd members (peer ports: 3 above each).
+fn etcd_ports(args: &RunArgs) -> [u16; 3] {
+    [
+        args.port_base + 10,
+        args.port_base + 11,
+        args.port_base + 12,
+    ]
+}
+
+/// The TTL of the workers' etcd session leases: as ZooKeeper's session
+/// timeout, longer than the longest lease, short enough that a killed
+/// holder's key frees within the other workers' patience.
+pub(crate) const ETCD_SESSION_TTL: Duration = Duration::from_secs(3);
+
 /// The SQL backends' `?timeout=` (bounds every statement): far above a
 /// loopback round trip and the proxy's longest delay, below the workers' wait.
 const SQL_TIMEOUT: &str = "1s";
@@ -200,6 +219,12 @@ impl Cluster {
                 self.run_id,
                 ZK_SESSION_TIMEOUT.as_millis()
             ),
+            Backend::Etcd => format!(
+                "etcd://127.0.0.1:{}/chaos-{}?session_ttl={}s",
+                self.proxies[id].port(),
+                self.run_id,
+                ETCD_SESSION_TTL.as_secs()
+            ),
             Backend::Postgres | Backend::Mysql => sql_url(&self.args, self.proxies[id].port()),
             Backend::Url => self.args.url.clone().unwrap_or_default(),
         }
@@ -222,7 +247,7 @@ impl Cluster {
     /// with `--backend url` (the harness cannot stall what it does not own).
     pub(crate) fn side_url(&self) -> Option<String> {
         match self.args.backend {
-            Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql => {
+            Backend::Sqlite | Backend::Zk | Backend::Etcd | Backend::Postgres | Backend::Mysql => {
                 Some(format!("sqlite://{}", self.out.join("side.db").display()))
             }
             Backend::Redis | Backend::Redlock => Some(format!(
@@ -459,6 +484,19 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Backend::Zk => {
             servers.push(Server::zookeeper(zk_port(&args), &out.join("zookeeper")).await?)
         }
+        Backend::Etcd => {
+            // Started together: each waits for the others to form the cluster.
+            let ports = etcd_ports(&args);
+            let dirs = [0, 1, 2].map(|i| out.join(format!("etcd-{i}")));
+            let started = tokio::join!(
+                Server::etcd(0, ports, &dirs[0]),
+                Server::etcd(1, ports, &dirs[1]),
+                Server::etcd(2, ports, &dirs[2]),
+            );
+            servers.push(started.0?);
+            servers.push(started.1?);
+            servers.push(started.2?);
+        }
         Backend::Postgres => {
             servers.push(Server::postgres(pg_port(&args), &out.join("postgres")).await?)
         }
@@ -471,7 +509,12 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Backend::Redis | Backend::Redlock => {
             Some(Server::redis(side_port(&args), &out.join("side-redis")).await?)
         }
-        Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql | Backend::Url => None,
+        Backend::Sqlite
+        | Backend::Zk
+        | Backend::Etcd
+        | Backend::Postgres
+        | Backend::Mysql
+        | Backend::Url => None,
     };
     let mut proxies = Vec::new();
     if matches!(
@@ -480,6 +523,12 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     ) {
         for _ in 0..args.workers {
             proxies.push(Proxy::to_port(servers[0].port()).await?);
+        }
+    }
+    if args.backend == Backend::Etcd {
+        // Worker w talks to member w % 3, through its own proxy.
+        for w in 0..args.workers {
+            proxies.push(Proxy::to_port(servers[w % servers.len()].port()).await?);
         }
     }
     let history = std::fs::File::create(out.join("history.jsonl"))?;
@@ -497,7 +546,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     });
     if matches!(
         args.backend,
-        Backend::Sqlite | Backend::Zk | Backend::Postgres | Backend::Mysql
+        Backend::Sqlite | Backend::Zk | Backend::Etcd | Backend::Postgres | Backend::Mysql
     ) {
         // Create the tables once, so that eight processes do not race to.
         match args.backend {
@@ -564,6 +613,8 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     let idle_by = Instant::now()
         + match args.backend {
             Backend::Zk => ZK_SESSION_TIMEOUT.max(MAX_LEASE) + Duration::from_secs(2),
+            // A leader change restarts a session lease's whole TTL.
+            Backend::Etcd => ETCD_SESSION_TTL.max(MAX_LEASE) * 2 + Duration::from_secs(2),
             _ => MAX_LEASE + Duration::from_millis(500),
         };
     let (keys_left, side_keys_left) = loop {
@@ -595,8 +646,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         workers: args.workers,
         mode,
         lease_ms: MAX_LEASE.as_millis() as u64,
-        session_timeout_ms: (args.backend == Backend::Zk)
-            .then(|| ZK_SESSION_TIMEOUT.as_millis() as u64),
+        session_timeout_ms: match args.backend {
+            Backend::Zk => Some(ZK_SESSION_TIMEOUT.as_millis() as u64),
+            // etcd: a renewal makes the session's lease outlast the renewed
+            // lease, not a whole TTL past the renewal: measured against the
+            // lease, as on Redis.
+            _ => None,
+        },
         keys_left,
         side_keys_left,
         traced: true,
@@ -628,6 +684,7 @@ async fn keys_left(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
             sqlite_keys_left(cluster, &cluster.worker_url(0)).await?,
         )),
         Backend::Zk => Ok(Some(zk_nodes_left(cluster).await?)),
+        Backend::Etcd => Ok(Some(etcd_entries_left(cluster).await?)),
         Backend::Postgres => Ok(Some(pg_keys_left(cluster).await?)),
         Backend::Mysql => Ok(Some(mysql_keys_left(cluster).await?)),
         Backend::Url => Ok(None),
@@ -682,6 +739,26 @@ async fn zk_nodes_left(cluster: &Cluster) -> anyhow::Result<usize> {
         }
     }
     Ok(left)
+}
+
+/// Lock entries left under the run's prefix (`/chaos-<run>/`), read from
+/// the members themselves (not through a proxy).
+async fn etcd_entries_left(cluster: &Cluster) -> anyhow::Result<usize> {
+    let members: Vec<String> = etcd_ports(&cluster.args)
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
+    let mut client = etcd_client::Client::connect(members, None)
+        .await
+        .context("connect to etcd to count the entries left")?;
+    let prefix = format!("/chaos-{}/", cluster.run_id);
+    let options = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_count_only();
+    let answer = tokio::time::timeout(Duration::from_secs(10), client.get(prefix, Some(options)))
+        .await
+        .context("etcd did not answer the count of the entries left")??;
+    Ok(usize::try_from(answer.count())?)
 }
 
 /// Leases of this run still live in PostgreSQL's lease table (an owner and

@@ -2,6 +2,8 @@
 //! Redis, with its data (append-only file, fsync on every write) or without
 //! it, ZooKeeper (standalone, its snapshot and transaction log kept in its
 //! directory: it always comes back with its data and its sessions), and
+//! a member of a three-member etcd cluster (its data directory kept: a
+//! killed member rejoins with its data), and
 //! PostgreSQL and MariaDB (a fresh cluster or data directory per run, in a
 //! directory of its own under the system's temporary directory; every commit
 //! reaches the OS before it is acknowledged, so a SIGKILL of the server loses
@@ -26,6 +28,7 @@ enum Flavor {
     ZooKeeper,
     Postgres,
     MariaDb,
+    Etcd,
 }
 
 /// One `redis-server`, one standalone ZooKeeper, one PostgreSQL or one
@@ -56,6 +59,43 @@ impl Server {
     pub(crate) async fn zookeeper(port: u16, dir: &Path) -> anyhow::Result<Self> {
         dlock_testkit::zookeeper_server::configure(port, dir)?;
         Self::start(Flavor::ZooKeeper, port, dir).await
+    }
+
+    /// Starts member `index` of a three-member etcd cluster whose members'
+    /// client ports are `clients` (peer port: client port + 3), keeping its
+    /// data and log in `dir`. Writes are not fsynced (`--unsafe-no-fsync`):
+    /// the nemesis kills processes, not the machine. Ready once its client
+    /// port accepts connections (requests wait there for a quorum).
+    pub(crate) async fn etcd(index: usize, clients: [u16; 3], dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let peer = |i: usize| clients[i] + 3;
+        let cluster: Vec<String> = (0..3)
+            .map(|i| format!("m{i}=http://127.0.0.1:{}", peer(i)))
+            .collect();
+        let (client, me) = (clients[index], peer(index));
+        let args = [
+            "--name".to_owned(),
+            format!("m{index}"),
+            "--data-dir".to_owned(),
+            dir.join("data").display().to_string(),
+            "--listen-client-urls".to_owned(),
+            format!("http://127.0.0.1:{client}"),
+            "--advertise-client-urls".to_owned(),
+            format!("http://127.0.0.1:{client}"),
+            "--listen-peer-urls".to_owned(),
+            format!("http://127.0.0.1:{me}"),
+            "--initial-advertise-peer-urls".to_owned(),
+            format!("http://127.0.0.1:{me}"),
+            "--initial-cluster".to_owned(),
+            cluster.join(","),
+            "--initial-cluster-token".to_owned(),
+            format!("dlock-chaos-{}", clients[0]),
+            "--initial-cluster-state".to_owned(),
+            "new".to_owned(),
+            "--unsafe-no-fsync".to_owned(),
+        ];
+        std::fs::write(dir.join("etcd.args"), args.join("\n"))?;
+        Self::start(Flavor::Etcd, client, dir).await
     }
 
     /// Starts a PostgreSQL 15 on `port` (Debian's binaries in [`PG_BIN`]),
@@ -218,6 +258,7 @@ impl Server {
             Flavor::ZooKeeper => self.spawn_zookeeper().await,
             Flavor::Postgres => self.spawn_postgres().await,
             Flavor::MariaDb => self.spawn_mariadb().await,
+            Flavor::Etcd => self.spawn_etcd().await,
         }
     }
 
@@ -364,6 +405,30 @@ impl Server {
         )
     }
 
+    async fn spawn_etcd(&mut self) -> anyhow::Result<()> {
+        let args = std::fs::read_to_string(self.dir.join("etcd.args"))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))?;
+        let child = Command::new("etcd")
+            .args(args.lines())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("cannot run etcd (install the test servers: scripts/servers.sh up)")?;
+        self.child = Some(child);
+        let port = self.port;
+        self.await_ready("etcd", "etcd.log", || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await
+    }
+
     async fn spawn_zookeeper(&mut self) -> anyhow::Result<()> {
         let child = Command::from(dlock_testkit::zookeeper_server::command(
             &self.dir,
@@ -441,7 +506,7 @@ impl Server {
     }
 
     /// Starts it again, from its append-only file (`keep_data`) or empty. ZooKeeper,
-    /// PostgreSQL and MariaDB always keep their data (after a crash recovery).
+    /// etcd, PostgreSQL and MariaDB always keep their data (after a crash recovery).
     pub(crate) async fn restart(&mut self, keep_data: bool) -> anyhow::Result<()> {
         self.kill().await?;
         if !keep_data && self.flavor == Flavor::Redis {

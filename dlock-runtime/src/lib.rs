@@ -64,6 +64,8 @@ pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::redlock::RedlockBackend;
 
+#[cfg(feature = "etcd")]
+pub use backend::etcd::EtcdBackend;
 #[cfg(feature = "mysql")]
 pub use backend::sql::MysqlBackend;
 #[cfg(feature = "postgres")]

@@ -133,6 +133,8 @@ pub fn unique_key(case: &str) -> String {
     format!("conformance:{case}:{run:016x}")
 }
 
+#[cfg(feature = "etcd")]
+pub mod etcd_support;
 #[cfg(feature = "redis")]
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]

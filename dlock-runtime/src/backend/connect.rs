@@ -8,13 +8,13 @@ use crate::error::{LockError, redact_url};
 /// The URL schemes dlock knows, for error messages.
 const SCHEMES: &str = "memory://, sqlite://path, redis://, rediss://, redis+cluster://, \
      rediss+cluster://, redis+sentinel://, rediss+sentinel://, redlock://, redlocks://, zk://, postgres://, postgresql://, mysql://, \
-     mariadb://";
+     mariadb://, etcd://";
 
 /// Opens the backend a URL names.
 ///
 /// `memory://`, `sqlite://path` (feature `sqlite`), `redis://`, `rediss://`,
 /// `redis+cluster://`, `redis+sentinel://` and `redlock://` (feature `redis`), `zk://` (feature
-/// `zookeeper`), `postgres://` (feature `postgres`) and `mysql://` (feature
+/// `zookeeper`), `etcd://` (feature `etcd`), `postgres://` (feature `postgres`) and `mysql://` (feature
 /// `mysql`) are available in this release.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     // Only a `scheme://` prefix names a backend: in `user:secret@host` the
@@ -73,6 +73,12 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
         #[cfg(not(feature = "zookeeper"))]
         "zk" => Err(LockError::config(
             "the `zk` backend is disabled: enable the `zookeeper` feature of dlock-runtime",
+        )),
+        #[cfg(feature = "etcd")]
+        "etcd" => Ok(Arc::new(super::etcd::EtcdBackend::connect(url).await?)),
+        #[cfg(not(feature = "etcd"))]
+        "etcd" => Err(LockError::config(
+            "the `etcd` backend is disabled: enable the `etcd` feature of dlock-runtime",
         )),
         _ => Err(LockError::config(format!(
             "unknown lock URL scheme `{scheme}` in `{}`; expected one of {SCHEMES}",

@@ -15,6 +15,7 @@
 //! | [`sql::postgres`] | `postgres://`, `postgresql://` | `postgres` |
 //! | [`sql::mysql`] (MySQL 8, MariaDB) | `mysql://`, `mariadb://` | `mysql` |
 //! | [`zookeeper`] | `zk://h1:p1,h2:p2/chroot` | `zookeeper` |
+//! | [`etcd`] | `etcd://h1:p1,h2:p2/prefix` | `etcd` |
 //!
 //! The wait loop every backend shares is in [`wait`]; [`connect`] opens the
 //! backend a URL names.
@@ -31,6 +32,8 @@ use crate::error::BackendError;
 use crate::token::FencingToken;
 
 mod connect;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 mod local;
 pub mod memory;

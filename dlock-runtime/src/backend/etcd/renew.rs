@@ -1,0 +1,138 @@
+//! Renewal, batched: one read transaction per 64 entries that checks every
+//! held entry still exists, is ours and is under the session's lease, and —
+//! when the session's etcd lease could end before the longest lease renewed
+//! (`last keep-alive answered + TTL` earlier than its new end) — one
+//! keep-alive of it, sent by its keeper after the batch started. A lease is
+//! renewed only when both answered: etcd then keeps its entry at least until
+//! the lease's new end.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
+
+use super::session::{HeldEntry, Session};
+use super::{Inner, backend_error};
+use crate::backend::{Lease, Renewal};
+use crate::error::BackendError;
+
+/// Entries checked by one transaction (etcd refuses more than 128 operations).
+const PER_TXN: usize = 64;
+
+impl Inner {
+    pub(super) async fn renew_batch(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Vec<Result<Renewal, BackendError>> {
+        type Item = (usize, Arc<HeldEntry>, Duration);
+        let mut answers: Vec<Option<Result<Renewal, BackendError>>> =
+            batch.iter().map(|_| None).collect();
+        let mut groups: Vec<(Arc<Session>, Vec<Item>)> = Vec::new();
+        for (i, (lease, ttl)) in batch.iter().enumerate() {
+            let Some(entry) = held_entry(lease) else {
+                answers[i] = Some(Err(BackendError::permanent(
+                    "etcd: not a lease granted by this backend",
+                )));
+                continue;
+            };
+            let session = entry.session.upgrade().filter(|s| s.is_alive());
+            let Some(session) = session.filter(|_| !entry.is_ended() && !entry.lost.is_cancelled())
+            else {
+                answers[i] = Some(Ok(Renewal::Lost));
+                continue;
+            };
+            match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &session)) {
+                Some((_, items)) => items.push((i, entry, *ttl)),
+                None => groups.push((session, vec![(i, entry, *ttl)])),
+            }
+        }
+        for (session, items) in groups {
+            let started = Instant::now();
+            let longest = items
+                .iter()
+                .map(|(_, _, ttl)| *ttl)
+                .max()
+                .unwrap_or_default();
+            let kept = async {
+                // A keep-alive is needed only when the session's lease could
+                // end before the longest renewed lease (a lease close to the
+                // session TTL); short leases renew with the reads alone.
+                session.outlasts(crate::time::saturating_add(started, longest))
+                    || session
+                        .keep_alive_since(started, started + session.op_timeout)
+                        .await
+            };
+            let reads = async {
+                let mut answers = Vec::new();
+                for chunk in items.chunks(PER_TXN) {
+                    answers.push(self.read_chunk(&session, chunk).await);
+                }
+                answers
+            };
+            let (kept, read) = tokio::join!(kept, reads);
+            for (chunk, read) in items.chunks(PER_TXN).zip(read) {
+                for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
+                    answers[*i] = Some(match &read {
+                        Ok(ours) if !ours[n] || !session.is_alive() => {
+                            session.unregister(entry);
+                            Ok(Renewal::Lost)
+                        }
+                        Ok(_) if !kept => Err(BackendError::transient(
+                            "etcd: no keep-alive of the session's lease answered in time",
+                        )),
+                        Ok(_) if session.extend(entry, started, *ttl) => Ok(Renewal::Renewed),
+                        Ok(_) => Ok(Renewal::Lost),
+                        Err(_) if !session.is_alive() => Ok(Renewal::Lost),
+                        Err(err) if err.is_retryable() => {
+                            Err(BackendError::transient(err.to_string()))
+                        }
+                        Err(err) => Err(BackendError::permanent(err.to_string())),
+                    });
+                }
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(BackendError::permanent("etcd: no answer"))))
+            .collect()
+    }
+
+    /// Whether each entry of `chunk` is still ours, read in one transaction.
+    async fn read_chunk(
+        &self,
+        session: &Session,
+        chunk: &[(usize, Arc<HeldEntry>, Duration)],
+    ) -> Result<Vec<bool>, BackendError> {
+        let reads: Vec<TxnOp> = chunk
+            .iter()
+            .map(|(_, e, _)| {
+                // Served by the member itself, without a round to the
+                // leader: a member cut off from it (or a lagging one) is
+                // caught by the keep-alive the session needs, and an entry
+                // deleted behind our back is seen one replication later.
+                let options = GetOptions::new().with_keys_only().with_serializable();
+                TxnOp::get(e.key.as_str(), Some(options))
+            })
+            .collect();
+        let mut kv = session.client.kv_client();
+        let response = session
+            .call(kv.txn(Txn::new().and_then(reads)))
+            .await
+            .map_err(|err| backend_error("renewal", err))?;
+        let results = response.op_responses();
+        Ok(chunk
+            .iter()
+            .enumerate()
+            .map(|(n, (_, entry, _))| match results.get(n) {
+                Some(TxnOpResponse::Get(get)) => get.kvs().first().is_some_and(|e| {
+                    e.create_revision() == entry.revision && e.lease() == session.lease_id
+                }),
+                _ => false,
+            })
+            .collect())
+    }
+}
+
+pub(super) fn held_entry(lease: &Lease) -> Option<Arc<HeldEntry>> {
+    lease.extra.clone()?.downcast::<HeldEntry>().ok()
+}

@@ -1,0 +1,200 @@
+//! `etcd://[user:pass@]h1:p1,h2:p2[/prefix][?session_ttl=10s]`
+
+use std::time::Duration;
+
+use crate::error::{LockError, redact_url};
+
+/// The etcd lease TTL of a backend session when the URL names none.
+pub(super) const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(10);
+
+/// The shortest TTL etcd grants with its default election timeout (it
+/// raises shorter ones to this).
+pub(super) const MIN_SESSION_TTL: Duration = Duration::from_secs(2);
+
+/// The longest session TTL accepted (a crashed holder blocks its keys this long).
+const MAX_SESSION_TTL: Duration = Duration::from_secs(3600);
+
+/// The port of a host named without one.
+const DEFAULT_PORT: u16 = 2379;
+
+/// What an `etcd://` URL says. Holds the credentials, so it has no `Debug`.
+pub(super) struct Target {
+    /// `http://host:port` of every member named.
+    pub(super) endpoints: Vec<String>,
+    /// The key prefix every entry lives under: `""` or `/a/b` (no trailing `/`).
+    pub(super) prefix: String,
+    /// `(user, password)` for etcd's authentication.
+    pub(super) user: Option<(String, String)>,
+    /// The TTL of the session's etcd lease: whole seconds, at least 2.
+    pub(super) session_ttl: Duration,
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|decoded| decoded.into_owned())
+}
+
+pub(super) fn parse(url: &str) -> Result<Target, LockError> {
+    let shown = redact_url(url);
+    let bad = |why: &str| LockError::config(format!("bad etcd URL `{shown}`: {why}"));
+    let rest = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("etcd") => rest,
+        _ => {
+            return Err(bad(
+                "expected etcd://[user:pass@]host:port[,host:port…][/prefix]",
+            ));
+        }
+    };
+    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (authority, path) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    let (userinfo, hosts) = match authority.rfind('@') {
+        Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
+        None => (None, authority),
+    };
+    let user = match userinfo {
+        None => None,
+        Some(info) => {
+            let (user, pass) = info
+                .split_once(':')
+                .ok_or_else(|| bad("authentication needs `user:password@`"))?;
+            let user = percent_decode(user).ok_or_else(|| bad("bad percent-encoding"))?;
+            let pass = percent_decode(pass).ok_or_else(|| bad("bad percent-encoding"))?;
+            if user.is_empty() {
+                return Err(bad("the user name must not be empty"));
+            }
+            Some((user, pass))
+        }
+    };
+    let mut endpoints = Vec::new();
+    for host in hosts.split(',') {
+        if host.is_empty() {
+            return Err(bad("empty host"));
+        }
+        let (name, port) = match host.rsplit_once(':') {
+            Some((name, port)) if !name.ends_with(':') && !host.ends_with(']') => {
+                let port = port
+                    .parse::<u16>()
+                    .map_err(|_| bad(&format!("bad port in `{host}`")))?;
+                (name, port)
+            }
+            _ => (host, DEFAULT_PORT),
+        };
+        if name.is_empty() || name.contains(['/', '@', ' ']) {
+            return Err(bad(&format!("bad host `{host}`")));
+        }
+        endpoints.push(format!("http://{name}:{port}"));
+    }
+    let prefix = path.trim_end_matches('/').to_owned();
+    if prefix.contains("//") {
+        return Err(bad("the prefix has an empty component (`//`)"));
+    }
+    let prefix =
+        percent_decode(&prefix).ok_or_else(|| bad("bad percent-encoding in the prefix"))?;
+    let mut session_ttl = DEFAULT_SESSION_TTL;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match name {
+            "session_ttl" => {
+                let ttl = humantime::parse_duration(value)
+                    .map_err(|e| bad(&format!("session_ttl `{value}`: {e}")))?;
+                if ttl.subsec_nanos() != 0 || ttl < MIN_SESSION_TTL || ttl > MAX_SESSION_TTL {
+                    return Err(bad(&format!(
+                        "session_ttl `{value}`: etcd leases are whole seconds, from 2s \
+                         (etcd raises shorter ones) to 1h"
+                    )));
+                }
+                session_ttl = ttl;
+            }
+            other => {
+                return Err(bad(&format!(
+                    "unknown option `{other}` (the option is session_ttl)"
+                )));
+            }
+        }
+    }
+    Ok(Target {
+        endpoints,
+        prefix,
+        user,
+        session_ttl,
+    })
+}
+
+/// The stored key (registry prefix included), escaped so that it holds no
+/// `/`: `%` and `/` become `%25` and `%2F`. Injective, and the escaped
+/// key ends where the next `/` is, so `{prefix}/{key}/{owner}` splits one way only.
+pub(super) fn escape(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '/' => out.push_str("%2F"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(url: &str) -> String {
+        match parse(url) {
+            Ok(_) => panic!("{url} accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn urls_name_members_prefix_credentials_and_ttl() {
+        let t = parse("etcd://u%40x:p%3Aw@a:1,b/locks/x/?session_ttl=3s").expect("parses");
+        assert_eq!(t.endpoints, ["http://a:1", "http://b:2379"]);
+        assert_eq!(t.prefix, "/locks/x");
+        assert_eq!(t.user, Some(("u@x".to_owned(), "p:w".to_owned())));
+        assert_eq!(t.session_ttl, Duration::from_secs(3));
+        let t = parse("etcd://h:2379").expect("parses");
+        assert_eq!(t.prefix, "");
+        assert_eq!(t.session_ttl, DEFAULT_SESSION_TTL);
+        assert!(t.user.is_none());
+    }
+
+    #[test]
+    fn bad_urls_are_config_errors_without_the_password() {
+        for (url, says) in [
+            ("redis://h", "expected etcd://"),
+            ("etcd://", "empty host"),
+            ("etcd://a,,b", "empty host"),
+            ("etcd://h:99999", "bad port"),
+            ("etcd://h?session_ttl=1500ms", "whole seconds"),
+            ("etcd://h?session_ttl=1s", "whole seconds"),
+            ("etcd://h?session_ttl=soon", "session_ttl"),
+            ("etcd://h?lease=3s", "unknown option"),
+            ("etcd://h/a//b", "empty component"),
+            ("etcd://user@h", "user:password"),
+        ] {
+            let e = err(url);
+            assert!(e.contains(says), "{url}: {e}");
+        }
+        let e = err("etcd://u:s3cret@h?session_ttl=0s");
+        assert!(!e.contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn escaping_is_injective_and_leaves_no_slash() {
+        let keys = ["a/b", "a%2Fb", "a%b", "a", "a/", "/", "%", "%25"];
+        let escaped: Vec<String> = keys.iter().map(|k| escape(k)).collect();
+        for (i, e) in escaped.iter().enumerate() {
+            assert!(!e.contains('/'), "{e}");
+            for other in &escaped[i + 1..] {
+                assert_ne!(e, other);
+            }
+        }
+        assert_eq!(escape("dlock:order/1%"), "dlock:order%2F1%25");
+    }
+}
