@@ -88,8 +88,8 @@ mod connections;
 mod listener;
 pub mod redlock;
 mod replicas;
-mod scripts;
-mod slots;
+pub(crate) mod scripts;
+pub(crate) mod slots;
 mod url;
 
 use std::borrow::Cow;
