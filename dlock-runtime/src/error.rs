@@ -363,7 +363,10 @@ mod tests {
             token: FencingToken::new(5),
             seen: None,
         };
-        assert!(unknown.to_string().contains("seen a larger token"), "{unknown}");
+        assert!(
+            unknown.to_string().contains("seen a larger token"),
+            "{unknown}"
+        );
         let io = std::io::Error::from(unknown);
         assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
     }

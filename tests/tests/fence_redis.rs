@@ -154,8 +154,7 @@ macro_rules! fence_suite {
                 fenced::hset(&mut conn, &data, "b", "b5", FencingToken::new(5))
                     .await
                     .unwrap();
-                let refused =
-                    fenced::hset(&mut conn, &data, "a", "a9", FencingToken::new(9)).await;
+                let refused = fenced::hset(&mut conn, &data, "a", "a9", FencingToken::new(9)).await;
                 assert_fenced(refused, &format!("{data}#a"), 9, 10);
                 fenced::hset(&mut conn, &data, "b", "b6", FencingToken::new(6))
                     .await

@@ -150,7 +150,10 @@ macro_rules! fence_suite {
                 let pool = $pool().await;
                 static DATA: OnceCell<()> = OnceCell::const_new();
                 DATA.get_or_init(|| async {
-                    sqlx::query(DATA_DDL).execute(&pool).await.expect("data table");
+                    sqlx::query(DATA_DDL)
+                        .execute(&pool)
+                        .await
+                        .expect("data table");
                 })
                 .await;
                 pool
@@ -254,7 +257,9 @@ macro_rules! fence_suite {
                 // B writes again with the same token: equal passes.
                 b.scope(async {
                     let mut tx = pool.begin().await.unwrap();
-                    fence::check_current(&mut tx, &key).await.expect("equal passes");
+                    fence::check_current(&mut tx, &key)
+                        .await
+                        .expect("equal passes");
                     write(&mut tx, &key, 3).await;
                     tx.commit().await.unwrap();
                 })
@@ -401,7 +406,9 @@ macro_rules! fence_suite {
                 let fresh = unique_key(concat!("fence-fresh-", $backend));
                 for resource in [&old, &fresh] {
                     let mut tx = pool.begin().await.unwrap();
-                    fence::check(&mut tx, resource, FencingToken::new(100)).await.unwrap();
+                    fence::check(&mut tx, resource, FencingToken::new(100))
+                        .await
+                        .unwrap();
                     tx.commit().await.unwrap();
                 }
                 sqlx::query(sqlx::AssertSqlSafe($sql($age)))
@@ -409,12 +416,16 @@ macro_rules! fence_suite {
                     .execute(&pool)
                     .await
                     .unwrap();
-                let deleted = fence::collect(&pool, fence::DEFAULT_RETENTION).await.unwrap();
+                let deleted = fence::collect(&pool, fence::DEFAULT_RETENTION)
+                    .await
+                    .unwrap();
                 assert!(deleted >= 1);
                 assert_eq!(stored_token(&pool, &old).await, None);
                 assert_eq!(stored_token(&pool, &fresh).await, Some(100));
                 let mut tx = pool.begin().await.unwrap();
-                fence::check(&mut tx, &old, FencingToken::new(1)).await.unwrap();
+                fence::check(&mut tx, &old, FencingToken::new(1))
+                    .await
+                    .unwrap();
                 tx.commit().await.unwrap();
                 let mut tx = pool.begin().await.unwrap();
                 let refused = fence::check(&mut tx, &fresh, FencingToken::new(1)).await;
@@ -430,10 +441,18 @@ macro_rules! fence_suite {
                 fence::create_table(&pool).await.unwrap();
                 let fence = Fence::new().create_table(false);
                 let mut tx = pool.begin().await.unwrap();
-                fence.check(&mut tx, &key, FencingToken::new(5)).await.unwrap();
+                fence
+                    .check(&mut tx, &key, FencingToken::new(5))
+                    .await
+                    .unwrap();
                 tx.commit().await.unwrap();
                 let mut tx = pool.begin().await.unwrap();
-                assert_fenced(fence.check(&mut tx, &key, FencingToken::new(4)).await, &key, 4, 5);
+                assert_fenced(
+                    fence.check(&mut tx, &key, FencingToken::new(4)).await,
+                    &key,
+                    4,
+                    5,
+                );
             }
         }
     };

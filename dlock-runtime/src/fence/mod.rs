@@ -106,13 +106,14 @@
 //! # `check_current`
 //!
 //! [`check_current`] takes the token of [`current()`](crate::current), the
-//! lock the calling task holds (inside a `#[distributed_lock]` function or
-//! while a [`LockGuard`](crate::LockGuard) is in scope). It fails with
+//! lock the calling task holds (inside a `#[distributed_lock]` function or a
+//! [`LockGuard::scope`](crate::LockGuard::scope)). It fails with
 //! [`LockError::Config`] when the task holds no lock (a fenced write outside
 //! any lock is a programming error, not a lost race: nothing is written) and
-//! when the held lock has no token (Redlock has none; fence such writes with
-//! a version compare-and-set). It does not refuse a lease known to be lost:
-//! the fence decides, and a write whose token is still the largest is safe.
+//! when the held lock has no token (Redlock has none, nor a lock taken
+//! without fencing; fence such writes with a version compare-and-set). It
+//! does not refuse a lease known to be lost: the fence decides, and a write
+//! whose token is still the largest is safe.
 //!
 //! # Bounded state, and what may be deleted
 //!
@@ -196,13 +197,14 @@ fn current_token(resource: &str) -> Result<FencingToken, LockError> {
     let Some(lock) = crate::current() else {
         return Err(LockError::config(format!(
             "fenced write to `{resource}` outside a held lock: `current()` is None \
-             (call it inside a #[distributed_lock] function or while a LockGuard is held)"
+             (call it inside a #[distributed_lock] function or a LockGuard::scope)"
         )));
     };
     lock.fencing_token().ok_or_else(|| {
         LockError::config(format!(
-            "fenced write to `{resource}` under lock `{}` on backend `{}`, which gives no \
-             fencing token (Redlock): fence it with a version compare-and-set instead",
+            "fenced write to `{resource}` under lock `{}` on backend `{}`, which has no \
+             fencing token (Redlock, or a lock taken without fencing): fence it with a \
+             version compare-and-set instead",
             lock.key(),
             lock.backend()
         ))

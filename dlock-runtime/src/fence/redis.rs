@@ -7,7 +7,7 @@
 //! Redis Cluster maps to `key`'s own slot, so the script touches one slot
 //! and runs on the shard that owns `key`.
 //!
-//! **Bounded.** A fence expires [`DEFAULT_RETENTION`](super::DEFAULT_RETENTION)
+//! **Bounded.** A fence expires [`DEFAULT_RETENTION`]
 //! after the last write through it (the TTL is renewed by each write; the
 //! value's own TTL, if any, is not touched, and `SET` clears it as a plain
 //! `SET` does). Deleting the value key, or its expiry, leaves the fence in
@@ -88,7 +88,7 @@ where
 /// Sets `field` of the hash `key` to `value` only if `token` is at least the
 /// largest token that wrote this field through the fence (equal passes), in
 /// one round trip. Each field is fenced on its own; the fences of one hash
-/// expire together, [`DEFAULT_RETENTION`](super::DEFAULT_RETENTION) after
+/// expire together, [`DEFAULT_RETENTION`] after
 /// the last fenced write to any of its fields.
 ///
 /// [`LockError::Fenced`] names the resource as `key` and `field` joined by
@@ -150,7 +150,11 @@ mod tests {
     #[test]
     fn a_refusal_carries_the_token_seen() {
         assert!(verdict("k", FencingToken::new(3), None).is_ok());
-        match verdict("k", FencingToken::new(3), Some("18446744073709551615".into())) {
+        match verdict(
+            "k",
+            FencingToken::new(3),
+            Some("18446744073709551615".into()),
+        ) {
             Err(LockError::Fenced {
                 resource,
                 token,

@@ -317,88 +317,75 @@ mod postgres {
             &SEEN
         }
 
-        fn upsert<'c>(
+        async fn upsert<'c>(
             conn: &'c mut sqlx::PgConnection,
             resource: &'c str,
             token: i64,
-        ) -> impl Future<Output = Result<Result<(), Option<i64>>, sqlx::Error>> + Send + 'c {
-            async move {
-                // Zero rows: the stored token is larger (the conflicting row
-                // is locked all the same, until the transaction ends).
-                let kept: Option<i64> = sqlx::query_scalar(
-                    "INSERT INTO dlock_fences (resource, token, updated_at) VALUES ($1, $2, now()) \
-                     ON CONFLICT (resource) DO UPDATE \
-                     SET token = EXCLUDED.token, updated_at = EXCLUDED.updated_at \
-                     WHERE dlock_fences.token <= EXCLUDED.token \
-                     RETURNING token",
-                )
-                .bind(resource)
-                .bind(token)
-                .fetch_optional(&mut *conn)
+        ) -> Result<Result<(), Option<i64>>, sqlx::Error> {
+            // Zero rows: the stored token is larger (the conflicting row
+            // is locked all the same, until the transaction ends).
+            let kept: Option<i64> = sqlx::query_scalar(
+                "INSERT INTO dlock_fences (resource, token, updated_at) VALUES ($1, $2, now()) \
+                 ON CONFLICT (resource) DO UPDATE \
+                 SET token = EXCLUDED.token, updated_at = EXCLUDED.updated_at \
+                 WHERE dlock_fences.token <= EXCLUDED.token \
+                 RETURNING token",
+            )
+            .bind(resource)
+            .bind(token)
+            .fetch_optional(&mut *conn)
+            .await?;
+            if kept.is_some() {
+                return Ok(Ok(()));
+            }
+            let seen: Option<i64> =
+                sqlx::query_scalar("SELECT token FROM dlock_fences WHERE resource = $1")
+                    .bind(resource)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            Ok(Err(seen))
+        }
+
+        async fn ensure_table(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+            let exists: bool = sqlx::query_scalar("SELECT to_regclass('dlock_fences') IS NOT NULL")
+                .fetch_one(&mut *conn)
                 .await?;
-                if kept.is_some() {
-                    return Ok(Ok(()));
-                }
-                let seen: Option<i64> =
-                    sqlx::query_scalar("SELECT token FROM dlock_fences WHERE resource = $1")
-                        .bind(resource)
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                Ok(Err(seen))
+            if exists {
+                return Ok(true);
             }
-        }
-
-        fn ensure_table(
-            conn: &mut sqlx::PgConnection,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + '_ {
-            async move {
-                let exists: bool =
-                    sqlx::query_scalar("SELECT to_regclass('dlock_fences') IS NOT NULL")
-                        .fetch_one(&mut *conn)
-                        .await?;
-                if exists {
-                    return Ok(true);
-                }
-                // Held until the caller's transaction ends: a concurrent
-                // first user waits here, then finds the committed table.
-                sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                    .bind(CREATE_LOCK)
-                    .execute(&mut *conn)
-                    .await?;
-                sqlx::query(POSTGRES_DDL).execute(&mut *conn).await?;
-                Ok(false)
-            }
-        }
-
-        fn create_table(
-            conn: &mut sqlx::PgConnection,
-        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + '_ {
-            async move {
-                use sqlx::Connection;
-                let mut tx = conn.begin().await?;
-                sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                    .bind(CREATE_LOCK)
-                    .execute(&mut *tx)
-                    .await?;
-                sqlx::query(POSTGRES_DDL).execute(&mut *tx).await?;
-                tx.commit().await
-            }
-        }
-
-        fn collect(
-            conn: &mut sqlx::PgConnection,
-            retention: Duration,
-        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + '_ {
-            async move {
-                let done = sqlx::query(
-                    "DELETE FROM dlock_fences \
-                     WHERE updated_at < now() - $1 * interval '1 millisecond'",
-                )
-                .bind(retention_millis(retention))
+            // Held until the caller's transaction ends: a concurrent
+            // first user waits here, then finds the committed table.
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(CREATE_LOCK)
                 .execute(&mut *conn)
                 .await?;
-                Ok(done.rows_affected())
-            }
+            sqlx::query(POSTGRES_DDL).execute(&mut *conn).await?;
+            Ok(false)
+        }
+
+        async fn create_table(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+            use sqlx::Connection;
+            let mut tx = conn.begin().await?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(CREATE_LOCK)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(POSTGRES_DDL).execute(&mut *tx).await?;
+            tx.commit().await
+        }
+
+        async fn collect(
+            conn: &mut sqlx::PgConnection,
+            retention: Duration,
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query(
+                "DELETE FROM dlock_fences \
+                 WHERE updated_at < now() - $1 * interval '1 millisecond'",
+            )
+            .bind(retention_millis(retention))
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected())
         }
 
         fn missing_table(err: &sqlx::Error) -> bool {
@@ -445,70 +432,60 @@ mod mysql {
             &SEEN
         }
 
-        fn upsert<'c>(
+        async fn upsert<'c>(
             conn: &'c mut sqlx::MySqlConnection,
             resource: &'c str,
             token: i64,
-        ) -> impl Future<Output = Result<Result<(), Option<i64>>, sqlx::Error>> + Send + 'c {
-            async move {
-                // Neither server has `UPDATE … RETURNING`: a refusal reports
-                // the stored token through `LAST_INSERT_ID(expr)` (sent back
-                // in the OK packet; 0 otherwise, as the table has no
-                // AUTO_INCREMENT). Assignments run left to right: `updated_at`
-                // first, while `token` is still the stored one.
-                let done = sqlx::query(
-                    "INSERT INTO dlock_fences (resource, token, updated_at) \
-                     VALUES (?, ?, UTC_TIMESTAMP(6)) \
-                     ON DUPLICATE KEY UPDATE \
-                     updated_at = IF(token <= ?, UTC_TIMESTAMP(6), updated_at), \
-                     token = IF(token <= ?, ?, token + 0 * LAST_INSERT_ID(token))",
-                )
-                .bind(resource)
-                .bind(token)
-                .bind(token)
-                .bind(token)
-                .bind(token)
-                .execute(&mut *conn)
-                .await?;
-                match done.last_insert_id() {
-                    0 => Ok(Ok(())),
-                    seen => Ok(Err(i64::try_from(seen).ok())),
-                }
+        ) -> Result<Result<(), Option<i64>>, sqlx::Error> {
+            // Neither server has `UPDATE … RETURNING`: a refusal reports
+            // the stored token through `LAST_INSERT_ID(expr)` (sent back
+            // in the OK packet; 0 otherwise, as the table has no
+            // AUTO_INCREMENT). Assignments run left to right: `updated_at`
+            // first, while `token` is still the stored one.
+            let done = sqlx::query(
+                "INSERT INTO dlock_fences (resource, token, updated_at) \
+                 VALUES (?, ?, UTC_TIMESTAMP(6)) \
+                 ON DUPLICATE KEY UPDATE \
+                 updated_at = IF(token <= ?, UTC_TIMESTAMP(6), updated_at), \
+                 token = IF(token <= ?, ?, token + 0 * LAST_INSERT_ID(token))",
+            )
+            .bind(resource)
+            .bind(token)
+            .bind(token)
+            .bind(token)
+            .bind(token)
+            .execute(&mut *conn)
+            .await?;
+            match done.last_insert_id() {
+                0 => Ok(Ok(())),
+                seen => Ok(Err(i64::try_from(seen).ok())),
             }
         }
 
-        fn ensure_table(
-            _conn: &mut sqlx::MySqlConnection,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + '_ {
+        async fn ensure_table(_conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
             // Never called: `CREATE TABLE` would commit the caller's transaction.
-            std::future::ready(Ok(false))
+            Ok(false)
         }
 
-        fn create_table(
-            conn: &mut sqlx::MySqlConnection,
-        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + '_ {
-            async move {
-                // Concurrent creators are serialised by the metadata lock;
-                // the later ones find the table.
-                sqlx::query(MYSQL_DDL).execute(&mut *conn).await?;
-                Ok(())
-            }
+        async fn create_table(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+            // Concurrent creators are serialised by the metadata lock;
+            // the later ones find the table.
+            sqlx::query(MYSQL_DDL).execute(&mut *conn).await?;
+            Ok(())
         }
 
-        fn collect(
+        async fn collect(
             conn: &mut sqlx::MySqlConnection,
             retention: Duration,
-        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + '_ {
-            async move {
-                let done = sqlx::query(
-                    "DELETE FROM dlock_fences \
-                     WHERE updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
-                )
-                .bind(retention_millis(retention).saturating_mul(1000))
-                .execute(&mut *conn)
-                .await?;
-                Ok(done.rows_affected())
-            }
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query(
+                "DELETE FROM dlock_fences \
+                 WHERE updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND",
+            )
+            .bind(retention_millis(retention).saturating_mul(1000))
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected())
         }
 
         fn missing_table(err: &sqlx::Error) -> bool {
@@ -542,78 +519,66 @@ mod sqlite {
             &SEEN
         }
 
-        fn upsert<'c>(
+        async fn upsert<'c>(
             conn: &'c mut sqlx::SqliteConnection,
             resource: &'c str,
             token: i64,
-        ) -> impl Future<Output = Result<Result<(), Option<i64>>, sqlx::Error>> + Send + 'c {
-            async move {
-                let kept: Option<i64> = sqlx::query_scalar(
-                    "INSERT INTO dlock_fences (resource, token, updated_at) \
-                     VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) \
-                     ON CONFLICT (resource) DO UPDATE \
-                     SET token = excluded.token, updated_at = excluded.updated_at \
-                     WHERE dlock_fences.token <= excluded.token \
-                     RETURNING token",
-                )
-                .bind(resource)
-                .bind(token)
-                .fetch_optional(&mut *conn)
-                .await?;
-                if kept.is_some() {
-                    return Ok(Ok(()));
-                }
-                let seen: Option<i64> =
-                    sqlx::query_scalar("SELECT token FROM dlock_fences WHERE resource = ?1")
-                        .bind(resource)
-                        .fetch_optional(&mut *conn)
-                        .await?;
-                Ok(Err(seen))
+        ) -> Result<Result<(), Option<i64>>, sqlx::Error> {
+            let kept: Option<i64> = sqlx::query_scalar(
+                "INSERT INTO dlock_fences (resource, token, updated_at) \
+                 VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) \
+                 ON CONFLICT (resource) DO UPDATE \
+                 SET token = excluded.token, updated_at = excluded.updated_at \
+                 WHERE dlock_fences.token <= excluded.token \
+                 RETURNING token",
+            )
+            .bind(resource)
+            .bind(token)
+            .fetch_optional(&mut *conn)
+            .await?;
+            if kept.is_some() {
+                return Ok(Ok(()));
             }
+            let seen: Option<i64> =
+                sqlx::query_scalar("SELECT token FROM dlock_fences WHERE resource = ?1")
+                    .bind(resource)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            Ok(Err(seen))
         }
 
-        fn ensure_table(
-            conn: &mut sqlx::SqliteConnection,
-        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + '_ {
-            async move {
-                let exists: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM sqlite_schema \
-                     WHERE type = 'table' AND name = 'dlock_fences')",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
-                if !exists {
-                    // Takes the database's write lock: concurrent first users
-                    // wait for this transaction to end.
-                    sqlx::query(SQLITE_DDL).execute(&mut *conn).await?;
-                }
-                Ok(exists)
-            }
-        }
-
-        fn create_table(
-            conn: &mut sqlx::SqliteConnection,
-        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + '_ {
-            async move {
+        async fn ensure_table(conn: &mut sqlx::SqliteConnection) -> Result<bool, sqlx::Error> {
+            let exists: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_schema \
+                 WHERE type = 'table' AND name = 'dlock_fences')",
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+            if !exists {
+                // Takes the database's write lock: concurrent first users
+                // wait for this transaction to end.
                 sqlx::query(SQLITE_DDL).execute(&mut *conn).await?;
-                Ok(())
             }
+            Ok(exists)
         }
 
-        fn collect(
+        async fn create_table(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+            sqlx::query(SQLITE_DDL).execute(&mut *conn).await?;
+            Ok(())
+        }
+
+        async fn collect(
             conn: &mut sqlx::SqliteConnection,
             retention: Duration,
-        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + '_ {
-            async move {
-                let done = sqlx::query(
-                    "DELETE FROM dlock_fences \
-                     WHERE updated_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1",
-                )
-                .bind(retention_millis(retention))
-                .execute(&mut *conn)
-                .await?;
-                Ok(done.rows_affected())
-            }
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query(
+                "DELETE FROM dlock_fences \
+                 WHERE updated_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1",
+            )
+            .bind(retention_millis(retention))
+            .execute(&mut *conn)
+            .await?;
+            Ok(done.rows_affected())
         }
 
         fn missing_table(err: &sqlx::Error) -> bool {
