@@ -445,7 +445,9 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     ]);
     match (&store_redis, mode) {
         (Some(redis), _) => {
-            store.arg("--redis").arg(format!("redis://127.0.0.1:{}/", redis.port()));
+            store
+                .arg("--redis")
+                .arg(format!("redis://127.0.0.1:{}/", redis.port()));
         }
         (None, Mode::Fence) => {
             store.arg("--sqlite").arg(out.join("store.db"));
