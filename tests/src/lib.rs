@@ -133,6 +133,13 @@ pub fn unique_key(case: &str) -> String {
     format!("conformance:{case}:{run:016x}")
 }
 
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
+pub mod fence_support;
 #[cfg(feature = "redis")]
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use dlock_runtime::fence::redis as fenced;
 use dlock_runtime::{FencingToken, LockError, Registry};
+use dlock_tests::fence_support::assert_fenced;
 use dlock_tests::{server_url, servers_missing, unique_key};
 use rand::seq::SliceRandom;
 use redis::AsyncCommands;
@@ -47,21 +48,6 @@ async fn cluster() -> redis::cluster_async::ClusterConnection {
         .unwrap_or_else(|e| servers_missing(&url, e))
 }
 
-fn assert_fenced(result: Result<(), LockError>, resource: &str, stale: u64, seen: u64) {
-    match result {
-        Err(LockError::Fenced {
-            resource: r,
-            token,
-            seen: s,
-        }) => {
-            assert_eq!(r, resource);
-            assert_eq!(token, FencingToken::new(stale));
-            assert_eq!(s, Some(FencingToken::new(seen)));
-        }
-        other => panic!("expected Fenced for {resource}, got {other:?}"),
-    }
-}
-
 /// The suite on one deployment: `$conn` opens a connection, `$url` is the
 /// lock backend's URL.
 macro_rules! fence_suite {
@@ -78,9 +64,18 @@ macro_rules! fence_suite {
                 let mut conn = $conn().await;
                 let key = unique_key("fence-stale");
                 let data = format!("fence-test:{key}");
+                // Connected before A's short lease starts.
+                registry
+                    .lock(unique_key("fence-warm-up"))
+                    .acquire()
+                    .await
+                    .expect("warm-up")
+                    .release()
+                    .await
+                    .expect("warm-up release");
                 let a = registry
                     .lock(&*key)
-                    .lease(Duration::from_millis(300))
+                    .lease(Duration::from_secs(1))
                     .watchdog(false)
                     .acquire()
                     .await

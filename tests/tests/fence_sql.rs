@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use dlock_runtime::fence::{self, Fence};
 use dlock_runtime::{FencingToken, LockError, Registry, distributed_lock};
+use dlock_tests::fence_support::assert_fenced;
 use dlock_tests::sql_db::SqlDb;
 use dlock_tests::unique_key;
 use rand::seq::SliceRandom;
@@ -121,23 +122,6 @@ async fn registry() -> Registry {
         .clone()
 }
 
-/// A stale holder's token is refused with `Fenced`, carrying the larger
-/// token seen.
-fn assert_fenced(result: Result<(), LockError>, resource: &str, stale: u64, seen: u64) {
-    match result {
-        Err(LockError::Fenced {
-            resource: r,
-            token,
-            seen: s,
-        }) => {
-            assert_eq!(r, resource);
-            assert_eq!(token, FencingToken::new(stale));
-            assert_eq!(s, Some(FencingToken::new(seen)));
-        }
-        other => panic!("expected Fenced for {resource}, got {other:?}"),
-    }
-}
-
 /// The suite on one database: `$db` the sqlx database, `$pool` its pool,
 /// `$sql` how it writes `?` placeholders, `$backend` its lock backend's name,
 /// `$age` the statement that ages a fence row past the default retention.
@@ -215,7 +199,7 @@ macro_rules! fence_suite {
                 let a = registry
                     .lock(&*key)
                     .backend($backend)
-                    .lease(Duration::from_millis(300))
+                    .lease(Duration::from_secs(1))
                     .watchdog(false)
                     .acquire()
                     .await

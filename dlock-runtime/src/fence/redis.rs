@@ -58,16 +58,9 @@ pub async fn set<C>(
 where
     C: ConnectionLike + Send,
 {
-    let seen: Option<String> = SET
-        .key(key)
-        .key(fence_key(key))
-        .arg(value.as_ref())
-        .arg(token.get())
-        .arg(millis(DEFAULT_RETENTION))
-        .invoke_async(conn)
-        .await
-        .map_err(|e| redis_error(e).into_lock_error("redis"))?;
-    verdict(key, token, seen)
+    let mut call = SET.key(key);
+    call.key(fence_key(key)).arg(value.as_ref());
+    fenced_call(conn, call, key, token).await
 }
 
 /// [`set`] with the token of the lock the current task holds
@@ -103,17 +96,28 @@ pub async fn hset<C>(
 where
     C: ConnectionLike + Send,
 {
-    let seen: Option<String> = HSET
-        .key(key)
-        .key(hash_fence_key(key))
-        .arg(field)
-        .arg(value.as_ref())
-        .arg(token.get())
-        .arg(millis(DEFAULT_RETENTION))
+    let mut call = HSET.key(key);
+    call.key(hash_fence_key(key)).arg(field).arg(value.as_ref());
+    fenced_call(conn, call, &format!("{key}#{field}"), token).await
+}
+
+/// Runs a fenced-write script with its last two arguments (the token and the
+/// fence's retention) added.
+async fn fenced_call<C>(
+    conn: &mut C,
+    mut call: redis::ScriptInvocation<'_>,
+    resource: &str,
+    token: FencingToken,
+) -> Result<(), LockError>
+where
+    C: ConnectionLike + Send,
+{
+    call.arg(token.get()).arg(millis(DEFAULT_RETENTION));
+    let seen: Option<String> = call
         .invoke_async(conn)
         .await
         .map_err(|e| redis_error(e).into_lock_error("redis"))?;
-    verdict(&format!("{key}#{field}"), token, seen)
+    verdict(resource, token, seen)
 }
 
 fn verdict(resource: &str, token: FencingToken, seen: Option<String>) -> Result<(), LockError> {
