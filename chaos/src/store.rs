@@ -237,10 +237,11 @@ impl State {
             ["R", w, key, tok] => {
                 let token = token(tok)?;
                 let reply = match (mode, token) {
-                    (Mode::Fence, Some(t)) => match self.kit.read(key, t).await? {
-                        Some((value, version)) => Some(format!("OK {value} {version}")),
-                        None => None,
-                    },
+                    (Mode::Fence, Some(t)) => self
+                        .kit
+                        .read(key, t)
+                        .await?
+                        .map(|(value, version)| format!("OK {value} {version}")),
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
                     (Mode::Version, _) => {
                         let cell = self.cells.entry((*key).to_owned()).or_default();
