@@ -279,6 +279,7 @@ fn retention_millis(retention: Duration) -> i64 {
         .min(1000 * 365 * 24 * 3600 * 1000)
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 fn sqlstate(err: &sqlx::Error) -> Option<String> {
     match err {
         sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
