@@ -13,6 +13,13 @@
 //! it may retry; requests for other orders are not held up. [`ApiError`] shows
 //! how a [`LockError`] becomes an HTTP response.
 //!
+//! The payment is recorded in the same SQLite database as the lock, through
+//! the fence ([`dlock_runtime::fence::check_current`]): in the recording
+//! transaction, the order's fence keeps the largest fencing token that wrote
+//! it, and a request whose lease ran out while it was charging (a pause, a
+//! slow provider) and whose order has since been handled by a newer holder
+//! is refused (`LockError::Fenced`, `409`), its transaction rolled back.
+//!
 //! If the client disconnects, axum drops the handler's future, and the lock
 //! is released at once (not after the lease).
 //!
@@ -23,16 +30,18 @@
 //!
 //! `--self-test` serves on a free port and sends two concurrent requests for
 //! order 7 (one must get 200, the other 409 with the JSON body), then one for
-//! order 8 (200), printing what it saw.
+//! order 8 (200), then checks that a late write with an older token is
+//! refused by the fence and leaves the payment as it was, printing what it
+//! saw.
 //!
 //! The lock backend comes from `DLOCK_URL` (default: a SQLite file in the
-//! workspace's `target/` directory); `DLOCK_URL=memory://` works too, for a
-//! single process.
+//! workspace's `target/` directory), and the payments go to the same file.
+//! With another URL (`DLOCK_URL=memory://` works, for a single process), the
+//! payments are kept in an in-memory SQLite database.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -42,8 +51,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use dlock_examples::Args;
-use dlock_runtime::{LockError, Registry, distributed_lock};
+use dlock_runtime::{FencingToken, LockError, Registry, distributed_lock, fence};
 use serde_json::{Value, json};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -60,44 +70,96 @@ struct Receipt {
     fencing_token: Option<u64>,
 }
 
-/// The payments made so far. In-process here; in a real service a database
-/// shared by every replica, which is why the lock must be distributed.
-#[derive(Debug, Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<u64, Receipt>>>);
+/// The payments, in the database the locks live in: shared by every replica,
+/// which is why the lock must be distributed.
+#[derive(Debug, Clone)]
+struct Ledger(SqlitePool);
 
 impl Ledger {
-    fn get(&self, order: u64) -> Option<Receipt> {
-        self.0.lock().expect("ledger").get(&order).cloned()
+    async fn open(url: &str) -> anyhow::Result<Ledger> {
+        let options = SqliteConnectOptions::from_str(url)?
+            .create_if_missing(true)
+            .busy_timeout(Duration::from_secs(5));
+        // One connection for an in-memory database (each has its own).
+        let connections = if url.contains(":memory:") { 1 } else { 4 };
+        let pool = SqlitePoolOptions::new()
+            .max_connections(connections)
+            .connect_with(options)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS payments \
+             (order_id INTEGER PRIMARY KEY, fencing_token INTEGER NOT NULL)",
+        )
+        .execute(&pool)
+        .await?;
+        Ok(Ledger(pool))
     }
 
-    fn insert(&self, receipt: Receipt) {
-        self.0
-            .lock()
-            .expect("ledger")
-            .insert(receipt.order, receipt);
+    async fn get(&self, order: u64) -> Result<Option<Receipt>, ApiError> {
+        let token: Option<i64> =
+            sqlx::query_scalar("SELECT fencing_token FROM payments WHERE order_id = ?")
+                .bind(order as i64)
+                .fetch_optional(&self.0)
+                .await?;
+        Ok(token.map(|t| Receipt {
+            order,
+            fencing_token: Some(t as u64),
+        }))
+    }
+
+    /// Records the payment of `order`, fenced with the token of the lock the
+    /// task holds (`token` overrides it): refused with `LockError::Fenced`
+    /// (and rolled back) if a newer holder of `order:{order}` has written it
+    /// since.
+    async fn record(&self, order: u64, token: Option<FencingToken>) -> Result<Receipt, ApiError> {
+        let resource = format!("order:{order}");
+        let mut tx = self.0.begin().await?;
+        // First in the transaction, before the writes it protects.
+        let token = match token {
+            Some(token) => {
+                fence::check(&mut tx, &resource, token).await?;
+                token
+            }
+            None => {
+                fence::check_current(&mut tx, &resource).await?;
+                let lock = dlock_runtime::current().expect("check_current passed: a lock is held");
+                lock.fencing_token()
+                    .expect("check_current passed: it has a token")
+            }
+        };
+        sqlx::query(
+            "INSERT INTO payments (order_id, fencing_token) VALUES (?, ?) \
+             ON CONFLICT (order_id) DO UPDATE SET fencing_token = excluded.fencing_token",
+        )
+        .bind(order as i64)
+        .bind(token.get() as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Receipt {
+            order,
+            fencing_token: Some(token.get()),
+        })
     }
 }
 
 /// Pays order `id` once: check, charge, record, as one step for this order
 /// across every replica. Another request for the same order waits up to
 /// 200 ms, then fails with `LockError::Busy` (turned into [`ApiError::Busy`]).
+/// The record is fenced with the lock's token, so a holder whose lease ran
+/// out while charging cannot overwrite a newer holder's record.
 #[distributed_lock(key = "order:{id}", wait = "200ms", lease = "10s")]
 async fn pay(id: u64, ledger: &Ledger) -> Result<Receipt, ApiError> {
     // Without the lock, two requests could both see "not paid" and charge twice.
-    if let Some(receipt) = ledger.get(id) {
+    if let Some(receipt) = ledger.get(id).await? {
         return Ok(receipt); // paid before: answer the same receipt
     }
-    let fencing_token = dlock_runtime::current()
-        .and_then(|lock| lock.fencing_token())
-        .map(u64::from);
-    tracing::info!(order = id, ?fencing_token, "charging");
+    let token = dlock_runtime::current().and_then(|lock| lock.fencing_token());
+    tracing::info!(order = id, fencing_token = ?token, "charging");
     tokio::time::sleep(Duration::from_secs(1)).await; // the payment provider
-    let receipt = Receipt {
-        order: id,
-        fencing_token,
-    };
-    ledger.insert(receipt.clone());
-    Ok(receipt)
+    // Fenced with this lock's token (a `LockError::Config` on Redlock, which
+    // has none).
+    ledger.record(id, None).await
 }
 
 /// An error a handler returns; `IntoResponse` picks its status and JSON body.
@@ -110,6 +172,14 @@ enum ApiError {
     /// `.await`: `503 Service Unavailable`, retry later.
     #[error("the lock on {key} was lost while paying, retry later")]
     Lost { key: String },
+    /// A newer holder of the order's lock wrote its payment after this
+    /// request's lease ran out: the fence refused this one's record, which
+    /// was rolled back. `409 Conflict`; a retry answers the recorded receipt.
+    #[error("{resource} was paid by a newer request meanwhile, retry to see its receipt")]
+    Stale { resource: String },
+    /// The payments database failed: `500`.
+    #[error("internal error")]
+    Database(#[source] sqlx::Error),
     /// Anything else (backend down, misconfiguration): `500`, details only in
     /// the server's log.
     #[error("internal error")]
@@ -121,8 +191,15 @@ impl From<LockError> for ApiError {
         match err {
             LockError::Busy { key, .. } => ApiError::Busy { key },
             LockError::Lost { key, .. } => ApiError::Lost { key },
+            LockError::Fenced { resource, .. } => ApiError::Stale { resource },
             other => ApiError::Internal(other),
         }
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(err: sqlx::Error) -> Self {
+        ApiError::Database(err)
     }
 }
 
@@ -133,14 +210,18 @@ impl IntoResponse for ApiError {
             // can discover and remove locks; here the request merely conflicts
             // with one in progress on the same resource, what 409 says, and
             // what generic HTTP clients understand. `Retry-After` says when.
-            ApiError::Busy { .. } => StatusCode::CONFLICT,
+            ApiError::Busy { .. } | ApiError::Stale { .. } => StatusCode::CONFLICT,
             ApiError::Lost { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(err) => {
                 tracing::error!(error = %err, "lock failure");
                 StatusCode::INTERNAL_SERVER_ERROR
             }
+            ApiError::Database(err) => {
+                tracing::error!(error = %err, "payments database failure");
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         };
-        let retry = !matches!(self, ApiError::Internal(_));
+        let retry = !matches!(self, ApiError::Internal(_) | ApiError::Database(_));
         let body = Json(json!({ "error": self.to_string(), "retry": retry }));
         if retry {
             (status, [(header::RETRY_AFTER, "1")], body).into_response()
@@ -163,10 +244,10 @@ async fn pay_order(
     })))
 }
 
-fn app() -> Router {
+fn app(ledger: Ledger) -> Router {
     Router::new()
         .route("/orders/{id}/pay", post(pay_order))
-        .with_state(Ledger::default())
+        .with_state(ledger)
 }
 
 // ---------------------------------------------------------------------------
@@ -207,7 +288,7 @@ async fn post_to(addr: SocketAddr, path: &str) -> anyhow::Result<Reply> {
 }
 
 /// Runs the checks against the server at `addr`; true if all passed.
-async fn self_test(addr: SocketAddr) -> anyhow::Result<bool> {
+async fn self_test(addr: SocketAddr, ledger: &Ledger) -> anyhow::Result<bool> {
     let show = |what: &str, reply: &Reply| {
         println!(
             "  {what:<28} -> {} in {:>4} ms  {}",
@@ -217,6 +298,10 @@ async fn self_test(addr: SocketAddr) -> anyhow::Result<bool> {
         );
     };
     let mut failures = Vec::new();
+    // Orders 7 and 8 unpaid, whatever an earlier self-test on this file did.
+    sqlx::query("DELETE FROM payments WHERE order_id IN (7, 8)")
+        .execute(&ledger.0)
+        .await?;
 
     println!("two concurrent requests for order 7:");
     let (a, b) = tokio::join!(
@@ -252,12 +337,48 @@ async fn self_test(addr: SocketAddr) -> anyhow::Result<bool> {
         failures.push(format!("order 8: expected 200, got {}", other.status));
     }
 
+    println!("then a late record of order 7 with an older token:");
+    let paid = ledger
+        .get(7)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|r| r.fencing_token);
+    match paid {
+        Some(token) if token >= 1 => {
+            let late = ledger.record(7, Some(FencingToken::new(token - 1))).await;
+            let after = ledger
+                .get(7)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|r| r.fencing_token);
+            println!(
+                "  {:<28} -> {late:?}",
+                format!("record(7, token {})", token - 1)
+            );
+            if !matches!(late, Err(ApiError::Stale { .. })) || after != Some(token) {
+                failures.push(format!(
+                    "a record with token {} should be refused and leave token {token}, \
+                     got {late:?} and {after:?}",
+                    token - 1
+                ));
+            }
+        }
+        other => failures.push(format!(
+            "order 7 should be recorded with a token, got {other:?}"
+        )),
+    }
+
     println!();
     for failure in &failures {
         println!("FAIL  {failure}");
     }
     if failures.is_empty() {
-        println!("PASS: the same order is paid by one request at a time, the other gets 409");
+        println!(
+            "PASS: the same order is paid by one request at a time, the other gets 409, \
+             and a stale record is refused"
+        );
     }
     Ok(failures.is_empty())
 }
@@ -286,6 +407,7 @@ async fn run() -> anyhow::Result<bool> {
     let url = dlock_examples::dlock_url();
     println!("lock backend: {url}");
     dlock_runtime::init(Registry::from_url(&url).await?)?;
+    let ledger = Ledger::open(&ledger_url(&url)).await?;
 
     let listener = TcpListener::bind(addr)
         .await
@@ -296,13 +418,13 @@ async fn run() -> anyhow::Result<bool> {
     if test {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(
-            axum::serve(listener, app())
+            axum::serve(listener, app(ledger.clone()))
                 .with_graceful_shutdown(async {
                     let _ = stopped.await;
                 })
                 .into_future(),
         );
-        let mut passed = self_test(addr).await?;
+        let mut passed = self_test(addr, &ledger).await?;
         let _ = stop.send(());
         server.await??;
         passed &= shut_down_locks().await;
@@ -313,12 +435,24 @@ async fn run() -> anyhow::Result<bool> {
     println!(
         "  curl -s -XPOST http://{addr}/orders/7/pay & curl -s -XPOST http://{addr}/orders/7/pay; wait"
     );
-    axum::serve(listener, app())
+    axum::serve(listener, app(ledger))
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
     Ok(shut_down_locks().await)
+}
+
+/// The payments database: the lock's SQLite file (without dlock's own
+/// `?options`), or an in-memory one.
+fn ledger_url(lock_url: &str) -> String {
+    if lock_url.starts_with("sqlite://") {
+        lock_url.split('?').next().unwrap_or(lock_url).to_owned()
+    } else {
+        // Tokens of another backend (`memory://` restarts them in every
+        // process) are not comparable with a file's stored fences.
+        "sqlite::memory:".to_owned()
+    }
 }
 
 /// The last step of a graceful shutdown (a rolling deploy): once the HTTP

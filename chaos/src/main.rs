@@ -65,6 +65,12 @@ enum Command {
         /// Where to log every decision.
         #[arg(long)]
         log: PathBuf,
+        /// Fence mode: the SQLite file the fencing kit keeps the counters in.
+        #[arg(long)]
+        sqlite: Option<PathBuf>,
+        /// Fence mode: the Redis server the fencing kit keeps the counters in.
+        #[arg(long)]
+        redis: Option<String>,
     },
 }
 
@@ -80,7 +86,15 @@ async fn main() -> ExitCode {
             run::verdict(&summary)
         }),
         Command::Worker(args) => worker::run(args).await,
-        Command::Store { mode, log } => store::serve(mode, &log).await,
+        Command::Store {
+            mode,
+            log,
+            sqlite,
+            redis,
+        } => match store::Kit::open(sqlite.as_deref(), redis.as_deref()).await {
+            Ok(kit) => store::serve(mode, kit, &log).await,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -157,6 +157,11 @@ fn side_port(args: &RunArgs) -> u16 {
     args.port_base + 6
 }
 
+/// Port of the fenced store's own Redis (Redis runs), after MariaDB.
+fn store_redis_port(args: &RunArgs) -> u16 {
+    args.port_base + 10
+}
+
 /// Port of the ZooKeeper server, after the side Redis.
 fn zk_port(args: &RunArgs) -> u16 {
     args.port_base + 7
@@ -444,17 +449,37 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         out.display()
     );
 
-    // The fenced store, a process of its own.
-    let mut store = Command::new(std::env::current_exe()?)
-        .args([
-            "store",
-            "--mode",
-            if mode == Mode::Fence {
-                "fence"
-            } else {
-                "version"
-            },
-        ])
+    // The fenced store, a process of its own, deciding through the fencing
+    // kit on a database no fault touches: a Redis of its own for Redis runs, a
+    // SQLite file for the others (Redlock compares versions).
+    let store_redis = match (mode, args.backend) {
+        (Mode::Fence, Backend::Redis) => {
+            Some(Server::redis(store_redis_port(&args), &out.join("store-redis")).await?)
+        }
+        _ => None,
+    };
+    let mut store = Command::new(std::env::current_exe()?);
+    store.args([
+        "store",
+        "--mode",
+        if mode == Mode::Fence {
+            "fence"
+        } else {
+            "version"
+        },
+    ]);
+    match (&store_redis, mode) {
+        (Some(redis), _) => {
+            store
+                .arg("--redis")
+                .arg(format!("redis://127.0.0.1:{}/", redis.port()));
+        }
+        (None, Mode::Fence) => {
+            store.arg("--sqlite").arg(out.join("store.db"));
+        }
+        (None, Mode::Version) => {}
+    }
+    let mut store = store
         .arg("--log")
         .arg(out.join("store.jsonl"))
         .stdout(Stdio::piped())

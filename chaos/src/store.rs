@@ -4,10 +4,18 @@
 //! - **fence** mode (backends with a fencing token): a read or write carrying a
 //!   token lower than the highest the key has seen is refused; reads register
 //!   their token too, so a stale holder cannot overwrite what a newer holder read.
+//!   The decision is dlock's fencing kit's ([`dlock_runtime::fence`]), on a
+//!   database of the store's own that no fault touches: a SQLite file
+//!   (`--sqlite`; the counter row written in the transaction of
+//!   `fence::check`) or a Redis server (`--redis`; the counter written by
+//!   `fence::redis::set`, a read registering its token by writing back the
+//!   value it read). The checker replays the log on its own, so a stale
+//!   operation the kit let through is still caught.
 //! - **version** mode (Redlock, which has no safe token): a write is taken only if
 //!   the version it read is still current (compare-and-set).
 //!
-//! Every decision is appended to the store's log, in order, for the checker.
+//! Every decision is appended to the store's log, in order, for the checker:
+//! requests are answered one at a time, each committed before the next starts.
 //!
 //! Protocol, one line each way:
 //! `R <worker> <key> <token|->` → `OK <value> <version>` | `STALE`;
@@ -17,11 +25,14 @@
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Mutex;
+
+use dlock_runtime::{FencingToken, LockError, fence};
 
 use crate::clock::now_ns;
 use crate::history::{OpKind, StoreOp};
@@ -42,11 +53,168 @@ pub(crate) enum Mode {
 struct Cell {
     value: u64,
     version: u64,
-    last_token: u64,
+}
+
+/// Where fence mode keeps its counters and fences: the kit decides.
+pub(crate) enum Kit {
+    /// No kit: the store's own table (version mode).
+    None,
+    /// `fence::check` on a SQLite file.
+    Sqlite(sqlx::SqlitePool),
+    /// `fence::redis::set` on a Redis server.
+    Redis(redis::aio::MultiplexedConnection),
+}
+
+impl Kit {
+    /// Opens the store's database: `--sqlite` path or `--redis` URL.
+    pub(crate) async fn open(sqlite: Option<&Path>, redis: Option<&str>) -> anyhow::Result<Kit> {
+        if let Some(path) = sqlite {
+            let options = sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(path)
+                .create_if_missing(true)
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                .busy_timeout(std::time::Duration::from_secs(30));
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(1)
+                .connect_with(options)
+                .await?;
+            sqlx::query(
+                "CREATE TABLE IF NOT EXISTS chaos_cells \
+                 (key TEXT PRIMARY KEY, value INTEGER NOT NULL, version INTEGER NOT NULL)",
+            )
+            .execute(&pool)
+            .await?;
+            return Ok(Kit::Sqlite(pool));
+        }
+        if let Some(url) = redis {
+            let conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            return Ok(Kit::Redis(conn));
+        }
+        Ok(Kit::None)
+    }
+
+    /// A fenced read: `Some((value, version))`, or `None` when refused.
+    async fn read(&mut self, key: &str, token: u64) -> anyhow::Result<Option<(u64, u64)>> {
+        let token = FencingToken::new(token);
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                if refused(fence::check(&mut tx, key, token).await)? {
+                    return Ok(None);
+                }
+                let cell: Option<(i64, i64)> =
+                    sqlx::query_as("SELECT value, version FROM chaos_cells WHERE key = ?")
+                        .bind(key)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                tx.commit().await?;
+                let (value, version) = cell.unwrap_or((0, 0));
+                Ok(Some((value as u64, version as u64)))
+            }
+            Kit::Redis(conn) => {
+                let (value, version) = redis_cell(conn, key).await?;
+                let same = format!("{value} {version}");
+                if refused(fence::redis::set(conn, &redis_key(key), same, token).await)? {
+                    return Ok(None);
+                }
+                Ok(Some((value, version)))
+            }
+        }
+    }
+
+    /// A fenced write of `value`: `true` when taken (the version goes up).
+    async fn write(&mut self, key: &str, token: u64, value: u64) -> anyhow::Result<bool> {
+        let token = FencingToken::new(token);
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                if refused(fence::check(&mut tx, key, token).await)? {
+                    return Ok(false);
+                }
+                sqlx::query(
+                    "INSERT INTO chaos_cells (key, value, version) VALUES (?, ?, 1) \
+                     ON CONFLICT (key) DO UPDATE \
+                     SET value = excluded.value, version = chaos_cells.version + 1",
+                )
+                .bind(key)
+                .bind(value as i64)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(true)
+            }
+            Kit::Redis(conn) => {
+                let (_, version) = redis_cell(conn, key).await?;
+                let cell = format!("{value} {}", version + 1);
+                Ok(!refused(
+                    fence::redis::set(conn, &redis_key(key), cell, token).await,
+                )?)
+            }
+        }
+    }
+
+    /// Every counter as the database has it.
+    async fn dump(&mut self, keys: Vec<String>) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+        let mut out = BTreeMap::new();
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let rows: Vec<(String, i64, i64)> =
+                    sqlx::query_as("SELECT key, value, version FROM chaos_cells")
+                        .fetch_all(&*pool)
+                        .await?;
+                // Keys only read (or refused) so far are zeros, as in Redis.
+                out.extend(keys.into_iter().map(|k| (k, (0, 0))));
+                for (key, value, version) in rows {
+                    out.insert(key, (value as u64, version as u64));
+                }
+            }
+            Kit::Redis(conn) => {
+                for key in keys {
+                    out.insert(key.clone(), redis_cell(conn, &key).await?);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether the kit refused (a stale token); other errors are the store's.
+fn refused(checked: Result<(), LockError>) -> anyhow::Result<bool> {
+    match checked {
+        Ok(()) => Ok(false),
+        Err(LockError::Fenced { .. }) => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn redis_key(key: &str) -> String {
+    format!("chaos-store:{key}")
+}
+
+/// The counter of `key` in Redis: `"<value> <version>"`, or zeros.
+async fn redis_cell(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> anyhow::Result<(u64, u64)> {
+    let cell: Option<String> = redis::cmd("GET")
+        .arg(redis_key(key))
+        .query_async(conn)
+        .await?;
+    let Some(cell) = cell else {
+        return Ok((0, 0));
+    };
+    let (value, version) = cell.split_once(' ').context("bad counter")?;
+    Ok((value.parse()?, version.parse()?))
 }
 
 struct State {
     mode: Mode,
+    kit: Kit,
     cells: BTreeMap<String, Cell>,
     seq: u64,
     log: std::io::BufWriter<std::fs::File>,
@@ -59,7 +227,7 @@ impl State {
         Ok(())
     }
 
-    fn answer(&mut self, line: &str) -> anyhow::Result<String> {
+    async fn answer(&mut self, line: &str) -> anyhow::Result<String> {
         let parts: Vec<&str> = line.split(' ').collect();
         let token = |s: &str| -> anyhow::Result<Option<u64>> {
             Ok(if s == "-" { None } else { Some(s.parse()?) })
@@ -68,21 +236,22 @@ impl State {
         match parts.as_slice() {
             ["R", w, key, tok] => {
                 let token = token(tok)?;
-                let cell = self.cells.entry((*key).to_owned()).or_default();
-                let accepted = match (mode, token) {
-                    (Mode::Fence, Some(t)) if t >= cell.last_token => {
-                        cell.last_token = t;
-                        true
-                    }
-                    (Mode::Fence, Some(_)) => false,
+                let reply = match (mode, token) {
+                    (Mode::Fence, Some(t)) => self
+                        .kit
+                        .read(key, t)
+                        .await?
+                        .map(|(value, version)| format!("OK {value} {version}")),
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
-                    (Mode::Version, _) => true,
+                    (Mode::Version, _) => {
+                        let cell = self.cells.entry((*key).to_owned()).or_default();
+                        Some(format!("OK {} {}", cell.value, cell.version))
+                    }
                 };
-                let reply = if accepted {
-                    format!("OK {} {}", cell.value, cell.version)
-                } else {
-                    "STALE".to_owned()
-                };
+                // Known keys, for the dump.
+                self.cells.entry((*key).to_owned()).or_default();
+                let accepted = reply.is_some();
+                let reply = reply.unwrap_or_else(|| "STALE".to_owned());
                 self.seq += 1;
                 self.record(StoreOp {
                     seq: self.seq,
@@ -101,16 +270,20 @@ impl State {
                 let token = token(tok)?;
                 let base: u64 = base.parse()?;
                 let value: u64 = value.parse()?;
-                let cell = self.cells.entry((*key).to_owned()).or_default();
                 let accepted = match (mode, token) {
-                    (Mode::Fence, Some(t)) => t >= cell.last_token,
+                    (Mode::Fence, Some(t)) => self.kit.write(key, t, value).await?,
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
-                    (Mode::Version, _) => base == cell.version,
+                    (Mode::Version, _) => {
+                        let cell = self.cells.entry((*key).to_owned()).or_default();
+                        let taken = base == cell.version;
+                        if taken {
+                            cell.value = value;
+                            cell.version += 1;
+                        }
+                        taken
+                    }
                 };
-                if accepted {
-                    cell.value = value;
-                    cell.version += 1;
-                }
+                self.cells.entry((*key).to_owned()).or_default();
                 self.seq += 1;
                 self.record(StoreOp {
                     seq: self.seq,
@@ -127,9 +300,17 @@ impl State {
             }
             ["DUMP"] => {
                 self.log.flush()?;
+                let cells = match mode {
+                    Mode::Fence => self.kit.dump(self.cells.keys().cloned().collect()).await?,
+                    Mode::Version => self
+                        .cells
+                        .iter()
+                        .map(|(k, c)| (k.clone(), (c.value, c.version)))
+                        .collect(),
+                };
                 let mut out = String::new();
-                for (key, cell) in &self.cells {
-                    out.push_str(&format!("{key} {} {}\n", cell.value, cell.version));
+                for (key, (value, version)) in cells {
+                    out.push_str(&format!("{key} {value} {version}\n"));
                 }
                 out.push_str("END");
                 Ok(out)
@@ -140,10 +321,14 @@ impl State {
 }
 
 /// Runs the store until killed: binds a loopback port, prints `LISTENING <port>`.
-pub(crate) async fn serve(mode: Mode, log: &Path) -> anyhow::Result<()> {
+pub(crate) async fn serve(mode: Mode, kit: Kit, log: &Path) -> anyhow::Result<()> {
+    if mode == Mode::Fence && matches!(kit, Kit::None) {
+        bail!("fence mode needs --sqlite or --redis");
+    }
     let file = std::fs::File::create(log).with_context(|| format!("create {}", log.display()))?;
     let state = Arc::new(Mutex::new(State {
         mode,
+        kit,
         cells: BTreeMap::new(),
         seq: 0,
         log: std::io::BufWriter::new(file),
@@ -157,7 +342,7 @@ pub(crate) async fn serve(mode: Mode, log: &Path) -> anyhow::Result<()> {
             let (read, mut write) = socket.into_split();
             let mut lines = BufReader::new(read).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                let reply = state.lock().expect("store state").answer(&line);
+                let reply = state.lock().await.answer(&line).await;
                 let reply = match reply {
                     Ok(r) => r,
                     Err(e) => format!("ERR {e}"),

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::FencingToken;
+
 /// Why a lock operation did not succeed.
 ///
 /// Match with `{ .. }` patterns (`LockError::Busy { .. }`): the enum is
@@ -59,6 +61,21 @@ pub enum LockError {
     /// no new locks are taken.
     #[error("dlock is shutting down: no new locks are taken")]
     ShutDown,
+    /// A fenced write was refused: the resource has already seen a larger
+    /// fencing token, so a newer holder of the lock exists and this one is
+    /// stale (its lease ended while it ran). Roll the transaction back (or
+    /// drop the write) and do not retry with the same token; see
+    /// [`fence`](crate::fence).
+    #[error("{}", fenced_message(resource, *token, *seen))]
+    Fenced {
+        /// The resource whose fence refused the write.
+        resource: String,
+        /// The token the write carried.
+        token: FencingToken,
+        /// The larger token the resource has seen, when the store tells it
+        /// without another round trip.
+        seen: Option<FencingToken>,
+    },
     /// The registry or a backend was configured wrongly (bad URL, second `init`, …).
     #[error("dlock configuration error: {message}")]
     Config {
@@ -105,9 +122,22 @@ impl From<LockError> for std::io::Error {
             }
             LockError::ShutDown => std::io::ErrorKind::Interrupted,
             LockError::Backend { .. } => std::io::ErrorKind::Other,
+            LockError::Fenced { .. } => std::io::ErrorKind::PermissionDenied,
         };
         std::io::Error::new(kind, err)
     }
+}
+
+/// The text of [`LockError::Fenced`].
+fn fenced_message(resource: &str, token: FencingToken, seen: Option<FencingToken>) -> String {
+    let seen = match seen {
+        Some(seen) => format!("token {seen}"),
+        None => "a larger token".to_owned(),
+    };
+    format!(
+        "write to `{resource}` refused: fencing token {token} is stale, the resource has seen {seen} \
+         (a newer holder of the lock wrote after this one's lease ended)"
+    )
 }
 
 /// A failure inside a backend, with whether it is worth retrying.
@@ -306,6 +336,39 @@ mod tests {
                 .is_retryable()
         );
         assert!(!LockError::NotInitialized.is_retryable());
+        assert!(
+            !LockError::Fenced {
+                resource: "r".into(),
+                token: FencingToken::new(1),
+                seen: None
+            }
+            .is_retryable()
+        );
+    }
+
+    #[test]
+    fn fenced_says_which_write_was_refused_and_why() {
+        let err = LockError::Fenced {
+            resource: "account:7".into(),
+            token: FencingToken::new(5),
+            seen: Some(FencingToken::new(9)),
+        };
+        assert_eq!(
+            err.to_string(),
+            "write to `account:7` refused: fencing token 5 is stale, the resource has seen \
+             token 9 (a newer holder of the lock wrote after this one's lease ended)"
+        );
+        let unknown = LockError::Fenced {
+            resource: "r".into(),
+            token: FencingToken::new(5),
+            seen: None,
+        };
+        assert!(
+            unknown.to_string().contains("seen a larger token"),
+            "{unknown}"
+        );
+        let io = std::io::Error::from(unknown);
+        assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
     }
 
     #[test]

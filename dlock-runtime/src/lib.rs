@@ -31,6 +31,7 @@
 //! - [`current()`]: the lock the current task holds, with its [`FencingToken`].
 //! - [`backend`]: the [`LockBackend`] trait and the backends.
 //! - [`LockError`]: what can go wrong.
+//! - [`fence`]: the store-side check that refuses a stale holder's write.
 //!
 //! ## Guarantees, and their limits
 //!
@@ -48,6 +49,13 @@
 pub mod backend;
 mod driver;
 mod error;
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
+pub mod fence;
 mod key;
 mod lease;
 mod outcome;

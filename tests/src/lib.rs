@@ -135,6 +135,13 @@ pub fn unique_key(case: &str) -> String {
 
 #[cfg(feature = "etcd")]
 pub mod etcd_support;
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
+pub mod fence_support;
 #[cfg(feature = "redis")]
 pub mod redis_support;
 #[cfg(feature = "zookeeper")]

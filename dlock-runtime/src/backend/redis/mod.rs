@@ -124,9 +124,9 @@ mod connections;
 mod listener;
 pub mod redlock;
 mod replicas;
-mod scripts;
+pub(crate) mod scripts;
 mod sentinel;
-mod slots;
+pub(crate) mod slots;
 mod url;
 
 use std::borrow::Cow;

@@ -30,7 +30,7 @@ pub(super) static RELEASE: LazyLock<Script> =
 pub(super) static RELEASE_SHARDED: LazyLock<Script> =
     LazyLock::new(|| Script::new(&include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'")));
 
-pub(super) fn redis_error(err: RedisError) -> BackendError {
+pub(crate) fn redis_error(err: RedisError) -> BackendError {
     if err.is_timeout()
         || err.is_connection_dropped()
         || err.is_connection_refusal()

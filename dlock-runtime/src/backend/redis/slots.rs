@@ -70,6 +70,12 @@ pub(super) fn cluster_fence_key(lock_key: &str) -> String {
     format!("{SINGLE_FENCE_KEY}:{{{}}}", TAGS[slot])
 }
 
+/// The number whose `{tag}` puts a key in the same slot as `key`: the
+/// fenced writes keep a key's fence beside it with it.
+pub(crate) fn slot_tag(key: &[u8]) -> u32 {
+    TAGS[usize::from(key_slot(key))]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
