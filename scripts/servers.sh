@@ -1080,9 +1080,23 @@ etcd_url() {
 
 # ------------------------------------------------------------- commands ---
 
+# The project's ports (42000-48999: the servers here and the ones tests start
+# on ports of their own; 57000-57999: the cluster bus) lie inside Linux's
+# ephemeral range (32768-60999), so an outgoing connection could take one as
+# its source port just when a server starts on it ("Address already in use").
+# Reserve them (never handed out as source ports; needs root, else a warning).
+reserve_ports() {
+    local want=42000-48999,57000-57999 file=/proc/sys/net/ipv4/ip_local_reserved_ports
+    [[ -r $file && $(cat "$file") == *"$want"* ]] && return 0
+    if ! { [[ -w $file ]] && printf '%s\n' "$want" >"$file"; } 2>/dev/null; then
+        log "warning: could not reserve ports $want (not root?): a test server may find its port taken"
+    fi
+}
+
 cmd_up() {
     take_lock
     install_missing
+    reserve_ports
     local p
     for p in "${REDIS_PORTS[@]}"; do start_redis "$p"; done
     redis_acl_check "${REDIS_PORTS[0]}"

@@ -117,6 +117,13 @@ pub struct Lease {
     pub valid_until: Instant,
     /// Backend-specific state kept with the lease (a node path, a dedicated connection).
     pub extra: Option<Arc<dyn Any + Send + Sync>>,
+    /// Set by the runtime when an earlier attempt of the same acquisition
+    /// went unanswered ([`Attempt::Unavailable`]): that attempt's command may
+    /// still reach the server after this grant, even after its release, and
+    /// take the key again for the same owner. A backend whose attempts may
+    /// travel over different connections releases such a lease over each of
+    /// them, behind whatever is still in flight there.
+    pub after_unanswered: bool,
 }
 
 impl Lease {
@@ -129,6 +136,7 @@ impl Lease {
             token,
             valid_until: Instant::now(),
             extra: None,
+            after_unanswered: false,
         }
     }
 

@@ -204,6 +204,7 @@ pub(crate) async fn acquire_watched(
     let drift = backend.drift(request.lease);
     let mut source: Option<WakeSource> = None;
     let mut unavailable_streak = 0u32;
+    let mut unanswered_before = false;
     let mut owed = OwedWake(None);
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
@@ -222,6 +223,7 @@ pub(crate) async fn acquire_watched(
         let (retry_in, unavailable) = match attempt {
             Attempt::Held(mut lease) => {
                 lease.valid_until = valid_until(sent, request.lease, drift);
+                lease.after_unanswered |= unanswered_before;
                 if now < give_up_at(lease.valid_until, request.lease) {
                     return Ok(Acquired::Held(lease));
                 }
@@ -243,6 +245,7 @@ pub(crate) async fn acquire_watched(
             Attempt::Busy { retry_in } => (retry_in, None),
             Attempt::Unavailable { error, retry_in } => {
                 unavailable_streak += 1;
+                unanswered_before = true;
                 (
                     Some(unavailable_backoff(retry_in, unavailable_streak)),
                     Some(error),

@@ -38,6 +38,8 @@ pub(crate) struct HeldLease {
     /// Whether the watchdog renews it (`watchdog = false` makes the lease a hard cap).
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
+    /// Whether it was taken with a fencing token asked for (`fencing`).
+    pub(crate) fenced: bool,
     /// Cancelled when the lease is lost (by the watchdog, or by the backend on
     /// its own); shared by the leases of one hold of several keys.
     pub(crate) lost: CancellationToken,
@@ -69,6 +71,7 @@ pub(crate) struct NewLease {
     pub(crate) lease_len: Duration,
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
+    pub(crate) fenced: bool,
     pub(crate) lost: CancellationToken,
     pub(crate) backend_lost: CancellationToken,
     pub(crate) span: tracing::Span,
@@ -91,6 +94,7 @@ impl HeldLease {
             lease_len: n.lease_len,
             renew: n.renew,
             hold_at_least: n.hold_at_least,
+            fenced: n.fenced,
             lost: n.lost,
             lost_itself: AtomicBool::new(false),
             backend_lost: n.backend_lost,

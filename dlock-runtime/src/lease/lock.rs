@@ -172,7 +172,10 @@ impl LockBuilder {
     /// plain `SET NX PX` instead of the script that issues the token (the
     /// fast path; `?fencing=off` on the URL makes it the backend's default).
     /// On every other backend the acquisition does the same work and the
-    /// token is dropped (Redlock never has one). Default `true`.
+    /// token is dropped (Redlock never has one). Default `true`. A nested call
+    /// shares the outer hold and its token: `fencing(false)` inside a fenced
+    /// hold sees the outer token; a call with `fencing(true)` inside a hold
+    /// taken without one is [`LockError::Config`] at once.
     pub fn fencing(mut self, fencing: bool) -> Self {
         self.options.fencing = fencing;
         self
@@ -376,6 +379,7 @@ async fn acquire_new(
         lease_len: options.lease,
         renew: options.watchdog,
         hold_at_least: options.hold_at_least,
+        fenced: options.fencing,
         lost,
         backend_lost,
         span,
@@ -398,6 +402,16 @@ async fn acquire_new(
 /// A nested acquisition of a key held further up this call chain: it
 /// shares the outer lease, passing the frame's gate one holder at a time
 /// (siblings take turns, each within its own `wait`).
+/// A call that asks for a fencing token, inside a hold of the same key taken
+/// without one: the nested call would run without the token it counts on.
+fn unfenced_outer(key: &str) -> LockError {
+    LockError::config(format!(
+        "`{key}` is already held in this call chain without a fencing token \
+         (`fencing = false`); a nested call that needs one cannot enter it: \
+         take the outer hold with a token, or pass `fencing = false` here too"
+    ))
+}
+
 async fn enter_nested(
     frame: Found,
     options: &LockOptions,
@@ -406,6 +420,9 @@ async fn enter_nested(
     let held = frame.lease;
     if held.is_lost() {
         return Err(LockError::Lost { key });
+    }
+    if options.fencing && !held.fenced {
+        return Err(unfenced_outer(&key));
     }
     let started = Instant::now();
     let permit = match frame.gate.clone().try_acquire_owned() {
@@ -434,6 +451,7 @@ async fn enter_nested(
     if options.lease != held.lease_len
         || options.watchdog != held.renew
         || options.hold_at_least != held.hold_at_least
+        || options.fencing != held.fenced
     {
         tracing::debug!(
             parent: &held.span,
@@ -442,7 +460,9 @@ async fn enter_nested(
             outer_lease_ms = held.lease_len.as_secs_f64() * 1000.0,
             watchdog = options.watchdog,
             outer_watchdog = held.renew,
-            "dlock nested hold: the outer lease's lease, watchdog and hold_at_least apply, not this call's"
+            fencing = options.fencing,
+            outer_fencing = held.fenced,
+            "dlock nested hold: the outer lease's lease, watchdog, hold_at_least and fencing apply, not this call's"
         );
     }
     tracing::trace!(parent: &held.span, key = %key, "dlock reentrant hold");
@@ -594,6 +614,12 @@ async fn enter_nested_all(
     };
     if found.iter().any(|f| f.lease.is_lost()) {
         return Err(lost_key(&found, &keys));
+    }
+    if let Some(i) = found
+        .iter()
+        .position(|f| options.fencing && !f.lease.fenced)
+    {
+        return Err(unfenced_outer(&keys[i]));
     }
     let mut gates: Vec<(usize, Arc<tokio::sync::Semaphore>)> = Vec::new();
     for f in &found {

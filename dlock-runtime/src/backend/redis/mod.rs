@@ -380,7 +380,15 @@ impl RedisBackend {
                     .renew_one_keys(&keys, &request.owner, request.lease)
                     .await
                 {
-                    Ok(renewed) => renewed == Renewal::Renewed,
+                    Ok(Renewal::Renewed) => true,
+                    // Our own key ran out before the extension reached the
+                    // server: nobody holds it now, so look again at once
+                    // rather than after its stale TTL.
+                    Ok(_) => {
+                        return Ok(Attempt::Busy {
+                            retry_in: Some(Duration::ZERO),
+                        });
+                    }
                     Err(error) => return unanswered(error),
                 }
             }
@@ -634,16 +642,18 @@ impl LockBackend for RedisBackend {
             let keys = Keys::of(lease);
             let invocation = self.release_invocation(&keys, &lease.owner);
             let routed: Result<i64, BackendError> = self.invoke(&invocation).await;
-            if lease.extra.is_some() {
+            if lease.extra.is_some() && !lease.after_unanswered {
                 routed?;
                 return Ok(());
             }
             // The release of an acquisition dropped on the wire (a grant
-            // always keeps its `Keys`): its command may have gone over another
+            // always keeps its `Keys`), or of a grant that came after an
+            // unanswered attempt: a command of it may have gone over another
             // connection (the local one opened, or went, in between; the
-            // grants' own with `replicas`), so release over those too,
-            // whatever the first answered — on each, the release then
-            // follows the abandoned command. Any one succeeding is enough.
+            // grants' own with `replicas`) and still be on its way, able to
+            // take the key again after this release. So release over those
+            // too, whatever the first answered — on each, the release then
+            // follows that command. Any one succeeding is enough.
             let home: Result<i64, RedisError> = call(self.conns.home(), &invocation).await;
             let acks: Option<Result<i64, RedisError>> = match &self.acks {
                 Some(acks) => Some(call(acks.home(), &invocation).await),

@@ -598,5 +598,6 @@ fn copy_lease(lease: &Lease) -> Lease {
         token: lease.token,
         valid_until: lease.valid_until,
         extra: lease.extra.clone(),
+        after_unanswered: lease.after_unanswered,
     }
 }
