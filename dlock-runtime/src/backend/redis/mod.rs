@@ -367,7 +367,7 @@ impl RedisBackend {
         };
         let answer = match &self.acks {
             None => self.conns.send(query).await,
-            Some(acks) => query(acks.home()).await.map_err(redis_error),
+            Some(acks) => acks.send(query).await,
         };
         let (holder, ttl) = match answer {
             Ok(answer) => answer,

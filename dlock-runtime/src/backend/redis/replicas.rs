@@ -57,6 +57,16 @@ impl ReplicaAcks {
             .await
     }
 
+    /// Any command `send` builds, over the grants' own connection (behind
+    /// Sentinel, sent once more to the new primary if it moved).
+    pub(super) async fn send<T, F, Sent>(&self, send: F) -> Result<T, BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        self.conns.send(send).await
+    }
+
     /// `WAIT replicas timeout` on the connection that sent the grant (on a
     /// cluster, to the master of the key's slot): an error unless at least
     /// `replicas` replicas acknowledged every write sent before it.
