@@ -191,22 +191,21 @@ pub async fn check_current<DB: FenceDatabase>(
     Fence::new().check_current(tx, resource).await
 }
 
-/// The token of the lock the current task holds, for a fenced write to
-/// `resource`.
+/// The token of the lock the current task holds for a fenced write to
+/// `resource`: see [`check_current`].
 fn current_token(resource: &str) -> Result<FencingToken, LockError> {
-    let Some(lock) = crate::current() else {
+    let Some(held) = crate::lease::token_for(resource) else {
         return Err(LockError::config(format!(
             "fenced write to `{resource}` outside a held lock: `current()` is None \
              (call it inside a #[distributed_lock] function or a LockGuard::scope)"
         )));
     };
-    lock.fencing_token().ok_or_else(|| {
+    let (key, backend, token) = held?;
+    token.ok_or_else(|| {
         LockError::config(format!(
-            "fenced write to `{resource}` under lock `{}` on backend `{}`, which has no \
+            "fenced write to `{resource}` under lock `{key}` on backend `{backend}`, which has no \
              fencing token (Redlock, or a lock taken without fencing): fence it with a \
-             version compare-and-set instead",
-            lock.key(),
-            lock.backend()
+             version compare-and-set instead"
         ))
     })
 }

@@ -63,9 +63,13 @@ where
     fenced_call(conn, call, key, token).await
 }
 
-/// [`set`] with the token of the lock the current task holds
-/// ([`current()`](crate::current)); [`LockError::Config`] outside a held
-/// scope or when the held lock has no token (Redlock).
+/// [`set`] with the token of the lock the current task holds — the lock
+/// whose key is `key` if the call chain holds one, else the innermost
+/// ([`current()`](crate::current)), as
+/// [`Fence::check_current`](super::Fence::check_current) chooses;
+/// [`LockError::Lost`] when another lock of the call chain is known lost;
+/// [`LockError::Config`] outside a held scope or when the chosen lock has no
+/// token (Redlock).
 pub async fn set_current<C>(
     conn: &mut C,
     key: &str,

@@ -206,7 +206,12 @@ impl Fence {
     }
 
     /// [`check`](Self::check) with the token of the lock the current task
-    /// holds ([`current()`](crate::current)).
+    /// holds: the lock whose key is `resource` if the call chain holds one
+    /// (innermost first; one key of a hold of several keys), else the
+    /// innermost hold ([`current()`](crate::current); its first key).
+    /// [`LockError::Lost`] when another lock the call chain holds is known
+    /// lost: a holder whose outer lease ran out must not write with the newer
+    /// token of a lock it took inside.
     ///
     /// [`LockError::Config`] outside a held scope (no lock is held by this
     /// task: the write would carry no token at all, which is a programming

@@ -92,6 +92,52 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Found> 
     .flatten()
 }
 
+/// The token a fenced write to `resource` from this task uses: `None`
+/// outside any held scope. The lock whose key is `resource` (innermost
+/// first; one key of a hold of several), else the innermost hold's first
+/// key. `Err(Lost)` when another hold of the call chain than the one giving
+/// the token is known lost — a holder whose outer lease ran out must not
+/// write with the newer token of a lock it took inside (a lost lock giving
+/// the token itself is left to the fence, which refuses it once a newer
+/// holder wrote). `Ok((key, backend, token))` otherwise.
+pub(crate) fn token_for(
+    resource: &str,
+) -> Option<Result<(String, String, Option<FencingToken>), crate::LockError>> {
+    HELD.try_with(|stack| {
+        let frames = &stack.0;
+        let innermost = frames.len().checked_sub(1)?;
+        let (depth, lease) = frames
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(depth, f)| {
+                f.hold
+                    .leases
+                    .iter()
+                    .find(|l| l.user_key == resource)
+                    .map(|l| (depth, l))
+            })
+            .unwrap_or((innermost, &frames[innermost].hold.leases[0]));
+        let giver = &frames[depth].hold;
+        if let Some(lost) = frames
+            .iter()
+            .map(|f| &f.hold)
+            .find(|h| !Arc::ptr_eq(&h.leases, &giver.leases) && h.is_lost())
+        {
+            return Some(Err(crate::LockError::Lost {
+                key: lost.lost_key().to_owned(),
+            }));
+        }
+        Some(Ok((
+            lease.user_key.clone(),
+            lease.backend_name.to_string(),
+            lease.fencing_token(),
+        )))
+    })
+    .ok()
+    .flatten()
+}
+
 /// The innermost lock held by the current task inside a `#[distributed_lock]`
 /// function (or a [`LockGuard::scope`](crate::LockGuard::scope)), if any.
 ///

@@ -24,6 +24,7 @@ mod shutdown;
 mod state;
 mod watchdog;
 
+pub(crate) use context::token_for;
 pub use context::{CurrentLock, current};
 pub use guard::LockGuard;
 pub use lock::{DEFAULT_LEASE, LockBuilder, lock, lock_all};
