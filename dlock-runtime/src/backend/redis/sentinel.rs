@@ -344,7 +344,13 @@ impl Sentinels {
         if answer.is_err() {
             *cached.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
-        let fields = answer?;
+        let fields = answer.map_err(|e| {
+            if e.contains("No such master") {
+                format!("does not know `{}`", self.name)
+            } else {
+                e
+            }
+        })?;
         let field = |name: &str| {
             fields
                 .get(name)
