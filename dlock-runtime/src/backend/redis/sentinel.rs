@@ -18,7 +18,7 @@
 //! - as soon as the sentinel it listens to announces a switch
 //!   (`+switch-master` on one sentinel's pub/sub, moved to the next sentinel
 //!   when that one fails: the sentinels are then asked at once), and every
-//!   [`POLL`] in any case, by a task of its own ([`watch`]): after `SENTINEL
+//!   [`POLL`] in any case, by a task of its own ([`watch()`]): after `SENTINEL
 //!   FAILOVER` the old primary still accepted writes for ≈11 s (measured), so
 //!   waiting for an error would leave grants and renewals on a node about to
 //!   be reset.
