@@ -321,6 +321,26 @@ impl Connections {
         }
     }
 
+    /// [`send`](Self::send), and behind Sentinel then a confirmation, asked
+    /// of the sentinels after the answer came, that the node which answered
+    /// is still the primary of the highest configuration epoch known: else
+    /// an error, whatever the node answered (a demoted primary still
+    /// accepts writes for a while).
+    pub(super) async fn send_confirmed<T, F, Sent>(&self, send: F) -> Result<T, BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: Future<Output = Result<T, RedisError>>,
+    {
+        match &self.home {
+            Home::Fixed { .. } => self.send(send).await,
+            Home::Followed(followed) => {
+                let (answer, generation) = followed.send_on(send).await?;
+                followed.vouch(generation).await?;
+                Ok(answer)
+            }
+        }
+    }
+
     pub(super) fn is_cluster(&self) -> bool {
         self.cluster
     }

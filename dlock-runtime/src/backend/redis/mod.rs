@@ -89,7 +89,13 @@
 //!
 //! **Redis Sentinel** (`redis+sentinel://`): commands go to the primary the
 //! sentinels name, which must confirm it with `ROLE`; the sentinels are asked
-//! in the URL's order and the first confirmed answer wins. They are asked again
+//! all at once (`SENTINEL MASTER`), a silent one holding up nothing, and the
+//! answer with the highest configuration epoch wins (never one older than the
+//! epoch followed). A renewal counts only if a sentinel, asked after its
+//! reply, confirms the node is still the primary of the latest epoch (one
+//! query per renewal batch): a holder cut off from the sentinels, or renewing
+//! on a demoted primary, hears it lost the lock before its lease can end on
+//! the new primary. They are asked again
 //! when a command meets `READONLY` (transient here: a failover), a dropped or
 //! refused connection or a timeout (the command is then sent once more if the
 //! primary moved); a switch is followed as soon as a sentinel announces it
@@ -495,8 +501,11 @@ impl RedisBackend {
         owner: &str,
         ttl: Duration,
     ) -> Result<Renewal, BackendError> {
+        let mut invocation = RENEW.key(&keys.lock);
+        invocation.arg(owner).arg(millis(ttl));
         let extended: i64 = self
-            .invoke(RENEW.key(&keys.lock).arg(owner).arg(millis(ttl)))
+            .conns
+            .send_confirmed(|conn| call(conn, &invocation))
             .await?;
         Ok(renewal(extended))
     }
@@ -608,7 +617,9 @@ impl LockBackend for RedisBackend {
             let pipe = &pipe;
             let answer = self
                 .conns
-                .send(|mut conn| async move { pipe.query_async::<Vec<i64>>(&mut conn).await })
+                .send_confirmed(
+                    |mut conn| async move { pipe.query_async::<Vec<i64>>(&mut conn).await },
+                )
                 .await;
             match answer {
                 Ok(answers) if answers.len() == batch.len() => answers

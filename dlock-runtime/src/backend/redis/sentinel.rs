@@ -2,36 +2,61 @@
 //! sentinels, and followed across failovers. See **Redis Sentinel** in the
 //! [Redis backend's docs](super).
 //!
-//! The sentinels are asked directly (`SENTINEL GET-MASTER-ADDR-BY-NAME`, then
-//! `ROLE` on the node named), not through the redis crate's `sentinel`
-//! feature: its clients resolve the primary once, when a connection is made,
-//! and its `ConnectionManager` then reconnects to that same address for ever
-//! (`READONLY` on every write after a failover, or ≈9 s of reconnect
-//! back-off on a dead primary), and nothing there listens for a failover.
-//! Here one [`Followed`] primary holds the connection to the node the
-//! sentinels name now and replaces it:
+//! The sentinels are asked directly (`SENTINEL MASTER`, for the primary's
+//! address and its configuration epoch, then `ROLE` on the node named), not
+//! through the redis crate's `sentinel` feature: its clients resolve the
+//! primary once, when a connection is made, and its `ConnectionManager` then
+//! reconnects to that same address for ever (`READONLY` on every write after
+//! a failover, or ≈9 s of reconnect back-off on a dead primary), and nothing
+//! there listens for a failover. Here one [`Followed`] primary holds the
+//! connection to the node the sentinels name now and replaces it:
 //!
 //! - when a command meets `READONLY` (the node was demoted), a dropped or
 //!   refused connection, or a timeout ([`moves`]): the sentinels are asked
 //!   again (at most once per [`MIN_RESOLVE_INTERVAL`] however many commands
 //!   fail), and the command is sent once more if the primary moved;
-//! - as soon as the sentinel it listens to announces the switch
+//! - as soon as the sentinel it listens to announces a switch
 //!   (`+switch-master` on one sentinel's pub/sub, moved to the next sentinel
-//!   when that one fails), and every [`POLL`] in any case, by a task of its
-//!   own ([`watch`]): after `SENTINEL FAILOVER` the old primary still accepted
-//!   writes for ≈11 s (measured), so waiting for an error would leave grants
-//!   and renewals on a node about to be reset.
+//!   when that one fails: the sentinels are then asked at once), and every
+//!   [`POLL`] in any case, by a task of its own ([`watch()`]): after `SENTINEL
+//!   FAILOVER` the old primary still accepted writes for ≈11 s (measured), so
+//!   waiting for an error would leave grants and renewals on a node about to
+//!   be reset.
 //!
-//! A node is taken only if it confirms `ROLE` master; the sentinels are asked
-//! in the URL's order, and the first confirmed answer wins (an announced
-//! switch is followed at once once its node confirms). Every step is bounded
-//! by the backend's timeout.
+//! **Which answer.** The sentinels are asked all at once, each bounded by the
+//! backend's timeout, and their answers are awaited until all came or for
+//! [`SETTLE`] after the first one (a sentinel that answers nothing costs no
+//! more than that, at connect too: connect takes the best answer received by
+//! then). Of the answers received, the one with the highest configuration
+//! epoch is followed (every failover raises it, so a sentinel on the minority
+//! side of a partition, still naming the old primary, answers with an older
+//! one), and never one older than the epoch already followed. A node is
+//! taken only if it confirms `ROLE` master.
+//!
+//! **Renewals** ([`Followed::vouch`]). A renewal counts only if, after its
+//! reply, the sentinels (one concurrent query per renewal batch) confirm that
+//! the node which renewed is still the primary of the highest epoch known;
+//! otherwise the batch is an error, and the watchdog declares the lease lost
+//! at its give-up instant, before it ends on the server. So a holder that
+//! reaches its primary but no sentinel (or whose primary was demoted: it
+//! still accepts renewals for a while) stops counting renewals as soon as it
+//! cannot be told there was no failover: it learns it lost the lock before
+//! its lease could end on the new primary and the key be granted there —
+//! provided the new primary had the grant and the renewals before the
+//! failover (replication is asynchronous; `?replicas=N` makes the grant
+//! acknowledged, not the renewals). It does not cover a grant or renewal made
+//! on the old primary in the moment before any sentinel knows of the
+//! failover (lost with the old primary's later writes, reported at the next
+//! renewal), nor sentinels whose epochs were reset.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError};
 use tokio::sync::watch;
@@ -48,6 +73,9 @@ const POLL: Duration = Duration::from_secs(1);
 const MIN_RESOLVE_INTERVAL: Duration = Duration::from_millis(100);
 /// The longest pause between two reconnections of the primary's managed connection.
 const RECONNECT_MAX: Duration = Duration::from_millis(500);
+/// How long the sentinels' answers are awaited after the first one: the
+/// highest epoch among those received is followed.
+const SETTLE: Duration = Duration::from_millis(200);
 
 /// Whether an error says the primary may have moved: the node was demoted
 /// (`READONLY`), is a replica that lost its primary (`MASTERDOWN`), or
@@ -92,15 +120,42 @@ pub(super) struct Current {
     pub(super) conn: Conn,
 }
 
+/// What one sentinel named.
+struct Named {
+    /// Which sentinel: its number in the URL and its address.
+    sentinel: String,
+    host: String,
+    port: u16,
+    /// The configuration epoch of the sentinel's answer: raised by every
+    /// failover, so the highest names the latest primary.
+    epoch: u64,
+}
+
+impl Named {
+    fn address(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+}
+
 /// What asking the sentinels found.
 enum Resolved {
-    /// They still name the node we use.
-    Same,
-    /// Another node, which confirmed it is the primary (its generation
-    /// not set yet).
-    Moved(Box<Current>),
+    /// The answer of the highest epoch still names the node we use (that epoch).
+    Same(u64),
+    /// Another node, of a higher epoch (the second field), which confirmed
+    /// it is the primary (its generation not set yet).
+    Moved(Box<Current>, u64),
     /// No answer we could use: why, per sentinel.
     Failed(String),
+}
+
+/// What a resolution made of the primary followed.
+enum Verdict {
+    /// The sentinels' latest answer names it.
+    Confirmed,
+    /// It moved (and is followed now).
+    Moved,
+    /// Neither: why.
+    Unconfirmed(String),
 }
 
 impl Sentinels {
@@ -141,48 +196,113 @@ impl Sentinels {
         })
     }
 
-    /// Asks the sentinels in order for the primary's address; the first
-    /// address whose node confirms `ROLE` master wins. `Same` as soon as a
-    /// sentinel names `current`.
-    async fn resolve(&self, current: Option<&str>) -> Resolved {
-        let mut why = Vec::new();
-        for (number, (client, cached)) in self.sentinels.iter().enumerate() {
-            let sentinel = client.get_connection_info().addr().to_string();
-            let (host, port) = match self.ask(client, cached).await {
-                Ok(Some(address)) => address,
-                Ok(None) => {
-                    why.push(format!(
-                        "sentinel {} ({sentinel}) does not know `{}`",
-                        number + 1,
-                        self.name
-                    ));
-                    continue;
-                }
-                Err(e) => {
-                    why.push(format!("sentinel {} ({sentinel}): {e}", number + 1));
-                    continue;
-                }
-            };
-            let address = format!("{host}:{port}");
-            if current == Some(address.as_str()) {
-                return Resolved::Same;
+    /// Asks every sentinel at once for the primary and its configuration
+    /// epoch, and takes the answer with the highest epoch (see [`gather`](Self::gather)).
+    /// `current` is the node followed and the highest epoch followed: an
+    /// answer older than that epoch is never followed back, and `Same` when
+    /// the best answer names `current`.
+    async fn resolve(&self, current: Option<(&str, u64)>) -> Resolved {
+        let (named, why) = self.gather().await;
+        let is_current = |n: &Named| current.is_some_and(|(address, _)| n.address() == address);
+        // Equal epochs name the same node; if they ever did not, keep ours.
+        let Some(best) = named.into_iter().max_by(|a, b| {
+            a.epoch
+                .cmp(&b.epoch)
+                .then(is_current(a).cmp(&is_current(b)))
+        }) else {
+            return Resolved::Failed(why.join("; "));
+        };
+        if let Some((address, epoch)) = current {
+            if best.epoch < epoch {
+                return Resolved::Failed(format!(
+                    "the sentinels that answered name the configuration of epoch {}, older \
+                     than the followed one ({epoch}){}",
+                    best.epoch,
+                    if why.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; {}", why.join("; "))
+                    }
+                ));
             }
-            match self.confirm(&host, port).await {
-                Ok((client, conn)) => {
-                    return Resolved::Moved(Box::new(Current {
-                        generation: 0,
-                        address,
-                        client,
-                        conn,
-                    }));
-                }
-                Err(e) => why.push(format!(
-                    "sentinel {} ({sentinel}) names {address}: {e}",
-                    number + 1
-                )),
+            if best.address() == address {
+                return Resolved::Same(best.epoch);
             }
         }
-        Resolved::Failed(why.join("; "))
+        let address = best.address();
+        match self.confirm(&best.host, best.port).await {
+            Ok((client, conn)) => Resolved::Moved(
+                Box::new(Current {
+                    generation: 0,
+                    address,
+                    client,
+                    conn,
+                }),
+                best.epoch,
+            ),
+            Err(e) => Resolved::Failed(format!(
+                "sentinel {} names {address} (epoch {}): {e}",
+                best.sentinel, best.epoch
+            )),
+        }
+    }
+
+    /// Asks every sentinel at once (each bounded by the timeout): the
+    /// answers received until every sentinel answered or failed, or until
+    /// [`SETTLE`] after the first answer (a sentinel that answers nothing
+    /// does not hold up the others'), and why the others gave none.
+    async fn gather(&self) -> (Vec<Named>, Vec<String>) {
+        let mut pending: FuturesUnordered<_> = self
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(number, (client, cached))| async move {
+                let sentinel = format!("{} ({})", number + 1, client.get_connection_info().addr());
+                let answer =
+                    match tokio::time::timeout(self.timeout, self.ask(client, cached)).await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(format!(
+                            "no answer within {}",
+                            humantime::format_duration(self.timeout)
+                        )),
+                    };
+                (sentinel, answer)
+            })
+            .collect();
+        let (mut named, mut why) = (Vec::new(), Vec::new());
+        let mut settle_at = None;
+        loop {
+            let next = match settle_at {
+                Some(at) => match tokio::time::timeout_at(at, pending.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        why.push(format!(
+                            "{} sentinel(s) had not answered {} after the first",
+                            pending.len(),
+                            humantime::format_duration(SETTLE)
+                        ));
+                        break;
+                    }
+                },
+                None => pending.next().await,
+            };
+            let Some((sentinel, answer)) = next else {
+                break;
+            };
+            match answer {
+                Ok((host, port, epoch)) => {
+                    settle_at.get_or_insert_with(|| tokio::time::Instant::now() + SETTLE);
+                    named.push(Named {
+                        sentinel,
+                        host,
+                        port,
+                        epoch,
+                    });
+                }
+                Err(e) => why.push(format!("sentinel {sentinel}: {e}")),
+            }
+        }
+        (named, why)
     }
 
     /// A subscription to the switches sentinel `number` announces, if it answers.
@@ -195,13 +315,14 @@ impl Sentinels {
         Some(pubsub.into_on_message())
     }
 
-    /// `SENTINEL GET-MASTER-ADDR-BY-NAME` on one sentinel, over its kept
-    /// connection (opened again after an error).
+    /// `SENTINEL MASTER` on one sentinel, over its kept connection (opened
+    /// again after an error): the primary's host, port and configuration
+    /// epoch.
     async fn ask(
         &self,
         client: &Client,
         cached: &Mutex<Option<MultiplexedConnection>>,
-    ) -> Result<Option<(String, u16)>, String> {
+    ) -> Result<(String, u16, u64), String> {
         let kept = cached.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut conn = match kept {
             Some(conn) => conn,
@@ -217,13 +338,32 @@ impl Sentinels {
             }
         };
         let mut ask = redis::cmd("SENTINEL");
-        ask.arg("GET-MASTER-ADDR-BY-NAME").arg(&self.name);
-        let answer: Result<Option<(String, u16)>, String> =
+        ask.arg("MASTER").arg(&self.name);
+        let answer: Result<HashMap<String, String>, String> =
             self.bounded(ask.query_async(&mut conn)).await;
         if answer.is_err() {
             *cached.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
-        answer
+        let fields = answer.map_err(|e| {
+            if e.contains("No such master") {
+                format!("does not know `{}`", self.name)
+            } else {
+                e
+            }
+        })?;
+        let field = |name: &str| {
+            fields
+                .get(name)
+                .ok_or_else(|| format!("its answer to SENTINEL MASTER has no `{name}`"))
+        };
+        let host = field("ip")?.clone();
+        let port = field("port")?
+            .parse()
+            .map_err(|_| "its answer to SENTINEL MASTER has a bad `port`".to_string())?;
+        let epoch = field("config-epoch")?
+            .parse()
+            .map_err(|_| "its answer to SENTINEL MASTER has a bad `config-epoch`".to_string())?;
+        Ok((host, port, epoch))
     }
 
     /// Opens the managed connection to `host:port` and checks that the node
@@ -274,6 +414,8 @@ impl Sentinels {
 pub(super) struct Followed {
     sentinels: Sentinels,
     current: watch::Sender<Arc<Current>>,
+    /// The highest configuration epoch followed: never followed back below.
+    epoch: AtomicU64,
     /// One resolution at a time, and when the last one ended.
     resolving: tokio::sync::Mutex<Instant>,
 }
@@ -287,9 +429,9 @@ impl Followed {
     ) -> Result<Arc<Followed>, BackendError> {
         let sentinels = Sentinels::new(target, timeout).map_err(BackendError::permanent)?;
         crate::driver::run(async move {
-            let found = match sentinels.resolve(None).await {
-                Resolved::Moved(found) => found,
-                Resolved::Same => unreachable!("there is no current primary to be the same"),
+            let (found, epoch) = match sentinels.resolve(None).await {
+                Resolved::Moved(found, epoch) => (found, epoch),
+                Resolved::Same(_) => unreachable!("there is no current primary to be the same"),
                 Resolved::Failed(why) => {
                     return Err(BackendError::transient(format!(
                         "no sentinel named a reachable primary `{}`: {why}",
@@ -301,6 +443,7 @@ impl Followed {
             let followed = Arc::new(Followed {
                 sentinels,
                 current,
+                epoch: AtomicU64::new(epoch),
                 resolving: tokio::sync::Mutex::new(Instant::now()),
             });
             tokio::spawn(watch(Arc::downgrade(&followed)));
@@ -338,64 +481,94 @@ impl Followed {
         if self.current().generation != seen || last.elapsed() < interval {
             return;
         }
-        let current = self.current();
-        let resolved = self.sentinels.resolve(Some(&current.address)).await;
+        let verdict = self.resolve_now().await;
         *last = Instant::now();
-        match resolved {
-            Resolved::Same => {}
-            Resolved::Moved(found) => self.moved(found),
-            Resolved::Failed(why) => tracing::warn!(
+        if let Verdict::Unconfirmed(why) = verdict {
+            tracing::warn!(
                 primary = %self.sentinels.name,
-                "dlock: no sentinel named a reachable Redis primary: {why}"
-            ),
+                "dlock: the sentinels did not confirm a reachable Redis primary: {why}"
+            );
+        }
+    }
+
+    /// Asks the sentinels and follows their latest answer (the caller holds
+    /// `resolving`).
+    async fn resolve_now(&self) -> Verdict {
+        let current = self.current();
+        let epoch = self.epoch.load(Ordering::Acquire);
+        match self
+            .sentinels
+            .resolve(Some((&current.address, epoch)))
+            .await
+        {
+            Resolved::Same(epoch) => {
+                self.epoch.fetch_max(epoch, Ordering::AcqRel);
+                Verdict::Confirmed
+            }
+            Resolved::Moved(found, epoch) => {
+                self.moved(found, epoch);
+                Verdict::Moved
+            }
+            Resolved::Failed(why) => Verdict::Unconfirmed(why),
+        }
+    }
+
+    /// Whether the node of generation `seen` is still the primary, asked of
+    /// the sentinels now: `Ok` when the answer of the highest epoch received
+    /// names it and that epoch is not older than the one followed; else an
+    /// error (and the new primary followed if it moved). Runs on dlock's I/O
+    /// runtime.
+    pub(super) async fn vouch(self: &Arc<Self>, seen: u64) -> Result<(), BackendError> {
+        let followed = self.clone();
+        let verdict = crate::driver::handle()
+            .spawn(async move {
+                let mut last = followed.resolving.lock().await;
+                if followed.current().generation != seen {
+                    return Verdict::Moved;
+                }
+                let verdict = followed.resolve_now().await;
+                *last = Instant::now();
+                verdict
+            })
+            .await
+            .unwrap_or_else(|e| Verdict::Unconfirmed(e.to_string()));
+        let name = &self.sentinels.name;
+        match verdict {
+            Verdict::Confirmed if self.current().generation == seen => Ok(()),
+            Verdict::Confirmed | Verdict::Moved => Err(BackendError::transient(format!(
+                "redis: the primary `{name}` moved (Sentinel failover) since the command"
+            ))),
+            Verdict::Unconfirmed(why) => Err(BackendError::transient(format!(
+                "redis: no sentinel confirmed that the node answering is still the \
+                 primary `{name}`: {why}"
+            ))),
         }
     }
 
     /// A sentinel announced a switch (`<name> <old ip> <old port> <new ip>
-    /// <new port>`): if it is ours, to a node other than ours that confirms
-    /// it is the primary, follow at once (without waiting for the sentinels
-    /// asked first to hear of it).
+    /// <new port>`): if it is ours, ask the sentinels at once (the one that
+    /// announced it answers with the new epoch), without waiting for the
+    /// poll.
     async fn switch_announced(&self, payload: &str) {
-        let words: Vec<&str> = payload.split(' ').collect();
-        let [name, _, _, host, port] = words[..] else {
-            return;
-        };
-        let Ok(port) = port.parse::<u16>() else {
-            return;
-        };
-        if name != self.sentinels.name {
+        if payload.split(' ').next() != Some(self.sentinels.name.as_str()) {
             return;
         }
-        let _one_at_a_time = self.resolving.lock().await;
-        let current = self.current();
-        let address = format!("{host}:{port}");
-        if current.address == address {
-            return;
-        }
-        match self.sentinels.confirm(host, port).await {
-            Ok((client, conn)) => self.moved(Box::new(Current {
-                generation: 0,
-                address,
-                client,
-                conn,
-            })),
-            Err(why) => tracing::warn!(
-                primary = %self.sentinels.name,
-                "dlock: a sentinel announced {address} as the Redis primary: {why}"
-            ),
-        }
+        self.resolve_after(self.current().generation, Duration::ZERO)
+            .await;
     }
 
-    /// Follows the primary to `found`.
-    fn moved(&self, mut found: Box<Current>) {
+    /// Follows the primary to `found`, named with configuration epoch `epoch`.
+    fn moved(&self, mut found: Box<Current>, epoch: u64) {
         let current = self.current();
         tracing::info!(
             primary = %self.sentinels.name,
             from = %current.address,
             to = %found.address,
+            epoch,
             "dlock: the Redis primary moved (Sentinel failover)"
         );
         found.generation = current.generation + 1;
+        self.epoch.fetch_max(epoch, Ordering::AcqRel);
         self.current.send_replace(Arc::from(found));
     }
 
@@ -407,13 +580,27 @@ impl Followed {
         F: Fn(Conn) -> Sent,
         Sent: Future<Output = Result<T, RedisError>>,
     {
+        self.send_on(send).await.map(|(answer, _)| answer)
+    }
+
+    /// [`send`](Self::send), and the generation of the node that answered.
+    pub(super) async fn send_on<T, F, Sent>(
+        self: &Arc<Self>,
+        send: F,
+    ) -> Result<(T, u64), BackendError>
+    where
+        F: Fn(Conn) -> Sent,
+        Sent: Future<Output = Result<T, RedisError>>,
+    {
         let current = self.current();
         match send(current.conn.clone()).await {
-            Ok(answer) => Ok(answer),
+            Ok(answer) => Ok((answer, current.generation)),
             Err(err) if moves(&err) => {
                 if self.refresh(current.generation).await {
-                    send(self.current().conn.clone())
+                    let moved = self.current();
+                    send(moved.conn.clone())
                         .await
+                        .map(|answer| (answer, moved.generation))
                         .map_err(sentinel_error)
                 } else {
                     Err(sentinel_error(err))
