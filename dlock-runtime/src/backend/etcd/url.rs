@@ -89,12 +89,13 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
         }
         endpoints.push(format!("http://{name}:{port}"));
     }
-    let prefix = path.trim_end_matches('/').to_owned();
+    // Decoded first: `%2F` is a `/` like any other, so `a%2F%2Fb` and `a%2F`
+    // are checked and trimmed as `a//b` and `a/` are.
+    let decoded = percent_decode(path).ok_or_else(|| bad("bad percent-encoding in the prefix"))?;
+    let prefix = decoded.trim_end_matches('/').to_owned();
     if prefix.contains("//") {
         return Err(bad("the prefix has an empty component (`//`)"));
     }
-    let prefix =
-        percent_decode(&prefix).ok_or_else(|| bad("bad percent-encoding in the prefix"))?;
     let mut session_ttl = DEFAULT_SESSION_TTL;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
