@@ -200,7 +200,11 @@ fn current_token(resource: &str) -> Result<FencingToken, LockError> {
              (call it inside a #[distributed_lock] function or a LockGuard::scope)"
         )));
     };
-    let (key, backend, token) = held?;
+    let crate::lease::TokenFor {
+        key,
+        backend,
+        token,
+    } = held?;
     token.ok_or_else(|| {
         LockError::config(format!(
             "fenced write to `{resource}` under lock `{key}` on backend `{backend}`, which has no \

@@ -92,6 +92,13 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Found> 
     .flatten()
 }
 
+/// The lock [`token_for`] chose: its key, its backend's name, its token.
+pub(crate) struct TokenFor {
+    pub(crate) key: String,
+    pub(crate) backend: String,
+    pub(crate) token: Option<FencingToken>,
+}
+
 /// The token a fenced write to `resource` from this task uses: `None`
 /// outside any held scope. The lock whose key is `resource` (innermost
 /// first; one key of a hold of several), else the innermost hold's first
@@ -99,10 +106,8 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Found> 
 /// the token is known lost — a holder whose outer lease ran out must not
 /// write with the newer token of a lock it took inside (a lost lock giving
 /// the token itself is left to the fence, which refuses it once a newer
-/// holder wrote). `Ok((key, backend, token))` otherwise.
-pub(crate) fn token_for(
-    resource: &str,
-) -> Option<Result<(String, String, Option<FencingToken>), crate::LockError>> {
+/// holder wrote).
+pub(crate) fn token_for(resource: &str) -> Option<Result<TokenFor, crate::LockError>> {
     HELD.try_with(|stack| {
         let frames = &stack.0;
         let innermost = frames.len().checked_sub(1)?;
@@ -128,11 +133,11 @@ pub(crate) fn token_for(
                 key: lost.lost_key().to_owned(),
             }));
         }
-        Some(Ok((
-            lease.user_key.clone(),
-            lease.backend_name.to_string(),
-            lease.fencing_token(),
-        )))
+        Some(Ok(TokenFor {
+            key: lease.user_key.clone(),
+            backend: lease.backend_name.to_string(),
+            token: lease.fencing_token(),
+        }))
     })
     .ok()
     .flatten()

@@ -24,8 +24,8 @@ mod shutdown;
 mod state;
 mod watchdog;
 
-pub(crate) use context::token_for;
 pub use context::{CurrentLock, current};
+pub(crate) use context::{TokenFor, token_for};
 pub use guard::LockGuard;
 pub use lock::{DEFAULT_LEASE, LockBuilder, lock, lock_all};
 pub(crate) use lock::{Keys, LockOptions, acquire, acquire_all};
