@@ -23,7 +23,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, PushInfo, PushKind, RedisResult, Value};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-use super::connections::cluster_builder;
+use super::conn::cluster_builder;
 use super::sentinel::Followed;
 
 /// The release channels this process waits on, over one pub/sub connection.

@@ -126,6 +126,7 @@
 //! down renewals fail until the watchdog declares the lease lost, before it
 //! ends on the server.
 
+mod conn;
 mod connections;
 mod listener;
 pub mod redlock;
@@ -143,7 +144,8 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use redis::RedisError;
 
-use connections::{Conn, Connections, call, client, install_crypto_provider};
+use conn::{Conn, client, install_crypto_provider};
+use connections::{Connections, call};
 use listener::{Listener, Source};
 use replicas::ReplicaAcks;
 use scripts::{ACQUIRE, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use redis::RedisError;
 
-use super::connections::{Conn, Connections};
+use super::conn::Conn;
+use super::connections::Connections;
 use super::scripts::millis;
 use super::slots;
 use super::url::Target;

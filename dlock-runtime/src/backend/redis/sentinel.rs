@@ -61,7 +61,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError};
 use tokio::sync::watch;
 
-use super::connections::{Conn, Opener, client};
+use super::conn::{Conn, Opener, client};
 use super::scripts::redis_error;
 use super::url::{SentinelTarget, Target};
 use crate::error::BackendError;

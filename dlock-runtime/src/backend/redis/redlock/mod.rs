@@ -88,7 +88,8 @@ use redis::Script;
 
 use node::{Node, node_timeout_error};
 
-use super::connections::{Route, client, install_crypto_provider};
+use super::conn::{client, install_crypto_provider};
+use super::connections::Route;
 use super::scripts::{RELEASE, RENEW, millis, redis_error};
 use super::url::{Topology, parse_url};
 use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};

@@ -11,7 +11,8 @@ use redis::{Client, ScriptInvocation};
 use tokio::sync::watch;
 
 use crate::backend::local::Local;
-use crate::backend::redis::connections::{Conn, Opener, Route, call, local};
+use crate::backend::redis::conn::{Conn, Opener, local};
+use crate::backend::redis::connections::{Route, call};
 use crate::backend::redis::listener::{Listener, Source};
 use crate::error::BackendError;
 
