@@ -70,6 +70,8 @@ pub mod doorbell_support;
 pub mod handoff;
 pub mod memory_support;
 pub mod scenarios;
+#[cfg(feature = "redis")]
+pub mod sentinel_support;
 
 use std::sync::Arc;
 
