@@ -144,3 +144,24 @@ pub async fn leader(url: &str) -> usize {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// A backend on the cluster `url` names (a missing cluster fails the test).
+pub async fn backend(url: &str) -> dlock_runtime::EtcdBackend {
+    dlock_runtime::EtcdBackend::connect(url)
+        .await
+        .unwrap_or_else(|e| crate::servers_missing(url, e))
+}
+
+/// A registry whose default backend is `backend`.
+pub fn registry(backend: &dlock_runtime::EtcdBackend) -> dlock_runtime::Registry {
+    dlock_runtime::Registry::builder()
+        .default_backend(backend.clone())
+        .build()
+}
+
+/// The test cluster's URL with its members replaced by `members`.
+pub fn url_to(members: &[String], query: &str) -> String {
+    let base = url();
+    let hosts = endpoints(&base).join(",");
+    format!("{}{query}", base.replacen(&hosts, &members.join(","), 1))
+}

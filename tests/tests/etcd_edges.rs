@@ -8,31 +8,14 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{EtcdBackend, LockError, Registry};
+use dlock_runtime::{EtcdBackend, LockError};
 use dlock_testkit::{Fault, FaultProxy};
-use dlock_tests::etcd_support::{endpoints, url};
-use dlock_tests::{servers_missing, unique_key};
+use dlock_tests::etcd_support::{backend, endpoints, registry, url, url_to};
+use dlock_tests::unique_key;
 use tokio::sync::Mutex;
 
 /// One test at a time: the proxy tests cut a member off for a while.
 static CLUSTER: Mutex<()> = Mutex::const_new(());
-
-async fn backend(url: &str) -> EtcdBackend {
-    EtcdBackend::connect(url)
-        .await
-        .unwrap_or_else(|e| servers_missing(url, e))
-}
-
-fn registry(backend: &EtcdBackend) -> Registry {
-    Registry::builder().default_backend(backend.clone()).build()
-}
-
-/// The test cluster's URL with its members replaced by `members`.
-fn url_to(members: &[String], query: &str) -> String {
-    let base = url();
-    let hosts = endpoints(&base).join(",");
-    format!("{}{query}", base.replacen(&hosts, &members.join(","), 1))
-}
 
 /// A namespace of its own under the test cluster's prefix.
 fn namespace(case: &str) -> String {

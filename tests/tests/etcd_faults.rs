@@ -8,33 +8,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{EtcdBackend, LockError, LockGuard, Registry};
+use dlock_runtime::{LockError, LockGuard};
 use dlock_testkit::{Fault, FaultProxy};
 use dlock_tests::etcd_support::{
-    RestartMembersOnDrop, endpoints, kill_member, leader, start_member, url,
+    RestartMembersOnDrop, backend, endpoints, kill_member, leader, registry, start_member, url,
+    url_to,
 };
-use dlock_tests::{servers_missing, unique_key};
+use dlock_tests::unique_key;
 use tokio::sync::Mutex;
 
 /// One test at a time.
 static CLUSTER: Mutex<()> = Mutex::const_new(());
-
-async fn backend(url: &str) -> EtcdBackend {
-    EtcdBackend::connect(url)
-        .await
-        .unwrap_or_else(|e| servers_missing(url, e))
-}
-
-fn registry(backend: &EtcdBackend) -> Registry {
-    Registry::builder().default_backend(backend.clone()).build()
-}
-
-/// The test cluster's URL with its members replaced by `members`.
-fn url_to(members: &[String], query: &str) -> String {
-    let base = url();
-    let hosts = endpoints(&base).join(",");
-    format!("{}{query}", base.replacen(&hosts, &members.join(","), 1))
-}
 
 /// Three keys held by one process and waited for by another while member
 /// `victim` is SIGKILLed: every holder keeps its lease (its renewals and
