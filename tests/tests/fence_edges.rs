@@ -300,6 +300,8 @@ async fn a_token_above_the_signed_column_is_refused_not_wrapped() {
     let resource = unique_key("edge-huge");
 
     let pg = postgres_pool().await;
+    // The table exists whatever ran before (a refused check creates nothing).
+    fence::create_table(&pg).await.expect("fence table");
     let mut tx = pg.begin().await.unwrap();
     let checked = Fence::new().check(&mut tx, &resource, huge).await;
     assert!(
@@ -316,6 +318,7 @@ async fn a_token_above_the_signed_column_is_refused_not_wrapped() {
     assert_eq!(stored, None);
 
     let my = mysql_pool().await;
+    fence::create_table(&my).await.expect("fence table");
     let mut tx = my.begin().await.unwrap();
     let checked = fence::check(&mut tx, &resource, huge).await;
     assert!(
