@@ -34,6 +34,7 @@ use crate::token::FencingToken;
 mod connect;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod holders;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 mod local;
 pub mod memory;
@@ -46,6 +47,7 @@ pub mod wait;
 pub mod zookeeper;
 
 pub use connect::connect;
+pub use holders::{HeldEntry, HolderRecord, KeyEntry};
 pub use wait::WakeSource;
 
 /// What the runtime asks a backend for when it acquires a lock.
@@ -69,6 +71,9 @@ pub struct AcquireRequest {
     /// runtime drops whatever token the grant carries, and a backend may skip
     /// work it does only for the token (Redis grants with a plain `SET NX PX`).
     pub fencing: bool,
+    /// Who asks: stored by the backend with the grant and read back by
+    /// [`inspect`](LockBackend::inspect) and [`list`](LockBackend::list).
+    pub holder: Arc<HolderRecord>,
 }
 
 impl AcquireRequest {
@@ -82,6 +87,7 @@ impl AcquireRequest {
             wait: Duration::ZERO,
             lost: CancellationToken::new(),
             fencing: true,
+            holder: HolderRecord::this_process(),
         }
     }
 
@@ -94,6 +100,12 @@ impl AcquireRequest {
     /// `false`: the holder needs no fencing token (see [`fencing`](Self::fencing)).
     pub fn with_fencing(mut self, fencing: bool) -> Self {
         self.fencing = fencing;
+        self
+    }
+
+    /// Stamps the grant with `holder` instead of this process's unnamed record.
+    pub fn with_holder(mut self, holder: Arc<HolderRecord>) -> Self {
+        self.holder = holder;
         self
     }
 }
@@ -192,6 +204,10 @@ pub enum Renewal {
     Renewed,
     /// The key is no longer ours (expired, deleted, taken over).
     Lost,
+    /// The key is no longer ours because an operator revoked it
+    /// ([`LockBackend::revoke`]); reported as such where the backend can tell
+    /// a revocation from an expiry, else [`Lost`](Renewal::Lost).
+    Revoked,
 }
 
 /// A lock store. Object safe: the registry holds `Arc<dyn LockBackend>`.
@@ -308,6 +324,43 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     fn needs_io_runtime(&self) -> bool {
         true
     }
+
+    /// Reads who holds the stored `key` from the server (not from this
+    /// process's memory): `None` for a free key (no holder whose lease the
+    /// server still counts). Bounded like every call.
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        let _ = key;
+        Box::pin(std::future::ready(Err(unsupported(self.kind(), "inspect"))))
+    }
+
+    /// The held keys whose stored key starts with `prefix` (bytewise), in
+    /// ascending key order, at most `limit` of them, read from the server.
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        let _ = (prefix, limit);
+        Box::pin(std::future::ready(Err(unsupported(self.kind(), "list"))))
+    }
+
+    /// Takes the stored `key` away from every holder on the server and answers
+    /// what it removed (empty for a free key). Afterwards each holder's next
+    /// renewal answers [`Renewal::Revoked`] (or [`Renewal::Lost`]), its release
+    /// is harmless, and the next grant of the key carries a fencing token
+    /// larger than every revoked one. Waiters are woken as by a release.
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        let _ = key;
+        Box::pin(std::future::ready(Err(unsupported(self.kind(), "revoke"))))
+    }
+}
+
+/// The error of a backend that cannot be inspected or revoked.
+fn unsupported(kind: &str, what: &str) -> BackendError {
+    BackendError::permanent(format!("{kind}: {what} is not supported by this backend"))
 }
 
 /// A duration in whole milliseconds, rounded **up** (at least 1): what a

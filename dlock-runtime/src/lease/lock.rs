@@ -308,6 +308,7 @@ async fn acquire_new(
         wait: options.wait,
         lost: backend_lost.clone(),
         fencing: options.fencing,
+        holder: registry.inner.holder.clone(),
     };
     let started = Instant::now();
     let backend = entry.backend.clone();

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use super::lock::{Keys, LockBuilder};
 use super::shutdown::Leases;
 use super::watchdog::Watchdog;
-use crate::backend::{self, LockBackend};
+use crate::backend::{self, HolderRecord, LockBackend};
 use crate::error::LockError;
 use crate::key::DEFAULT_PREFIX;
 
@@ -44,6 +44,8 @@ pub(crate) struct RegistryInner {
     pub(crate) default: Option<BackendEntry>,
     pub(crate) named: BTreeMap<String, BackendEntry>,
     pub(crate) prefix: String,
+    /// Stamped on every grant (see [`RegistryBuilder::holder_name`]).
+    pub(crate) holder: Arc<HolderRecord>,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
 }
@@ -161,6 +163,7 @@ pub struct RegistryBuilder {
     default: Option<Arc<dyn LockBackend>>,
     named: BTreeMap<String, Arc<dyn LockBackend>>,
     prefix: Option<String>,
+    holder_name: Option<String>,
 }
 
 impl fmt::Debug for RegistryBuilder {
@@ -169,6 +172,7 @@ impl fmt::Debug for RegistryBuilder {
             .field("default", &self.default)
             .field("named", &self.named)
             .field("prefix", &self.prefix)
+            .field("holder_name", &self.holder_name)
             .finish()
     }
 }
@@ -194,6 +198,15 @@ impl RegistryBuilder {
         self
     }
 
+    /// The instance name stored with every grant this registry gets, beside
+    /// the host name and process id, so that `Registry::inspect` and the
+    /// `dlock` command say which replica holds a key. Default: the
+    /// `DLOCK_HOLDER` environment variable, else none. An empty name is none.
+    pub fn holder_name(mut self, name: impl Into<String>) -> Self {
+        self.holder_name = Some(name.into());
+        self
+    }
+
     /// Builds the registry and starts its watchdog.
     pub fn build(self) -> Registry {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -214,9 +227,28 @@ impl RegistryBuilder {
                     })
                     .collect(),
                 prefix: self.prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
+                holder: holder_record(self.holder_name),
                 watchdog: Watchdog::start(),
                 leases: Arc::default(),
             }),
         }
+    }
+}
+
+/// This process's holder record with the instance name given to the builder,
+/// else `DLOCK_HOLDER`; control characters in the name become `_`.
+fn holder_record(name: Option<String>) -> Arc<HolderRecord> {
+    let name = name
+        .or_else(|| std::env::var("DLOCK_HOLDER").ok())
+        .map(|n| {
+            n.chars()
+                .map(|c| if c.is_control() { '_' } else { c })
+                .collect::<String>()
+        })
+        .filter(|n| !n.is_empty());
+    let this = HolderRecord::this_process();
+    match name {
+        None => this,
+        Some(name) => Arc::new(HolderRecord::new(this.host.clone(), this.pid, Some(name))),
     }
 }

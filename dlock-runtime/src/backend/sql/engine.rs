@@ -587,6 +587,7 @@ fn copy_request(request: &AcquireRequest) -> AcquireRequest {
         wait: request.wait,
         lost: request.lost.clone(),
         fencing: request.fencing,
+        holder: request.holder.clone(),
     }
 }
 
