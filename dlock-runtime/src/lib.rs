@@ -46,6 +46,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod backend;
 mod driver;
 mod error;
@@ -66,6 +67,7 @@ mod token;
 #[path = "private.rs"]
 pub mod __private;
 
+pub use admin::{Admin, HolderInfo, LockInfo};
 pub use backend::memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::RedisBackend;

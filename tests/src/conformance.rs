@@ -1183,6 +1183,225 @@ async fn several_keys_reentrancy(h: &Harness) {
     }
 }
 
+/// `inspect` reads the holder from the server: this process, the guard's
+/// token, a lease counting down; a free key is `None`.
+async fn inspect_shows_this_process_and_the_guards_token(h: &Harness) {
+    let registry = h.registry();
+    let key = unique_key("inspect");
+    assert_eq!(
+        registry.inspect(&key).await.expect("inspect a free key"),
+        None
+    );
+    let before = std::time::SystemTime::now();
+    let guard = lock(&key)
+        .lease(10 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let after = std::time::SystemTime::now();
+    let info = registry
+        .inspect(&key)
+        .await
+        .expect("inspect")
+        .expect("a held key is shown");
+    assert_eq!(info.key(), key);
+    let [holder] = info.holders() else {
+        panic!("one holder expected: {info:?}");
+    };
+    assert_eq!(holder.pid(), Some(std::process::id()), "{holder:?}");
+    assert!(holder.host().is_some_and(|h| !h.is_empty()), "{holder:?}");
+    assert!(!holder.is_reader());
+    assert_eq!(holder.slot(), None);
+    if h.fences {
+        assert_eq!(holder.token(), guard.fencing_token(), "{holder:?}");
+    }
+    if let Some(left) = holder.expires_in() {
+        assert!(
+            left > Duration::ZERO && left <= 10 * SECOND,
+            "expires in {left:?}"
+        );
+    }
+    if let Some(granted) = holder.granted_at() {
+        // The server's clock; the servers run on this machine.
+        let slack = 5 * SECOND;
+        assert!(
+            granted + slack >= before && granted <= after + slack,
+            "granted at {granted:?}, acquired between {before:?} and {after:?}"
+        );
+    }
+    guard.release().await.expect("release");
+    assert_eq!(
+        registry.inspect(&key).await.expect("inspect after release"),
+        None
+    );
+}
+
+/// `inspect` counts a waiter where the backend knows its waiters.
+async fn inspect_counts_waiters_where_known(h: &Harness) {
+    let registry = h.registry();
+    let key = unique_key("inspect-waiters");
+    let guard = lock(&key)
+        .lease(10 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move { lock(&key).wait(30 * SECOND).acquire().await }
+    });
+    let deadline = Instant::now() + 10 * SECOND;
+    loop {
+        let info = registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .expect("held");
+        match info.waiters() {
+            None | Some(1) => break,
+            Some(n) => assert!(
+                Instant::now() < deadline,
+                "still {n} waiters shown, one waits"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    guard.release().await.expect("release");
+    let second = tokio::time::timeout(10 * SECOND, waiter)
+        .await
+        .expect("the waiter gets the key")
+        .expect("task")
+        .expect("acquire after the release");
+    second.release().await.expect("release");
+}
+
+/// `list` shows the held keys under a prefix, in key order, up to the limit.
+async fn list_shows_held_keys_under_a_prefix(h: &Harness) {
+    let registry = h.registry();
+    let prefix = unique_key("list");
+    let keys = [
+        format!("{prefix}:b"),
+        format!("{prefix}:a"),
+        format!("{prefix}:c"),
+    ];
+    let outside = unique_key("lisu");
+    let mut guards = Vec::new();
+    for key in keys.iter().chain([&outside]) {
+        guards.push(
+            lock(key)
+                .lease(10 * SECOND)
+                .acquire()
+                .await
+                .expect("acquire"),
+        );
+    }
+    let listed = registry.list(&prefix, 10).await.expect("list");
+    let names: Vec<&str> = listed.iter().map(|i| i.key()).collect();
+    let mut expected: Vec<&str> = keys.iter().map(String::as_str).collect();
+    expected.sort_unstable();
+    assert_eq!(names, expected);
+    for info in &listed {
+        assert_eq!(info.holders().len(), 1, "{info:?}");
+        assert_eq!(info.holders()[0].pid(), Some(std::process::id()));
+    }
+    let two = registry.list(&prefix, 2).await.expect("list with a limit");
+    let names: Vec<&str> = two.iter().map(|i| i.key()).collect();
+    assert_eq!(names, expected[..2]);
+    assert!(registry.list(&prefix, 0).await.expect("limit 0").is_empty());
+    for guard in guards {
+        guard.release().await.expect("release");
+    }
+    assert!(
+        registry
+            .list(&prefix, 10)
+            .await
+            .expect("list after release")
+            .is_empty(),
+        "released keys are not listed"
+    );
+}
+
+/// `revoke` takes a key from its holder: the holder learns within a renewal
+/// period, the key is free at once, and the next token is larger.
+async fn revoke_makes_the_holder_lost_and_the_next_token_larger(h: &Harness) {
+    let registry = h.registry();
+    let key = unique_key("revoke");
+    assert!(
+        registry
+            .revoke(&key)
+            .await
+            .expect("revoke a free key")
+            .is_empty(),
+        "nothing to revoke on a free key"
+    );
+    let guard = lock(&key)
+        .lease(3 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let revoked = registry.revoke(&key).await.expect("revoke");
+    let [holder] = revoked.as_slice() else {
+        panic!("one holder revoked: {revoked:?}");
+    };
+    assert_eq!(holder.pid(), Some(std::process::id()));
+    if h.fences {
+        assert_eq!(holder.token(), guard.fencing_token());
+    }
+    let next = lock(&key)
+        .wait(10 * SECOND)
+        .lease(10 * SECOND)
+        .acquire()
+        .await
+        .expect("the key is free for another holder after a revocation");
+    if h.fences {
+        assert!(
+            next.fencing_token() > guard.fencing_token(),
+            "next token {:?} after the revoked {:?}",
+            next.fencing_token(),
+            guard.fencing_token()
+        );
+    }
+    tokio::time::timeout(10 * SECOND, guard.lost())
+        .await
+        .expect("the revoked holder learns within a renewal period");
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    let info = registry
+        .inspect(&key)
+        .await
+        .expect("inspect")
+        .expect("the new holder keeps the key after the old one's release");
+    assert_eq!(info.holders()[0].token(), next.fencing_token());
+    next.release().await.expect("release");
+}
+
+#[distributed_lock(key = "{key}", lease = "3s", on_lost = "cancel")]
+async fn held_until_revoked(key: &str, started: &tokio::sync::Notify) -> Result<(), AppError> {
+    started.notify_one();
+    tokio::time::sleep(60 * SECOND).await;
+    Ok(())
+}
+
+/// A revoked body under `on_lost = "cancel"` stops with `Lost`.
+async fn revoke_cancels_the_body(h: &Harness) {
+    let registry = h.registry();
+    let key = unique_key("revoke-body");
+    let started = Arc::new(tokio::sync::Notify::new());
+    let body = tokio::spawn({
+        let (key, started) = (key.clone(), started.clone());
+        async move { held_until_revoked(&key, &started).await }
+    });
+    started.notified().await;
+    let revoked = registry.revoke(&key).await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    let answer = tokio::time::timeout(10 * SECOND, body)
+        .await
+        .expect("the body is cancelled within a renewal period")
+        .expect("task");
+    assert!(
+        is_lock_err(&answer, |e| matches!(e, LockError::Lost { .. })),
+        "{answer:?}"
+    );
+}
+
 crate::suite!(
     conformance_suite,
     conformance,
@@ -1219,4 +1438,9 @@ crate::suite!(
     loss_of_one_key_cancels_the_body_of_several,
     several_keys_tokens_per_key,
     several_keys_reentrancy,
+    inspect_shows_this_process_and_the_guards_token,
+    inspect_counts_waiters_where_known,
+    list_shows_held_keys_under_a_prefix,
+    revoke_makes_the_holder_lost_and_the_next_token_larger,
+    revoke_cancels_the_body,
 );

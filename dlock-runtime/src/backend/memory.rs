@@ -16,13 +16,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;
 
 use super::wait::Waiters;
-use super::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use super::{
+    AcquireRequest, Attempt, HeldEntry, HolderRecord, KeyEntry, Lease, LockBackend, Renewal,
+    WakeSource,
+};
 use crate::error::BackendError;
 use crate::time::saturating_add;
 use crate::token::FencingToken;
@@ -72,6 +75,9 @@ struct Keys {
     held: HashMap<String, Entry>,
     /// Recent releases `(key, owner)`, oldest first, to catch a renewal after release.
     released: VecDeque<(String, String)>,
+    /// Recent revocations `(key, owner)`, oldest first: their renewals answer
+    /// [`Renewal::Revoked`].
+    revoked: VecDeque<(String, String)>,
     /// Inserts since expired entries were last collected.
     inserts: usize,
 }
@@ -80,6 +86,20 @@ struct Keys {
 struct Entry {
     owner: String,
     expires_at: Instant,
+    holder: Arc<HolderRecord>,
+    token: u64,
+    granted_at: SystemTime,
+}
+
+impl Entry {
+    fn held_entry(&self, now: Instant) -> HeldEntry {
+        let mut held = HeldEntry::new(self.owner.clone());
+        held.holder = Some((*self.holder).clone());
+        held.token = Some(FencingToken::new(self.token));
+        held.granted_at = Some(self.granted_at);
+        held.expires_in = Some(self.expires_at.saturating_duration_since(now));
+        held
+    }
 }
 
 impl MemoryBackend {
@@ -197,13 +217,22 @@ impl MemoryBackend {
             }
             let now = self.now();
             let mut keys = self.keys();
-            match keys.held.get_mut(&lease.key) {
-                Some(entry) if entry.owner == lease.owner && entry.expires_at > now => {
-                    entry.expires_at = saturating_add(now, ttl);
-                    Ok(Renewal::Renewed)
-                }
-                _ => Ok(Renewal::Lost),
+            if let Some(entry) = keys.held.get_mut(&lease.key)
+                && entry.owner == lease.owner
+                && entry.expires_at > now
+            {
+                entry.expires_at = saturating_add(now, ttl);
+                return Ok(Renewal::Renewed);
             }
+            let revoked = keys
+                .revoked
+                .iter()
+                .any(|(k, o)| *k == lease.key && *o == lease.owner);
+            Ok(if revoked {
+                Renewal::Revoked
+            } else {
+                Renewal::Lost
+            })
         })
     }
 }
@@ -229,6 +258,13 @@ impl LockBackend for MemoryBackend {
                 });
             }
             let token = self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1;
+            let granted_at = match keys.held.get(&request.key) {
+                // The same owner again (a retried attempt): still the first grant.
+                Some(entry) if entry.owner == request.owner && entry.expires_at > now => {
+                    entry.granted_at
+                }
+                _ => SystemTime::now(),
+            };
             let fresh = keys
                 .held
                 .insert(
@@ -236,6 +272,9 @@ impl LockBackend for MemoryBackend {
                     Entry {
                         owner: request.owner.clone(),
                         expires_at: saturating_add(now, request.lease),
+                        holder: request.holder.clone(),
+                        token,
+                        granted_at,
                     },
                 )
                 .is_none();
@@ -290,5 +329,61 @@ impl LockBackend for MemoryBackend {
 
     fn needs_io_runtime(&self) -> bool {
         false
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        let now = self.now();
+        let keys = self.keys();
+        let entry = keys.held.get(key).filter(|e| e.expires_at > now).map(|e| {
+            let mut entry = KeyEntry::new(key, vec![e.held_entry(now)]);
+            entry.waiters = Some(self.inner.waiters.waiting(key));
+            entry
+        });
+        Box::pin(std::future::ready(Ok(entry)))
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        let now = self.now();
+        let keys = self.keys();
+        let mut held: Vec<KeyEntry> = keys
+            .held
+            .iter()
+            .filter(|(k, e)| k.starts_with(prefix) && e.expires_at > now)
+            .map(|(k, e)| {
+                let mut entry = KeyEntry::new(k.clone(), vec![e.held_entry(now)]);
+                entry.waiters = Some(self.inner.waiters.waiting(k));
+                entry
+            })
+            .collect();
+        held.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        held.truncate(limit);
+        Box::pin(std::future::ready(Ok(held)))
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        let now = self.now();
+        let removed = {
+            let mut keys = self.keys();
+            let removed = keys.held.remove(key).filter(|e| e.expires_at > now);
+            if let Some(entry) = &removed {
+                if keys.revoked.len() >= RELEASES_REMEMBERED {
+                    keys.revoked.pop_front();
+                }
+                keys.revoked
+                    .push_back((key.to_owned(), entry.owner.clone()));
+            }
+            removed
+        };
+        self.inner.waiters.wake(key);
+        Box::pin(std::future::ready(Ok(removed
+            .map(|e| vec![e.held_entry(now)])
+            .unwrap_or_default())))
     }
 }

@@ -344,6 +344,11 @@ impl Waiters {
         }
     }
 
+    /// Acquisitions waiting for `key` in this process right now.
+    pub(crate) fn waiting(&self, key: &str) -> usize {
+        self.map().get(key).map_or(0, |(_, n)| *n)
+    }
+
     /// Keys with waiters right now.
     pub(crate) fn len(&self) -> usize {
         self.map().len()
