@@ -414,7 +414,10 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     let mut i = 0;
     while i < ops.len() {
         let n = match ops[i].transfer {
-            Some(t) => ops[i..].iter().take_while(|o| o.transfer == Some(t)).count(),
+            Some(t) => ops[i..]
+                .iter()
+                .take_while(|o| o.transfer == Some(t))
+                .count(),
             None => 1,
         };
         let group = &ops[i..i + n];

@@ -460,12 +460,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     };
     let out = match &args.out {
         Some(dir) => dir.clone(),
-        None => target_dir()
-            .join("chaos")
-            .join(match args.workload {
-                Workload::Counter => format!("{backend_name}-{}", args.seed),
-                Workload::Transfer => format!("{backend_name}-transfer-{}", args.seed),
-            }),
+        None => target_dir().join("chaos").join(match args.workload {
+            Workload::Counter => format!("{backend_name}-{}", args.seed),
+            Workload::Transfer => format!("{backend_name}-transfer-{}", args.seed),
+        }),
     };
     if out.exists() {
         std::fs::remove_dir_all(&out)?;

@@ -239,8 +239,7 @@ impl Kit {
                 let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
                 let passed = !refused(
-                    fence::redis::set(conn, &redis_key(key), same, FencingToken::new(token))
-                        .await,
+                    fence::redis::set(conn, &redis_key(key), same, FencingToken::new(token)).await,
                 )?;
                 if !passed {
                     return Ok([false, false]);
@@ -502,10 +501,7 @@ impl State {
                 let taken = match (mode, tokens) {
                     (Mode::Fence, [Some(a), Some(b)]) => {
                         self.kit
-                            .write_pair(
-                                [(keys[0], a, values[0]), (keys[1], b, values[1])],
-                                initial,
-                            )
+                            .write_pair([(keys[0], a, values[0]), (keys[1], b, values[1])], initial)
                             .await?
                     }
                     (Mode::Fence, _) => bail!("fence mode needs a token per key: {line}"),

@@ -336,10 +336,8 @@ impl Worker {
         long: bool,
     ) -> Result<(), StepError> {
         let held = dlock_runtime::current().expect("called inside the lock");
-        let tokens = [from, to].map(|key| {
-            held.fencing_token_of(&self.lock_key(key))
-                .map(u64::from)
-        });
+        let tokens =
+            [from, to].map(|key| held.fencing_token_of(&self.lock_key(key)).map(u64::from));
         self.emit_for(target, Step::Acquired { token: tokens[0] });
 
         let mut slot = self.store.lock().await;
@@ -474,9 +472,7 @@ impl Worker {
                     (true, _) => transfer_cancel_2500ms(run, from, to, target, self, long).await,
                     (false, 0) => transfer_continue_400ms(run, from, to, target, self, long).await,
                     (false, 1) => transfer_continue_1s(run, from, to, target, self, long).await,
-                    (false, _) => {
-                        transfer_continue_2500ms(run, from, to, target, self, long).await
-                    }
+                    (false, _) => transfer_continue_2500ms(run, from, to, target, self, long).await,
                 },
             }
         };
@@ -503,10 +499,7 @@ impl Worker {
                 .registry
                 .lock_all([self.lock_key(from), self.lock_key(to)]),
         };
-        let acquire = with_lease(
-            plan.lease,
-            builder.wait(WAIT).lease(plan.lease).acquire(),
-        );
+        let acquire = with_lease(plan.lease, builder.wait(WAIT).lease(plan.lease).acquire());
         let acquired = match plan.cut(GaveUpAt::Acquire) {
             Some(limit) => match tokio::time::timeout(limit, acquire).await {
                 Ok(acquired) => acquired,
