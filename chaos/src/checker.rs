@@ -833,7 +833,7 @@ impl std::fmt::Display for Summary {
         if let (Some(initial), Some(total)) = (self.total_initial, self.total_final) {
             writeln!(
                 f,
-                "  transfers                  {} taken, {} refused by the fence, {} half-applied  (must be 0)",
+                "  transfers                  {} taken, {} refused (a stale token or version), {} half-applied  (must be 0)",
                 self.transfers_taken, self.transfers_refused, self.half_applied_transfers
             )?;
             writeln!(
