@@ -22,6 +22,7 @@ use crate::history::{
 };
 use crate::nemesis::{SESSION_EXPIRY, SIDE_STALL};
 use crate::store::Mode;
+use crate::worker::Workload;
 
 /// How far a signal's effect may be from the moment the nemesis logged it: a
 /// SIGSTOP lands a moment after `kill` returns, and a continued worker may write
@@ -70,6 +71,16 @@ pub(crate) struct RunMeta {
     pub(crate) hung_workers: usize,
     /// Whether the run reached its acquisitions and faults before `--max-duration`.
     pub(crate) finished: bool,
+    /// What the workers did inside the lock.
+    #[serde(default)]
+    pub(crate) workload: Workload,
+    /// What a key never written holds: each account's opening balance
+    /// (transfer workload), 0 otherwise.
+    #[serde(default)]
+    pub(crate) initial_balance: u64,
+    /// Accounts `acct:0` … of the transfer workload (0 otherwise).
+    #[serde(default)]
+    pub(crate) accounts: usize,
     /// The store's final state: key → (value, version).
     pub(crate) dump: BTreeMap<String, (u64, u64)>,
 }
@@ -126,6 +137,8 @@ pub(crate) struct Summary {
     pub(crate) backend: String,
     /// Seed.
     pub(crate) seed: u64,
+    /// What the workers did inside the lock.
+    pub(crate) workload: Workload,
     /// Wall time from the first to the last record, in seconds.
     pub(crate) seconds: f64,
     /// Entries into the lock.
@@ -160,6 +173,23 @@ pub(crate) struct Summary {
     pub(crate) stale_reads_accepted: u64,
     /// Writes based on a version that was no longer current. Must be 0.
     pub(crate) lost_updates: u64,
+    /// Stale writes accepted, by key (keys with none left out).
+    pub(crate) stale_writes_by_key: BTreeMap<String, u64>,
+    /// Lost updates, by key (keys with none left out).
+    pub(crate) lost_updates_by_key: BTreeMap<String, u64>,
+    /// Transfer workload: transfers whose two writes the store took.
+    pub(crate) transfers_taken: u64,
+    /// Transfer workload: transfers the store refused as a whole (a stale
+    /// token or version at one of the accounts): a correct outcome.
+    pub(crate) transfers_refused: u64,
+    /// Transfer workload: transfers of which one write was taken and the
+    /// other refused. Must be 0.
+    pub(crate) half_applied_transfers: u64,
+    /// Transfer workload: the sum of the opening balances.
+    pub(crate) total_initial: Option<u64>,
+    /// Transfer workload: the sum of the balances read back from the store
+    /// at the end. Must equal `total_initial`.
+    pub(crate) total_final: Option<u64>,
     /// Lost-lease signals the workers got (body stopped, or noticed at its end).
     pub(crate) lost_signals: u64,
     /// Time from the fault (or the paused worker's resumption) to the signal.
@@ -215,6 +245,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     let mut s = Summary {
         backend: meta.backend.clone(),
         seed: meta.seed,
+        workload: meta.workload,
         keys_left: meta.keys_left,
         side_keys_left: meta.side_keys_left,
         ..Summary::default()
@@ -246,7 +277,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
 
     // Counts, belief intervals and lost signals, from the workers' own records.
-    let mut open: HashMap<(usize, u32), (String, u64)> = HashMap::new();
+    let mut open: HashMap<(usize, u32), (Vec<String>, u64)> = HashMap::new();
     let mut intervals: Vec<(String, u64, u64, (usize, u32))> = Vec::new();
     let mut latencies = Vec::new();
     let mut acked_writes = 0u64;
@@ -264,7 +295,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
                 *s.acquisitions_by_lease_ms
                     .entry(lease.as_millis() as u64)
                     .or_default() += 1;
-                open.insert(who, (e.key.clone(), e.t));
+                open.insert(who, (e.all_keys(), e.t));
             }
             Step::Busy => s.busy += 1,
             Step::Error { .. } => s.errors += 1,
@@ -291,18 +322,24 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         if matches!(
             e.ev,
             Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::GaveUp { .. }
-        ) && let Some((key, start)) = open.remove(&who)
+        ) && let Some((keys, start)) = open.remove(&who)
         {
-            intervals.push((key, start, e.t, who));
+            // One interval per key: a hold of several keys overlaps any
+            // holder of any of them.
+            for key in keys {
+                intervals.push((key, start, e.t, who));
+            }
         }
     }
     // A worker killed inside the lock believed it held until the kill.
-    for (who, (key, start)) in open {
+    for (who, (keys, start)) in open {
         let end = faults
             .iter()
             .find(|f| f.t >= start && f.fault == "sigkill_worker" && f.workers.contains(&who.0))
             .map_or(last, |f| f.t);
-        intervals.push((key, start, end, who));
+        for key in keys {
+            intervals.push((key, start, end, who));
+        }
     }
     intervals.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
     for (i, a) in intervals.iter().enumerate() {
@@ -355,44 +392,87 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         .collect();
     s.handoff_after_heal = Spread::of(handoffs);
 
-    // Replay the store's log.
+    // Replay the store's log. The two halves of a transfer (consecutive
+    // entries sharing a transfer number) were decided together: each is
+    // judged against the state before both, and a refusal is right when
+    // either half was stale.
     let mut ops: Vec<&StoreOp> = ops.iter().collect();
     ops.sort_by_key(|o| o.seq);
-    #[derive(Default)]
     struct Cell {
         value: u64,
         version: u64,
         newest: u64,
     }
-    let mut cells: BTreeMap<&str, Cell> = BTreeMap::new();
+    let fresh = || Cell {
+        value: meta.initial_balance,
+        version: 0,
+        newest: 0,
+    };
+    let accounts = crate::store::account_keys(meta.accounts);
+    let mut cells: BTreeMap<&str, Cell> = accounts.iter().map(|k| (k.as_str(), fresh())).collect();
     let mut wrong_refusals = 0u64;
-    for op in ops {
-        let cell = cells.entry(op.key.as_str()).or_default();
-        let stale = match (meta.mode, op.op, op.token) {
-            (Mode::Fence, _, Some(t)) => t < cell.newest,
-            (Mode::Version, OpKind::Write, _) => op.base_version != Some(cell.version),
-            _ => false,
+    let mut i = 0;
+    while i < ops.len() {
+        let n = match ops[i].transfer {
+            Some(t) => ops[i..]
+                .iter()
+                .take_while(|o| o.transfer == Some(t))
+                .count(),
+            None => 1,
         };
-        match (op.op, op.accepted) {
-            (OpKind::Read, true) => {
-                s.stale_reads_accepted += u64::from(stale);
-                cell.newest = cell.newest.max(op.token.unwrap_or(0));
-            }
-            (OpKind::Write, true) => {
-                s.writes_accepted += 1;
-                s.stale_writes_accepted += u64::from(stale);
-                if op.base_version != Some(cell.version) {
-                    s.lost_updates += 1;
+        let group = &ops[i..i + n];
+        i += n;
+        let stale: Vec<bool> = group
+            .iter()
+            .map(|op| {
+                let cell = cells.get(op.key.as_str());
+                let (newest, version) = cell.map_or((0, 0), |c| (c.newest, c.version));
+                match (meta.mode, op.op, op.token) {
+                    (Mode::Fence, _, Some(t)) => t < newest,
+                    (Mode::Version, OpKind::Write, _) => op.base_version != Some(version),
+                    _ => false,
                 }
-                cell.newest = cell.newest.max(op.token.unwrap_or(0));
-                cell.version += 1;
-                cell.value = op.value.unwrap_or(0);
-            }
-            (_, false) => {
-                s.stale_refused += 1;
-                wrong_refusals += u64::from(!stale);
+            })
+            .collect();
+        let any_stale = stale.iter().any(|&x| x);
+        for (op, &stale) in group.iter().zip(&stale) {
+            let cell = cells.entry(op.key.as_str()).or_insert_with(fresh);
+            match (op.op, op.accepted) {
+                (OpKind::Read, true) => {
+                    s.stale_reads_accepted += u64::from(stale);
+                    cell.newest = cell.newest.max(op.token.unwrap_or(0));
+                }
+                (OpKind::Write, true) => {
+                    s.writes_accepted += 1;
+                    if stale {
+                        s.stale_writes_accepted += 1;
+                        *s.stale_writes_by_key.entry(op.key.clone()).or_default() += 1;
+                    }
+                    if op.base_version != Some(cell.version) {
+                        s.lost_updates += 1;
+                        *s.lost_updates_by_key.entry(op.key.clone()).or_default() += 1;
+                    }
+                    cell.newest = cell.newest.max(op.token.unwrap_or(0));
+                    cell.version += 1;
+                    cell.value = op.value.unwrap_or(0);
+                }
+                (_, false) => {
+                    s.stale_refused += 1;
+                    wrong_refusals += u64::from(!any_stale);
+                }
             }
         }
+        if group.len() > 1 && group[0].op == OpKind::Write {
+            match group.iter().filter(|op| op.accepted).count() {
+                0 => s.transfers_refused += 1,
+                taken if taken == group.len() => s.transfers_taken += 1,
+                _ => s.half_applied_transfers += 1,
+            }
+        }
+    }
+    if meta.workload == Workload::Transfer {
+        s.total_initial = Some(meta.initial_balance * meta.accounts as u64);
+        s.total_final = Some(meta.dump.values().map(|(value, _)| value).sum());
     }
 
     let v = &mut s.violations;
@@ -404,6 +484,25 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
     if s.lost_updates > 0 {
         v.push(format!("{} lost updates", s.lost_updates));
+    }
+    if s.half_applied_transfers > 0 {
+        v.push(format!(
+            "{} transfers half-applied (one write taken, the other refused)",
+            s.half_applied_transfers
+        ));
+    }
+    if s.total_final != s.total_initial {
+        v.push(format!(
+            "the total is not conserved: {:?} at the end, {:?} at the start",
+            s.total_final, s.total_initial
+        ));
+    }
+    if meta.workload == Workload::Transfer && meta.dump.len() != meta.accounts {
+        v.push(format!(
+            "the store holds {} keys, the run has {} accounts",
+            meta.dump.len(),
+            meta.accounts
+        ));
     }
     if wrong_refusals > 0 {
         v.push(format!(
@@ -667,9 +766,13 @@ impl std::fmt::Display for Summary {
             .iter()
             .map(|(k, n)| format!("{k} {n}"))
             .collect();
+        let workload = match self.workload {
+            Workload::Counter => "",
+            Workload::Transfer => ", transfers",
+        };
         writeln!(
             f,
-            "chaos summary — {} (seed {}, {:.0} s)",
+            "chaos summary — {}{workload} (seed {}, {:.0} s)",
             self.backend, self.seed, self.seconds
         )?;
         writeln!(f, "  acquisitions               {}", self.acquisitions)?;
@@ -718,6 +821,26 @@ impl std::fmt::Display for Summary {
             "  lost updates               {}  (must be 0)",
             self.lost_updates
         )?;
+        for (what, by_key) in [
+            ("stale writes", &self.stale_writes_by_key),
+            ("lost updates", &self.lost_updates_by_key),
+        ] {
+            if !by_key.is_empty() {
+                let keys: Vec<String> = by_key.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                writeln!(f, "    {what} by key          {}", keys.join(", "))?;
+            }
+        }
+        if let (Some(initial), Some(total)) = (self.total_initial, self.total_final) {
+            writeln!(
+                f,
+                "  transfers                  {} taken, {} refused (a stale token or version), {} half-applied  (must be 0)",
+                self.transfers_taken, self.transfers_refused, self.half_applied_transfers
+            )?;
+            writeln!(
+                f,
+                "  total balance              {total} at the end, {initial} at the start  (must be equal)"
+            )?;
+        }
         writeln!(
             f,
             "  lost-lease signals         {} ({} later than a lease after the fault, {} with no fault)",
@@ -783,6 +906,9 @@ mod tests {
             traced: false,
             hung_workers: 0,
             finished: true,
+            workload: Workload::Counter,
+            initial_balance: 0,
+            accounts: 0,
             dump: dump
                 .iter()
                 .map(|(k, v, ver)| ((*k).to_owned(), (*v, *ver)))
@@ -796,6 +922,7 @@ mod tests {
             t: seq,
             op,
             key: "k".into(),
+            transfer: None,
             token,
             base_version: base,
             value: base.map(|b| b + 1),
@@ -810,8 +937,207 @@ mod tests {
             w,
             inc: 0,
             key: "k".into(),
+            keys: Vec::new(),
             ev,
         })
+    }
+
+    /// The meta of a transfer run over `acct:0` and `acct:1` (100 each),
+    /// with this final state.
+    fn transfer_meta(mode: Mode, dump: [(u64, u64); 2]) -> RunMeta {
+        let mut m = meta(mode, &[("acct:0", dump[0].0, dump[0].1)]);
+        m.dump.insert("acct:1".into(), dump[1]);
+        m.workload = Workload::Transfer;
+        m.initial_balance = 100;
+        m.accounts = 2;
+        m
+    }
+
+    /// One half of transfer `n`: `(key, token, base version, value)`; a read
+    /// when `write` is `None`.
+    fn half(
+        seq: u64,
+        n: u64,
+        key: &str,
+        token: Option<u64>,
+        write: Option<(u64, u64)>,
+        accepted: bool,
+    ) -> StoreOp {
+        StoreOp {
+            seq,
+            t: seq,
+            op: if write.is_some() {
+                OpKind::Write
+            } else {
+                OpKind::Read
+            },
+            key: key.into(),
+            transfer: Some(n),
+            token,
+            base_version: write.map(|(base, _)| base),
+            value: write.map(|(_, value)| value),
+            accepted,
+            w: 0,
+        }
+    }
+
+    /// A hold of both accounts by worker `w`, from `t` to `t + 1`.
+    fn transfer_hold(t: u64, w: usize, token: u64) -> [Record; 2] {
+        let event = |t, ev| {
+            Record::Worker(WorkerEvent {
+                t,
+                w,
+                inc: 0,
+                key: "acct:0".into(),
+                keys: vec!["acct:0".into(), "acct:1".into()],
+                ev,
+            })
+        };
+        [
+            event(t, Step::Acquired { token: Some(token) }),
+            event(t + 1, Step::Leaving),
+        ]
+    }
+
+    #[test]
+    fn a_transfer_refused_for_one_stale_account_keeps_the_total() {
+        // Transfers 1 and 2 (tokens 1, 1): read, then move 30. Transfer 3
+        // reads with tokens 3 and 2; transfer 4 writes with 3 and 1: refused
+        // as a whole for acct:1 alone (its acct:0 half was current).
+        let ops = [
+            half(1, 1, "acct:0", Some(1), None, true),
+            half(2, 1, "acct:1", Some(1), None, true),
+            half(3, 2, "acct:0", Some(1), Some((0, 70)), true),
+            half(4, 2, "acct:1", Some(1), Some((0, 130)), true),
+            half(5, 3, "acct:0", Some(3), None, true),
+            half(6, 3, "acct:1", Some(2), None, true),
+            half(7, 4, "acct:0", Some(3), Some((1, 60)), false),
+            half(8, 4, "acct:1", Some(1), Some((1, 140)), false),
+        ];
+        let records = transfer_hold(0, 0, 1);
+        let s = check(
+            &records,
+            &ops,
+            &transfer_meta(Mode::Fence, [(70, 1), (130, 1)]),
+        );
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.transfers_taken, s.transfers_refused), (1, 1));
+        assert_eq!((s.total_initial, s.total_final), (Some(200), Some(200)));
+        assert_eq!(s.stale_refused, 2);
+    }
+
+    #[test]
+    fn a_half_applied_transfer_and_a_broken_total_are_caught() {
+        let ops = [
+            half(1, 1, "acct:0", Some(1), Some((0, 70)), true),
+            half(2, 1, "acct:1", Some(1), Some((0, 130)), false),
+        ];
+        let s = check(
+            &transfer_hold(0, 0, 1),
+            &ops,
+            &transfer_meta(Mode::Fence, [(70, 1), (100, 0)]),
+        );
+        assert_eq!(s.half_applied_transfers, 1);
+        assert_eq!(s.total_final, Some(170));
+        for what in ["half-applied", "not conserved"] {
+            assert!(
+                s.violations.iter().any(|v| v.contains(what)),
+                "{what}: {:?}",
+                s.violations
+            );
+        }
+    }
+
+    #[test]
+    fn a_stale_transfer_write_is_caught_per_account() {
+        // Token 2 read acct:1; the holder of token 1 then writes both, and
+        // a broken store takes it.
+        let ops = [
+            half(1, 1, "acct:0", Some(1), None, true),
+            half(2, 1, "acct:1", Some(1), None, true),
+            half(3, 2, "acct:1", Some(2), None, true),
+            half(4, 2, "acct:2", Some(2), None, true),
+            half(5, 3, "acct:0", Some(1), Some((0, 90)), true),
+            half(6, 3, "acct:1", Some(1), Some((0, 110)), true),
+        ];
+        let mut m = transfer_meta(Mode::Fence, [(90, 1), (110, 1)]);
+        m.accounts = 3;
+        m.dump.insert("acct:2".into(), (100, 0));
+        let s = check(&transfer_hold(0, 0, 1), &ops, &m);
+        assert_eq!(s.stale_writes_accepted, 1);
+        assert_eq!(
+            s.stale_writes_by_key,
+            BTreeMap::from([("acct:1".to_owned(), 1)])
+        );
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("stale writes accepted")),
+            "{:?}",
+            s.violations
+        );
+        // The total alone would not show it.
+        assert_eq!(s.total_final, s.total_initial);
+    }
+
+    #[test]
+    fn a_transfer_refused_although_current_is_caught() {
+        let ops = [
+            half(1, 1, "acct:0", Some(1), None, true),
+            half(2, 1, "acct:1", Some(1), None, true),
+            half(3, 2, "acct:0", Some(1), Some((0, 90)), false),
+            half(4, 2, "acct:1", Some(1), Some((0, 110)), false),
+        ];
+        let s = check(
+            &transfer_hold(0, 0, 1),
+            &ops,
+            &transfer_meta(Mode::Fence, [(100, 0), (100, 0)]),
+        );
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("refused 2 current operations")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn versioned_transfers_are_all_or_nothing() {
+        // Redlock: no tokens; the second transfer read version 0 of acct:1
+        // after the first had written it.
+        let ops = [
+            half(1, 1, "acct:0", None, Some((0, 80)), true),
+            half(2, 1, "acct:1", None, Some((0, 120)), true),
+            half(3, 2, "acct:0", None, Some((1, 60)), false),
+            half(4, 2, "acct:1", None, Some((0, 140)), false),
+        ];
+        let s = check(
+            &transfer_hold(0, 0, 1),
+            &ops,
+            &transfer_meta(Mode::Version, [(80, 1), (120, 1)]),
+        );
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.transfers_taken, s.transfers_refused), (1, 1));
+    }
+
+    #[test]
+    fn a_hold_of_two_accounts_overlaps_a_holder_of_either() {
+        let mut records = transfer_hold(0, 0, 1).to_vec();
+        records.push(Record::Worker(WorkerEvent {
+            t: 0,
+            w: 1,
+            inc: 0,
+            key: "acct:1".into(),
+            keys: Vec::new(),
+            ev: Step::Acquired { token: Some(2) },
+        }));
+        let s = check(
+            &records,
+            &[],
+            &transfer_meta(Mode::Fence, [(100, 0), (100, 0)]),
+        );
+        assert_eq!(s.belief_overlaps, 1);
     }
 
     #[test]

@@ -43,10 +43,25 @@ pub(crate) struct WorkerEvent {
     pub(crate) w: usize,
     /// Which process of that slot (0, then 1 after the first restart, …).
     pub(crate) inc: u32,
-    /// The user key.
+    /// The user key (transfer workload: the account debited).
     pub(crate) key: String,
+    /// Transfer workload: every key of the hold, the account debited first,
+    /// then the one credited (empty for a hold of one key).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) keys: Vec<String>,
     /// What happened.
     pub(crate) ev: Step,
+}
+
+impl WorkerEvent {
+    /// Every key the event is about: `keys`, or `key` alone.
+    pub(crate) fn all_keys(&self) -> Vec<String> {
+        if self.keys.is_empty() {
+            vec![self.key.clone()]
+        } else {
+            self.keys.clone()
+        }
+    }
 }
 
 /// What a worker did or saw.
@@ -81,7 +96,21 @@ pub(crate) enum Step {
         /// How long the worker will stay before writing.
         hold_ms: u64,
     },
-    /// The store answered the write.
+    /// Transfer workload: both balances read through the fenced store, in
+    /// the order of the event's `keys` (debited, credited).
+    ReadBoth {
+        /// The balances read.
+        balances: Vec<u64>,
+        /// Their versions.
+        versions: Vec<u64>,
+        /// Each key's own fencing token, where the backend has one.
+        tokens: Vec<Option<u64>>,
+        /// How much moves from the first account to the second.
+        amount: u64,
+        /// How long the worker will stay before writing.
+        hold_ms: u64,
+    },
+    /// The store answered the write (transfer workload: both writes).
     Wrote {
         /// Whether the store took it.
         accepted: bool,
@@ -256,6 +285,11 @@ pub(crate) struct StoreOp {
     pub(crate) op: OpKind,
     /// Store key (the lock's user key).
     pub(crate) key: String,
+    /// Transfer workload: the number of the transfer (its read, or its
+    /// write) this operation is one half of; both halves share it and were
+    /// decided together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) transfer: Option<u64>,
     /// Token presented (fenced mode) or none (version mode).
     pub(crate) token: Option<u64>,
     /// Writes: the version the writer had read.

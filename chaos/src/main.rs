@@ -5,6 +5,8 @@
 //! cargo run -p dlock-chaos -- run --backend postgres --mode session # advisory locks
 //! cargo run --release -p dlock-chaos -- run --backend redis \
 //!     --acquisitions 100000 --faults 200                          # long run
+//! cargo run -p dlock-chaos -- run --backend postgres \
+//!     --workload transfer --accounts 16                           # transfers
 //! cargo run -p dlock-chaos -- check target/chaos/redis-1         # re-check a run
 //! ```
 //!
@@ -13,8 +15,11 @@
 //! through `#[distributed_lock]` functions that read and write a counter in a
 //! fenced store (this binary, `store`) with its fencing token, with mixed lease
 //! lengths, sometimes giving up (a timeout) during the acquisition, the body or
-//! the release. A nemesis pauses, kills and cuts off workers and servers on a
-//! seeded schedule. The checker then reads every history, including the runtime's
+//! the release. With `--workload transfer` each iteration instead takes two
+//! accounts in one hold (`keys = [..]`, `lock_all`) and moves an amount from
+//! one to the other, both writes fenced with each key's own token and decided
+//! together; the checker adds conservation of the total. A nemesis pauses,
+//! kills and cuts off workers and servers on a seeded schedule. The checker then reads every history, including the runtime's
 //! own trace of each lease, and prints one summary; the exit status is 1 when an
 //! invariant was broken.
 
@@ -71,6 +76,12 @@ enum Command {
         /// Fence mode: the Redis server the fencing kit keeps the counters in.
         #[arg(long)]
         redis: Option<String>,
+        /// What a key never written holds (the transfer workload's opening balance).
+        #[arg(long, default_value_t = 0)]
+        initial: u64,
+        /// Accounts `acct:0` … known from the start (transfer workload).
+        #[arg(long, default_value_t = 0)]
+        accounts: usize,
     },
 }
 
@@ -91,8 +102,10 @@ async fn main() -> ExitCode {
             log,
             sqlite,
             redis,
+            initial,
+            accounts,
         } => match store::Kit::open(sqlite.as_deref(), redis.as_deref()).await {
-            Ok(kit) => store::serve(mode, kit, &log).await,
+            Ok(kit) => store::serve(mode, kit, &log, initial, accounts).await,
             Err(e) => Err(e),
         },
     };

@@ -20,7 +20,7 @@ use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent, WorkerLine};
 use crate::proxy::Proxy;
 use crate::servers::Server;
 use crate::store::Mode;
-use crate::worker::MAX_LEASE;
+use crate::worker::{INITIAL_BALANCE, MAX_LEASE, Workload};
 
 /// Which lock service a run exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -78,9 +78,16 @@ pub(crate) struct RunArgs {
     /// Worker processes.
     #[arg(long, default_value_t = 8)]
     pub(crate) workers: usize,
-    /// Keys the workers share.
+    /// Keys the workers share (counter workload).
     #[arg(long, default_value_t = 3)]
     pub(crate) keys: usize,
+    /// What the workers do inside the lock: increment one key's counter, or
+    /// move an amount between two accounts held in one hold (`lock_all`).
+    #[arg(long, value_enum, default_value_t = Workload::Counter)]
+    pub(crate) workload: Workload,
+    /// Accounts the transfers pick pairs from (transfer workload).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) accounts: usize,
     /// Run until this many entries into the lock …
     #[arg(long, default_value_t = 2_000)]
     pub(crate) acquisitions: u64,
@@ -111,7 +118,8 @@ pub(crate) struct RunArgs {
     /// Give up (and fail) after this long.
     #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
     pub(crate) max_duration: Duration,
-    /// Where histories go (default: target/chaos/BACKEND-SEED).
+    /// Where histories go (default: target/chaos/BACKEND-SEED, or
+    /// BACKEND-transfer-SEED).
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
 }
@@ -279,6 +287,12 @@ impl Cluster {
                 &self.store_port.to_string(),
             ])
             .args(["--run", &self.run_id, "--keys", &self.args.keys.to_string()])
+            .args([
+                "--workload",
+                workload_name(self.args.workload),
+                "--accounts",
+                &self.args.accounts.to_string(),
+            ])
             .args(["--hold-max-ms", &self.args.hold_max_ms.to_string()])
             .args(["--give-up-rate", &self.args.give_up_rate.to_string()])
             .args(["--side-rate", &self.args.side_rate.to_string()])
@@ -360,6 +374,23 @@ impl Cluster {
     }
 }
 
+/// The name of a workload on the command line.
+fn workload_name(workload: Workload) -> &'static str {
+    match workload {
+        Workload::Counter => "counter",
+        Workload::Transfer => "transfer",
+    }
+}
+
+/// What the run's accounts hold before the first transfer (0 for the
+/// counter workload), and how many there are.
+fn opening(args: &RunArgs) -> (u64, usize) {
+    match args.workload {
+        Workload::Counter => (0, 0),
+        Workload::Transfer => (INITIAL_BALANCE, args.accounts),
+    }
+}
+
 /// The URL of the SQL backend of the run (`postgres` or `mysql`, in its
 /// `--mode`) on `port`: a worker's proxy, or the server itself.
 fn sql_url(args: &RunArgs, port: u16) -> String {
@@ -381,7 +412,7 @@ fn track(tracker: &mut Tracker, event: &WorkerEvent) {
             tracker.inside.insert(event.w, None);
             tracker.keys.insert(event.w, event.key.clone());
         }
-        Step::Read { hold_ms, .. } => {
+        Step::Read { hold_ms, .. } | Step::ReadBoth { hold_ms, .. } => {
             if let Some(inside) = tracker.inside.get_mut(&event.w) {
                 *inside = Some(*hold_ms);
             }
@@ -407,6 +438,9 @@ fn append(history: &SyncMutex<std::io::BufWriter<std::fs::File>>, record: &Recor
 /// Runs one chaos run and checks it.
 pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     let sql = matches!(args.backend, Backend::Postgres | Backend::Mysql);
+    if args.workload == Workload::Transfer && args.accounts < 2 {
+        bail!("--workload transfer needs --accounts 2 or more");
+    }
     if args.mode == SqlMode::Session && !sql {
         bail!(
             "--mode session is for --backend postgres and mysql (with --backend url, put ?mode=session in the URL)"
@@ -426,9 +460,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
     };
     let out = match &args.out {
         Some(dir) => dir.clone(),
-        None => target_dir()
-            .join("chaos")
-            .join(format!("{backend_name}-{}", args.seed)),
+        None => target_dir().join("chaos").join(match args.workload {
+            Workload::Counter => format!("{backend_name}-{}", args.seed),
+            Workload::Transfer => format!("{backend_name}-transfer-{}", args.seed),
+        }),
     };
     if out.exists() {
         std::fs::remove_dir_all(&out)?;
@@ -441,7 +476,8 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Mode::Fence
     };
     println!(
-        "chaos run: {backend_name}, {} workers, {} acquisitions, {} faults, seed {} → {}",
+        "chaos run: {backend_name}, {} workload, {} workers, {} acquisitions, {} faults, seed {} → {}",
+        workload_name(args.workload),
         args.workers,
         args.acquisitions,
         args.faults,
@@ -479,7 +515,10 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         }
         (None, Mode::Version) => {}
     }
+    let (initial, accounts) = opening(&args);
     let mut store = store
+        .args(["--initial", &initial.to_string()])
+        .args(["--accounts", &accounts.to_string()])
         .arg("--log")
         .arg(out.join("store.jsonl"))
         .stdout(Stdio::piped())
@@ -683,6 +722,9 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         traced: true,
         hung_workers,
         finished,
+        workload: args.workload,
+        initial_balance: initial,
+        accounts,
         dump,
     };
     std::fs::write(out.join("meta.json"), serde_json::to_vec_pretty(&meta)?)?;

@@ -14,13 +14,35 @@
 //! - **version** mode (Redlock, which has no safe token): a write is taken only if
 //!   the version it read is still current (compare-and-set).
 //!
+//! The transfer workload reads and writes two accounts in one request, each
+//! with its own key's token, decided together:
+//!
+//! - SQLite: one transaction, two `fence::check` calls, then both rows; a
+//!   refusal of either key rolls both back, so a transfer is all or nothing.
+//! - Redis: the kit fences one key per call, so the store first writes the
+//!   credited account's current value back under its token (a refusal there
+//!   changes nothing), then the debited account's new balance, then the
+//!   credited one's. No other request runs in between (requests are answered
+//!   one at a time), so once the first call passed the last cannot be refused;
+//!   if it were, the transfer is half-applied: answered `HALF`, logged as such
+//!   (one half taken, the other refused) and reported by the checker.
+//! - version mode: both versions compared, both cells written, or neither.
+//!
 //! Every decision is appended to the store's log, in order, for the checker:
 //! requests are answered one at a time, each committed before the next starts.
+//! A transfer's two halves are two entries sharing a transfer number.
 //!
 //! Protocol, one line each way:
 //! `R <worker> <key> <token|->` → `OK <value> <version>` | `STALE`;
 //! `W <worker> <key> <token|-> <base_version> <value>` → `OK` | `STALE`;
+//! `RT <worker> <key> <token|-> <key> <token|->` →
+//! `OK <value> <version> <value> <version>` | `STALE`;
+//! `WT <worker> (<key> <token|-> <base_version> <value>){2}` → `OK` | `STALE` | `HALF`;
 //! `DUMP` → `<key> <value> <version>` lines, then `END`.
+//!
+//! A key never written holds `--initial` (0 by default; the transfer
+//! workload's opening balance) at version 0; `--accounts N` makes `acct:0` …
+//! `acct:{N-1}` known from the start, so that the dump lists every account.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -49,7 +71,6 @@ pub(crate) enum Mode {
     Version,
 }
 
-#[derive(Default)]
 struct Cell {
     value: u64,
     version: u64,
@@ -96,7 +117,12 @@ impl Kit {
     }
 
     /// A fenced read: `Some((value, version))`, or `None` when refused.
-    async fn read(&mut self, key: &str, token: u64) -> anyhow::Result<Option<(u64, u64)>> {
+    async fn read(
+        &mut self,
+        key: &str,
+        token: u64,
+        initial: u64,
+    ) -> anyhow::Result<Option<(u64, u64)>> {
         let token = FencingToken::new(token);
         match self {
             Kit::None => bail!("fence mode needs the kit"),
@@ -105,17 +131,12 @@ impl Kit {
                 if refused(fence::check(&mut tx, key, token).await)? {
                     return Ok(None);
                 }
-                let cell: Option<(i64, i64)> =
-                    sqlx::query_as("SELECT value, version FROM chaos_cells WHERE key = ?")
-                        .bind(key)
-                        .fetch_optional(&mut *tx)
-                        .await?;
+                let cell = sqlite_cell(&mut tx, key, initial).await?;
                 tx.commit().await?;
-                let (value, version) = cell.unwrap_or((0, 0));
-                Ok(Some((value as u64, version as u64)))
+                Ok(Some(cell))
             }
             Kit::Redis(conn) => {
-                let (value, version) = redis_cell(conn, key).await?;
+                let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
                 if refused(fence::redis::set(conn, &redis_key(key), same, token).await)? {
                     return Ok(None);
@@ -125,8 +146,47 @@ impl Kit {
         }
     }
 
+    /// Fenced reads of two keys, decided together where the database allows:
+    /// per key, `Some((value, version))` when its token passed, `None` when
+    /// refused. SQLite answers both or neither (one transaction); Redis checks
+    /// the second key only once the first passed.
+    async fn read_pair(
+        &mut self,
+        keys: [(&str, u64); 2],
+        initial: u64,
+    ) -> anyhow::Result<[Option<(u64, u64)>; 2]> {
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                for (key, token) in keys {
+                    if refused(fence::check(&mut tx, key, FencingToken::new(token)).await)? {
+                        return Ok([None, None]);
+                    }
+                }
+                let first = sqlite_cell(&mut tx, keys[0].0, initial).await?;
+                let second = sqlite_cell(&mut tx, keys[1].0, initial).await?;
+                tx.commit().await?;
+                Ok([Some(first), Some(second)])
+            }
+            Kit::Redis(_) => {
+                let Some(first) = self.read(keys[0].0, keys[0].1, initial).await? else {
+                    return Ok([None, None]);
+                };
+                let second = self.read(keys[1].0, keys[1].1, initial).await?;
+                Ok([Some(first), second])
+            }
+        }
+    }
+
     /// A fenced write of `value`: `true` when taken (the version goes up).
-    async fn write(&mut self, key: &str, token: u64, value: u64) -> anyhow::Result<bool> {
+    async fn write(
+        &mut self,
+        key: &str,
+        token: u64,
+        value: u64,
+        initial: u64,
+    ) -> anyhow::Result<bool> {
         let token = FencingToken::new(token);
         match self {
             Kit::None => bail!("fence mode needs the kit"),
@@ -135,20 +195,12 @@ impl Kit {
                 if refused(fence::check(&mut tx, key, token).await)? {
                     return Ok(false);
                 }
-                sqlx::query(
-                    "INSERT INTO chaos_cells (key, value, version) VALUES (?, ?, 1) \
-                     ON CONFLICT (key) DO UPDATE \
-                     SET value = excluded.value, version = chaos_cells.version + 1",
-                )
-                .bind(key)
-                .bind(value as i64)
-                .execute(&mut *tx)
-                .await?;
+                sqlite_write(&mut tx, key, value).await?;
                 tx.commit().await?;
                 Ok(true)
             }
             Kit::Redis(conn) => {
-                let (_, version) = redis_cell(conn, key).await?;
+                let (_, version) = redis_cell(conn, key, initial).await?;
                 let cell = format!("{value} {}", version + 1);
                 Ok(!refused(
                     fence::redis::set(conn, &redis_key(key), cell, token).await,
@@ -157,8 +209,58 @@ impl Kit {
         }
     }
 
+    /// Fenced writes of two keys (`(key, token, value)`), taken together or
+    /// not at all: per key, whether it was taken. Only a broken fence could
+    /// answer `[true, false]` on Redis (see the [module docs](self)).
+    async fn write_pair(
+        &mut self,
+        writes: [(&str, u64, u64); 2],
+        initial: u64,
+    ) -> anyhow::Result<[bool; 2]> {
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                for (key, token, _) in writes {
+                    if refused(fence::check(&mut tx, key, FencingToken::new(token)).await)? {
+                        return Ok([false, false]);
+                    }
+                }
+                for (key, _, value) in writes {
+                    sqlite_write(&mut tx, key, value).await?;
+                }
+                tx.commit().await?;
+                Ok([true, true])
+            }
+            Kit::Redis(conn) => {
+                // The credited account's current value, under its token: a
+                // refusal here changes nothing.
+                let (key, token, _) = writes[1];
+                let (value, version) = redis_cell(conn, key, initial).await?;
+                let same = format!("{value} {version}");
+                let passed = !refused(
+                    fence::redis::set(conn, &redis_key(key), same, FencingToken::new(token)).await,
+                )?;
+                if !passed {
+                    return Ok([false, false]);
+                }
+                let (key, token, value) = writes[0];
+                if !self.write(key, token, value, initial).await? {
+                    return Ok([false, false]);
+                }
+                let (key, token, value) = writes[1];
+                let second = self.write(key, token, value, initial).await?;
+                Ok([true, second])
+            }
+        }
+    }
+
     /// Every counter as the database has it.
-    async fn dump(&mut self, keys: Vec<String>) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
+    async fn dump(
+        &mut self,
+        keys: Vec<String>,
+        initial: u64,
+    ) -> anyhow::Result<BTreeMap<String, (u64, u64)>> {
         let mut out = BTreeMap::new();
         match self {
             Kit::None => bail!("fence mode needs the kit"),
@@ -167,20 +269,56 @@ impl Kit {
                     sqlx::query_as("SELECT key, value, version FROM chaos_cells")
                         .fetch_all(&*pool)
                         .await?;
-                // Keys only read (or refused) so far are zeros, as in Redis.
-                out.extend(keys.into_iter().map(|k| (k, (0, 0))));
+                // Keys only read (or refused) so far hold their opening value,
+                // as in Redis.
+                out.extend(keys.into_iter().map(|k| (k, (initial, 0))));
                 for (key, value, version) in rows {
                     out.insert(key, (value as u64, version as u64));
                 }
             }
             Kit::Redis(conn) => {
                 for key in keys {
-                    out.insert(key.clone(), redis_cell(conn, &key).await?);
+                    out.insert(key.clone(), redis_cell(conn, &key, initial).await?);
                 }
             }
         }
         Ok(out)
     }
+}
+
+/// The counter of `key` in the transaction: `(value, version)`, or the
+/// opening value at version 0.
+async fn sqlite_cell(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    key: &str,
+    initial: u64,
+) -> anyhow::Result<(u64, u64)> {
+    let cell: Option<(i64, i64)> =
+        sqlx::query_as("SELECT value, version FROM chaos_cells WHERE key = ?")
+            .bind(key)
+            .fetch_optional(&mut **tx)
+            .await?;
+    Ok(cell.map_or((initial, 0), |(value, version)| {
+        (value as u64, version as u64)
+    }))
+}
+
+/// Writes `value` to `key` in the transaction (the version goes up).
+async fn sqlite_write(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    key: &str,
+    value: u64,
+) -> anyhow::Result<()> {
+    sqlx::query(
+        "INSERT INTO chaos_cells (key, value, version) VALUES (?, ?, 1) \
+         ON CONFLICT (key) DO UPDATE \
+         SET value = excluded.value, version = chaos_cells.version + 1",
+    )
+    .bind(key)
+    .bind(value as i64)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Whether the kit refused (a stale token); other errors are the store's.
@@ -196,17 +334,19 @@ fn redis_key(key: &str) -> String {
     format!("chaos-store:{key}")
 }
 
-/// The counter of `key` in Redis: `"<value> <version>"`, or zeros.
+/// The counter of `key` in Redis: `"<value> <version>"`, or the opening
+/// value at version 0.
 async fn redis_cell(
     conn: &mut redis::aio::MultiplexedConnection,
     key: &str,
+    initial: u64,
 ) -> anyhow::Result<(u64, u64)> {
     let cell: Option<String> = redis::cmd("GET")
         .arg(redis_key(key))
         .query_async(conn)
         .await?;
     let Some(cell) = cell else {
-        return Ok((0, 0));
+        return Ok((initial, 0));
     };
     let (value, version) = cell.split_once(' ').context("bad counter")?;
     Ok((value.parse()?, version.parse()?))
@@ -216,8 +356,17 @@ struct State {
     mode: Mode,
     kit: Kit,
     cells: BTreeMap<String, Cell>,
+    /// What a key never written holds.
+    initial: u64,
     seq: u64,
+    /// Transfers (reads and writes of two keys) answered so far.
+    transfers: u64,
     log: std::io::BufWriter<std::fs::File>,
+}
+
+/// `-` or a token.
+fn parse_token(s: &str) -> anyhow::Result<Option<u64>> {
+    Ok(if s == "-" { None } else { Some(s.parse()?) })
 }
 
 impl State {
@@ -227,54 +376,75 @@ impl State {
         Ok(())
     }
 
+    /// The cell of `key` in version mode (and a known key in fence mode).
+    fn cell(&mut self, key: &str) -> &mut Cell {
+        let initial = self.initial;
+        self.cells.entry(key.to_owned()).or_insert(Cell {
+            value: initial,
+            version: 0,
+        })
+    }
+
+    /// Logs one decision.
+    #[allow(clippy::too_many_arguments)]
+    fn log_op(
+        &mut self,
+        w: usize,
+        op: OpKind,
+        key: &str,
+        token: Option<u64>,
+        write: Option<(u64, u64)>,
+        accepted: bool,
+        transfer: Option<u64>,
+    ) -> anyhow::Result<()> {
+        self.seq += 1;
+        self.record(StoreOp {
+            seq: self.seq,
+            t: now_ns(),
+            op,
+            key: key.to_owned(),
+            transfer,
+            token,
+            base_version: write.map(|(base, _)| base),
+            value: write.map(|(_, value)| value),
+            accepted,
+            w,
+        })
+    }
+
     async fn answer(&mut self, line: &str) -> anyhow::Result<String> {
         let parts: Vec<&str> = line.split(' ').collect();
-        let token = |s: &str| -> anyhow::Result<Option<u64>> {
-            Ok(if s == "-" { None } else { Some(s.parse()?) })
-        };
-        let mode = self.mode;
+        let (mode, initial) = (self.mode, self.initial);
         match parts.as_slice() {
             ["R", w, key, tok] => {
-                let token = token(tok)?;
+                let token = parse_token(tok)?;
                 let reply = match (mode, token) {
                     (Mode::Fence, Some(t)) => self
                         .kit
-                        .read(key, t)
+                        .read(key, t, initial)
                         .await?
                         .map(|(value, version)| format!("OK {value} {version}")),
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
                     (Mode::Version, _) => {
-                        let cell = self.cells.entry((*key).to_owned()).or_default();
+                        let cell = self.cell(key);
                         Some(format!("OK {} {}", cell.value, cell.version))
                     }
                 };
                 // Known keys, for the dump.
-                self.cells.entry((*key).to_owned()).or_default();
+                self.cell(key);
                 let accepted = reply.is_some();
-                let reply = reply.unwrap_or_else(|| "STALE".to_owned());
-                self.seq += 1;
-                self.record(StoreOp {
-                    seq: self.seq,
-                    t: now_ns(),
-                    op: OpKind::Read,
-                    key: (*key).to_owned(),
-                    token,
-                    base_version: None,
-                    value: None,
-                    accepted,
-                    w: w.parse()?,
-                })?;
-                Ok(reply)
+                self.log_op(w.parse()?, OpKind::Read, key, token, None, accepted, None)?;
+                Ok(reply.unwrap_or_else(|| "STALE".to_owned()))
             }
             ["W", w, key, tok, base, value] => {
-                let token = token(tok)?;
+                let token = parse_token(tok)?;
                 let base: u64 = base.parse()?;
                 let value: u64 = value.parse()?;
                 let accepted = match (mode, token) {
-                    (Mode::Fence, Some(t)) => self.kit.write(key, t, value).await?,
+                    (Mode::Fence, Some(t)) => self.kit.write(key, t, value, initial).await?,
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
                     (Mode::Version, _) => {
-                        let cell = self.cells.entry((*key).to_owned()).or_default();
+                        let cell = self.cell(key);
                         let taken = base == cell.version;
                         if taken {
                             cell.value = value;
@@ -283,25 +453,93 @@ impl State {
                         taken
                     }
                 };
-                self.cells.entry((*key).to_owned()).or_default();
-                self.seq += 1;
-                self.record(StoreOp {
-                    seq: self.seq,
-                    t: now_ns(),
-                    op: OpKind::Write,
-                    key: (*key).to_owned(),
-                    token,
-                    base_version: Some(base),
-                    value: Some(value),
-                    accepted,
-                    w: w.parse()?,
-                })?;
+                self.cell(key);
+                let write = Some((base, value));
+                self.log_op(w.parse()?, OpKind::Write, key, token, write, accepted, None)?;
                 Ok(if accepted { "OK" } else { "STALE" }.to_owned())
+            }
+            ["RT", w, k0, t0, k1, t1] => {
+                let w: usize = w.parse()?;
+                let keys = [*k0, *k1];
+                let tokens = [parse_token(t0)?, parse_token(t1)?];
+                if keys[0] == keys[1] {
+                    bail!("a transfer needs two keys: {line}");
+                }
+                let cells = match (mode, tokens) {
+                    (Mode::Fence, [Some(a), Some(b)]) => {
+                        self.kit
+                            .read_pair([(keys[0], a), (keys[1], b)], initial)
+                            .await?
+                    }
+                    (Mode::Fence, _) => bail!("fence mode needs a token per key: {line}"),
+                    (Mode::Version, _) => keys.map(|key| {
+                        let cell = self.cell(key);
+                        Some((cell.value, cell.version))
+                    }),
+                };
+                self.transfers += 1;
+                let transfer = Some(self.transfers);
+                for (i, key) in keys.into_iter().enumerate() {
+                    self.cell(key);
+                    let accepted = cells[i].is_some();
+                    self.log_op(w, OpKind::Read, key, tokens[i], None, accepted, transfer)?;
+                }
+                Ok(match cells {
+                    [Some((v0, ver0)), Some((v1, ver1))] => format!("OK {v0} {ver0} {v1} {ver1}"),
+                    _ => "STALE".to_owned(),
+                })
+            }
+            ["WT", w, k0, t0, b0, v0, k1, t1, b1, v1] => {
+                let w: usize = w.parse()?;
+                let keys = [*k0, *k1];
+                let tokens = [parse_token(t0)?, parse_token(t1)?];
+                let bases: [u64; 2] = [b0.parse()?, b1.parse()?];
+                let values: [u64; 2] = [v0.parse()?, v1.parse()?];
+                if keys[0] == keys[1] {
+                    bail!("a transfer needs two keys: {line}");
+                }
+                let taken = match (mode, tokens) {
+                    (Mode::Fence, [Some(a), Some(b)]) => {
+                        self.kit
+                            .write_pair([(keys[0], a, values[0]), (keys[1], b, values[1])], initial)
+                            .await?
+                    }
+                    (Mode::Fence, _) => bail!("fence mode needs a token per key: {line}"),
+                    (Mode::Version, _) => {
+                        let current = keys.map(|key| self.cell(key).version);
+                        let both = current == bases;
+                        if both {
+                            for (key, value) in keys.into_iter().zip(values) {
+                                let cell = self.cell(key);
+                                cell.value = value;
+                                cell.version += 1;
+                            }
+                        }
+                        [both, both]
+                    }
+                };
+                self.transfers += 1;
+                let transfer = Some(self.transfers);
+                for (i, key) in keys.into_iter().enumerate() {
+                    self.cell(key);
+                    let write = Some((bases[i], values[i]));
+                    self.log_op(w, OpKind::Write, key, tokens[i], write, taken[i], transfer)?;
+                }
+                Ok(match taken {
+                    [true, true] => "OK",
+                    [false, false] => "STALE",
+                    _ => "HALF",
+                }
+                .to_owned())
             }
             ["DUMP"] => {
                 self.log.flush()?;
                 let cells = match mode {
-                    Mode::Fence => self.kit.dump(self.cells.keys().cloned().collect()).await?,
+                    Mode::Fence => {
+                        self.kit
+                            .dump(self.cells.keys().cloned().collect(), initial)
+                            .await?
+                    }
                     Mode::Version => self
                         .cells
                         .iter()
@@ -320,17 +558,44 @@ impl State {
     }
 }
 
-/// Runs the store until killed: binds a loopback port, prints `LISTENING <port>`.
-pub(crate) async fn serve(mode: Mode, kit: Kit, log: &Path) -> anyhow::Result<()> {
+/// The transfer workload's account keys: `acct:0` … `acct:{n-1}`.
+pub(crate) fn account_keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("acct:{i}")).collect()
+}
+
+/// Runs the store until killed: binds a loopback port, prints `LISTENING
+/// <port>`. Keys never written hold `initial`; the `accounts` keys are known
+/// from the start (the dump lists them).
+pub(crate) async fn serve(
+    mode: Mode,
+    kit: Kit,
+    log: &Path,
+    initial: u64,
+    accounts: usize,
+) -> anyhow::Result<()> {
     if mode == Mode::Fence && matches!(kit, Kit::None) {
         bail!("fence mode needs --sqlite or --redis");
     }
     let file = std::fs::File::create(log).with_context(|| format!("create {}", log.display()))?;
+    let cells = account_keys(accounts)
+        .into_iter()
+        .map(|key| {
+            (
+                key,
+                Cell {
+                    value: initial,
+                    version: 0,
+                },
+            )
+        })
+        .collect();
     let state = Arc::new(Mutex::new(State {
         mode,
         kit,
-        cells: BTreeMap::new(),
+        cells,
+        initial,
         seq: 0,
+        transfers: 0,
         log: std::io::BufWriter::new(file),
     }));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -365,6 +630,18 @@ pub(crate) enum ReadReply {
     Ok { value: u64, version: u64 },
     /// A newer token had been there.
     Stale,
+}
+
+/// What a write of two keys answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PairReply {
+    /// Both writes taken.
+    Taken,
+    /// Neither: a newer holder had been at one of the keys (or a version moved).
+    Refused,
+    /// One write taken and the other refused: a broken transfer (the
+    /// checker reports it from the store's log).
+    Half,
 }
 
 /// One connection to the store.
@@ -429,6 +706,55 @@ impl StoreClient {
             .call(format!("W {w} {key} {} {base_version} {value}", tok(token)))
             .await?;
         Ok(line == "OK")
+    }
+
+    /// Fenced reads of two keys (`(key, token)`), decided together: both
+    /// `(value, version)`s, or `None` when refused.
+    pub(crate) async fn read_pair(
+        &mut self,
+        w: usize,
+        keys: [(&str, Option<u64>); 2],
+    ) -> anyhow::Result<Option<[(u64, u64); 2]>> {
+        let [(k0, t0), (k1, t1)] = keys;
+        let line = self
+            .call(format!("RT {w} {k0} {} {k1} {}", tok(t0), tok(t1)))
+            .await?;
+        if line == "STALE" {
+            return Ok(None);
+        }
+        let numbers: Vec<u64> = line
+            .split(' ')
+            .skip(1)
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("bad store reply {line:?}"))?;
+        match numbers.as_slice() {
+            [v0, ver0, v1, ver1] => Ok(Some([(*v0, *ver0), (*v1, *ver1)])),
+            _ => bail!("bad store reply {line:?}"),
+        }
+    }
+
+    /// Fenced (or version-checked) writes of two keys (`(key, token,
+    /// base_version, value)`), taken together or not at all.
+    pub(crate) async fn write_pair(
+        &mut self,
+        w: usize,
+        writes: [(&str, Option<u64>, u64, u64); 2],
+    ) -> anyhow::Result<PairReply> {
+        let [(k0, t0, b0, v0), (k1, t1, b1, v1)] = writes;
+        let line = self
+            .call(format!(
+                "WT {w} {k0} {} {b0} {v0} {k1} {} {b1} {v1}",
+                tok(t0),
+                tok(t1)
+            ))
+            .await?;
+        match line.as_str() {
+            "OK" => Ok(PairReply::Taken),
+            "STALE" => Ok(PairReply::Refused),
+            "HALF" => Ok(PairReply::Half),
+            _ => bail!("bad store reply {line:?}"),
+        }
     }
 
     /// The store's final state: key → (value, version). Flushes the store's log.

@@ -15,6 +15,13 @@
 //! there, as an HTTP server drops a handler whose client disconnected. A
 //! fraction of iterations also hold a lock on the registry's second backend
 //! (`side`, key `side:{key}`) across the whole attempt and body.
+//!
+//! With `--workload transfer` an iteration picks two distinct accounts out of
+//! `--accounts`, takes both in one hold (`keys = [..]` in the attribute,
+//! `Registry::lock_all` when the caller gives up somewhere), reads both
+//! balances from the store with each key's own token (`fencing_token_of`),
+//! and writes the debited and the credited balance in one request that the
+//! store decides as a whole (see [`store`](crate::store)).
 
 use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
@@ -26,7 +33,7 @@ use tokio::sync::Mutex;
 
 use crate::clock::now_ns;
 use crate::history::{GaveUpAt, Step, WorkerEvent};
-use crate::store::{ReadReply, StoreClient};
+use crate::store::{PairReply, ReadReply, StoreClient};
 use crate::trace::{self, with_lease};
 
 /// The leases iterations choose from (each iteration picks one; the annotated
@@ -52,6 +59,34 @@ pub(crate) const SIDE: &str = "side";
 /// A stay inside the lock the nemesis asks for, to strike while the body runs.
 pub(crate) const LONG_HOLD: Duration = Duration::from_millis(2500);
 
+/// What the workers do inside the lock.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Workload {
+    /// One key per hold: increment its counter.
+    #[default]
+    Counter,
+    /// Two accounts per hold: move an amount from one to the other.
+    Transfer,
+}
+
+/// Every account's balance before the first transfer.
+pub(crate) const INITIAL_BALANCE: u64 = 1000;
+
+/// The largest amount one transfer moves (never more than the debited
+/// account holds).
+const MAX_AMOUNT: u64 = 50;
+
 /// What a worker is started with.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct WorkerArgs {
@@ -73,9 +108,15 @@ pub(crate) struct WorkerArgs {
     /// Run id, part of every lock key.
     #[arg(long)]
     pub(crate) run: String,
-    /// How many keys the workers share.
+    /// How many keys the workers share (counter workload).
     #[arg(long, default_value_t = 3)]
     pub(crate) keys: usize,
+    /// What to do inside the lock.
+    #[arg(long, value_enum, default_value_t = Workload::Counter)]
+    pub(crate) workload: Workload,
+    /// How many accounts transfers pick from (transfer workload).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) accounts: usize,
     /// Longest time spent inside the lock between read and write.
     #[arg(long, default_value_t = 20)]
     pub(crate) hold_max_ms: u64,
@@ -150,6 +191,38 @@ enum StepError {
     Store(anyhow::Error),
 }
 
+/// What one iteration locks and changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Target {
+    /// One key's counter.
+    Counter(String),
+    /// A transfer between two distinct accounts, both held in one hold.
+    Transfer {
+        /// The account debited.
+        from: String,
+        /// The account credited.
+        to: String,
+    },
+}
+
+impl Target {
+    /// The key events name first: the counter's, or the debited account.
+    fn key(&self) -> &str {
+        match self {
+            Target::Counter(key) => key,
+            Target::Transfer { from, .. } => from,
+        }
+    }
+
+    /// Every key of a several-key hold, in the events' order (none for one key).
+    fn keys(&self) -> Vec<String> {
+        match self {
+            Target::Counter(_) => Vec::new(),
+            Target::Transfer { from, to } => vec![from.clone(), to.clone()],
+        }
+    }
+}
+
 /// One iteration's choices.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
@@ -186,8 +259,144 @@ impl Worker {
             w: self.args.id,
             inc: self.args.inc,
             key: key.to_owned(),
+            keys: Vec::new(),
             ev,
         });
+    }
+
+    /// An event about every key of `target`.
+    fn emit_for(&self, target: &Target, ev: Step) {
+        trace::line(&WorkerEvent {
+            t: now_ns(),
+            w: self.args.id,
+            inc: self.args.inc,
+            key: target.key().to_owned(),
+            keys: target.keys(),
+            ev,
+        });
+    }
+
+    /// The lock key of a user key of the store.
+    fn lock_key(&self, key: &str) -> String {
+        format!("chaos:{}:{key}", self.args.run)
+    }
+
+    /// The body for `target`.
+    async fn body(&self, target: &Target, long: bool) -> Result<(), StepError> {
+        match target {
+            Target::Counter(key) => self.read_modify_write(key, long).await,
+            Target::Transfer { from, to } => self.transfer(target, from, to, long).await,
+        }
+    }
+
+    /// How long to stay between read and write: a long stay the nemesis
+    /// asked for (taken), or a short random one.
+    async fn stay(&self, long: bool) -> Duration {
+        if long {
+            self.long.lock().unwrap_or_else(|p| p.into_inner()).take();
+            LONG_HOLD
+        } else {
+            Duration::from_millis(
+                self.hold
+                    .lock()
+                    .await
+                    .random_range(0..=self.args.hold_max_ms),
+            )
+        }
+    }
+
+    /// Sleeps `hold` inside the lock; with `on_lost = "continue"`, records
+    /// the loss signal if it comes meanwhile (and stays anyway). Whether it
+    /// was recorded.
+    async fn hold_for(&self, target: &Target, hold: Duration) -> bool {
+        let held = dlock_runtime::current().expect("called inside the lock");
+        let stay = tokio::time::sleep(hold);
+        tokio::pin!(stay);
+        if cancels_on_loss(self.args.id) {
+            stay.await;
+            return false;
+        }
+        tokio::select! {
+            () = &mut stay => false,
+            () = held.lost() => {
+                self.emit_for(target, Step::Lost { cancelled: false });
+                stay.await;
+                true
+            }
+        }
+    }
+
+    /// The transfer body: fenced reads of both accounts (each with its own
+    /// key's token), a stay, then both writes in one request.
+    async fn transfer(
+        &self,
+        target: &Target,
+        from: &str,
+        to: &str,
+        long: bool,
+    ) -> Result<(), StepError> {
+        let held = dlock_runtime::current().expect("called inside the lock");
+        let tokens =
+            [from, to].map(|key| held.fencing_token_of(&self.lock_key(key)).map(u64::from));
+        self.emit_for(target, Step::Acquired { token: tokens[0] });
+
+        let mut slot = self.store.lock().await;
+        let mut store = match slot.take() {
+            Some(store) => store,
+            None => StoreClient::connect(self.args.store_port)
+                .await
+                .map_err(StepError::Store)?,
+        };
+        let w = self.args.id;
+        let read = store
+            .read_pair(w, [(from, tokens[0]), (to, tokens[1])])
+            .await
+            .map_err(StepError::Store)?;
+        let Some([(from_balance, from_version), (to_balance, to_version)]) = read else {
+            *slot = Some(store);
+            self.emit_for(target, Step::Fenced);
+            return Ok(());
+        };
+        let hold = self.stay(long).await;
+        let amount = self
+            .hold
+            .lock()
+            .await
+            .random_range(1..=MAX_AMOUNT)
+            .min(from_balance);
+        self.emit_for(
+            target,
+            Step::ReadBoth {
+                balances: vec![from_balance, to_balance],
+                versions: vec![from_version, to_version],
+                tokens: tokens.to_vec(),
+                amount,
+                hold_ms: hold.as_millis() as u64,
+            },
+        );
+        let noticed = self.hold_for(target, hold).await;
+        let reply = store
+            .write_pair(
+                w,
+                [
+                    (from, tokens[0], from_version, from_balance - amount),
+                    (to, tokens[1], to_version, to_balance + amount),
+                ],
+            )
+            .await
+            .map_err(StepError::Store)?;
+        *slot = Some(store);
+        let accepted = reply == PairReply::Taken;
+        self.emit_for(target, Step::Wrote { accepted });
+        if !accepted {
+            self.emit_for(target, Step::Fenced);
+        }
+        if held.is_lost() && !noticed {
+            // Only reached with `on_lost = "continue"`.
+            self.emit_for(target, Step::Lost { cancelled: false });
+        }
+        self.emit_for(target, Step::Leaving);
+        Ok(())
     }
 
     /// The body of every iteration: fenced read, a short stay, fenced write.
@@ -212,17 +421,7 @@ impl Worker {
                 return Ok(());
             }
         };
-        let hold = if long {
-            self.long.lock().unwrap_or_else(|p| p.into_inner()).take();
-            LONG_HOLD
-        } else {
-            Duration::from_millis(
-                self.hold
-                    .lock()
-                    .await
-                    .random_range(0..=self.args.hold_max_ms),
-            )
-        };
+        let hold = self.stay(long).await;
         self.emit(
             key,
             Step::Read {
@@ -231,22 +430,7 @@ impl Worker {
                 hold_ms: hold.as_millis() as u64,
             },
         );
-        let mut noticed = false;
-        let stay = tokio::time::sleep(hold);
-        tokio::pin!(stay);
-        if !cancels_on_loss(self.args.id) {
-            // `on_lost = "continue"`: record the signal when it comes, stay anyway.
-            tokio::select! {
-                () = &mut stay => {}
-                () = held.lost() => {
-                    self.emit(key, Step::Lost { cancelled: false });
-                    noticed = true;
-                    stay.await;
-                }
-            }
-        } else {
-            stay.await;
-        }
+        let noticed = self.hold_for(&Target::Counter(key.to_owned()), hold).await;
         let accepted = store
             .write(w, key, token, version, value + 1)
             .await
@@ -265,20 +449,31 @@ impl Worker {
     }
 
     /// One attempt through the annotated function of the plan's lease.
-    async fn annotated(&self, key: &str, plan: Plan) -> Step {
+    async fn annotated(&self, target: &Target, plan: Plan) -> Step {
         let (run, long) = (self.args.run.as_str(), plan.long);
         let lease = LEASES
             .iter()
             .position(|l| *l == plan.lease)
             .expect("leases come from LEASES");
         let call = async {
-            match (cancels_on_loss(self.args.id), lease) {
-                (true, 0) => cancel_400ms(run, key, self, long).await,
-                (true, 1) => cancel_1s(run, key, self, long).await,
-                (true, _) => cancel_2500ms(run, key, self, long).await,
-                (false, 0) => continue_400ms(run, key, self, long).await,
-                (false, 1) => continue_1s(run, key, self, long).await,
-                (false, _) => continue_2500ms(run, key, self, long).await,
+            let cancel = cancels_on_loss(self.args.id);
+            match target {
+                Target::Counter(key) => match (cancel, lease) {
+                    (true, 0) => cancel_400ms(run, key, self, long).await,
+                    (true, 1) => cancel_1s(run, key, self, long).await,
+                    (true, _) => cancel_2500ms(run, key, self, long).await,
+                    (false, 0) => continue_400ms(run, key, self, long).await,
+                    (false, 1) => continue_1s(run, key, self, long).await,
+                    (false, _) => continue_2500ms(run, key, self, long).await,
+                },
+                Target::Transfer { from, to } => match (cancel, lease) {
+                    (true, 0) => transfer_cancel_400ms(run, from, to, target, self, long).await,
+                    (true, 1) => transfer_cancel_1s(run, from, to, target, self, long).await,
+                    (true, _) => transfer_cancel_2500ms(run, from, to, target, self, long).await,
+                    (false, 0) => transfer_continue_400ms(run, from, to, target, self, long).await,
+                    (false, 1) => transfer_continue_1s(run, from, to, target, self, long).await,
+                    (false, _) => transfer_continue_2500ms(run, from, to, target, self, long).await,
+                },
             }
         };
         match with_lease(plan.lease, call).await {
@@ -296,15 +491,15 @@ impl Worker {
     /// One attempt through `Registry::lock`, as the annotated function does it,
     /// with the plan's timeout (if any) around the acquisition, the body or the
     /// release: when it fires, the future is dropped right there.
-    async fn programmatic(&self, key: &str, plan: Plan) -> Step {
-        let acquire = with_lease(
-            plan.lease,
-            self.registry
-                .lock(format!("chaos:{}:{key}", self.args.run))
-                .wait(WAIT)
-                .lease(plan.lease)
-                .acquire(),
-        );
+    /// For a transfer, both accounts through `Registry::lock_all`.
+    async fn programmatic(&self, target: &Target, plan: Plan) -> Step {
+        let builder = match target {
+            Target::Counter(key) => self.registry.lock(self.lock_key(key)),
+            Target::Transfer { from, to } => self
+                .registry
+                .lock_all([self.lock_key(from), self.lock_key(to)]),
+        };
+        let acquire = with_lease(plan.lease, builder.wait(WAIT).lease(plan.lease).acquire());
         let acquired = match plan.cut(GaveUpAt::Acquire) {
             Some(limit) => match tokio::time::timeout(limit, acquire).await {
                 Ok(acquired) => acquired,
@@ -326,7 +521,7 @@ impl Worker {
             }
         };
         let body = async {
-            let body = guard.scope(self.read_modify_write(key, plan.long));
+            let body = guard.scope(self.body(target, plan.long));
             if cancels_on_loss(self.args.id) {
                 let lost = guard.lost();
                 tokio::select! {
@@ -451,6 +646,37 @@ annotated! {
     continue_2500ms: lease = "2500ms", on_lost = "continue";
 }
 
+/// The transfer workload's annotated functions: both accounts in one hold.
+macro_rules! annotated_transfers {
+    ($($name:ident: lease = $lease:tt, on_lost = $on_lost:tt;)*) => {$(
+        #[distributed_lock(
+            keys = ["chaos:{run}:{from}", "chaos:{run}:{to}"],
+            wait = "2s",
+            lease = $lease,
+            on_lost = $on_lost
+        )]
+        async fn $name(
+            run: &str,
+            from: &str,
+            to: &str,
+            target: &Target,
+            worker: &Worker,
+            long: bool,
+        ) -> Result<(), StepError> {
+            worker.transfer(target, from, to, long).await
+        }
+    )*};
+}
+
+annotated_transfers! {
+    transfer_cancel_400ms: lease = "400ms", on_lost = "cancel";
+    transfer_cancel_1s: lease = "1s", on_lost = "cancel";
+    transfer_cancel_2500ms: lease = "2500ms", on_lost = "cancel";
+    transfer_continue_400ms: lease = "400ms", on_lost = "continue";
+    transfer_continue_1s: lease = "1s", on_lost = "continue";
+    transfer_continue_2500ms: lease = "2500ms", on_lost = "continue";
+}
+
 /// Connects to a `zk://` URL, trying again while it fails, and keeps the
 /// backend's own type (for its session).
 async fn connect_zk(id: usize, url: &str) -> ZooKeeperBackend {
@@ -544,9 +770,27 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         registry,
         args,
     };
-    let keys: Vec<String> = (0..worker.args.keys).map(|k| format!("k{k}")).collect();
+    let keys: Vec<String> = match worker.args.workload {
+        Workload::Counter => (0..worker.args.keys).map(|k| format!("k{k}")).collect(),
+        Workload::Transfer => crate::store::account_keys(worker.args.accounts),
+    };
+    if worker.args.workload == Workload::Transfer && keys.len() < 2 {
+        anyhow::bail!("a transfer needs two accounts at least (--accounts)");
+    }
     while !*stop.borrow() {
-        let key = &keys[rng.random_range(0..keys.len())];
+        let target = match worker.args.workload {
+            Workload::Counter => Target::Counter(keys[rng.random_range(0..keys.len())].clone()),
+            Workload::Transfer => {
+                let from = rng.random_range(0..keys.len());
+                // Any other account: a draw among the n - 1 others.
+                let to = (from + rng.random_range(1..keys.len())) % keys.len();
+                Target::Transfer {
+                    from: keys[from].clone(),
+                    to: keys[to].clone(),
+                }
+            }
+        };
+        let key = target.key();
         let plan = match *worker.long.lock().unwrap_or_else(|p| p.into_inner()) {
             // Stays pending until a body makes the stay (a busy key does not).
             Some(long) => Plan {
@@ -577,8 +821,8 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 long: false,
             },
         };
-        worker.emit(
-            key,
+        worker.emit_for(
+            &target,
             Step::Attempt {
                 lease_ms: Some(plan.lease.as_millis() as u64),
                 side: plan.side.is_some(),
@@ -590,12 +834,12 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             None => None,
         };
         let step = if plan.give_up.is_some() {
-            worker.programmatic(key, plan).await
+            worker.programmatic(&target, plan).await
         } else {
-            worker.annotated(key, plan).await
+            worker.annotated(&target, plan).await
         };
         let error = matches!(step, Step::Error { .. });
-        worker.emit(key, step);
+        worker.emit_for(&target, step);
         if let Some(guard) = side {
             worker.release_side(key, guard).await;
         }

@@ -1,11 +1,17 @@
-//! The short chaos runs CI does: one per multi-process backend, each failing on
-//! any violation the checker finds (stale write accepted, lost update, key left
-//! behind on either backend, renewal after a release request, loss signalled
-//! after the server's expiry, main lease lost during a side stall, worker hung,
-//! targets not reached) and on a run that did not exercise the faults it claims
-//! (no stale write refused, no lost-lease signal, a caller that never gave up
-//! at the acquisition, the body or the release, no side stall with the main
-//! backend renewing through it, a lease length never used).
+//! The short chaos runs CI does: one per multi-process backend, and the
+//! transfer workload (two accounts per hold) on Redis, PostgreSQL and
+//! ZooKeeper, each failing on any violation the checker finds (stale write
+//! accepted, lost update, key left behind on either backend, renewal after a
+//! release request, loss signalled after the server's expiry, main lease lost
+//! during a side stall, worker hung, targets not reached; for transfers, a
+//! total not conserved or a transfer half-applied) and on a run that did not
+//! exercise the faults it claims (no stale write refused, no lost-lease
+//! signal, a caller that never gave up at the acquisition, the body or the
+//! release, no side stall with the main backend renewing through it, a lease
+//! length never used).
+//!
+//! `DLOCK_CHAOS_PORT_BASE` moves the servers the runs start (`--port-base`)
+//! away from the default ports, for a machine where those are taken.
 //!
 //! They need `redis-server` on the PATH, for the ZooKeeper run `java` and
 //! Debian's ZooKeeper jars, for the PostgreSQL runs Debian's PostgreSQL 15 (in
@@ -29,6 +35,41 @@ fn short_run(backend: &str, faults: u32) -> serde_json::Value {
 /// One short run on `backend` (with `--mode`, if given) with `faults` faults;
 /// its summary.
 fn short_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
+    short_run_of(backend, mode, "counter", faults)
+}
+
+/// One short run of the transfer workload on `backend` with `faults` faults,
+/// failing also when the total is not conserved, a transfer was
+/// half-applied or none went through; its summary.
+fn short_transfer_run(backend: &str, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, None, "transfer", faults);
+    assert_eq!(summary["workload"], "transfer", "{summary}");
+    assert!(
+        summary["total_initial"].as_u64().unwrap_or(0) > 0,
+        "{summary}"
+    );
+    assert_eq!(
+        summary["total_final"], summary["total_initial"],
+        "the total was not conserved: {summary}"
+    );
+    assert_eq!(summary["half_applied_transfers"].as_u64(), Some(0));
+    assert!(
+        summary["transfers_taken"].as_u64().unwrap_or(0) >= 1,
+        "no transfer went through: {summary}"
+    );
+    assert_eq!(summary["stale_writes_by_key"], serde_json::json!({}));
+    assert_eq!(summary["lost_updates_by_key"], serde_json::json!({}));
+    summary
+}
+
+/// One short run of `workload` on `backend` (with `--mode`, if given) with
+/// `faults` faults; its summary.
+fn short_run_of(
+    backend: &str,
+    mode: Option<&str>,
+    workload: &str,
+    faults: u32,
+) -> serde_json::Value {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let out = tempfile::tempdir().unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
@@ -43,6 +84,14 @@ fn short_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::V
         ])
         .args(["--faults", &faults.to_string(), "--max-duration", "4m"])
         .args(mode.map(|mode| ["--mode", mode]).into_iter().flatten())
+        .args(["--workload", workload])
+        .args(
+            std::env::var("DLOCK_CHAOS_PORT_BASE")
+                .ok()
+                .map(|base| ["--port-base".to_owned(), base])
+                .into_iter()
+                .flatten(),
+        )
         .arg("--out")
         .arg(out.path())
         .status()
@@ -203,4 +252,28 @@ fn mysql_session_under_server_kills_partitions_killed_connections_pauses_kills_a
     let summary = short_run_in("mysql", Some("session"), 9);
     assert_faults(&summary, &SQL_FAULTS);
     assert_faults(&summary, &["session_kill"]);
+}
+
+// The transfer workload: two accounts out of 16 in one hold per iteration,
+// one round of the backend's faults each.
+
+#[test]
+fn transfers_on_redis_conserve_the_total_under_one_round_of_faults() {
+    short_transfer_run("redis", 7);
+}
+
+#[test]
+fn transfers_on_postgres_conserve_the_total_under_one_round_of_faults() {
+    let summary = short_transfer_run("postgres", 8);
+    assert_faults(&summary, &SQL_FAULTS);
+    assert_faults(&summary, &["row_stolen"]);
+}
+
+#[test]
+fn transfers_on_zookeeper_conserve_the_total_under_one_round_of_faults() {
+    let summary = short_transfer_run("zk", 8);
+    assert_faults(
+        &summary,
+        &["session_expiry", "kill_server", "proxy_blackhole"],
+    );
 }
