@@ -42,6 +42,12 @@ pub(super) struct Pending {
     /// The key's queue: `{prefix}/{escaped key}/`.
     queue: String,
     pub(super) notify: Arc<Notify>,
+    /// Held by a put from when it is sent until it is answered or cut at
+    /// its request bound, in a task of its own that outlives a dropped
+    /// attempt: the clean-up of an abandoned acquisition takes it before
+    /// deleting the entry, so a put still on the wire cannot create the
+    /// entry after the delete.
+    put_on_the_wire: Arc<tokio::sync::Mutex<()>>,
     state: Mutex<PendingState>,
 }
 
@@ -115,6 +121,7 @@ impl Inner {
                     key: format!("{queue}{}", super::url::escape(&request.owner)),
                     queue,
                     notify: Arc::new(Notify::new()),
+                    put_on_the_wire: Arc::new(tokio::sync::Mutex::new(())),
                     state: Mutex::new(PendingState::default()),
                 })
             })
@@ -263,8 +270,20 @@ impl Inner {
                 TxnOp::get(key, Some(GetOptions::new().with_keys_only())),
                 TxnOp::get(pending.queue.as_str(), Some(first())),
             ]);
-        let mut kv = session.client.kv_client();
-        let response = session.call(kv.txn(txn)).await?;
+        // Sent from a task of its own, which finishes even when this
+        // attempt is dropped, holding `put_on_the_wire` until it is
+        // answered (see `drop_pending`).
+        let on_the_wire = pending.put_on_the_wire.clone().lock_owned().await;
+        let put = {
+            let session = session.clone();
+            async move {
+                let mut kv = session.client.kv_client();
+                let answer = session.call(kv.txn(txn)).await;
+                drop(on_the_wire);
+                answer
+            }
+        };
+        let response = crate::driver::run(put).await?;
         let holder = kvs(&response, 1).into_iter().next();
         let (revision, recovered) = if response.succeeded() {
             (revision_of(&response), false)
@@ -412,9 +431,21 @@ impl Inner {
         let pending = lock(&self.pending).remove(owner);
         let session = match &pending {
             Some(pending) => {
-                let mut st = pending.state();
-                st.watch = None;
-                st.session.clone()
+                let session = {
+                    let mut st = pending.state();
+                    st.watch = None;
+                    st.session.clone()
+                };
+                if let Some(session) = &session {
+                    // A put still on the wire (its attempt dropped) is
+                    // answered, or cut at its bound, before the delete: the
+                    // server may apply concurrent requests in either order.
+                    let bound = session.op_timeout * 2;
+                    let _ =
+                        tokio::time::timeout(bound, pending.put_on_the_wire.clone().lock_owned())
+                            .await;
+                }
+                session
             }
             None => None,
         };

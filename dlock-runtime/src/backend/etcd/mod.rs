@@ -73,9 +73,14 @@
 //! that fails is retried within the request bound, then in the background
 //! until it succeeds or the session ends. An acquisition given up or
 //! cancelled at any point leaves no entry: its entry is deleted by name (the
-//! name holds the acquisition's own owner token), also by the runtime's
-//! second, later release of a dropped acquisition, which finds an entry put
-//! by a request that was still on the wire at the first.
+//! name holds the acquisition's own owner token). A put is sent from a task
+//! of its own that finishes even when its attempt is dropped, and the
+//! delete waits until that put is answered (or cut at its request bound):
+//! etcd serves the requests of one connection concurrently, so a delete
+//! sent while the put is on the wire could be applied first and leave the
+//! entry the put creates after it. A put cut at its bound without an answer
+//! may still be applied later; the runtime's second, later release of a
+//! dropped acquisition deletes the entry it creates.
 //!
 //! **Keys** are the stored key with `%` and `/` percent-encoded, so no two
 //! keys share a queue and `{prefix}/{key}/{owner}` splits one way only.
