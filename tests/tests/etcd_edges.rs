@@ -99,7 +99,6 @@ async fn a_percent_encoded_trailing_slash_names_the_same_prefix() {
 /// `wait` and about one request bound: opening the new session is not a
 /// line the acquisitions wait in, one bound after another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: opening a session is serialised and each opening waits its whole request timeout, so acquisitions queued behind it answer after their wait"]
 async fn acquisitions_needing_a_new_session_on_an_unreachable_cluster_answer_within_wait() {
     let _one = CLUSTER.lock().await;
     let member = endpoints(&url())[2].clone();
