@@ -27,7 +27,6 @@ fn namespace(case: &str) -> String {
 /// prefix is `{prefix}/{escaped key}` of the first (its entries then sit
 /// under the first backend's queue of that key).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a queue read covers `{prefix}/{key}/` and also counts the entries of a backend whose prefix is that path (never two holders; a spurious wait)"]
 async fn a_prefix_inside_another_backends_queue_does_not_hold_up_its_key() {
     let _one = CLUSTER.lock().await;
     let outer = backend(&format!("{}/{}", url(), namespace("nested"))).await;

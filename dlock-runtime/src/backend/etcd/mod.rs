@@ -86,6 +86,18 @@
 //! keys share a queue and `{prefix}/{key}/{owner}` splits one way only.
 //! No key is refused.
 //!
+//! **Nested prefixes**: a queue is every etcd key under `{prefix}/{key}/`,
+//! and another backend's prefix may be that very path (or lie below it):
+//! its entries, `{prefix}/{key}/{its key}/{its owner}`, are then under the
+//! queue too. Only the queue's own entries count — those one segment below
+//! it (an owner token is escaped: it holds no `/`); the reads of the
+//! queue's head and of an entry's predecessor skip the others, reading a
+//! further page at the same revision when a whole page held only those.
+//! So a key is never held up by a nested backend's keys. Versions of dlock
+//! that counted every key under the queue still exclude this one on a
+//! shared prefix (their entries are one segment below it, as ours are);
+//! they may only wait, needlessly, behind a nested backend's entries.
+//!
 //! **URL**: `etcd://[user:pass@]h1:p1,h2:p2[/prefix][?session_ttl=10s]`
 //! (port 2379 by default). `user:pass` (percent-encoded) logs in with etcd's
 //! authentication. The prefix (the URL's path, default none) is where the
