@@ -202,8 +202,10 @@ async fn a_holder_cut_off_from_the_sentinels_is_lost_before_the_new_primary_gran
 /// the docs promise, not after the stalled sentinel's timeout on every
 /// resolution.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: under a CPU hog, 1 run in 2 followed the switch 5.4 s late behind the stalled \
-            sentinel (120 ms without it); cause not yet found"]
+#[ignore = "open: in the 46402 -> 46401 failover direction (4 runs of 4; the other direction 5 of 5 \
+            pass) grants were measured on the old primary ~5.3 s after the switch (2 of the 4 for the \
+            healthy registry too), although both backends had followed the new primary within 250 ms \
+            of +switch-master (traced); cause not yet found"]
 async fn a_stalled_first_sentinel_does_not_delay_following_a_switch() {
     let _alone = alone().await;
     wait_healthy().await;
@@ -587,8 +589,6 @@ async fn an_announced_switch_is_not_undone_by_a_sentinel_still_naming_the_old_pr
 /// (`redis://`) that answers nothing (behind a black-holing proxy): an
 /// acquisition is an error within its `wait`, whatever the command timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: the shared wait loop does not cut an attempt at the caller's deadline, so an \
-            unanswered attempt ends at the backend's command timeout (2 s), not within a shorter wait"]
 async fn a_black_holed_single_redis_is_an_error_within_wait() {
     let plain = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
     let upstream = plain

@@ -20,6 +20,25 @@
 //! passes; only then is the backend's error the answer. A short outage is
 //! ridden out within `wait`.
 //!
+//! **Each attempt is bounded by the caller's deadline**, so an unreachable
+//! server (one that answers nothing, a black hole) is an error within
+//! `wait`, not at the backend's own request timeout: an attempt still
+//! unanswered [`ATTEMPT_GRACE`] after the deadline is dropped, and the
+//! answer is the backend's error ([`BackendError::is_retryable`], as when
+//! the budget runs out while the backend is unavailable). The grace is
+//! there for a server that answers, slowly: an attempt sent just before
+//! the deadline (a waiter woken then), or a first attempt that takes about
+//! as long as a short `wait` on a loaded machine, still gets its answer
+//! (a grant, or busy) rather than an error. A dropped attempt may still
+//! run on the server: like every error of the loop, it is followed by the
+//! runtime's owner-checked release (now and again after a backstop), which
+//! undoes a grant or frees a queued entry; the loop does not wait for the
+//! backend's [`abandon`](LockBackend::abandon) then, which could itself
+//! wait for the silent server (and gives it at most [`ATTEMPT_GRACE`] when
+//! the budget runs out while the backend is unavailable, for the same
+//! reason). A try-once (`wait = 0`) has no budget to cut at: its one
+//! attempt ends when the backend answers or its own request timeout passes.
+//!
 //! Deadlines saturate: `wait = Duration::MAX` waits forever. Dropping the
 //! future stops the loop at its current `.await`; the runtime then sends an
 //! owner-checked release in case an attempt was granted on the wire.
@@ -163,6 +182,22 @@ impl Drop for OwedWake {
 /// unavailable: a server back from a restart is noticed within this.
 pub const UNAVAILABLE_BACKOFF_MAX: Duration = Duration::from_millis(500);
 
+/// How long after the caller's deadline the wait loop still waits for an
+/// attempt's answer before dropping the attempt (see the
+/// [module docs](self)): an unreachable server is an error at most this
+/// long after `wait`.
+pub const ATTEMPT_GRACE: Duration = Duration::from_millis(250);
+
+/// When the wait loop drops an attempt that is still unanswered:
+/// [`ATTEMPT_GRACE`] after the deadline; never for a try-once (`wait = 0`),
+/// which the backend's own request timeout bounds.
+fn attempt_bound(wait: Duration, deadline: Instant) -> Option<Instant> {
+    if wait.is_zero() {
+        return None;
+    }
+    Some(saturating_add(deadline, ATTEMPT_GRACE))
+}
+
 /// The pause after the `streak`-th unavailable answer in a row (from 1):
 /// `retry_in` doubled each time, capped at [`UNAVAILABLE_BACKOFF_MAX`] (or at
 /// `retry_in` when the backend asked for more).
@@ -210,7 +245,17 @@ pub(crate) async fn acquire_watched(
         let armed = source.as_ref().map(WakeSource::arm);
         let sent = Instant::now();
         on_the_wire.store(true, Ordering::SeqCst);
-        let attempt = backend.try_acquire(request).await;
+        let attempt = match attempt_bound(request.wait, deadline) {
+            None => backend.try_acquire(request).await,
+            Some(bound) => {
+                match tokio::time::timeout_at(bound.into(), backend.try_acquire(request)).await {
+                    Ok(attempt) => attempt,
+                    // Dropped unanswered; `on_the_wire` stays set: the
+                    // server may still run it.
+                    Err(_) => return Err(unanswered(backend, request, sent)),
+                }
+            }
+        };
         on_the_wire.store(false, Ordering::SeqCst);
         let attempt = attempt?;
         let now = Instant::now();
@@ -254,10 +299,18 @@ pub(crate) async fn acquire_watched(
         };
         let now = Instant::now();
         if now >= deadline {
-            backend.abandon(request).await;
             return match unavailable {
-                Some(error) => Err(error),
-                None => Ok(Acquired::Busy),
+                Some(error) => {
+                    // Bounded like an attempt: the runtime's release that
+                    // follows every error frees whatever this leaves.
+                    let bound = saturating_add(now, ATTEMPT_GRACE);
+                    let _ = tokio::time::timeout_at(bound.into(), backend.abandon(request)).await;
+                    Err(error)
+                }
+                None => {
+                    backend.abandon(request).await;
+                    Ok(Acquired::Busy)
+                }
             };
         }
         let Some(registered) = &source else {
@@ -279,6 +332,19 @@ pub(crate) async fn acquire_watched(
             () = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }
+}
+
+/// The error of an attempt sent at `sent` and dropped unanswered at the
+/// deadline.
+fn unanswered(backend: &dyn LockBackend, request: &AcquireRequest, sent: Instant) -> BackendError {
+    BackendError::transient(format!(
+        "the {} backend did not answer an attempt on {} within {:?} (the wait was {:?}); \
+         the attempt was dropped",
+        backend.kind(),
+        request.key,
+        sent.elapsed(),
+        request.wait
+    ))
 }
 
 /// The local end of a lease granted by a request sent at `sent`.
@@ -412,6 +478,106 @@ mod tests {
         assert_eq!(unavailable_backoff(ms(25), u32::MAX), ms(500));
         // A backend that asks for a longer pause gets it, not more.
         assert_eq!(unavailable_backoff(ms(900), 3), ms(900));
+    }
+
+    /// A backend that answers an attempt only after `answers_after`
+    /// (never, for `None`), and then that the key is busy.
+    #[derive(Debug)]
+    struct Slow {
+        answers_after: Option<Duration>,
+    }
+
+    impl LockBackend for Slow {
+        fn kind(&self) -> &'static str {
+            "slow"
+        }
+
+        fn try_acquire<'a>(
+            &'a self,
+            _request: &'a AcquireRequest,
+        ) -> futures_util::future::BoxFuture<'a, Result<Attempt, BackendError>> {
+            Box::pin(async move {
+                match self.answers_after {
+                    Some(after) => tokio::time::sleep(after).await,
+                    None => std::future::pending::<()>().await,
+                }
+                Ok(Attempt::Busy { retry_in: None })
+            })
+        }
+
+        fn renew_all<'a>(
+            &'a self,
+            batch: &'a [(&'a Lease, Duration)],
+        ) -> futures_util::future::BoxFuture<'a, Vec<Result<super::super::Renewal, BackendError>>>
+        {
+            Box::pin(std::future::ready(
+                batch
+                    .iter()
+                    .map(|_| Err(BackendError::permanent("not held")))
+                    .collect(),
+            ))
+        }
+
+        fn release<'a>(
+            &'a self,
+            _lease: &'a Lease,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), BackendError>> {
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    fn request(wait: Duration) -> AcquireRequest {
+        AcquireRequest::new("k", "owner", Duration::from_secs(5)).with_wait(wait)
+    }
+
+    /// Whether `took` is `at`, give or take a loaded machine's scheduling.
+    fn about(took: Duration, at: Duration) -> bool {
+        took >= at && took < at + Duration::from_millis(200)
+    }
+
+    #[tokio::test]
+    async fn an_unanswered_attempt_is_an_error_just_after_the_deadline() {
+        let silent = Slow {
+            answers_after: None,
+        };
+        let wait = Duration::from_millis(400);
+        let started = Instant::now();
+        let answer = acquire(&silent, &request(wait)).await;
+        let took = started.elapsed();
+        let error = answer.expect_err("a silent backend is an error");
+        assert!(error.is_retryable(), "{error}");
+        assert!(about(took, wait + ATTEMPT_GRACE), "answered after {took:?}");
+    }
+
+    #[tokio::test]
+    async fn an_attempt_answered_within_the_grace_is_the_answer() {
+        let slow = Slow {
+            answers_after: Some(Duration::from_millis(100)),
+        };
+        let answer = acquire(&slow, &request(Duration::from_millis(20))).await;
+        assert!(matches!(answer, Ok(Acquired::Busy)), "{answer:?}");
+    }
+
+    #[tokio::test]
+    async fn a_try_once_waits_for_the_backends_own_answer() {
+        let slow = Slow {
+            answers_after: Some(ATTEMPT_GRACE * 2),
+        };
+        let answer = acquire(&slow, &request(Duration::ZERO)).await;
+        assert!(matches!(answer, Ok(Acquired::Busy)), "{answer:?}");
+    }
+
+    #[test]
+    fn an_attempt_is_bounded_by_the_deadline_and_the_grace() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(attempt_bound(Duration::ZERO, now), None);
+        assert_eq!(
+            attempt_bound(ms(900), now + ms(900)),
+            Some(now + ms(900) + ATTEMPT_GRACE)
+        );
+        let forever = saturating_add(now, Duration::MAX);
+        assert!(attempt_bound(Duration::MAX, forever).is_some_and(|b| b >= forever));
     }
 
     #[test]

@@ -42,6 +42,12 @@ pub(super) struct Pending {
     /// The key's queue: `{prefix}/{escaped key}/`.
     queue: String,
     pub(super) notify: Arc<Notify>,
+    /// Held by a put from when it is sent until it is answered or cut at
+    /// its request bound, in a task of its own that outlives a dropped
+    /// attempt: the clean-up of an abandoned acquisition takes it before
+    /// deleting the entry, so a put still on the wire cannot create the
+    /// entry after the delete.
+    put_on_the_wire: Arc<tokio::sync::Mutex<()>>,
     state: Mutex<PendingState>,
 }
 
@@ -74,29 +80,100 @@ impl Pending {
     }
 }
 
-/// The first entry of a queue (the holder).
+/// How many entries one read of a queue's head (or of the entries before
+/// ours) returns: entries of a backend whose prefix is nested in the queue
+/// are skipped (see [`Queue`]), and the next page is read only when a whole
+/// page held nothing but those.
+const QUEUE_PAGE: i64 = 4;
+
+/// The first entries of a queue (the holder first).
 fn first() -> GetOptions {
     GetOptions::new()
         .with_prefix()
         .with_sort(SortTarget::Create, SortOrder::Ascend)
-        .with_limit(1)
+        .with_limit(QUEUE_PAGE)
         .with_keys_only()
 }
 
-/// The entry created just before `revision` (our predecessor).
+/// The entries created before `revision`, the latest first (our
+/// predecessor first).
 fn predecessor(revision: i64) -> GetOptions {
     GetOptions::new()
         .with_prefix()
         .with_sort(SortTarget::Create, SortOrder::Descend)
         .with_max_create_revision(revision - 1)
-        .with_limit(1)
+        .with_limit(QUEUE_PAGE)
         .with_keys_only()
 }
 
 fn kvs(response: &TxnResponse, i: usize) -> Vec<KeyValue> {
+    page(response, i).0
+}
+
+/// The entries the `i`-th read of a transaction returned, and whether
+/// there are more.
+fn page(response: &TxnResponse, i: usize) -> (Vec<KeyValue>, bool) {
     match response.op_responses().into_iter().nth(i) {
-        Some(TxnOpResponse::Get(mut get)) => get.take_kvs(),
-        _ => Vec::new(),
+        Some(TxnOpResponse::Get(mut get)) => {
+            let more = get.more();
+            (get.take_kvs(), more)
+        }
+        _ => (Vec::new(), false),
+    }
+}
+
+/// Which entry of a queue a read looks for.
+#[derive(Clone, Copy)]
+enum Queue {
+    /// The first one (the holder).
+    Head,
+    /// The one created just before ours.
+    Before,
+}
+
+impl Queue {
+    /// The options of the page after one whose last entry was created at
+    /// `last`.
+    fn after(self, last: i64) -> GetOptions {
+        match self {
+            Queue::Head => first().with_min_create_revision(last + 1),
+            Queue::Before => predecessor(last),
+        }
+    }
+}
+
+/// Whether `key` is an entry of `queue` itself (`{queue}{owner}`: owner
+/// tokens are escaped, so they hold no `/`), not an entry of a backend whose
+/// prefix is `queue` or lies below it (`{queue}{its key}/{its owner}`).
+fn in_queue(queue: &str, key: &[u8]) -> bool {
+    key.strip_prefix(queue.as_bytes())
+        .is_some_and(|owner| !owner.is_empty() && !owner.contains(&b'/'))
+}
+
+/// The entry `which` looks for among the entries of `queue` a read returned
+/// (`page`, `more` after it), reading further pages at `read_at` (the
+/// revision of the first read, so every page is of one state) while the
+/// pages hold only entries of nested backends.
+async fn entry_in_queue(
+    session: &Session,
+    queue: &str,
+    which: Queue,
+    (mut entries, mut more): (Vec<KeyValue>, bool),
+    read_at: i64,
+) -> Result<Option<KeyValue>, etcd_client::Error> {
+    loop {
+        let last = entries.last().map(KeyValue::create_revision);
+        if let Some(found) = entries.into_iter().find(|e| in_queue(queue, e.key())) {
+            return Ok(Some(found));
+        }
+        let (true, Some(last)) = (more, last) else {
+            return Ok(None);
+        };
+        let mut kv = session.client.kv_client();
+        let options = which.after(last).with_revision(read_at);
+        let mut next = session.call(kv.get(queue, Some(options))).await?;
+        more = next.more();
+        entries = next.take_kvs();
     }
 }
 
@@ -115,6 +192,7 @@ impl Inner {
                     key: format!("{queue}{}", super::url::escape(&request.owner)),
                     queue,
                     notify: Arc::new(Notify::new()),
+                    put_on_the_wire: Arc::new(tokio::sync::Mutex::new(())),
                     state: Mutex::new(PendingState::default()),
                 })
             })
@@ -208,15 +286,27 @@ impl Inner {
                 st.watch = None;
                 continue;
             }
-            if kvs(&response, 1)
-                .first()
-                .is_some_and(|e| e.create_revision() == revision)
-            {
+            let read_at = revision_of(&response);
+            let queue = pending.queue.as_str();
+            let head =
+                match entry_in_queue(&session, queue, Queue::Head, page(&response, 1), read_at)
+                    .await
+                {
+                    Ok(head) => head,
+                    Err(err) => return unavailable("reading the lock's queue", err),
+                };
+            if head.is_some_and(|e| e.create_revision() == revision) {
                 return Ok(Attempt::Held(
                     self.grant(request, &session, &pending, revision, started),
                 ));
             }
-            let Some(ahead) = kvs(&response, 2).into_iter().next() else {
+            let before = page(&response, 2);
+            let ahead = match entry_in_queue(&session, queue, Queue::Before, before, read_at).await
+            {
+                Ok(ahead) => ahead,
+                Err(err) => return unavailable("reading the lock's queue", err),
+            };
+            let Some(ahead) = ahead else {
                 // The queue changed between the reads of one revision: look again.
                 continue;
             };
@@ -224,12 +314,7 @@ impl Inner {
                 // Tried once: the wait loop abandons, deleting our entry.
                 return Ok(Attempt::Busy { retry_in: None });
             }
-            self.watch(
-                &session,
-                &pending,
-                ahead.key().to_vec(),
-                revision_of(&response),
-            );
+            self.watch(&session, &pending, ahead.key().to_vec(), read_at);
             return Ok(Attempt::Busy {
                 retry_in: Some(session.ttl),
             });
@@ -263,9 +348,28 @@ impl Inner {
                 TxnOp::get(key, Some(GetOptions::new().with_keys_only())),
                 TxnOp::get(pending.queue.as_str(), Some(first())),
             ]);
-        let mut kv = session.client.kv_client();
-        let response = session.call(kv.txn(txn)).await?;
-        let holder = kvs(&response, 1).into_iter().next();
+        // Sent from a task of its own, which finishes even when this
+        // attempt is dropped, holding `put_on_the_wire` until it is
+        // answered (see `drop_pending`).
+        let on_the_wire = pending.put_on_the_wire.clone().lock_owned().await;
+        let put = {
+            let session = session.clone();
+            async move {
+                let mut kv = session.client.kv_client();
+                let answer = session.call(kv.txn(txn)).await;
+                drop(on_the_wire);
+                answer
+            }
+        };
+        let response = crate::driver::run(put).await?;
+        let holder = entry_in_queue(
+            session,
+            &pending.queue,
+            Queue::Head,
+            page(&response, 1),
+            revision_of(&response),
+        )
+        .await?;
         let (revision, recovered) = if response.succeeded() {
             (revision_of(&response), false)
         } else {
@@ -412,9 +516,21 @@ impl Inner {
         let pending = lock(&self.pending).remove(owner);
         let session = match &pending {
             Some(pending) => {
-                let mut st = pending.state();
-                st.watch = None;
-                st.session.clone()
+                let session = {
+                    let mut st = pending.state();
+                    st.watch = None;
+                    st.session.clone()
+                };
+                if let Some(session) = &session {
+                    // A put still on the wire (its attempt dropped) is
+                    // answered, or cut at its bound, before the delete: the
+                    // server may apply concurrent requests in either order.
+                    let bound = session.op_timeout * 2;
+                    let _ =
+                        tokio::time::timeout(bound, pending.put_on_the_wire.clone().lock_owned())
+                            .await;
+                }
+                session
             }
             None => None,
         };
@@ -438,5 +554,21 @@ impl Inner {
             }
             Err(err) => Err(backend_error(&format!("deleting the entry {key}"), err)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_queue;
+
+    #[test]
+    fn only_entries_one_segment_below_a_queue_are_in_it() {
+        let queue = "/p/dlock:x/";
+        assert!(in_queue(queue, b"/p/dlock:x/0f3a"));
+        assert!(in_queue(queue, b"/p/dlock:x/owner%2Fslash"));
+        // A backend whose prefix is `/p/dlock:x`: its key k's entries.
+        assert!(!in_queue(queue, b"/p/dlock:x/dlock:k/0f3a"));
+        assert!(!in_queue(queue, b"/p/dlock:x/"));
+        assert!(!in_queue(queue, b"/p/dlock:y/0f3a"));
     }
 }

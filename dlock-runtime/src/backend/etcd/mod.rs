@@ -73,13 +73,30 @@
 //! that fails is retried within the request bound, then in the background
 //! until it succeeds or the session ends. An acquisition given up or
 //! cancelled at any point leaves no entry: its entry is deleted by name (the
-//! name holds the acquisition's own owner token), also by the runtime's
-//! second, later release of a dropped acquisition, which finds an entry put
-//! by a request that was still on the wire at the first.
+//! name holds the acquisition's own owner token). A put is sent from a task
+//! of its own that finishes even when its attempt is dropped, and the
+//! delete waits until that put is answered (or cut at its request bound):
+//! etcd serves the requests of one connection concurrently, so a delete
+//! sent while the put is on the wire could be applied first and leave the
+//! entry the put creates after it. A put cut at its bound without an answer
+//! may still be applied later; the runtime's second, later release of a
+//! dropped acquisition deletes the entry it creates.
 //!
 //! **Keys** are the stored key with `%` and `/` percent-encoded, so no two
 //! keys share a queue and `{prefix}/{key}/{owner}` splits one way only.
 //! No key is refused.
+//!
+//! **Nested prefixes**: a queue is every etcd key under `{prefix}/{key}/`,
+//! and another backend's prefix may be that very path (or lie below it):
+//! its entries, `{prefix}/{key}/{its key}/{its owner}`, are then under the
+//! queue too. Only the queue's own entries count — those one segment below
+//! it (an owner token is escaped: it holds no `/`); the reads of the
+//! queue's head and of an entry's predecessor skip the others, reading a
+//! further page at the same revision when a whole page held only those.
+//! So a key is never held up by a nested backend's keys. Versions of dlock
+//! that counted every key under the queue still exclude this one on a
+//! shared prefix (their entries are one segment below it, as ours are);
+//! they may only wait, needlessly, behind a nested backend's entries.
 //!
 //! **URL**: `etcd://[user:pass@]h1:p1,h2:p2[/prefix][?session_ttl=10s]`
 //! (port 2379 by default). `user:pass` (percent-encoded) logs in with etcd's

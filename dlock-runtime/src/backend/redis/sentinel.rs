@@ -15,10 +15,11 @@
 //!   refused connection, or a timeout ([`moves`]): the sentinels are asked
 //!   again (at most once per [`MIN_RESOLVE_INTERVAL`] however many commands
 //!   fail), and the command is sent once more if the primary moved;
-//! - as soon as the sentinel it listens to announces a switch
-//!   (`+switch-master` on one sentinel's pub/sub, moved to the next sentinel
-//!   when that one fails: the sentinels are then asked at once), and every
-//!   [`POLL`] in any case, by a task of its own ([`watch()`]): after `SENTINEL
+//! - as soon as any sentinel announces a switch (`+switch-master` on each
+//!   sentinel's pub/sub, each listened to by a task of its own, so a
+//!   sentinel that answers nothing delays no one: the sentinels are then
+//!   asked at once), and every [`POLL`] in any case, by a task of its own
+//!   ([`watch()`]): after `SENTINEL
 //!   FAILOVER` the old primary still accepted writes for ≈11 s (measured), so
 //!   waiting for an error would leave grants and renewals on a node about to
 //!   be reset.
@@ -59,7 +60,8 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo, RedisError};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use super::conn::{Conn, Opener, client};
 use super::scripts::redis_error;
@@ -303,16 +305,6 @@ impl Sentinels {
             }
         }
         (named, why)
-    }
-
-    /// A subscription to the switches sentinel `number` announces, if it answers.
-    async fn listen(&self, number: usize) -> Option<redis::aio::PubSubStream> {
-        let (client, _) = self.sentinels.get(number)?;
-        let mut pubsub = self.bounded(client.get_async_pubsub()).await.ok()?;
-        self.bounded(pubsub.subscribe("+switch-master"))
-            .await
-            .ok()?;
-        Some(pubsub.into_on_message())
     }
 
     /// `SENTINEL MASTER` on one sentinel, over its kept connection (opened
@@ -611,52 +603,99 @@ impl Followed {
     }
 }
 
-/// Follows the primary while it is followed: at once when the sentinel
-/// listened to announces a switch (`+switch-master`), and every [`POLL`] in
-/// any case (a sentinel that lags, a listening connection lost). The
-/// listening connection moves to the next sentinel when it fails.
+/// Follows the primary while it is followed: at once when any sentinel
+/// announces a switch (`+switch-master`), and every [`POLL`] in any case (a
+/// sentinel that lags, a subscription lost). Every sentinel is listened to
+/// by a task of its own ([`listen_to`]), so a sentinel that answers nothing
+/// holds up neither the others' announcements nor the polls: the
+/// resolutions run here, one at a time, and never wait for a subscription.
 async fn watch(followed: Weak<Followed>) {
-    let mut listened: Option<redis::aio::PubSubStream> = None;
-    let mut next_sentinel = 0;
+    let Some(strong) = followed.upgrade() else {
+        return;
+    };
+    let stop = CancellationToken::new();
+    let _stop_listening = stop.clone().drop_guard();
+    let (announce, mut announced) = mpsc::unbounded_channel();
+    for (client, _) in &strong.sentinels.sentinels {
+        tokio::spawn(listen_to(
+            client.clone(),
+            strong.sentinels.timeout,
+            announce.clone(),
+            stop.clone(),
+        ));
+    }
+    drop(strong);
     let mut poll_at = tokio::time::Instant::now() + POLL;
-    let mut listen_at = tokio::time::Instant::now();
     loop {
-        if listened.is_none() && tokio::time::Instant::now() >= listen_at {
-            let Some(strong) = followed.upgrade() else {
-                return;
-            };
-            listened = strong.sentinels.listen(next_sentinel).await;
-            if listened.is_none() {
-                next_sentinel = (next_sentinel + 1) % strong.sentinels.sentinels.len();
-                listen_at = tokio::time::Instant::now() + POLL;
-            }
-        }
-        let announced = tokio::select! {
-            message = async {
-                match listened.as_mut() {
-                    Some(stream) => stream.next().await,
-                    None => std::future::pending().await,
-                }
-            } => Some(message),
+        let payload = tokio::select! {
+            payload = announced.recv() => payload,
             () = tokio::time::sleep_until(poll_at) => None,
         };
         let Some(strong) = followed.upgrade() else {
             return;
         };
-        match announced {
-            Some(Some(message)) => {
-                let payload: String = message.get_payload().unwrap_or_default();
+        match payload {
+            Some(payload) => {
                 strong.switch_announced(&payload).await;
-            }
-            Some(None) => {
-                listened = None;
-                next_sentinel = (next_sentinel + 1) % strong.sentinels.sentinels.len();
+                // The other sentinels' announcements of the same switch:
+                // the resolution just made has followed it.
+                while announced.try_recv().is_ok() {}
             }
             None => {
                 poll_at = tokio::time::Instant::now() + POLL;
                 let seen = strong.current().generation;
                 strong.resolve_after(seen, Duration::ZERO).await;
             }
+        }
+    }
+}
+
+/// A subscription to the switches a sentinel announces, if it answers
+/// within `timeout`.
+async fn subscribe(client: &Client, timeout: Duration) -> Option<redis::aio::PubSubStream> {
+    let mut pubsub = tokio::time::timeout(timeout, client.get_async_pubsub())
+        .await
+        .ok()?
+        .ok()?;
+    tokio::time::timeout(timeout, pubsub.subscribe("+switch-master"))
+        .await
+        .ok()?
+        .ok()?;
+    Some(pubsub.into_on_message())
+}
+
+/// Listens to one sentinel's `+switch-master` announcements until `stop`,
+/// subscribing again [`POLL`] after a subscription failed or ended, and
+/// hands each announcement to the watch.
+async fn listen_to(
+    client: Client,
+    timeout: Duration,
+    announce: mpsc::UnboundedSender<String>,
+    stop: CancellationToken,
+) {
+    loop {
+        let subscribed = tokio::select! {
+            () = stop.cancelled() => return,
+            subscribed = subscribe(&client, timeout) => subscribed,
+        };
+        if let Some(mut messages) = subscribed {
+            loop {
+                let message = tokio::select! {
+                    () = stop.cancelled() => return,
+                    message = messages.next() => message,
+                };
+                let Some(message) = message else {
+                    break;
+                };
+                let payload: String = message.get_payload().unwrap_or_default();
+                if announce.send(payload).is_err() {
+                    return;
+                }
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(POLL) => {}
         }
     }
 }
