@@ -78,7 +78,7 @@ fn stored_key(lock: &str) -> Option<&str> {
 }
 
 /// `text` with `SCAN … MATCH`'s special characters escaped.
-fn glob_escape(text: &str) -> String {
+pub(super) fn glob_escape(text: &str) -> String {
     let mut escaped = String::with_capacity(text.len() + 2);
     for c in text.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^' | '-') {
