@@ -36,7 +36,10 @@
 //! its lease, never the whole `wait`.
 //!
 //! A lock `K` (the registry's prefix included) is stored as `{K}` and its
-//! release channel is `{K}:released`. The fence counters are shared, so the
+//! release channel is `{K}:released`. Its value is the owner token, a newline
+//! and the holder's record (token, grant time, host, pid, name: see
+//! `admin.rs`, which also reads it back for `inspect`, `list` and `revoke`);
+//! a revoked owner is marked in `{K}:revoked` for the lease it had left. The fence counters are shared, so the
 //! server keeps **no key per lock name** once its lock is released: one
 //! counter `dlock-fence` per server (and database), or on **Redis Cluster**
 //! one per hash slot, `dlock-fence:{<tag>}`, with the tag chosen so that the
