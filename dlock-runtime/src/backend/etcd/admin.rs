@@ -9,8 +9,7 @@
 //! process dies, the entry goes with that lease; while it runs, dlock's own
 //! lease is kept by the holder's watchdog). Revocation deletes the holder's
 //! entry (guarded by its create revision): its next renewal reads it gone
-//! and answers [`Renewal::Lost`](crate::backend::Renewal::Lost) — etcd keeps
-//! nothing that tells a deletion by an operator from any other — and the
+//! and answers [`Renewal::Lost`](crate::backend::Renewal::Lost), and the
 //! next waiter's watch fires as on a release.
 
 use std::collections::BTreeMap;
