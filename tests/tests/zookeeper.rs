@@ -72,7 +72,14 @@ async fn curator_layout_and_czxid_tokens() {
     let node = format!("{container}/{name}");
     let (data, stat) = admin.get_data(&node).await.expect("our node");
     assert_ne!(stat.ephemeral_owner, 0, "lock nodes are ephemeral");
-    assert_eq!(data.len(), 32, "the node holds the owner token");
+    // The owner token, then the holder record on the next line.
+    let data = String::from_utf8(data).expect("text");
+    let (owner, record) = data.split_once('\n').expect("a holder record");
+    assert_eq!(owner.len(), 32, "the node holds the owner token: {data}");
+    assert!(
+        record.starts_with(&format!("h1 {} ", std::process::id())),
+        "the node holds the holder record: {data}"
+    );
     assert_eq!(
         guard.fencing_token().map(u64::from),
         Some(stat.czxid as u64),

@@ -41,6 +41,8 @@ pub(super) struct Pending {
     pub(super) key: String,
     /// The key's queue: `{prefix}/{escaped key}/`.
     queue: String,
+    /// The holder's record, the entry's value.
+    holder: String,
     pub(super) notify: Arc<Notify>,
     /// Held by a put from when it is sent until it is answered or cut at
     /// its request bound, in a task of its own that outlives a dropped
@@ -191,6 +193,7 @@ impl Inner {
                 Arc::new(Pending {
                     key: format!("{queue}{}", super::url::escape(&request.owner)),
                     queue,
+                    holder: request.holder.encode(),
                     notify: Arc::new(Notify::new()),
                     put_on_the_wire: Arc::new(tokio::sync::Mutex::new(())),
                     state: Mutex::new(PendingState::default()),
@@ -339,7 +342,7 @@ impl Inner {
             .and_then([
                 TxnOp::put(
                     key,
-                    "",
+                    pending.holder.as_str(),
                     Some(PutOptions::new().with_lease(session.lease_id)),
                 ),
                 TxnOp::get(pending.queue.as_str(), Some(first())),

@@ -75,6 +75,7 @@
 //! between). On each connection the owner-checked delete then follows the
 //! acquire it undoes; a delete that finds nothing is harmless.
 
+mod admin;
 mod node;
 
 use std::any::Any;
@@ -92,20 +93,24 @@ use super::conn::{client, install_crypto_provider};
 use super::connections::Route;
 use super::scripts::{RELEASE, RENEW, millis, redis_error};
 use super::url::{Topology, parse_url};
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError, redact_url};
 
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` lease (ms).
+/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` lease (ms), `ARGV[3]` the
+/// value to store (the owner, a newline, the holder's record).
 /// Answers `{1, 0}` or `{0, holder's remaining ms}`. Sent twice for one owner
 /// (resent home, or a vote an earlier attempt of the same acquisition left
 /// behind), it grants again from now: the vote is ours.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if redis.call('SET', KEYS[1], ARGV[3], 'NX', 'PX', ARGV[2]) then
   return {1, 0}
 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] or (held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '\n') then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, 0}
 end
@@ -121,7 +126,8 @@ return {0, redis.call('PTTL', KEYS[1])}
 static ROLLBACK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] or (held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '\n') then
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -259,7 +265,13 @@ impl RedlockBackend {
         let timeout = self.node_timeout(request.lease);
         let started = Instant::now();
         let mut acquire = ACQUIRE.key(&request.key);
-        acquire.arg(&request.owner).arg(millis(request.lease));
+        acquire
+            .arg(&request.owner)
+            .arg(millis(request.lease))
+            .arg(super::admin::unfenced_value(
+                &request.owner,
+                &request.holder,
+            ));
         let acquire = &acquire;
         // Each node's route is chosen once: a roll-back follows its acquire
         // over the same connection.
@@ -499,6 +511,25 @@ impl LockBackend for RedlockBackend {
         // The home connections' driver tasks live on dlock's I/O runtime, the
         // local ones on the caller's: calls go straight from the caller.
         false
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(self.inspect_key(key))
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(self.list_keys(prefix, limit))
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(self.revoke_key(key))
     }
 }
 
