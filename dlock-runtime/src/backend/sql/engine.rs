@@ -165,6 +165,14 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// column.
     fn add_holder_columns(table: &str) -> Vec<String>;
 
+    /// The columns session mode adds to `<table>_fence` (the stored key and
+    /// the holder record of the last grant), as the check selects them.
+    const FENCE_COLUMNS: &'static str;
+
+    /// The statements that add [`FENCE_COLUMNS`](Self::FENCE_COLUMNS) to
+    /// `<table>_fence`, one per column.
+    fn add_fence_columns(table: &str) -> Vec<String>;
+
     /// Whether a failed column addition means the column is there already
     /// (another process added it meanwhile).
     fn column_exists(err: &sqlx::Error) -> bool;
@@ -384,8 +392,16 @@ impl<D: Dialect> SqlBackend<D> {
             );
             crate::driver::run(async move {
                 ensure_schema::<D>(pool.clone(), &table, create, mode).await?;
-                if mode == Mode::Lease {
-                    ensure_holder_columns::<D>(pool, &table).await?;
+                match mode {
+                    Mode::Lease => {
+                        let statements = D::add_holder_columns(&table);
+                        ensure_columns::<D>(pool, &table, D::HOLDER_COLUMNS, &statements).await?;
+                    }
+                    Mode::Session => {
+                        let statements = D::add_fence_columns(&table);
+                        let fence = format!("{table}_fence");
+                        ensure_columns::<D>(pool, &fence, D::FENCE_COLUMNS, &statements).await?;
+                    }
                 }
                 Ok::<_, LockError>(())
             })
@@ -646,21 +662,23 @@ async fn ensure_schema<D: Dialect>(
     check::<D>(&pool, &sql).await.map_err(backend_error::<D>)
 }
 
-/// Adds the holder-record columns to a lease table created without them
-/// (see `sql::admin`). A role that may not alter the table gets an error
-/// naming the statements to run.
-async fn ensure_holder_columns<D: Dialect>(
+/// Adds the holder-record `columns` to `table` (the lease table, or session
+/// mode's counters) when it was created without them, by `statements` (see
+/// `sql::admin`). A role that may not alter the table gets an error naming
+/// the statements to run.
+async fn ensure_columns<D: Dialect>(
     pool: sqlx::Pool<D::Db>,
     table: &str,
+    columns: &str,
+    statements: &[String],
 ) -> Result<(), LockError> {
-    let sql: Arc<str> = format!("SELECT {} FROM {table} LIMIT 0", D::HOLDER_COLUMNS).into();
+    let sql: Arc<str> = format!("SELECT {columns} FROM {table} LIMIT 0").into();
     match check::<D>(&pool, &sql).await {
         Ok(()) => return Ok(()),
         Err(e) if D::schema_missing(&e) == Some(false) => {}
         Err(e) => return Err(backend_error::<D>(e)),
     }
-    let statements = D::add_holder_columns(table);
-    for add in &statements {
+    for add in statements {
         let mut conn = pool.acquire().await.map_err(backend_error::<D>)?;
         match D::fetch_i64(&mut conn, add.as_str().into(), None).await {
             Err(e) if !D::column_exists(&e) => {

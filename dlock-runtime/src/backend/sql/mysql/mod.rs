@@ -247,8 +247,11 @@ impl MysqlBackend {
         granted_us BIGINT,\n    \
         revoked    VARBINARY(255)\n) ENGINE = InnoDB;\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
-        k     BIGINT          NOT NULL PRIMARY KEY,\n    \
-        token BIGINT UNSIGNED NOT NULL\n) ENGINE = InnoDB;";
+        k          BIGINT          NOT NULL PRIMARY KEY,\n    \
+        token      BIGINT UNSIGNED NOT NULL,\n    \
+        name       VARBINARY(1024),\n    \
+        holder     VARBINARY(1024),\n    \
+        granted_us BIGINT\n) ENGINE = InnoDB;";
 
     /// Connects to the database a `mysql://` URL names, creating (or
     /// checking) the table. See the [module docs](self) for the options.
@@ -567,6 +570,19 @@ impl Dialect for Mysql {
         ]
         .iter()
         .map(|column| format!("ALTER TABLE {table} ADD COLUMN {column}"))
+        .collect()
+    }
+
+    const FENCE_COLUMNS: &'static str = "name, holder, granted_us";
+
+    fn add_fence_columns(table: &str) -> Vec<String> {
+        [
+            "name VARBINARY(1024)",
+            "holder VARBINARY(1024)",
+            "granted_us BIGINT",
+        ]
+        .iter()
+        .map(|column| format!("ALTER TABLE {table}_fence ADD COLUMN {column}"))
         .collect()
     }
 

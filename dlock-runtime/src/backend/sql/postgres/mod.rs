@@ -274,7 +274,12 @@ impl PostgresBackend {
         holder     text,\n    \
         granted_at timestamptz,\n    \
         revoked    text\n) WITH (fillfactor = 80);\n\
-        CREATE TABLE IF NOT EXISTS dlock_leases_fence (k bigint PRIMARY KEY, token bigint NOT NULL);";
+        CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
+        k          bigint PRIMARY KEY,\n    \
+        token      bigint NOT NULL,\n    \
+        name       text COLLATE \"C\",\n    \
+        holder     text,\n    \
+        granted_at timestamptz\n);";
 
     /// Connects to the database a `postgres://` URL names, creating (or
     /// checking) the table. See the [module docs](self) for the options.
@@ -725,6 +730,19 @@ impl Dialect for Postgres {
             .iter()
             .map(|column| format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}"))
             .collect()
+    }
+
+    const FENCE_COLUMNS: &'static str = "name, holder, granted_at";
+
+    fn add_fence_columns(table: &str) -> Vec<String> {
+        [
+            "name text COLLATE \"C\"",
+            "holder text",
+            "granted_at timestamptz",
+        ]
+        .iter()
+        .map(|column| format!("ALTER TABLE {table}_fence ADD COLUMN IF NOT EXISTS {column}"))
+        .collect()
     }
 
     fn column_exists(err: &sqlx::Error) -> bool {
