@@ -5,16 +5,18 @@
 //!
 //! **Columns.** Three nullable columns beside the lease: `holder` (the
 //! [`HolderRecord`] in its one-line text form), `granted_at` (when the row
-//! was granted to its owner, on the database's clock: milliseconds on
-//! SQLite and PostgreSQL, microseconds on MySQL, since the epoch) and
+//! was granted to its owner, on the database's clock: milliseconds since
+//! the epoch on SQLite, a `timestamptz` on PostgreSQL, microseconds in
+//! `granted_us` on MySQL) and
 //! `revoked` (the last owner an operator revoked). Tables created by earlier
 //! versions lack them: each backend adds them when it connects (`ALTER TABLE
 //! … ADD COLUMN`, an addition that concurrent processes may race: a column
-//! another process added meanwhile counts as added). Where the table cannot
-//! be altered (a role without the right) the backend still locks, without
-//! holder records: inspect and list then show the keys, tokens and
-//! expiries, and revoke works without reporting `Renewal::Revoked` (the
-//! holder sees `Lost`).
+//! another process added meanwhile counts as added). A role that may not
+//! alter the table gets a configuration error at connect naming the
+//! statements to run (the exported `DDL` has the columns).
+//! Session mode keeps the stored key, the holder record and the grant time
+//! in the key's `<table>_fence` row instead, written by the lock statement
+//! and added to old tables the same way.
 //!
 //! **Revocation** frees the row the way a release does — `owner = NULL`,
 //! the expiry now — and writes the revoked owner into `revoked`; the row and

@@ -12,10 +12,13 @@
 //!
 //! ```sql
 //! -- F = (expires_us <= N OR owner = ?): free, expired, or ours (a retry)
-//! INSERT INTO dlock_leases (k, owner, token, expires_us) VALUES (?, ?, LAST_INSERT_ID(N), N + ?)
+//! INSERT INTO dlock_leases (k, owner, token, expires_us, holder, granted_us)
+//!   VALUES (?, ?, LAST_INSERT_ID(N), N + ?, ?, N)
 //! ON DUPLICATE KEY UPDATE
 //!   token      = IF(F, LAST_INSERT_ID(GREATEST(token + 1, N)),
 //!                  token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - N, 0), 2^40 - 1) + 1)),
+//!   holder     = IF(F, ?, holder),
+//!   granted_us = IF(F, IF(owner <=> ?, granted_us, N), granted_us),
 //!   owner      = IF(F, ?, owner),
 //!   expires_us = IF(F, N + ?, expires_us);    -- assigned last: F reads it
 //! ```

@@ -8,10 +8,11 @@
 //!
 //! ```sql
 //! -- acquire: no row back = busy; a retry by the same owner takes it again
-//! INSERT INTO dlock_leases AS l (key, owner, token, expires_at)
-//! VALUES ($1, $2, <now µs>, clock_timestamp() + $3 ms)
+//! INSERT INTO dlock_leases AS l (key, owner, token, expires_at, holder, granted_at)
+//! VALUES ($1, $2, <now µs>, clock_timestamp() + $3 ms, $4, clock_timestamp())
 //! ON CONFLICT (key) DO UPDATE SET owner = excluded.owner,
-//!     token = GREATEST(l.token + 1, excluded.token), expires_at = excluded.expires_at, wanted = false
+//!     token = GREATEST(l.token + 1, excluded.token), expires_at = excluded.expires_at, wanted = false,
+//!     holder = excluded.holder, granted_at = <the old one for a retry by the owner, else excluded's>
 //! WHERE l.owner IS NULL OR l.owner = excluded.owner OR l.expires_at <= clock_timestamp()
 //! RETURNING token;
 //! -- renew a whole watchdog batch: the keys not returned are lost
