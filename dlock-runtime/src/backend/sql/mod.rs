@@ -14,6 +14,10 @@
 //!   one statement for a whole watchdog batch on PostgreSQL and MySQL;
 //! - release: `UPDATE … SET owner = NULL, expires_at = now WHERE key = ? AND owner = ?`.
 //!
+//! Each row also carries its holder record (`holder`, `granted_at`) and the
+//! last revoked owner (`revoked`): see `admin.rs` for inspection, listing,
+//! revocation and how tables of earlier versions get these columns.
+//!
 //! Free rows older than a retention (10 minutes by default, `?retention=`)
 //! are deleted now and then, so `order:{id}`-style keys do not grow the table
 //! without bound; hybrid tokens make that safe.
@@ -66,6 +70,7 @@
 //! - [`MysqlBackend`] (`mysql://`, MySQL 8 and MariaDB ≥ 10.5, feature
 //!   `mysql`): waiters poll with back-off; or `GET_LOCK` with `?mode=session`.
 
+mod admin;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod engine;
 #[cfg(feature = "mysql")]

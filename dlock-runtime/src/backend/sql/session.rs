@@ -31,8 +31,9 @@ use futures_util::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use super::engine::holder_text;
 use super::pool::{DeadConnections, is_connection_error, timed_out};
-use crate::backend::{AcquireRequest, Attempt, Lease, Renewal};
+use crate::backend::{AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -60,11 +61,13 @@ pub trait SessionDb: Send + Sync + 'static {
     fn pooled(&self) -> usize;
 
     /// Locks `key` within `wait` (zero: try once), and on success bumps its
-    /// fencing counter and sets the server's idle limit to `ttl`.
+    /// fencing counter, stores the key and its `holder` record (text) in the
+    /// counter's row, and sets the server's idle limit to `ttl`.
     fn lock<'a>(
         &'a self,
         conn: &'a mut Self::Conn,
         key: &'a str,
+        holder: &'a str,
         wait: Duration,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>>;
@@ -99,7 +102,25 @@ pub trait SessionDb: Send + Sync + 'static {
 
     /// The backend error for a failed statement.
     fn classify(&self, err: sqlx::Error) -> BackendError;
+
+    /// Who holds `key` on the server (its holder record from the counter's
+    /// row), and how many wait for it where the server shows it.
+    fn inspect<'a>(&'a self, key: &'a str)
+    -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>>;
+
+    /// The held keys whose counter row names a key under `prefix`.
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>>;
+
+    /// Ends the server session that holds `key`, or answers why it may not.
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>>;
 }
+
+/// The longest holder record a counter row stores, in bytes.
+pub(super) const HOLDER_MAX: usize = 1024;
 
 /// The longest server-side wait of one attempt.
 const MAX_SLICE: Duration = Duration::from_secs(30);
@@ -151,6 +172,31 @@ impl<S: SessionDb> Sessions<S> {
             timeout,
             next_id: AtomicU64::new(0),
         }
+    }
+
+    /// Who holds `key` on the server, within the timeout.
+    pub(super) async fn inspect(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
+        tokio::time::timeout(self.timeout, self.db.inspect(key))
+            .await
+            .unwrap_or_else(|_| Err(timed_out("inspect", self.timeout)))
+    }
+
+    /// The held keys under `prefix`, within the timeout.
+    pub(super) async fn list(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>, BackendError> {
+        tokio::time::timeout(self.timeout, self.db.list(prefix, limit))
+            .await
+            .unwrap_or_else(|_| Err(timed_out("list", self.timeout)))
+    }
+
+    /// Takes `key` from its holder, within the timeout.
+    pub(super) async fn revoke(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        tokio::time::timeout(self.timeout, self.db.revoke(key))
+            .await
+            .unwrap_or_else(|_| Err(timed_out("revoke", self.timeout)))
     }
 
     /// Locks held or waited for through this backend right now.
@@ -207,8 +253,13 @@ impl<S: SessionDb> Sessions<S> {
             };
             let locked = tokio::time::timeout(
                 slice + self.timeout,
-                self.db
-                    .lock(running.conn(), &request.key, slice, request.lease),
+                self.db.lock(
+                    running.conn(),
+                    &request.key,
+                    &holder_text(&request.holder, HOLDER_MAX),
+                    slice,
+                    request.lease,
+                ),
             )
             .await;
             let Ok(locked) = locked else {

@@ -9,8 +9,10 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{AssertSqlSafe, Either, Row as _};
 
 use super::{N, my_error, pool_options};
+use crate::backend::sql::admin::{Row, prefix_successor};
 use crate::backend::sql::pool::Checked;
 use crate::backend::sql::session::{Locked, SessionDb, session_hash};
+use crate::backend::{HeldEntry, KeyEntry};
 use crate::error::BackendError;
 
 /// The most session connections one backend opens.
@@ -95,6 +97,80 @@ impl MySessions {
     }
 }
 
+/// The `GET_LOCK` name of the key hashed to `k`.
+fn lock_name(k: i64) -> String {
+    format!("dlock:{:016x}", k as u64)
+}
+
+/// `text` as a MySQL hex literal (`X'…'`; `''` for the empty string).
+fn hex_literal(text: &str) -> String {
+    let mut literal = String::with_capacity(3 + 2 * text.len());
+    literal.push_str("X'");
+    for byte in text.bytes() {
+        literal.push_str(&format!("{byte:02x}"));
+    }
+    literal.push('\'');
+    literal
+}
+
+/// A held lock as the admin statements read it: the holder's connection id,
+/// the counter row's key, holder record, token and grant time (µs).
+type HeldLock = (u64, Vec<u8>, Option<Vec<u8>>, u64, Option<i64>);
+
+impl MySessions {
+    /// The held rows `query` reads (`?`s bound by `bind`), as key entries
+    /// with the holder's connection id.
+    async fn held(
+        &self,
+        query: String,
+        bind: impl FnOnce(
+            sqlx::query::QueryAs<'_, sqlx::MySql, HeldLock, sqlx::mysql::MySqlArguments>,
+        ) -> sqlx::query::QueryAs<
+            '_,
+            sqlx::MySql,
+            HeldLock,
+            sqlx::mysql::MySqlArguments,
+        >,
+    ) -> Result<Vec<(u64, KeyEntry)>, BackendError> {
+        let rows: Vec<HeldLock> = bind(sqlx::query_as(AssertSqlSafe(query)))
+            .fetch_all(&self.control)
+            .await
+            .map_err(my_error)?;
+        let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
+        Ok(rows
+            .into_iter()
+            .map(|(id, key, holder, token, granted_us)| {
+                let key = text(key);
+                let row = Row {
+                    key: key.clone(),
+                    owner: format!("connection {id}"),
+                    holder: holder.map(text),
+                    token: i64::try_from(token).unwrap_or(i64::MAX),
+                    granted_at: granted_us,
+                    expires_in_ms: 0,
+                };
+                let mut held = row.entry(Duration::from_micros(1));
+                // The hold ends with its connection, not at a lease's end.
+                held.expires_in = None;
+                (id, KeyEntry::new(key, vec![held]))
+            })
+            .collect())
+    }
+
+    /// The counter rows `filter` picks whose lock is held, with the id of
+    /// the connection holding it (`IS_USED_LOCK`).
+    fn held_sql(&self, filter: &str) -> String {
+        format!(
+            "SELECT * FROM (SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LPAD(LOWER(HEX(k)), 16, '0'))) \
+                                   AS UNSIGNED) AS id, \
+                                   name, holder, token, granted_us \
+                            FROM {} WHERE name IS NOT NULL AND {filter}) AS h \
+             WHERE id IS NOT NULL",
+            self.fence
+        )
+    }
+}
+
 /// `wait_timeout` is whole seconds, at least 1: rounded up, so the server
 /// never frees a lock before the holder's lease ends.
 fn idle_seconds(ttl: Duration) -> u64 {
@@ -123,12 +199,15 @@ impl SessionDb for MySessions {
         &'a self,
         conn: &'a mut Self::Conn,
         key: &'a str,
+        holder: &'a str,
         wait: Duration,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
         Box::pin(async move {
             let k = session_hash(key);
-            let name = format!("dlock:{:016x}", k as u64);
+            let name = lock_name(k);
+            // Hex literals: the text goes into the statement, never as SQL.
+            let (stored, holder) = (hex_literal(key), hex_literal(holder));
             let fence = &self.fence;
             let wait = format!("{}.{:03}", wait.as_secs(), wait.subsec_millis());
             // One round trip: the connection's id (answered before the
@@ -137,9 +216,11 @@ impl SessionDb for MySessions {
             // ours.
             let sql = format!(
                 "SELECT CONNECTION_ID(); \
-                 INSERT INTO {fence} (k, token) SELECT {k}, LAST_INSERT_ID({N}) FROM DUAL \
+                 INSERT INTO {fence} (k, token, name, holder, granted_us) \
+                 SELECT {k}, LAST_INSERT_ID({N}), {stored}, {holder}, {N} FROM DUAL \
                  WHERE GET_LOCK('{name}', {wait}) = 1 \
-                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {N})); \
+                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {N})), \
+                 name = {stored}, holder = {holder}, granted_us = {N}; \
                  SET SESSION wait_timeout = \
                  IF(IS_USED_LOCK('{name}') = CONNECTION_ID(), {}, @@GLOBAL.wait_timeout)",
                 idle_seconds(ttl)
@@ -212,6 +293,82 @@ impl SessionDb for MySessions {
 
     fn recycle(&self, conn: Self::Conn) {
         conn.conn.keep();
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            let held = self
+                .held(self.held_sql("k = ?"), |q| q.bind(session_hash(key)))
+                .await?;
+            // Waiters are not counted: `GET_LOCK` waits are not shown
+            // without `performance_schema`'s metadata locks.
+            Ok(held
+                .into_iter()
+                .map(|(_, entry)| entry)
+                .find(|entry| entry.key == key))
+        })
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let held = match prefix_successor(prefix) {
+                Some(to) => {
+                    let sql = self.held_sql("name >= ? AND name < ?");
+                    self.held(format!("{sql} ORDER BY name LIMIT ?"), |q| {
+                        q.bind(prefix.to_owned()).bind(to).bind(limit)
+                    })
+                    .await?
+                }
+                None => {
+                    let sql = self.held_sql("name >= ?");
+                    self.held(format!("{sql} ORDER BY name LIMIT ?"), |q| {
+                        q.bind(prefix.to_owned()).bind(limit)
+                    })
+                    .await?
+                }
+            };
+            Ok(held.into_iter().map(|(_, entry)| entry).collect())
+        })
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(async move {
+            let held = self
+                .held(self.held_sql("k = ?"), |q| q.bind(session_hash(key)))
+                .await?;
+            let mut revoked = Vec::new();
+            for (id, entry) in held.into_iter().filter(|(_, e)| e.key == key) {
+                let killed = sqlx::raw_sql(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                    .execute(&self.control)
+                    .await;
+                match killed {
+                    Ok(_) => revoked.extend(entry.holders),
+                    // ER_NO_SUCH_THREAD: its session has ended already.
+                    Err(sqlx::Error::Database(e)) if e.message().contains("Unknown thread") => {
+                        revoked.extend(entry.holders)
+                    }
+                    // ER_KILL_DENIED_ERROR: not this user's connection.
+                    Err(e) if super::error_number(&e) == Some(1095) => {
+                        return Err(BackendError::permanent(format!(
+                            "mysql: revoking `{key}` in session mode ends the holder's \
+                             connection (id {id}) with KILL CONNECTION, which this user may \
+                             not ({e}): connect as the holder's user, or grant this user \
+                             CONNECTION_ADMIN (MySQL 8) or CONNECTION ADMIN (MariaDB), or SUPER"
+                        )));
+                    }
+                    Err(e) => return Err(my_error(e)),
+                }
+            }
+            Ok(revoked)
+        })
     }
 
     fn classify(&self, err: sqlx::Error) -> BackendError {

@@ -11,9 +11,11 @@ use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 
 use super::{NOW_US, pg_error, sqlstate};
+use crate::backend::sql::admin::{Row, prefix_successor};
 use crate::backend::sql::pool::Checked;
 use crate::backend::sql::session::{Locked, SessionDb, session_hash};
 use crate::backend::sql::upkeep::millis;
+use crate::backend::{HeldEntry, KeyEntry};
 use crate::error::BackendError;
 
 /// The most session connections one backend opens.
@@ -47,6 +49,9 @@ pub struct PgSessions {
     pool: PgPool,
     /// See [`PgSessions::lock_sql`].
     lock_sql: Arc<str>,
+    /// See [`PgSessions::held_sql`]: one key's holder, and the held keys of a range.
+    inspect_sql: Arc<str>,
+    list_sql: Arc<str>,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
     /// Clean connections kept for reuse, oldest first, with when each was
@@ -103,6 +108,12 @@ impl PgSessions {
         Ok(PgSessions {
             pool,
             lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
+            inspect_sql: PgSessions::held_sql(&format!("{table}_fence"), "f.k = $1").into(),
+            list_sql: PgSessions::held_sql(
+                &format!("{table}_fence"),
+                "f.name >= $1 AND ($2::text IS NULL OR f.name < $2) ORDER BY f.name LIMIT $3",
+            )
+            .into(),
             idle_limit: version >= 140_000,
             idle: Mutex::default(),
             control,
@@ -147,7 +158,8 @@ impl PgSessions {
     }
 
     /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
-    /// as text), `$3` how long to wait (ms as text; `0`: try once). The wait's
+    /// as text), `$3` how long to wait (ms as text; `0`: try once), `$4` the
+    /// stored key and `$5` the holder record, kept in the counter's row. The wait's
     /// limit is local to the statement's transaction; the idle limit is set
     /// for the session only when the lock is ours.
     fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
@@ -160,14 +172,80 @@ impl PgSessions {
             "WITH t AS (SELECT set_config('lock_timeout', $3, true) AS lt), \
                   l AS (SELECT CASE WHEN $3 = '0' THEN pg_try_advisory_lock($1) \
                                     ELSE pg_advisory_lock($1) IS NOT NULL END AS got FROM t) \
-             INSERT INTO {fence} AS f (k, token) SELECT $1, {NOW_US} FROM l \
+             INSERT INTO {fence} AS f (k, token, name, holder, granted_at) \
+             SELECT $1, {NOW_US}, $4, $5, clock_timestamp() FROM l \
              WHERE CASE WHEN got THEN {limit} IS NOT NULL ELSE false END \
-             ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token) \
+             ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token), \
+                 name = excluded.name, holder = excluded.holder, granted_at = excluded.granted_at \
              RETURNING token"
         )
         .into()
     }
 }
+
+impl PgSessions {
+    /// The held advisory locks of this database (`pg_locks`: granted, on a
+    /// bigint key, whose two halves are `classid` and `objid`) joined with
+    /// the counter rows `filter` picks: the server process holding each,
+    /// the row's key, holder record, token and grant time (ms), and how many
+    /// sessions wait for the same lock.
+    fn held_sql(fence: &str, filter: &str) -> String {
+        format!(
+            "SELECT l.pid, f.name, f.holder, f.token, \
+                    (extract(epoch FROM f.granted_at) * 1000)::bigint, \
+                    (SELECT count(*) FROM pg_locks w \
+                     WHERE w.locktype = 'advisory' AND NOT w.granted \
+                       AND w.database = l.database AND w.classid = l.classid \
+                       AND w.objid = l.objid AND w.objsubid = l.objsubid) \
+             FROM {fence} f JOIN pg_locks l \
+               ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+              AND ((l.classid::bigint << 32) | l.objid::bigint) = f.k \
+             WHERE f.name IS NOT NULL AND {filter}"
+        )
+    }
+
+    /// The held rows `query` reads, as key entries.
+    async fn held(
+        &self,
+        query: Arc<str>,
+        bind: impl FnOnce(
+            sqlx::query::QueryAs<'_, sqlx::Postgres, HeldLock, sqlx::postgres::PgArguments>,
+        ) -> sqlx::query::QueryAs<
+            '_,
+            sqlx::Postgres,
+            HeldLock,
+            sqlx::postgres::PgArguments,
+        >,
+    ) -> Result<Vec<(i32, KeyEntry)>, BackendError> {
+        let rows: Vec<HeldLock> = bind(sqlx::query_as(AssertSqlSafe(query)))
+            .fetch_all(&self.control)
+            .await
+            .map_err(pg_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|(pid, key, holder, token, granted_ms, waiting)| {
+                let row = Row {
+                    key: key.clone(),
+                    owner: format!("pid {pid}"),
+                    holder,
+                    token,
+                    granted_at: granted_ms,
+                    expires_in_ms: 0,
+                };
+                let mut held = row.entry(Duration::from_millis(1));
+                // The hold ends with its connection, not at a lease's end.
+                held.expires_in = None;
+                let mut entry = KeyEntry::new(key, vec![held]);
+                entry.waiters = usize::try_from(waiting).ok();
+                (pid, entry)
+            })
+            .collect())
+    }
+}
+
+/// A held advisory lock as [`PgSessions::held_sql`] reads it.
+type HeldLock = (i32, String, Option<String>, i64, Option<i64>, i64);
 
 impl SessionDb for PgSessions {
     type Conn = PgSession;
@@ -195,6 +273,7 @@ impl SessionDb for PgSessions {
         &'a self,
         conn: &'a mut PgSession,
         key: &'a str,
+        holder: &'a str,
         wait: Duration,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
@@ -210,6 +289,8 @@ impl SessionDb for PgSessions {
                 .bind(session_hash(key))
                 .bind(idle_limit(ttl))
                 .bind(wait)
+                .bind(key)
+                .bind(holder)
                 .fetch_optional(&mut conn.listener)
                 .await
             {
@@ -292,6 +373,67 @@ impl SessionDb for PgSessions {
 
     fn classify(&self, err: sqlx::Error) -> BackendError {
         pg_error(err)
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            let held = self
+                .held(self.inspect_sql.clone(), |q| q.bind(session_hash(key)))
+                .await?;
+            Ok(held
+                .into_iter()
+                .map(|(_, entry)| entry)
+                .find(|entry| entry.key == key))
+        })
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            let held = self
+                .held(self.list_sql.clone(), |q| {
+                    q.bind(prefix.to_owned())
+                        .bind(prefix_successor(prefix))
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                })
+                .await?;
+            Ok(held.into_iter().map(|(_, entry)| entry).collect())
+        })
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(async move {
+            let held = self
+                .held(self.inspect_sql.clone(), |q| q.bind(session_hash(key)))
+                .await?;
+            let mut revoked = Vec::new();
+            for (pid, entry) in held.into_iter().filter(|(_, e)| e.key == key) {
+                let ended = sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .fetch_one(&self.control)
+                    .await;
+                match ended {
+                    Ok(_) => revoked.extend(entry.holders),
+                    // 42501: insufficient privilege.
+                    Err(e) if sqlstate(&e).as_deref() == Some("42501") => {
+                        return Err(BackendError::permanent(format!(
+                            "postgres: revoking `{key}` in session mode ends the holder's \
+                             connection (server process {pid}) with pg_terminate_backend, \
+                             which this role may not ({e}): connect as the holder's role or \
+                             a superuser, or `GRANT pg_signal_backend TO <this role>`"
+                        )));
+                    }
+                    Err(e) => return Err(pg_error(e)),
+                }
+            }
+            Ok(revoked)
+        })
     }
 }
 

@@ -1,0 +1,371 @@
+//! Holder records, `inspect`, `list` and `revoke` on the SQL backends beyond
+//! the conformance suite: the holder's instance name (the builder's and
+//! `DLOCK_HOLDER`), a grant by another process shown with its pid and taken
+//! from it, session mode's revoke refused to a role that may not end the
+//! holder's connection, and a lease table created without the holder
+//! columns.
+#![cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use dlock_runtime::{LockError, Registry};
+use dlock_tests::sql_db::SqlDb;
+use dlock_tests::unique_key;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[cfg(feature = "sqlite")]
+fn sqlite_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("sql-admin-{}.db", std::process::id()))
+    })
+}
+
+/// Every SQL backend and mode under test, as URLs.
+fn urls() -> Vec<String> {
+    let mut urls = Vec::new();
+    #[cfg(feature = "sqlite")]
+    urls.push(SqlDb::Sqlite(sqlite_path()).url());
+    #[cfg(feature = "postgres")]
+    {
+        urls.push(SqlDb::Postgres.url());
+        urls.push(format!("{}?mode=session", SqlDb::Postgres.url()));
+    }
+    #[cfg(feature = "mysql")]
+    {
+        urls.push(SqlDb::Mysql.url());
+        urls.push(format!("{}?mode=session", SqlDb::Mysql.url()));
+    }
+    urls
+}
+
+async fn registry(url: &str) -> Registry {
+    Registry::from_url(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+/// A `dlock-admin-holder` child holding `key` on `url`.
+struct Holder {
+    child: Child,
+    stdout: Option<BufReader<ChildStdout>>,
+    token: u64,
+}
+
+impl Holder {
+    fn start(url: &str, key: &str, name: &str) -> Holder {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dlock-admin-holder"))
+            .args([url, key])
+            .env("DLOCK_HOLDER", name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the holder process");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout
+            .read_line(&mut line)
+            .expect("the holder's first line");
+        let token = line
+            .trim()
+            .strip_prefix("held ")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("the holder said {line:?}"));
+        Holder {
+            child,
+            stdout: Some(stdout),
+            token,
+        }
+    }
+
+    /// The holder's next line, within `within`.
+    async fn next_line(&mut self, within: Duration) -> String {
+        let mut stdout = self.stdout.take().expect("stdout");
+        let read = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("a line");
+            (stdout, line)
+        });
+        let (stdout, line) = tokio::time::timeout(within, read)
+            .await
+            .expect("the holder answers in time")
+            .expect("task");
+        self.stdout = Some(stdout);
+        line.trim().to_owned()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_builders_holder_name_is_stored_with_the_grant() {
+    for url in urls() {
+        let registry = Registry::builder()
+            .default_backend(dlock_runtime::connect(&url).await.expect("connect"))
+            .holder_name("payments blue")
+            .build();
+        let key = unique_key("admin-name");
+        let guard = registry.lock(&key).acquire().await.expect("acquire");
+        let info = registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .unwrap_or_else(|| panic!("{url}: the held key is shown"));
+        let holder = &info.holders()[0];
+        assert_eq!(holder.name(), Some("payments blue"), "{url}: {holder:?}");
+        assert_eq!(holder.pid(), Some(std::process::id()), "{url}");
+        assert!(holder.granted_at().is_some(), "{url}: {holder:?}");
+        guard.release().await.expect("release");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_grant_is_shown_with_its_pid_and_revoked() {
+    for url in urls() {
+        let registry = registry(&url).await;
+        let key = unique_key("admin-child");
+        let mut holder = Holder::start(&url, &key, "replica 7");
+        let info = registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .unwrap_or_else(|| panic!("{url}: the child's key is shown"));
+        let shown = &info.holders()[0];
+        assert_eq!(shown.pid(), Some(holder.child.id()), "{url}: {shown:?}");
+        assert_eq!(shown.name(), Some("replica 7"), "{url}: {shown:?}");
+        assert_eq!(shown.token().map(u64::from), Some(holder.token), "{url}");
+        let listed = registry.list(&key, 10).await.expect("list");
+        assert_eq!(listed.len(), 1, "{url}: {listed:?}");
+        assert_eq!(listed[0].holders()[0].pid(), Some(holder.child.id()));
+
+        let revoked = registry.revoke(&key).await.expect("revoke");
+        assert_eq!(revoked.len(), 1, "{url}: {revoked:?}");
+        assert_eq!(revoked[0].pid(), Some(holder.child.id()), "{url}");
+        assert_eq!(holder.next_line(15 * SECOND).await, "lost", "{url}");
+        let next = registry
+            .lock(&key)
+            .wait(10 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire after the revocation");
+        assert!(
+            next.fencing_token().map(u64::from) > Some(holder.token),
+            "{url}: {:?} after the revoked {}",
+            next.fencing_token(),
+            holder.token
+        );
+        next.release().await.expect("release");
+    }
+}
+
+/// A role that may read dlock's tables but not end other sessions: its
+/// revoke in session mode says what it needs.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_session_revoke_without_the_right_says_what_is_needed() {
+    let db = SqlDb::Postgres;
+    if db
+        .fetch_count(
+            "SELECT count(*) FROM pg_roles \
+             WHERE rolname = current_user AND (rolsuper OR rolcreaterole)",
+        )
+        .await
+        == 0
+    {
+        eprintln!("not run: the test server's role may not create roles");
+        return;
+    }
+    let role = format!("dlock_admin_{}", std::process::id());
+    db.execute(&format!(
+        "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN PASSWORD 'np'; \
+         GRANT SELECT ON dlock_leases, dlock_leases_fence TO {role}"
+    ))
+    .await;
+    let url = format!("{}?mode=session", db.url());
+    let holder_registry = registry(&url).await;
+    let key = unique_key("admin-denied");
+    let guard = holder_registry.lock(&key).acquire().await.expect("acquire");
+    let base = db.url();
+    let (_, rest) = base.split_once('@').expect("a URL with credentials");
+    let denied = registry(&format!("postgres://{role}:np@{rest}?mode=session")).await;
+    let info = denied
+        .inspect(&key)
+        .await
+        .expect("inspect as the other role");
+    assert!(info.is_some(), "the other role sees the holder");
+    let answer = denied.revoke(&key).await;
+    let Err(err @ LockError::Backend { .. }) = &answer else {
+        panic!("revoked without the right: {answer:?}")
+    };
+    assert!(
+        err.to_string().contains("pg_signal_backend"),
+        "the error says what is needed: {err}"
+    );
+    assert!(
+        holder_registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .is_some(),
+        "the holder keeps the key"
+    );
+    guard.release().await.expect("release");
+    drop(denied);
+    db.execute(&format!(
+        "REVOKE ALL ON dlock_leases, dlock_leases_fence FROM {role}; DROP ROLE {role}"
+    ))
+    .await;
+}
+
+/// A user that may read dlock's tables but not kill other connections.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_session_revoke_without_the_right_says_what_is_needed() {
+    let db = SqlDb::Mysql;
+    let user = format!("dlock_admin_{}", std::process::id());
+    let base = db.url();
+    let (_, rest) = base.split_once('@').expect("a URL with credentials");
+    let schema = rest.rsplit_once('/').expect("a database").1;
+    if db
+        .fetch_count(
+            "SELECT count(*) FROM information_schema.user_privileges \
+             WHERE privilege_type = 'CREATE USER' \
+               AND grantee = CONCAT(\"'\", SUBSTRING_INDEX(CURRENT_USER(), '@', 1), \"'@'\", \
+                                    SUBSTRING_INDEX(CURRENT_USER(), '@', -1), \"'\")",
+        )
+        .await
+        == 0
+    {
+        eprintln!("not run: the test server's user may not create users");
+        return;
+    }
+    db.execute(&format!(
+        "DROP USER IF EXISTS '{user}'@'%'; CREATE USER '{user}'@'%' IDENTIFIED BY 'np'; \
+         GRANT SELECT ON {schema}.* TO '{user}'@'%'"
+    ))
+    .await;
+    let url = format!("{base}?mode=session");
+    let holder_registry = registry(&url).await;
+    let key = unique_key("admin-denied");
+    let guard = holder_registry.lock(&key).acquire().await.expect("acquire");
+    let denied = registry(&format!(
+        "mysql://{user}:np@{rest}?mode=session&create=false"
+    ))
+    .await;
+    assert!(
+        denied.inspect(&key).await.expect("inspect").is_some(),
+        "the other user sees the holder"
+    );
+    let answer = denied.revoke(&key).await;
+    let Err(err @ LockError::Backend { .. }) = &answer else {
+        panic!("revoked without the right: {answer:?}")
+    };
+    assert!(
+        err.to_string().contains("CONNECTION_ADMIN"),
+        "the error says what is needed: {err}"
+    );
+    assert!(
+        holder_registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .is_some(),
+        "the holder keeps the key"
+    );
+    guard.release().await.expect("release");
+    drop(denied);
+    db.execute(&format!("DROP USER '{user}'@'%'")).await;
+}
+
+/// A lease table as earlier versions created it, with a row one of them
+/// granted: the columns are added, the old grant is shown (without a
+/// holder record) and revoked, new grants carry records.
+async fn an_old_lease_table_keeps_working(db: SqlDb, url: &str, table: &str, old_row: &str) {
+    db.execute(old_row).await;
+    let registry = registry(url).await;
+    let old = registry
+        .inspect("old-grant")
+        .await
+        .expect("inspect the old grant")
+        .expect("the old grant is shown");
+    assert_eq!(old.holders()[0].pid(), None, "{old:?}");
+    assert_eq!(old.holders()[0].token().map(u64::from), Some(5), "{old:?}");
+    assert_eq!(registry.revoke("old-grant").await.expect("revoke").len(), 1);
+    let guard = registry
+        .lock("old-grant")
+        .acquire()
+        .await
+        .expect("the revoked key is free");
+    assert!(guard.fencing_token().map(u64::from) > Some(5));
+    let info = registry
+        .inspect("old-grant")
+        .await
+        .expect("inspect")
+        .expect("held");
+    assert_eq!(info.holders()[0].pid(), Some(std::process::id()), "{table}");
+    guard.release().await.expect("release");
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_sqlite_lease_table_keeps_working() {
+    let path: &'static Path = Box::leak(
+        Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("sql-admin-old-{}.db", std::process::id()))
+            .into_boxed_path(),
+    );
+    // An empty file is an empty database.
+    std::fs::write(path, b"").expect("create the database file");
+    let db = SqlDb::Sqlite(path);
+    let ddl = "CREATE TABLE dlock_leases (key TEXT PRIMARY KEY NOT NULL, owner TEXT, \
+               token INTEGER NOT NULL, expires_at INTEGER NOT NULL) WITHOUT ROWID; \
+               INSERT INTO dlock_leases VALUES ('dlock:old-grant', 'an-old-owner', 5, \
+               CAST(unixepoch('subsec') * 1000 AS INTEGER) + 600000)";
+    an_old_lease_table_keeps_working(db, &db.url(), "dlock_leases", ddl).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_postgres_lease_table_keeps_working() {
+    let db = SqlDb::Postgres;
+    let table = format!("dlock_old_{}", std::process::id());
+    let ddl = format!(
+        "DROP TABLE IF EXISTS {table}; \
+         CREATE TABLE {table} (key text COLLATE \"C\" PRIMARY KEY, owner text, \
+         token bigint NOT NULL, expires_at timestamptz NOT NULL, \
+         wanted boolean NOT NULL DEFAULT false); \
+         INSERT INTO {table} VALUES ('dlock:old-grant', 'an-old-owner', 5, \
+         clock_timestamp() + interval '10 minutes')"
+    );
+    let url = format!("{}?table={table}", db.url());
+    an_old_lease_table_keeps_working(db, &url, &table, &ddl).await;
+    db.execute(&format!("DROP TABLE {table}")).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_mysql_lease_table_keeps_working() {
+    let db = SqlDb::Mysql;
+    let table = format!("dlock_old_{}", std::process::id());
+    let ddl = format!(
+        "DROP TABLE IF EXISTS {table}; \
+         CREATE TABLE {table} (k VARBINARY(1024) NOT NULL PRIMARY KEY, owner VARBINARY(255), \
+         token BIGINT UNSIGNED NOT NULL, expires_us BIGINT NOT NULL) ENGINE = InnoDB; \
+         INSERT INTO {table} VALUES ('dlock:old-grant', 'an-old-owner', 5, \
+         TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 600000000)"
+    );
+    let url = format!("{}?table={table}", db.url());
+    an_old_lease_table_keeps_working(db, &url, &table, &ddl).await;
+    db.execute(&format!("DROP TABLE {table}")).await;
+}
