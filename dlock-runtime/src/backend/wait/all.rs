@@ -110,7 +110,10 @@ pub(crate) async fn acquire_all_watched(
         let registered = match &source {
             Some((key, registered)) if *key == busy_key || unavailable.is_some() => registered,
             _ => {
-                // A new busy key: register its wake-up, then try again at once.
+                // A new busy key: register its wake-up (the old one dropped
+                // first: a backend may register the owner once), then try
+                // again at once.
+                drop(source.take());
                 let wake = backend.wake_source(&requests[busy_key]);
                 let registered = tokio::time::timeout_at(deadline.into(), wake)
                     .await

@@ -25,6 +25,12 @@
 //! SELECT pg_notify($3, key) FROM r WHERE wanted;
 //! ```
 //!
+//! Several keys of one hold (`lock_all`) are taken in one transaction: the
+//! acquire statement for each key in the runtime's canonical order (so two
+//! such transactions never wait on each other in a cycle), rolled back at
+//! the first busy one, which the waiter then marks and waits on as for a
+//! single key. Session mode takes them one by one.
+//!
 //! **Wake-ups.** `NOTIFY` takes a cluster-wide lock at commit, so a release
 //! notifies only when a waiter marked the key as `wanted`. A waiter marks it
 //! (once per wait, and only when unmarked) after its first busy answer; the
@@ -74,11 +80,13 @@ use sqlx::{AssertSqlSafe, Connection as _, Executor as _, Row as _};
 
 use self::listener::Listener;
 use self::session::PgSessions;
-use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
+use super::engine::{
+    Dialect, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
+};
 use super::pool::is_connection_error;
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
-use crate::backend::{AcquireRequest, Attempt, Lease, Renewal, WakeSource};
+use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
@@ -271,6 +279,28 @@ impl PostgresBackend {
                 retry_in: Some(Duration::from_millis(remaining_ms.max(0) as u64)),
             }),
         })
+    }
+
+    /// The answer for `request`'s key found busy: for a registered waiter,
+    /// the key marked as wanted (its release then notifies) and its holder's
+    /// remaining lease; a back-off while the listener is down.
+    async fn busy_answer(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
+        if !self.contenders.is_registered(&request.owner) {
+            // The first attempt (the wait loop registers and tries again at
+            // once), or one that does not wait at all: no mark.
+            return Ok(Attempt::Busy { retry_in: None });
+        }
+        if !self.is_listening() {
+            let backoff = self
+                .contenders
+                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(self.poll));
+            return Ok(Attempt::Busy { retry_in: backoff });
+        }
+        // Another waiter took it (and cleared the mark): mark it again, so
+        // that its release notifies.
+        Ok(self.mark_and_peek(request).await?.unwrap_or(Attempt::Busy {
+            retry_in: Some(Duration::ZERO),
+        }))
     }
 }
 
@@ -562,25 +592,56 @@ impl Dialect for Postgres {
                 Some(FencingToken::new(token as u64)),
             )));
         }
-        if !backend.contenders.is_registered(&request.owner) {
-            // The first attempt (the wait loop registers and tries again at
-            // once), or one that does not wait at all: no mark.
-            return Ok(Attempt::Busy { retry_in: None });
+        backend.busy_answer(request).await
+    }
+
+    async fn try_leases(
+        backend: &PostgresBackend,
+        requests: &[AcquireRequest],
+    ) -> Result<AttemptAll, BackendError> {
+        let Some(first) = requests.first() else {
+            return Ok(AttemptAll::Held(Vec::new()));
+        };
+        let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+        let ms = millis(first.lease);
+        let taken: Result<Vec<i64>, usize> = backend
+            .db
+            .call_for(&first.owner, "acquire several", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (keys, owner) = (keys.clone(), first.owner.clone());
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let mut tokens = Vec::with_capacity(keys.len());
+                    for (i, key) in keys.into_iter().enumerate() {
+                        let token: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                            .bind(key)
+                            .bind(owner.clone())
+                            .bind(ms)
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        match token {
+                            Some(token) => tokens.push(token),
+                            None => {
+                                tx.rollback().await?;
+                                return Ok(Err(i));
+                            }
+                        }
+                    }
+                    tx.commit().await?;
+                    Ok(Ok(tokens))
+                })
+            })
+            .await?;
+        match taken {
+            Ok(tokens) => Ok(AttemptAll::Held(
+                requests
+                    .iter()
+                    .zip(tokens)
+                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token as u64))))
+                    .collect(),
+            )),
+            Err(i) => busy_at(i, backend.busy_answer(&requests[i]).await?),
         }
-        if !backend.is_listening() {
-            let backoff = backend
-                .contenders
-                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(backend.poll));
-            return Ok(Attempt::Busy { retry_in: backoff });
-        }
-        // Another waiter took it (and cleared the mark): mark it again, so
-        // that its release notifies.
-        Ok(backend
-            .mark_and_peek(request)
-            .await?
-            .unwrap_or(Attempt::Busy {
-                retry_in: Some(Duration::ZERO),
-            }))
     }
 
     fn lease_wake(backend: &PostgresBackend, source: WakeSource) -> WakeSource {

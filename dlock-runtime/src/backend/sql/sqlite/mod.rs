@@ -20,6 +20,10 @@
 //! one indexed read per waiter. Set `?poll=1s` or longer where every process
 //! is known to hear the bells.
 //!
+//! Several keys of one hold (`lock_all`) are taken in one transaction, in
+//! the runtime's canonical order: every row or none (rolled back at the
+//! first busy row, whose holder's remaining lease the waiter then waits on).
+//!
 //! Tokens are hybrid — the larger of the row's token + 1 and the database
 //! clock in microseconds — so they keep growing when a row is deleted (by an
 //! operator, or by the collection of free rows older than `retention`, 10
@@ -40,7 +44,9 @@ use self::doorbell::Doorbells;
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, AttemptAll, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -256,6 +262,20 @@ impl SqliteBackend {
     }
 }
 
+impl SqliteBackend {
+    /// How long the holder of the busy `key` has left (the waiter's next
+    /// look); a lost doorbell listener is started again first.
+    async fn remaining(&self, key: &str) -> Result<Duration, BackendError> {
+        self.doorbells.relisten_if_lost();
+        let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        Ok(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64))
+    }
+}
+
 impl LockBackend for SqliteBackend {
     fn kind(&self) -> &'static str {
         "sqlite"
@@ -279,16 +299,47 @@ impl LockBackend for SqliteBackend {
                     Some(FencingToken::new(token as u64)),
                 )));
             }
-            self.doorbells.relisten_if_lost();
-            let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
-                .bind(&request.key)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql_error)?;
             Ok(Attempt::Busy {
-                retry_in: Some(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64)),
+                retry_in: Some(self.remaining(&request.key).await?),
             })
         })
+    }
+
+    fn try_acquire_all<'a>(
+        &'a self,
+        requests: &'a [AcquireRequest],
+    ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+        // One transaction: its first statement writes, so it takes the
+        // database's write lock at once (no read lock to upgrade).
+        Some(Box::pin(async move {
+            let mut tx = self.pool.begin().await.map_err(sql_error)?;
+            let mut tokens = Vec::with_capacity(requests.len());
+            for (i, request) in requests.iter().enumerate() {
+                let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
+                    .bind(&request.key)
+                    .bind(&request.owner)
+                    .bind(millis(request.lease))
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(sql_error)?;
+                let Some(token) = token else {
+                    tx.rollback().await.map_err(sql_error)?;
+                    return Ok(AttemptAll::Busy {
+                        key: i,
+                        retry_in: Some(self.remaining(&request.key).await?),
+                    });
+                };
+                tokens.push(token);
+            }
+            tx.commit().await.map_err(sql_error)?;
+            Ok(AttemptAll::Held(
+                requests
+                    .iter()
+                    .zip(tokens)
+                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token as u64))))
+                    .collect(),
+            ))
+        }))
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
