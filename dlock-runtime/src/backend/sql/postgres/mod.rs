@@ -25,11 +25,14 @@
 //! SELECT pg_notify($3, key) FROM r WHERE wanted;
 //! ```
 //!
-//! Several keys of one hold (`lock_all`) are taken in one transaction: the
-//! acquire statement for each key in the runtime's canonical order (so two
-//! such transactions never wait on each other in a cycle), rolled back at
-//! the first busy one, which the waiter then marks and waits on as for a
-//! single key. Session mode takes them one by one.
+//! Several keys of one hold (`lock_all`) are taken in one statement, so one
+//! transaction and one round trip: the acquire's upsert over
+//! `unnest($1::text[])` in key order (the runtime's canonical order: two
+//! such statements never wait on each other in a cycle), whose rows all
+//! come back, or none: when only some were taken, a cast of a text to `int`
+//! fails on purpose and the statement is rolled back. A busy answer then
+//! reads which key is held, and the waiter marks it and waits on it as for a
+//! single key. Session mode takes the keys one by one.
 //!
 //! **Wake-ups.** `NOTIFY` takes a cluster-wide lock at commit, so a release
 //! notifies only when a waiter marked the key as `wanted`. A waiter marks it
@@ -100,6 +103,9 @@ use self::pooler::{
 };
 
 /// The database clock in microseconds, in SQL.
+/// The text whose failed cast to `int` rolls back an acquisition of several
+/// keys that found one of them busy.
+const BUSY_CAST: &str = "dlock: a key is busy";
 const NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 const DEFAULT_POLL: Duration = Duration::from_secs(1);
@@ -113,6 +119,8 @@ const POOL_SIZE: u32 = 10;
 #[derive(Debug, Clone)]
 struct Statements {
     acquire: Arc<str>,
+    acquire_all: Arc<str>,
+    busy_of: Arc<str>,
     mark: Arc<str>,
     renew: Arc<str>,
     release: Arc<str>,
@@ -121,16 +129,40 @@ struct Statements {
 impl Statements {
     fn new(table: &str) -> Self {
         let s = |sql: String| Arc::<str>::from(sql);
+        // How a row is taken: the acquire's, and each row's of the acquire
+        // of several keys.
+        let take = "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
+                     token = GREATEST(l.token + 1, excluded.token), \
+                     expires_at = excluded.expires_at, wanted = false \
+                 WHERE l.owner IS NULL OR l.owner = excluded.owner \
+                    OR l.expires_at <= clock_timestamp()";
         Statements {
             acquire: s(format!(
                 "INSERT INTO {table} AS l (key, owner, token, expires_at) \
                  VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond') \
-                 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
-                     token = GREATEST(l.token + 1, excluded.token), \
-                     expires_at = excluded.expires_at, wanted = false \
-                 WHERE l.owner IS NULL OR l.owner = excluded.owner \
-                    OR l.expires_at <= clock_timestamp() \
+                 {take} \
                  RETURNING token"
+            )),
+            // Every key of $1 or none, in one statement (one transaction):
+            // the rows are taken in key order; if some but not all were
+            // taken, the cast fails and the statement is rolled back
+            // (`BUSY_CAST`). No row back: none was taken.
+            acquire_all: s(format!(
+                "WITH taken AS ( \
+                   INSERT INTO {table} AS l (key, owner, token, expires_at) \
+                   SELECT k, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond' \
+                   FROM unnest($1::text[]) AS k ORDER BY k \
+                   {take} \
+                   RETURNING key, token) \
+                 SELECT key, token FROM taken \
+                 WHERE (CASE WHEN (SELECT count(*) FROM taken) = cardinality($1::text[]) \
+                        THEN '1' ELSE '{BUSY_CAST}' END)::int = 1"
+            )),
+            // The first key of $1 held by another owner.
+            busy_of: s(format!(
+                "SELECT key FROM {table} WHERE key = ANY($1::text[]) \
+                 AND owner IS NOT NULL AND owner <> $2 AND expires_at > clock_timestamp() \
+                 ORDER BY key LIMIT 1"
             )),
             // Marks the key as wanted (a write only when it was not marked
             // yet: the row lock orders it against a release, which then
@@ -604,43 +636,66 @@ impl Dialect for Postgres {
         };
         let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
         let ms = millis(first.lease);
-        let taken: Result<Vec<i64>, usize> = backend
+        let taken: Vec<(String, i64)> = backend
             .db
             .call_for(&first.owner, "acquire several", |c| {
-                let sql = backend.dialect.sql.acquire.clone();
+                let sql = backend.dialect.sql.acquire_all.clone();
                 let (keys, owner) = (keys.clone(), first.owner.clone());
                 Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let mut tokens = Vec::with_capacity(keys.len());
-                    for (i, key) in keys.into_iter().enumerate() {
-                        let token: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
-                            .bind(key)
-                            .bind(owner.clone())
-                            .bind(ms)
-                            .fetch_optional(&mut *tx)
-                            .await?;
-                        match token {
-                            Some(token) => tokens.push(token),
-                            None => {
-                                tx.rollback().await?;
-                                return Ok(Err(i));
-                            }
+                    let taken = sqlx::query_as(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owner)
+                        .bind(ms)
+                        .fetch_all(c)
+                        .await;
+                    match taken {
+                        Err(sqlx::Error::Database(e))
+                            if e.code().as_deref() == Some("22P02")
+                                && e.message().contains(BUSY_CAST) =>
+                        {
+                            Ok(Vec::new())
                         }
+                        taken => taken,
                     }
-                    tx.commit().await?;
-                    Ok(Ok(tokens))
                 })
             })
             .await?;
-        match taken {
-            Ok(tokens) => Ok(AttemptAll::Held(
+        if taken.len() == requests.len() {
+            let token_of = |key: &str| {
+                taken
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map(|(_, token)| FencingToken::new(*token as u64))
+            };
+            return Ok(AttemptAll::Held(
                 requests
                     .iter()
-                    .zip(tokens)
-                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token as u64))))
+                    .map(|r| Lease::new(r, token_of(&r.key)))
                     .collect(),
-            )),
-            Err(i) => busy_at(i, backend.busy_answer(&requests[i]).await?),
+            ));
+        }
+        // Busy: nothing was taken. Which key, and its busy answer.
+        let busy: Option<String> = backend
+            .db
+            .call("busy key", |c| {
+                let sql = backend.dialect.sql.busy_of.clone();
+                let (keys, owner) = (keys.clone(), first.owner.clone());
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owner)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        match busy.and_then(|key| requests.iter().position(|r| r.key == key)) {
+            Some(i) => busy_at(i, backend.busy_answer(&requests[i]).await?),
+            // Free again since: look again at once.
+            None => Ok(AttemptAll::Busy {
+                key: 0,
+                retry_in: Some(Duration::ZERO),
+            }),
         }
     }
 
