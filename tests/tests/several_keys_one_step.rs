@@ -319,6 +319,26 @@ mod redis_backend {
     }
 }
 
+/// Who holds a stored key, read from the lease table of `pool` with `sql`
+/// (the stored key bound as its one parameter).
+macro_rules! owner_from_table {
+    ($pool:expr, $sql:expr) => {{
+        let pool = $pool;
+        let owner_of: OwnerOf = Box::new(move |stored| {
+            let pool = pool.clone();
+            Box::pin(async move {
+                sqlx::query_scalar::<_, Option<String>>($sql)
+                    .bind(stored)
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("select")
+                    .flatten()
+            })
+        });
+        owner_of
+    }};
+}
+
 #[cfg(feature = "sqlite")]
 mod sqlite_backend {
     use super::*;
@@ -334,113 +354,66 @@ mod sqlite_backend {
         let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
             .await
             .expect("connect");
-        let owner_of: OwnerOf = Box::new(move |stored| {
-            let pool = pool.clone();
-            Box::pin(async move {
-                sqlx::query_scalar::<_, Option<String>>(
-                    "SELECT owner FROM dlock_leases WHERE key = ?1",
-                )
-                .bind(stored)
-                .fetch_optional(&pool)
-                .await
-                .expect("select")
-                .flatten()
-            })
-        });
+        let owner_of = owner_from_table!(pool, "SELECT owner FROM dlock_leases WHERE key = ?1");
         one_step_cases(Arc::new(backend), three_keys("sqlite-one-step"), owner_of).await;
     }
 }
 
-#[cfg(feature = "postgres")]
-mod postgres_backend {
-    use super::*;
-    use dlock_runtime::PostgresBackend;
-    use dlock_tests::{server_url, servers_missing};
+/// The cases of a server database: its lease table, and its session mode
+/// (no one step).
+macro_rules! server_database {
+    ($module:ident, $feature:literal, $backend:ident, $pool:ty, $var:literal, $default:literal, $owner_sql:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            use super::*;
+            use dlock_runtime::$backend;
+            use dlock_tests::{server_url, servers_missing};
 
-    fn url() -> String {
-        server_url(
-            "DLOCK_TEST_POSTGRES_URL",
-            "postgres://dlock:dlock@127.0.0.1:45432/dlock",
-        )
-    }
+            fn url() -> String {
+                server_url($var, $default)
+            }
 
-    #[tokio::test]
-    async fn one_step_on_the_postgres_lease_table() {
-        let url = url();
-        let backend = PostgresBackend::connect(&url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&url, e));
-        let pool = sqlx::PgPool::connect(&url).await.expect("connect");
-        let owner_of: OwnerOf = Box::new(move |stored| {
-            let pool = pool.clone();
-            Box::pin(async move {
-                sqlx::query_scalar::<_, Option<String>>(
-                    "SELECT owner FROM dlock_leases WHERE key = $1",
-                )
-                .bind(stored)
-                .fetch_optional(&pool)
-                .await
-                .expect("select")
-                .flatten()
-            })
-        });
-        one_step_cases(Arc::new(backend), three_keys("pg-one-step"), owner_of).await;
-    }
+            #[tokio::test]
+            async fn one_step_on_the_lease_table() {
+                let url = url();
+                let backend = $backend::connect(&url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(&url, e));
+                let pool = <$pool>::connect(&url).await.expect("connect");
+                let owner_of = owner_from_table!(pool, $owner_sql);
+                let keys = three_keys(concat!(stringify!($module), "-one-step"));
+                one_step_cases(Arc::new(backend), keys, owner_of).await;
+            }
 
-    #[tokio::test]
-    async fn session_mode_takes_several_keys_one_by_one() {
-        let url = format!("{}?mode=session", url());
-        let backend = PostgresBackend::connect(&url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&url, e));
-        let stored = ["dlock:a".to_owned(), "dlock:b".to_owned()];
-        assert!(backend.try_acquire_all(&requests(&stored, "o")).is_none());
-    }
+            #[tokio::test]
+            async fn session_mode_takes_several_keys_one_by_one() {
+                let url = format!("{}?mode=session", url());
+                let backend = $backend::connect(&url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(&url, e));
+                let stored = ["dlock:a".to_owned(), "dlock:b".to_owned()];
+                assert!(backend.try_acquire_all(&requests(&stored, "o")).is_none());
+            }
+        }
+    };
 }
 
-#[cfg(feature = "mysql")]
-mod mysql_backend {
-    use super::*;
-    use dlock_runtime::MysqlBackend;
-    use dlock_tests::{server_url, servers_missing};
+server_database!(
+    postgres_backend,
+    "postgres",
+    PostgresBackend,
+    sqlx::PgPool,
+    "DLOCK_TEST_POSTGRES_URL",
+    "postgres://dlock:dlock@127.0.0.1:45432/dlock",
+    "SELECT owner FROM dlock_leases WHERE key = $1"
+);
 
-    fn url() -> String {
-        server_url(
-            "DLOCK_TEST_MYSQL_URL",
-            "mysql://dlock:dlock@127.0.0.1:43306/dlock",
-        )
-    }
-
-    #[tokio::test]
-    async fn one_step_on_the_mysql_lease_table() {
-        let url = url();
-        let backend = MysqlBackend::connect(&url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&url, e));
-        let pool = sqlx::MySqlPool::connect(&url).await.expect("connect");
-        let owner_of: OwnerOf = Box::new(move |stored| {
-            let pool = pool.clone();
-            Box::pin(async move {
-                sqlx::query_scalar::<_, Option<String>>(
-                    "SELECT CAST(owner AS CHAR) FROM dlock_leases WHERE k = ?",
-                )
-                .bind(stored)
-                .fetch_optional(&pool)
-                .await
-                .expect("select")
-                .flatten()
-            })
-        });
-        one_step_cases(Arc::new(backend), three_keys("mysql-one-step"), owner_of).await;
-    }
-
-    #[tokio::test]
-    async fn session_mode_takes_several_keys_one_by_one() {
-        let url = format!("{}?mode=session", url());
-        let backend = MysqlBackend::connect(&url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&url, e));
-        let stored = ["dlock:a".to_owned(), "dlock:b".to_owned()];
-        assert!(backend.try_acquire_all(&requests(&stored, "o")).is_none());
-    }
-}
+server_database!(
+    mysql_backend,
+    "mysql",
+    MysqlBackend,
+    sqlx::MySqlPool,
+    "DLOCK_TEST_MYSQL_URL",
+    "mysql://dlock:dlock@127.0.0.1:43306/dlock",
+    "SELECT CAST(owner AS CHAR) FROM dlock_leases WHERE k = ?"
+);

@@ -299,6 +299,25 @@ impl MysqlBackend {
     }
 }
 
+/// The acquire statement with its arguments bound.
+fn acquire_query(
+    sql: Arc<str>,
+    key: String,
+    owner: String,
+    lease_us: i64,
+) -> sqlx::query::Query<'static, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(key)
+        .bind(owner.clone())
+        .bind(lease_us)
+        // F, then F and the new owner, then F and the lease.
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(owner)
+        .bind(lease_us)
+}
+
 impl Dialect for Mysql {
     type Db = sqlx::MySql;
     type Options = MySqlConnectOptions;
@@ -438,16 +457,7 @@ impl Dialect for Mysql {
                 let sql = backend.dialect.sql.acquire.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
                 Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner.clone())
-                        .bind(lease_us)
-                        // F, then F and the new owner, then F and the lease.
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner)
-                        .bind(lease_us)
+                    acquire_query(sql, key, owner, lease_us)
                         .execute(c)
                         .await
                         .map(|done| done.last_insert_id())
@@ -490,15 +500,7 @@ impl Dialect for Mysql {
                     let mut tx = c.begin().await?;
                     let mut ids = Vec::with_capacity(keys.len());
                     for key in keys {
-                        let id = sqlx::query(AssertSqlSafe(sql.clone()))
-                            .bind(key)
-                            .bind(owner.clone())
-                            .bind(lease_us)
-                            .bind(owner.clone())
-                            .bind(owner.clone())
-                            .bind(owner.clone())
-                            .bind(owner.clone())
-                            .bind(lease_us)
+                        let id = acquire_query(sql.clone(), key, owner.clone(), lease_us)
                             .execute(&mut *tx)
                             .await?
                             .last_insert_id();
