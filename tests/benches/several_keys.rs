@@ -4,11 +4,13 @@
 //! then lock B), in one run, as ratios.
 //!
 //! ```sh
-//! cargo bench -p dlock-tests --features redis,postgres,sqlite --bench several_keys
-//! cargo bench -p dlock-tests --features redis,postgres,sqlite --bench several_keys -- --quick
+//! cargo bench -p dlock-tests --features redis,postgres,mysql,sqlite --bench several_keys
+//! cargo bench -p dlock-tests --features redis,postgres,mysql,sqlite --bench several_keys -- --quick
 //! ```
 //!
-//! Needs `redis-server` on `PATH` and PostgreSQL 15 installed
+//! (`mysql` only because the PostgreSQL server of its own is started by the
+//! SQL benchmark's code, which starts MariaDB too.) Needs `redis-server` on
+//! `PATH` and PostgreSQL 15 installed
 //! (`scripts/servers.sh up` installs both; their servers need not run). The
 //! benchmark starts **servers of its own**: Redis on `127.0.0.1:47314`
 //! (no persistence) and a PostgreSQL cluster made by `initdb` on
@@ -44,6 +46,8 @@ use dlock_tests::redis_support::OwnRedis;
 mod common;
 use common::rounds::{median_of, rotated_rounds};
 
+// The SQL benchmark's servers of its own (MariaDB unused here).
+#[allow(dead_code)]
 #[path = "sql/server.rs"]
 mod server;
 use server::OwnServer;
@@ -179,7 +183,7 @@ fn main() -> anyhow::Result<()> {
         println!(
             "Two keys in one step against two single acquisitions in sequence, on Redis, \
              PostgreSQL and SQLite, as ratios.\n\
-             usage: cargo bench -p dlock-tests --features redis,postgres,sqlite --bench \
+             usage: cargo bench -p dlock-tests --features redis,postgres,mysql,sqlite --bench \
              several_keys [-- --quick]\n\
              Starts Redis on 127.0.0.1:{REDIS_PORT} and PostgreSQL 15 on 127.0.0.1:{PG_PORT} \
              (fresh, under target/bench-several-keys/). --quick (or DLOCK_BENCH_QUICK=1): \

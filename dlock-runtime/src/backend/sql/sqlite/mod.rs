@@ -20,9 +20,10 @@
 //! one indexed read per waiter. Set `?poll=1s` or longer where every process
 //! is known to hear the bells.
 //!
-//! Several keys of one hold (`lock_all`) are taken in one transaction, in
-//! the runtime's canonical order: every row or none (rolled back at the
-//! first busy row, whose holder's remaining lease the waiter then waits on).
+//! Several keys of one hold (`lock_all`) are taken in one statement (one
+//! transaction, under the database's write lock), in the runtime's canonical
+//! order: every row, or none when one is held elsewhere (the waiter then
+//! waits on that key's release and its holder's remaining lease).
 //!
 //! Tokens are hybrid — the larger of the row's token + 1 and the database
 //! clock in microseconds — so they keep growing when a row is deleted (by an
@@ -59,21 +60,58 @@ const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
     expires_at INTEGER NOT NULL
 ) WITHOUT ROWID";
 
-// `now` is the database's clock in milliseconds; every statement reads it once.
-// A fresh row's token is the clock in µs; a taken-over row's the larger of
-// its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
-// A retry by the same owner (an answer lost on the way) takes it again.
-const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at)
-    VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
-            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3)
-    ON CONFLICT (key) DO UPDATE SET
+// How a row is taken: the acquire's, and each row's of the acquire of
+// several keys.
+macro_rules! take_row {
+    () => {
+        "ON CONFLICT (key) DO UPDATE SET
         owner = excluded.owner,
         token = MAX(dlock_leases.token + 1, excluded.token),
         expires_at = excluded.expires_at
     WHERE dlock_leases.owner IS NULL
        OR dlock_leases.owner = excluded.owner
-       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)
-    RETURNING token";
+       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+// Held by another owner: the busy rows among the keys of `?1` (a JSON
+// array) for owner `?2`.
+macro_rules! held_elsewhere {
+    () => {
+        "SELECT key FROM dlock_leases
+    WHERE key IN (SELECT value FROM json_each(?1)) AND owner IS NOT NULL AND owner <> ?2
+      AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+// `now` is the database's clock in milliseconds; every statement reads it once.
+// A fresh row's token is the clock in µs; a taken-over row's the larger of
+// its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
+// A retry by the same owner (an answer lost on the way) takes it again.
+const ACQUIRE: &str = concat!(
+    "INSERT INTO dlock_leases (key, owner, token, expires_at)
+    VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
+            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3) ",
+    take_row!(),
+    " RETURNING token"
+);
+
+// Several keys (`?1`, a JSON array) in one statement: SQLite runs a write
+// statement under the database's write lock, so no other writer comes
+// between the check that none is held elsewhere and the rows taken: every
+// row comes back, or none.
+const ACQUIRE_ALL: &str = concat!(
+    "INSERT INTO dlock_leases (key, owner, token, expires_at)
+    SELECT value, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
+           CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3
+    FROM json_each(?1) WHERE NOT EXISTS (",
+    held_elsewhere!(),
+    ") ORDER BY value ",
+    take_row!(),
+    " RETURNING key, token"
+);
+
+const BUSY_OF: &str = concat!(held_elsewhere!(), " ORDER BY key LIMIT 1");
 
 const REMAINING: &str = "SELECT expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)
     FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL";
@@ -309,36 +347,52 @@ impl LockBackend for SqliteBackend {
         &'a self,
         requests: &'a [AcquireRequest],
     ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
-        // One transaction: its first statement writes, so it takes the
-        // database's write lock at once (no read lock to upgrade).
+        let first = requests.first()?;
         Some(Box::pin(async move {
-            let mut tx = self.pool.begin().await.map_err(sql_error)?;
-            let mut tokens = Vec::with_capacity(requests.len());
-            for (i, request) in requests.iter().enumerate() {
-                let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
-                    .bind(&request.key)
-                    .bind(&request.owner)
-                    .bind(millis(request.lease))
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(sql_error)?;
-                let Some(token) = token else {
-                    tx.rollback().await.map_err(sql_error)?;
-                    return Ok(AttemptAll::Busy {
-                        key: i,
-                        retry_in: Some(self.remaining(&request.key).await?),
-                    });
-                };
-                tokens.push(token);
-            }
-            tx.commit().await.map_err(sql_error)?;
-            Ok(AttemptAll::Held(
-                requests
+            let keys = json_array(requests.iter().map(|r| r.key.as_str()));
+            let taken: Vec<(String, i64)> = sqlx::query_as(ACQUIRE_ALL)
+                .bind(&keys)
+                .bind(&first.owner)
+                .bind(millis(first.lease))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            let token_of = |key: &str| {
+                taken
                     .iter()
-                    .zip(tokens)
-                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token as u64))))
-                    .collect(),
-            ))
+                    .find(|(k, _)| k == key)
+                    .map(|(_, token)| FencingToken::new(*token as u64))
+            };
+            let leases: Vec<Lease> = requests
+                .iter()
+                .map(|r| Lease::new(r, token_of(&r.key)))
+                .collect();
+            if leases.iter().all(|l| l.token.is_some()) {
+                return Ok(AttemptAll::Held(leases));
+            }
+            for lease in leases.iter().filter(|l| l.token.is_some()) {
+                // Not expected (one statement under the write lock): undone.
+                self.release(lease).await?;
+            }
+            let busy: Option<String> = sqlx::query_scalar(BUSY_OF)
+                .bind(&keys)
+                .bind(&first.owner)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            Ok(
+                match busy.and_then(|k| requests.iter().position(|r| r.key == k)) {
+                    Some(i) => AttemptAll::Busy {
+                        key: i,
+                        retry_in: Some(self.remaining(&requests[i].key).await?),
+                    },
+                    // Free again since: look again at once.
+                    None => AttemptAll::Busy {
+                        key: 0,
+                        retry_in: Some(Duration::ZERO),
+                    },
+                },
+            )
         }))
     }
 
@@ -399,5 +453,39 @@ impl LockBackend for SqliteBackend {
             self.collect_free_rows().await;
             Ok(())
         })
+    }
+}
+
+/// `keys` as a JSON array of strings (for `json_each`).
+fn json_array<'a>(keys: impl Iterator<Item = &'a str>) -> String {
+    let mut out = String::from("[");
+    for (i, key) in keys.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push('"');
+        for c in key.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    out.push(']');
+    out
+}
+
+#[cfg(test)]
+mod json_tests {
+    use super::json_array;
+
+    #[test]
+    fn keys_are_escaped_as_json_strings() {
+        assert_eq!(json_array(["a", "b"].into_iter()), r#"["a","b"]"#);
+        assert_eq!(json_array([r#"q"u\o"#].into_iter()), r#"["q\"u\\o"]"#);
+        assert_eq!(json_array(["\u{1}"].into_iter()), r#"["\u0001"]"#);
     }
 }
