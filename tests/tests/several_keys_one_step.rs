@@ -198,6 +198,21 @@ mod redis_backend {
             .unwrap_or_else(|e| servers_missing(url, e))
     }
 
+    /// Who holds a stored key: the value of its lock key `{K}`.
+    fn owner_from_redis<C>(conn: C) -> OwnerOf
+    where
+        C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        Box::new(move |stored| {
+            let mut conn = conn.clone();
+            Box::pin(async move {
+                conn.get::<_, Option<String>>(format!("{{{stored}}}"))
+                    .await
+                    .expect("GET")
+            })
+        })
+    }
+
     #[tokio::test]
     async fn one_step_on_one_redis_server() {
         let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
@@ -207,14 +222,7 @@ mod redis_backend {
             .get_multiplexed_async_connection()
             .await
             .expect("connect");
-        let owner_of: OwnerOf = Box::new(move |stored| {
-            let mut conn = conn.clone();
-            Box::pin(async move {
-                conn.get::<_, Option<String>>(format!("{{{stored}}}"))
-                    .await
-                    .expect("GET")
-            })
-        });
+        let owner_of = owner_from_redis(conn);
         one_step_cases(backend, three_keys("redis-one-step"), owner_of).await;
     }
 
@@ -241,14 +249,7 @@ mod redis_backend {
             .collect();
         let client = redis::cluster::ClusterClient::new(nodes).expect("cluster client");
         let conn = client.get_async_connection().await.expect("connect");
-        let owner_of: OwnerOf = Box::new(move |stored| {
-            let mut conn = conn.clone();
-            Box::pin(async move {
-                conn.get::<_, Option<String>>(format!("{{{stored}}}"))
-                    .await
-                    .expect("GET")
-            })
-        });
+        let owner_of = owner_from_redis(conn);
         one_step_cases(backend.clone(), three_keys("cluster-one-step"), owner_of).await;
 
         // Through the runtime across slots: one by one, one owner per key.
