@@ -194,6 +194,31 @@ pub enum Attempt {
     },
 }
 
+/// The answer to one attempt at several keys in one step
+/// ([`LockBackend::try_acquire_all`]): all of them, or none.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AttemptAll {
+    /// Every key is ours: one lease per request, in the requests' order.
+    Held(Vec<Lease>),
+    /// A key is held elsewhere, and none was taken.
+    Busy {
+        /// The index (in the requests) of a busy key: the wait loop sleeps
+        /// on that key's wake-up source.
+        key: usize,
+        /// When it is worth trying again without a wake-up (that key's
+        /// holder's remaining lease, or a back-off), as in [`Attempt::Busy`].
+        retry_in: Option<Duration>,
+    },
+    /// The backend could not decide now, as in [`Attempt::Unavailable`].
+    Unavailable {
+        /// Why.
+        error: BackendError,
+        /// When to try again.
+        retry_in: Duration,
+    },
+}
+
 /// The answer to a renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -215,9 +240,11 @@ pub enum Renewal {
 /// A backend implements **one attempt** ([`try_acquire`](Self::try_acquire)),
 /// its **wake-up source** ([`wake_source`](Self::wake_source)), batched
 /// renewal ([`renew_all`](Self::renew_all); [`renew`](Self::renew) is a batch
-/// of one) and [`release`](Self::release). The runtime owns the rest, once for every
-/// backend: the wait loop ([`wait::acquire`]), the lease's local validity,
-/// the watchdog, time-driven loss, reentrancy, release on drop.
+/// of one) and [`release`](Self::release); optionally, several keys in one
+/// step ([`try_acquire_all`](Self::try_acquire_all)). The runtime owns the
+/// rest, once for every backend: the wait loop ([`wait::acquire`]), the
+/// lease's local validity, the watchdog, time-driven loss, reentrancy,
+/// release on drop.
 ///
 /// Rules every backend follows:
 ///
@@ -255,6 +282,29 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         &'a self,
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>>;
+
+    /// One attempt to take every key of `requests` in one step (one script,
+    /// one transaction): all of them or none, each with its own lease and
+    /// fencing token as [`try_acquire`](Self::try_acquire) would issue them.
+    /// The requests name distinct keys in the runtime's canonical order and
+    /// share their owner, lease, wait and fencing; each has its own `lost`.
+    /// Never waits for a busy key: the runtime's wait loop does, on the busy
+    /// key's [`wake_source`](Self::wake_source), and then tries the whole
+    /// step again.
+    ///
+    /// `None` (the default): this backend cannot take these keys in one
+    /// step (a Redis Cluster whose keys are in different hash slots, session
+    /// locks); the runtime then takes them one by one, in the same order.
+    /// The answer must not change between calls with the same keys. A dropped
+    /// or failed attempt is followed by an owner-checked
+    /// [`release`](Self::release) of every key, as for single keys.
+    fn try_acquire_all<'a>(
+        &'a self,
+        requests: &'a [AcquireRequest],
+    ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+        let _ = requests;
+        None
+    }
 
     /// What wakes this waiter when the holder releases `request.key` (a
     /// release message, a local notification, a watch on the predecessor in a

@@ -60,6 +60,9 @@ use super::{AcquireRequest, Attempt, Lease, LockBackend};
 use crate::error::BackendError;
 use crate::time::{give_up_at, saturating_add};
 
+mod all;
+pub(crate) use all::{AcquiredAll, acquire_all_watched};
+
 /// What wakes a waiter: notifications (a release message, a local release),
 /// a polling interval, or nothing (then the holder's expiry and the
 /// deadline). Built by [`LockBackend::wake_source`]; whatever keeps the

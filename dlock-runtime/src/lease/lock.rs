@@ -16,7 +16,7 @@ use super::guard::LockGuard;
 use super::held::{HeldLease, NewLease};
 use super::registry::{BackendEntry, Registry, global};
 use super::shutdown::Leases;
-use crate::backend::wait::{self, Acquired};
+use crate::backend::wait::{self, Acquired, AcquiredAll};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
 use crate::error::{BackendError, LockError};
 use crate::time::MIN_LEASE;
@@ -281,6 +281,82 @@ async fn acquire_new(
     lost: CancellationToken,
     backend_lost: CancellationToken,
 ) -> Result<LockGuard, LockError> {
+    let request = new_request(registry, options, stored_key, owner_token(), backend_lost);
+    let mut held = new_leases(registry, entry, options, vec![key], vec![request], lost).await?;
+    let guard = LockGuard::new(held.pop().expect("one lease per key"), None);
+    // Checked after the lease is tracked: either shutdown saw it (and
+    // releases it), or this sees the shutdown — a grant that arrives while
+    // the registry shuts down (a waiter woken by shutdown's own release) is
+    // never handed out.
+    if registry.inner.leases.is_closing() {
+        let _ = guard.release().await;
+        return Err(LockError::ShutDown);
+    }
+    Ok(guard)
+}
+
+/// The request for one key of a new acquisition.
+fn new_request(
+    registry: &Registry,
+    options: &LockOptions,
+    stored_key: String,
+    owner: String,
+    backend_lost: CancellationToken,
+) -> AcquireRequest {
+    AcquireRequest {
+        key: stored_key,
+        owner,
+        lease: options.lease,
+        wait: options.wait,
+        lost: backend_lost,
+        fencing: options.fencing,
+        holder: registry.inner.holder.clone(),
+    }
+}
+
+/// What the attempts of an acquisition came to.
+enum Got {
+    /// One lease per request, in their order.
+    Held(Vec<Lease>),
+    /// The key of this index stayed busy for the whole wait budget.
+    Busy(usize),
+}
+
+/// The attempts of an acquisition: one key through the wait loop, several
+/// in one step ([`LockBackend::try_acquire_all`]) through its own.
+async fn attempts(
+    backend: &dyn LockBackend,
+    requests: &[AcquireRequest],
+    on_the_wire: &AtomicBool,
+) -> Result<Got, BackendError> {
+    if let [request] = requests {
+        return Ok(
+            match wait::acquire_watched(backend, request, on_the_wire).await? {
+                Acquired::Held(lease) => Got::Held(vec![lease]),
+                Acquired::Busy => Got::Busy(0),
+            },
+        );
+    }
+    Ok(
+        match wait::acquire_all_watched(backend, requests, on_the_wire).await? {
+            AcquiredAll::Held(leases) => Got::Held(leases),
+            AcquiredAll::Busy(key) => Got::Busy(key),
+        },
+    )
+}
+
+/// New leases for `requests` (one per key of `keys`, the user's keys): one
+/// key, or several the backend takes in one step. `lost` is cancelled when
+/// any of them is lost; each request's `lost` is the token the backend
+/// cancels on its own. The leases are tracked and scheduled for renewal.
+async fn new_leases(
+    registry: &Registry,
+    entry: &BackendEntry,
+    options: &LockOptions,
+    keys: Vec<String>,
+    requests: Vec<AcquireRequest>,
+    lost: CancellationToken,
+) -> Result<Vec<Arc<HeldLease>>, LockError> {
     let leases = &registry.inner.leases;
     // Counted by shutdown until this returns: a grant on its way is either
     // tracked (and released by shutdown, or by the check at the end) or
@@ -292,24 +368,21 @@ async fn acquire_new(
         return Err(LockError::ShutDown);
     }
 
-    let span = tracing::debug_span!(
-        "dlock.lock",
-        key = %key,
-        backend = %entry.name,
-        kind = entry.backend.kind(),
-        waited_ms = tracing::field::Empty,
-        held_ms = tracing::field::Empty,
-        token = tracing::field::Empty,
-    );
-    let request = AcquireRequest {
-        key: stored_key,
-        owner: owner_token(),
-        lease: options.lease,
-        wait: options.wait,
-        lost: backend_lost.clone(),
-        fencing: options.fencing,
-        holder: registry.inner.holder.clone(),
-    };
+    let spans: Vec<tracing::Span> = keys
+        .iter()
+        .map(|key| {
+            tracing::debug_span!(
+                "dlock.lock",
+                key = %key,
+                backend = %entry.name,
+                kind = entry.backend.kind(),
+                waited_ms = tracing::field::Empty,
+                held_ms = tracing::field::Empty,
+                token = tracing::field::Empty,
+            )
+        })
+        .collect();
+    let span = spans[0].clone();
     let started = Instant::now();
     let backend = entry.backend.clone();
     // Shutdown stops a waiting acquisition: dropping it undoes whatever an
@@ -317,7 +390,7 @@ async fn acquire_new(
     let answer = if backend.needs_io_runtime() {
         tokio::select! {
             biased;
-            answer = acquire_on_io_runtime(backend.clone(), request, leases.clone())
+            answer = acquire_on_io_runtime(backend.clone(), requests, leases.clone())
                 .instrument(span.clone()) => answer,
             () = leases.closed() => return Err(LockError::ShutDown),
         }
@@ -325,21 +398,21 @@ async fn acquire_new(
         let on_the_wire = AtomicBool::new(false);
         let abandoned = ReleaseIfAbandoned {
             backend: &backend,
-            request: &request,
+            requests: &requests,
             leases,
             on_the_wire: &on_the_wire,
             armed: true,
         };
         let answer = tokio::select! {
             biased;
-            answer = wait::acquire_watched(&*backend, &request, &on_the_wire)
+            answer = attempts(&*backend, &requests, &on_the_wire)
                 .instrument(span.clone()) => answer,
             () = leases.closed() => return Err(LockError::ShutDown),
         };
         match answer {
-            Ok(acquired) => {
+            Ok(got) => {
                 abandoned.disarm();
-                Ok((acquired, request))
+                Ok((got, requests))
             }
             Err(err) => {
                 // The guard's drop sends the owner-checked release: the
@@ -350,54 +423,66 @@ async fn acquire_new(
         }
     };
     let waited = started.elapsed();
-    span.record("waited_ms", waited.as_secs_f64() * 1000.0);
-    let (acquired, request) = answer.map_err(|e| {
+    for span in &spans {
+        span.record("waited_ms", waited.as_secs_f64() * 1000.0);
+    }
+    let (got, requests) = answer.map_err(|e| {
         tracing::debug!(parent: &span, error = %e, "dlock acquisition failed");
         e.into_lock_error(backend.kind())
     })?;
-    let mut lease = match acquired {
-        Acquired::Held(lease) => lease,
-        Acquired::Busy => {
+    let granted = match got {
+        Got::Held(granted) => granted,
+        Got::Busy(i) => {
             tracing::debug!(parent: &span, waited_ms = waited.as_secs_f64() * 1000.0, "dlock busy");
+            let key = keys.into_iter().nth(i).unwrap_or_default();
             return Err(LockError::Busy { key, waited });
         }
     };
-    if !options.fencing {
-        lease.token = None;
+    if granted.len() != requests.len() {
+        for lease in &granted {
+            let _ = backend.release(lease).await;
+        }
+        return Err(LockError::Backend {
+            backend: backend.kind(),
+            source: BackendError::permanent(format!(
+                "{} leases granted for {} keys",
+                granted.len(),
+                requests.len()
+            )),
+        });
     }
-    if let Some(token) = lease.token {
-        span.record("token", token.get());
+    let mut held = Vec::with_capacity(granted.len());
+    for (((mut lease, key), span), request) in
+        granted.into_iter().zip(keys).zip(spans).zip(requests)
+    {
+        if !options.fencing {
+            lease.token = None;
+        }
+        if let Some(token) = lease.token {
+            span.record("token", token.get());
+        }
+        tracing::debug!(parent: &span, token = lease.token.map(FencingToken::get), "dlock acquired");
+        let lease = HeldLease::new(NewLease {
+            id: NEXT_LEASE_ID.fetch_add(1, Ordering::Relaxed),
+            registry_id: registry.inner.id,
+            backend_name: entry.name.clone(),
+            backend: backend.clone(),
+            user_key: key,
+            lease,
+            lease_len: options.lease,
+            renew: options.watchdog,
+            hold_at_least: options.hold_at_least,
+            fenced: options.fencing,
+            lost: lost.clone(),
+            backend_lost: request.lost,
+            span,
+            watchdog: registry.inner.watchdog.clone(),
+            leases: registry.inner.leases.clone(),
+        });
+        registry.inner.watchdog.reschedule(&lease);
+        held.push(lease);
     }
-    tracing::debug!(parent: &span, token = lease.token.map(FencingToken::get), "dlock acquired");
-    drop(request);
-    let held = HeldLease::new(NewLease {
-        id: NEXT_LEASE_ID.fetch_add(1, Ordering::Relaxed),
-        registry_id: registry.inner.id,
-        backend_name: entry.name.clone(),
-        backend,
-        user_key: key,
-        lease,
-        lease_len: options.lease,
-        renew: options.watchdog,
-        hold_at_least: options.hold_at_least,
-        fenced: options.fencing,
-        lost,
-        backend_lost,
-        span,
-        watchdog: registry.inner.watchdog.clone(),
-        leases: registry.inner.leases.clone(),
-    });
-    registry.inner.watchdog.reschedule(&held);
-    let guard = LockGuard::new(held, None);
-    // Checked after the lease is tracked: either shutdown saw it (and
-    // releases it), or this sees the shutdown — a grant that arrives while
-    // the registry shuts down (a waiter woken by shutdown's own release) is
-    // never handed out.
-    if registry.inner.leases.is_closing() {
-        let _ = guard.release().await;
-        return Err(LockError::ShutDown);
-    }
-    Ok(guard)
+    Ok(held)
 }
 
 /// A nested acquisition of a key held further up this call chain: it
@@ -517,6 +602,18 @@ pub(crate) async fn acquire_all(
     let backend_lost: Vec<CancellationToken> =
         keys.iter().map(|_| CancellationToken::new()).collect();
     let joined_loss = join_losses(&backend_lost, &lost);
+    // One step where the backend can take these keys so (one owner for all).
+    let owner = owner_token();
+    let requests: Vec<AcquireRequest> = stored
+        .iter()
+        .zip(&backend_lost)
+        .map(|(k, own)| new_request(registry, options, k.clone(), owner.clone(), own.clone()))
+        .collect();
+    if entry.backend.try_acquire_all(&requests).is_some() {
+        let leases = new_leases(registry, &entry, options, keys, requests, lost.clone()).await?;
+        return complete_hold(registry, leases, lost, joined_loss).await;
+    }
+    drop(requests);
     // Dropped (an error, a cancelled acquisition): what was taken is released
     // at once, in the background.
     let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
@@ -559,6 +656,18 @@ pub(crate) async fn acquire_all(
         }
     }
     let leases: Vec<Arc<HeldLease>> = taken.into_iter().map(LockGuard::into_lease).collect();
+    complete_hold(registry, leases, lost, joined_loss).await
+}
+
+/// The guard of a hold of several keys, once each is held: their renewals
+/// joined, and the hold given up at once if a key ran out meanwhile or the
+/// registry is shutting down.
+async fn complete_hold(
+    registry: &Registry,
+    leases: Vec<Arc<HeldLease>>,
+    lost: CancellationToken,
+    joined_loss: DropGuard,
+) -> Result<LockGuard, LockError> {
     // The keys of the hold are renewed together, from the first one due on.
     if let Some(first_due) = leases
         .iter()
@@ -583,6 +692,10 @@ pub(crate) async fn acquire_all(
         let key = guard.key().to_owned();
         let _ = guard.release().await;
         return Err(LockError::Lost { key });
+    }
+    if registry.inner.leases.is_closing() {
+        let _ = guard.release().await;
+        return Err(LockError::ShutDown);
     }
     Ok(guard)
 }
@@ -703,9 +816,9 @@ fn join_losses(parts: &[CancellationToken], hold: &CancellationToken) -> DropGua
 /// the server before the attempt it undoes.
 async fn acquire_on_io_runtime(
     backend: Arc<dyn LockBackend>,
-    request: AcquireRequest,
+    requests: Vec<AcquireRequest>,
     leases: Arc<Leases>,
-) -> Result<(Acquired, AcquireRequest), BackendError> {
+) -> Result<(Got, Vec<AcquireRequest>), BackendError> {
     let caller_gone = CancellationToken::new();
     let _stop_when_dropped = caller_gone.clone().drop_guard();
     // Counted until the task has handed what it may have been granted on:
@@ -718,14 +831,14 @@ async fn acquire_on_io_runtime(
             let answer = tokio::select! {
                 biased;
                 () = caller_gone.cancelled() => None,
-                answer = wait::acquire_watched(&*backend, &request, &on_the_wire) => Some(answer),
+                answer = attempts(&*backend, &requests, &on_the_wire) => Some(answer),
             };
             match answer {
-                Some(Ok(acquired)) => {
+                Some(Ok(got)) => {
                     // If the caller is gone — now, or before it takes the
                     // answer out of the channel — `Granted`'s drop releases it.
                     let _ = tx.send(Ok(Granted {
-                        answer: Some((acquired, request)),
+                        answer: Some((got, requests)),
                         backend,
                         leases,
                     }));
@@ -736,11 +849,7 @@ async fn acquire_on_io_runtime(
                     // lost: release now, and again once that attempt has
                     // surely been answered or timed out (the first release
                     // may reach the server before the attempt does).
-                    Releasing::new(&leases).spawn_after_abandoned(
-                        backend,
-                        Lease::new(&request, None),
-                        false,
-                    );
+                    release_abandoned(&leases, &backend, &requests, false);
                 }
                 None => {
                     // The caller went away mid-wait (or shutdown stopped it):
@@ -749,11 +858,7 @@ async fn acquire_on_io_runtime(
                     // it stopped an attempt on the wire.
                     let wait_for_backstop =
                         leases.is_closing() && on_the_wire.load(Ordering::SeqCst);
-                    Releasing::new(&leases).spawn_after_abandoned(
-                        backend,
-                        Lease::new(&request, None),
-                        wait_for_backstop,
-                    );
+                    release_abandoned(&leases, &backend, &requests, wait_for_backstop);
                 }
             }
             drop(task_in_flight);
@@ -768,33 +873,52 @@ async fn acquire_on_io_runtime(
     }
 }
 
-/// An answer from the I/O runtime on its way to the caller. A lease in it that
+/// The owner-checked release of every key of an abandoned acquisition (see
+/// [`Releasing::spawn_after_abandoned`]).
+fn release_abandoned(
+    leases: &Arc<Leases>,
+    backend: &Arc<dyn LockBackend>,
+    requests: &[AcquireRequest],
+    wait_for_backstop: bool,
+) {
+    for request in requests {
+        Releasing::new(leases).spawn_after_abandoned(
+            backend.clone(),
+            Lease::new(request, None),
+            wait_for_backstop,
+        );
+    }
+}
+
+/// An answer from the I/O runtime on its way to the caller. Leases in it that
 /// the caller never takes out (its future was dropped, before or after the
-/// send) is released in the background.
+/// send) are released in the background.
 struct Granted {
-    answer: Option<(Acquired, AcquireRequest)>,
+    answer: Option<(Got, Vec<AcquireRequest>)>,
     backend: Arc<dyn LockBackend>,
     leases: Arc<Leases>,
 }
 
 impl Drop for Granted {
     fn drop(&mut self) {
-        if let Some((Acquired::Held(lease), _)) = self.answer.take() {
+        if let Some((Got::Held(granted), _)) = self.answer.take() {
             let backend = self.backend.clone();
             Releasing::new(&self.leases).spawn(async move {
-                let _ = backend.release(&lease).await;
+                for lease in &granted {
+                    let _ = backend.release(lease).await;
+                }
             });
         }
     }
 }
 
 /// For backends called inline: if the caller drops the acquisition while a
-/// request may be on the wire, an owner-checked release is sent after it
-/// (see [`Releasing::spawn_after_abandoned`]); shutdown waits for its
-/// backstop too when it stopped an attempt on the wire.
+/// request may be on the wire, an owner-checked release of every key is
+/// sent after it (see [`Releasing::spawn_after_abandoned`]); shutdown waits
+/// for its backstop too when it stopped an attempt on the wire.
 struct ReleaseIfAbandoned<'a> {
     backend: &'a Arc<dyn LockBackend>,
-    request: &'a AcquireRequest,
+    requests: &'a [AcquireRequest],
     leases: &'a Arc<Leases>,
     on_the_wire: &'a AtomicBool,
     armed: bool,
@@ -811,11 +935,7 @@ impl Drop for ReleaseIfAbandoned<'_> {
         if self.armed {
             let wait_for_backstop =
                 self.leases.is_closing() && self.on_the_wire.load(Ordering::SeqCst);
-            Releasing::new(self.leases).spawn_after_abandoned(
-                self.backend.clone(),
-                Lease::new(self.request, None),
-                wait_for_backstop,
-            );
+            release_abandoned(self.leases, self.backend, self.requests, wait_for_backstop);
         }
     }
 }

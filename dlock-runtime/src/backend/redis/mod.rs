@@ -24,6 +24,15 @@
 //!   channel: `PUBLISH` on one server, `SPUBLISH` on Redis Cluster (a plain
 //!   `PUBLISH` is broadcast to every node of a cluster; a sharded message
 //!   reaches only the key's shard, where the waiters `SSUBSCRIBE`d).
+//! - **several keys** (`lock_all`, `keys = [..]`): one script takes every
+//!   key or none (busy: the index of a busy key and its holder's remaining
+//!   TTL; the waiter sleeps on that key's release channel), each key with its
+//!   own token by the acquire script's own rule (the script runs it as a
+//!   function), and the same for unfenced holds (the tokens dropped). On
+//!   Redis Cluster only when every lock key is in one hash slot: the stored
+//!   key `K` becomes `{K}`, so keys that are the same up to their first `}`
+//!   share a slot (`acct:{42}:from`, `acct:{42}:to`); others are taken one
+//!   by one, in the same order.
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
 //!
@@ -152,11 +161,12 @@ use conn::{Conn, client, install_crypto_provider};
 use connections::{Connections, call};
 use listener::{Listener, Source};
 use replicas::ReplicaAcks;
-use scripts::{ACQUIRE, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
+use scripts::{ACQUIRE, ACQUIRE_ALL, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
 use url::{Topology, parse_url};
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
+    WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
@@ -423,6 +433,77 @@ impl RedisBackend {
         ))
     }
 
+    /// Several keys in one step ([`LockBackend::try_acquire_all`]): one
+    /// script that takes every lock or none, each lock with its own token
+    /// (the single-key script's rule; dropped when unfenced). With
+    /// `?replicas=N`, a grant too few replicas acknowledged is undone (every
+    /// key) and answered as unavailable, as for one key.
+    async fn try_all_once(&self, requests: &[AcquireRequest]) -> Result<AttemptAll, BackendError> {
+        let Some(first) = requests.first() else {
+            return Ok(AttemptAll::Held(Vec::new()));
+        };
+        let keys: Vec<Keys> = requests.iter().map(|r| Keys::new(&r.key)).collect();
+        let fenced = self.fencing && first.fencing;
+        let fence = fence_key(self.conns.is_cluster(), &keys[0].lock);
+        let mut invocation = ACQUIRE_ALL.key(&keys[0].lock);
+        for k in &keys[1..] {
+            invocation.key(&k.lock);
+        }
+        invocation
+            .key(fence.as_ref())
+            .arg(&first.owner)
+            .arg(millis(first.lease))
+            .arg(first.holder.encode());
+        let answer: Result<Vec<i64>, BackendError> = match &self.acks {
+            None => self.invoke(&invocation).await,
+            Some(acks) => acks.call(&invocation).await,
+        };
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) if error.is_retryable() => {
+                return Ok(AttemptAll::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                });
+            }
+            Err(error) => return Err(error),
+        };
+        match answer.as_slice() {
+            [1, tokens @ ..] if tokens.len() == keys.len() => {
+                if let Some(acks) = &self.acks
+                    && let Err(error) = acks.acknowledged(&keys[0].lock).await
+                {
+                    for k in &keys {
+                        let _ = self.release_keys(k, &first.owner).await;
+                    }
+                    return Ok(AttemptAll::Unavailable {
+                        error,
+                        retry_in: OUTAGE_RETRY,
+                    });
+                }
+                Ok(AttemptAll::Held(
+                    requests
+                        .iter()
+                        .zip(keys)
+                        .zip(tokens)
+                        .map(|((request, keys), &token)| {
+                            let token = fenced.then(|| FencingToken::new(token as u64));
+                            Lease::new(request, token).with_extra(Arc::new(keys))
+                        })
+                        .collect(),
+                ))
+            }
+            // -1: no expiry (never set by dlock), -2: gone since; look again soon.
+            &[0, busy, ttl] => Ok(AttemptAll::Busy {
+                key: usize::try_from(busy - 1).unwrap_or(0),
+                retry_in: Some(Duration::from_millis(ttl.max(1) as u64)),
+            }),
+            _ => Err(BackendError::permanent(format!(
+                "redis: unexpected answer to the several-key acquire script: {answer:?}"
+            ))),
+        }
+    }
+
     /// With `?replicas=N`, after a grant of `keys` to `owner`: `None` once
     /// enough replicas acknowledged it. Else the grant is undone (a failover
     /// now could lose it; owner-checked, and the waiters hear the key is free
@@ -580,6 +661,21 @@ impl LockBackend for RedisBackend {
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(self.try_once(request))
+    }
+
+    fn try_acquire_all<'a>(
+        &'a self,
+        requests: &'a [AcquireRequest],
+    ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+        if self.conns.is_cluster() {
+            // One script touches one slot: keys in several go one by one.
+            let slot = |r: &AcquireRequest| slots::key_slot(Keys::new(&r.key).lock.as_bytes());
+            let first = slot(requests.first()?);
+            if requests.iter().any(|r| slot(r) != first) {
+                return None;
+            }
+        }
+        Some(Box::pin(self.try_all_once(requests)))
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {

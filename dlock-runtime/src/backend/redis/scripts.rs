@@ -16,6 +16,16 @@ use crate::error::BackendError;
 pub(super) static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 
+/// `KEYS[1..n-1]` locks (one hash slot), `KEYS[n]` their fence counter;
+/// `ARGV` as [`ACQUIRE`]'s. Takes every lock or none: answers `{1, token of
+/// each}` or `{0, index of a busy lock from 1, its holder's remaining ms}`.
+/// Each lock is taken by [`ACQUIRE`]'s own text, run as a function.
+pub(super) static ACQUIRE_ALL: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        &include_str!("acquire_all.lua").replace("--ACQUIRE--", include_str!("acquire.lua")),
+    )
+});
+
 /// `KEYS[1]` lock, `KEYS[2]` (optional) its revocation mark; `ARGV[1]` owner,
 /// `ARGV[2]` ttl (ms). Answers 1 if extended, 2 if the owner's hold was
 /// revoked, else 0.
@@ -66,6 +76,15 @@ pub(super) fn millis(d: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_several_key_script_runs_the_single_key_script_for_each_lock() {
+        let script =
+            include_str!("acquire_all.lua").replace("--ACQUIRE--", include_str!("acquire.lua"));
+        assert!(script.contains(include_str!("acquire.lua")));
+        assert!(!script.contains("--ACQUIRE--"));
+        assert!(script.contains("acquire_one({KEYS[i], KEYS[#KEYS]}, ARGV)"));
+    }
+
     #[test]
     fn the_cluster_release_script_publishes_to_the_shard() {
         let sharded = include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'");

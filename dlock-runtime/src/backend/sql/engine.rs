@@ -34,7 +34,8 @@ use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
 use super::url::{Mode, UrlOptions};
 use crate::backend::wait::Waiters;
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
+    WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 
@@ -125,6 +126,16 @@ pub trait Dialect: Sized + Send + Sync + 'static {
         backend: &SqlBackend<Self>,
         request: &AcquireRequest,
     ) -> impl Future<Output = Result<Attempt, BackendError>> + Send;
+
+    /// One transaction on the lease table that takes every key of
+    /// `requests` (the runtime's canonical order, one owner) or none: rolled
+    /// back at the first busy row, whose index and busy answer (as
+    /// [`try_lease`](Self::try_lease) gives it) are the answer; else each
+    /// key's token as `try_lease` issues it.
+    fn try_leases(
+        backend: &SqlBackend<Self>,
+        requests: &[AcquireRequest],
+    ) -> impl Future<Output = Result<AttemptAll, BackendError>> + Send;
 
     /// The lease-table waiter's wake-up source, given the one every dialect
     /// has (this process's releases, the contender's registration).
@@ -734,6 +745,35 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         })
     }
 
+    fn try_acquire_all<'a>(
+        &'a self,
+        requests: &'a [AcquireRequest],
+    ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+        if self.sessions.is_some() {
+            // Session locks are one connection each: taken one by one.
+            return None;
+        }
+        let owner = &requests.first()?.owner;
+        Some(Box::pin(async move {
+            let attempt = if self.db.is_near() {
+                D::try_leases(self, requests).await
+            } else {
+                let this = self.clone();
+                let copies: Vec<AcquireRequest> = requests.iter().map(copy_request).collect();
+                self.db
+                    .at_home_for(owner, async move { D::try_leases(&this, &copies).await })
+                    .await
+            };
+            match attempt {
+                Err(error) if error.is_retryable() => Ok(AttemptAll::Unavailable {
+                    error,
+                    retry_in: OUTAGE_RETRY,
+                }),
+                attempt => attempt,
+            }
+        }))
+    }
+
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
         let source = match self.mode {
             // The server hands the key over: attempts wait on it.
@@ -873,5 +913,18 @@ fn copy_lease(lease: &Lease) -> Lease {
         valid_until: lease.valid_until,
         extra: lease.extra.clone(),
         after_unanswered: lease.after_unanswered,
+    }
+}
+
+/// The answer of a one-step attempt whose key `index` was busy, from that
+/// key's busy answer.
+pub(super) fn busy_at(index: usize, busy: Attempt) -> Result<AttemptAll, BackendError> {
+    match busy {
+        Attempt::Busy { retry_in } => Ok(AttemptAll::Busy {
+            key: index,
+            retry_in,
+        }),
+        Attempt::Unavailable { error, retry_in } => Ok(AttemptAll::Unavailable { error, retry_in }),
+        Attempt::Held(_) => Err(BackendError::permanent("a busy key's answer was a grant")),
     }
 }

@@ -34,6 +34,11 @@
 //! (batches padded to 1, 2, 4 … 64 entries, so the statements stay cached);
 //! when fewer rows matched than were asked for, one `SELECT` says which.
 //!
+//! Several keys of one hold (`lock_all`) are taken in one transaction: the
+//! acquire statement for each key in the runtime's canonical order, rolled
+//! back at the first busy one (a deadlock the server still reports is
+//! tried again). Session mode takes them one by one.
+//!
 //! **Wake-ups.** There is no `NOTIFY`: waiters in the releasing process are
 //! woken at once; waiters elsewhere poll a lock-free read with back-off —
 //! 5 ms doubling up to `poll` (50 ms), and never later than the holder's
@@ -59,18 +64,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::AssertSqlSafe;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{AssertSqlSafe, Connection as _};
 
 use self::session::MySessions;
 use super::admin::Row;
 use super::engine::{
-    Dialect, Pick, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar, holder_text,
+    Dialect, Pick, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
+    holder_text,
 };
 use super::pool::is_connection_error;
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
-use crate::backend::{AcquireRequest, Attempt, Lease, Renewal, WakeSource};
+use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
@@ -331,6 +337,32 @@ impl MysqlBackend {
     }
 }
 
+/// The acquire statement with its arguments bound.
+fn acquire_query(
+    sql: Arc<str>,
+    key: String,
+    owner: String,
+    lease_us: i64,
+    holder: String,
+) -> sqlx::query::Query<'static, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(key)
+        .bind(owner.clone())
+        .bind(lease_us)
+        .bind(holder.clone())
+        // F; F and the holder; F and the owner for the time; F and the new
+        // owner; F and the lease.
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(holder)
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(owner.clone())
+        .bind(owner)
+        .bind(lease_us)
+}
+
 impl Dialect for Mysql {
     type Db = sqlx::MySql;
     type Options = MySqlConnectOptions;
@@ -471,22 +503,7 @@ impl Dialect for Mysql {
                 let (key, owner) = (request.key.clone(), request.owner.clone());
                 let holder = holder_text(&request.holder, Self::HOLDER_MAX);
                 Box::pin(async move {
-                    sqlx::query(AssertSqlSafe(sql))
-                        .bind(key)
-                        .bind(owner.clone())
-                        .bind(lease_us)
-                        .bind(holder.clone())
-                        // F; F and the holder; F and the owner for the time;
-                        // F and the new owner; F and the lease.
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(holder)
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner.clone())
-                        .bind(owner)
-                        .bind(lease_us)
+                    acquire_query(sql, key, owner, lease_us, holder)
                         .execute(c)
                         .await
                         .map(|done| done.last_insert_id())
@@ -507,6 +524,71 @@ impl Dialect for Mysql {
                 request,
                 Some(FencingToken::new(token)),
             ))),
+        }
+    }
+
+    async fn try_leases(
+        backend: &MysqlBackend,
+        requests: &[AcquireRequest],
+    ) -> Result<AttemptAll, BackendError> {
+        let Some(first) = requests.first() else {
+            return Ok(AttemptAll::Held(Vec::new()));
+        };
+        let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+        let lease_us = micros(first.lease);
+        // Each id as `try_lease` reads it; the first busy one ends it.
+        let ids: Vec<u64> = backend
+            .db
+            .call_for(&first.owner, "acquire several", |c| {
+                let sql = backend.dialect.sql.acquire.clone();
+                let (keys, owner) = (keys.clone(), first.owner.clone());
+                let holder = holder_text(&first.holder, Self::HOLDER_MAX);
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let mut ids = Vec::with_capacity(keys.len());
+                    for key in keys {
+                        let id = acquire_query(
+                            sql.clone(),
+                            key,
+                            owner.clone(),
+                            lease_us,
+                            holder.clone(),
+                        )
+                        .execute(&mut *tx)
+                        .await?
+                        .last_insert_id();
+                        ids.push(id);
+                        if id <= BUSY_MAX {
+                            tx.rollback().await?;
+                            return Ok(ids);
+                        }
+                    }
+                    tx.commit().await?;
+                    Ok(ids)
+                })
+            })
+            .await?;
+        match ids.iter().position(|&id| id <= BUSY_MAX) {
+            None => Ok(AttemptAll::Held(
+                requests
+                    .iter()
+                    .zip(ids)
+                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token))))
+                    .collect(),
+            )),
+            Some(i) if ids[i] == 0 => Err(BackendError::permanent(
+                "mysql: the acquire statement reported no outcome (LAST_INSERT_ID = 0)",
+            )),
+            Some(i) => {
+                let remaining = Duration::from_micros(ids[i] - 1);
+                let backoff = backend.contenders.next_backoff(&first.owner, backend.poll);
+                busy_at(
+                    i,
+                    Attempt::Busy {
+                        retry_in: Some(backoff.map_or(remaining, |b| b.min(remaining))),
+                    },
+                )
+            }
         }
     }
 

@@ -26,6 +26,15 @@
 //! SELECT pg_notify($3, key) FROM r WHERE wanted;
 //! ```
 //!
+//! Several keys of one hold (`lock_all`) are taken in one statement, so one
+//! transaction and one round trip: the acquire's upsert over
+//! `unnest($1::text[])` in key order (the runtime's canonical order: two
+//! such statements never wait on each other in a cycle), whose rows all
+//! come back, or none: when only some were taken, a cast of a text to `int`
+//! fails on purpose and the statement is rolled back. A busy answer then
+//! reads which key is held, and the waiter marks it and waits on it as for a
+//! single key. Session mode takes the keys one by one.
+//!
 //! **Wake-ups.** `NOTIFY` takes a cluster-wide lock at commit, so a release
 //! notifies only when a waiter marked the key as `wanted`. A waiter marks it
 //! (once per wait, and only when unmarked) after its first busy answer; the
@@ -77,12 +86,13 @@ use self::listener::Listener;
 use self::session::PgSessions;
 use super::admin::Row;
 use super::engine::{
-    Dialect, Pick, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar, holder_text,
+    Dialect, Pick, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
+    holder_text,
 };
 use super::pool::is_connection_error;
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
-use crate::backend::{AcquireRequest, Attempt, Lease, Renewal, WakeSource};
+use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
@@ -96,6 +106,9 @@ use self::pooler::{
 };
 
 /// The database clock in microseconds, in SQL.
+/// The text whose failed cast to `int` rolls back an acquisition of several
+/// keys that found one of them busy.
+const BUSY_CAST: &str = "dlock: a key is busy";
 const NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
 /// What the admin statements read of a held row (`sql::admin::Row`).
@@ -116,6 +129,8 @@ const POOL_SIZE: u32 = 10;
 #[derive(Debug, Clone)]
 struct Statements {
     acquire: Arc<str>,
+    acquire_all: Arc<str>,
+    busy_of: Arc<str>,
     mark: Arc<str>,
     renew: Arc<str>,
     release: Arc<str>,
@@ -129,20 +144,45 @@ struct Statements {
 impl Statements {
     fn new(table: &str) -> Self {
         let s = |sql: String| Arc::<str>::from(sql);
-        Statements {
-            acquire: s(format!(
-                "INSERT INTO {table} AS l (key, owner, token, expires_at, holder, granted_at) \
-                 VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond', \
-                         $4, clock_timestamp()) \
-                 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
+        // How a row is taken: the acquire's, and each row's of the acquire
+        // of several keys.
+        let take = "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
                      token = GREATEST(l.token + 1, excluded.token), \
                      expires_at = excluded.expires_at, wanted = false, \
                      holder = excluded.holder, \
                      granted_at = CASE WHEN l.owner = excluded.owner THEN l.granted_at \
                                        ELSE excluded.granted_at END \
                  WHERE l.owner IS NULL OR l.owner = excluded.owner \
-                    OR l.expires_at <= clock_timestamp() \
+                    OR l.expires_at <= clock_timestamp()";
+        Statements {
+            acquire: s(format!(
+                "INSERT INTO {table} AS l (key, owner, token, expires_at, holder, granted_at) \
+                 VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond', \
+                         $4, clock_timestamp()) \
+                 {take} \
                  RETURNING token"
+            )),
+            // Every key of $1 or none, in one statement (one transaction):
+            // the rows are taken in key order; if some but not all were
+            // taken, the cast fails and the statement is rolled back
+            // (`BUSY_CAST`). No row back: none was taken.
+            acquire_all: s(format!(
+                "WITH taken AS ( \
+                   INSERT INTO {table} AS l (key, owner, token, expires_at, holder, granted_at) \
+                   SELECT k, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond', \
+                          $4, clock_timestamp() \
+                   FROM unnest($1::text[]) AS k ORDER BY k \
+                   {take} \
+                   RETURNING key, token) \
+                 SELECT key, token FROM taken \
+                 WHERE (CASE WHEN (SELECT count(*) FROM taken) = cardinality($1::text[]) \
+                        THEN '1' ELSE '{BUSY_CAST}' END)::int = 1"
+            )),
+            // The first key of $1 held by another owner.
+            busy_of: s(format!(
+                "SELECT key FROM {table} WHERE key = ANY($1::text[]) \
+                 AND owner IS NOT NULL AND owner <> $2 AND expires_at > clock_timestamp() \
+                 ORDER BY key LIMIT 1"
             )),
             // Marks the key as wanted (a write only when it was not marked
             // yet: the row lock orders it against a release, which then
@@ -318,6 +358,28 @@ impl PostgresBackend {
                 retry_in: Some(Duration::from_millis(remaining_ms.max(0) as u64)),
             }),
         })
+    }
+
+    /// The answer for `request`'s key found busy: for a registered waiter,
+    /// the key marked as wanted (its release then notifies) and its holder's
+    /// remaining lease; a back-off while the listener is down.
+    async fn busy_answer(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
+        if !self.contenders.is_registered(&request.owner) {
+            // The first attempt (the wait loop registers and tries again at
+            // once), or one that does not wait at all: no mark.
+            return Ok(Attempt::Busy { retry_in: None });
+        }
+        if !self.is_listening() {
+            let backoff = self
+                .contenders
+                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(self.poll));
+            return Ok(Attempt::Busy { retry_in: backoff });
+        }
+        // Another waiter took it (and cleared the mark): mark it again, so
+        // that its release notifies.
+        Ok(self.mark_and_peek(request).await?.unwrap_or(Attempt::Busy {
+            retry_in: Some(Duration::ZERO),
+        }))
     }
 }
 
@@ -611,25 +673,81 @@ impl Dialect for Postgres {
                 Some(FencingToken::new(token as u64)),
             )));
         }
-        if !backend.contenders.is_registered(&request.owner) {
-            // The first attempt (the wait loop registers and tries again at
-            // once), or one that does not wait at all: no mark.
-            return Ok(Attempt::Busy { retry_in: None });
+        backend.busy_answer(request).await
+    }
+
+    async fn try_leases(
+        backend: &PostgresBackend,
+        requests: &[AcquireRequest],
+    ) -> Result<AttemptAll, BackendError> {
+        let Some(first) = requests.first() else {
+            return Ok(AttemptAll::Held(Vec::new()));
+        };
+        let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
+        let ms = millis(first.lease);
+        let taken: Vec<(String, i64)> = backend
+            .db
+            .call_for(&first.owner, "acquire several", |c| {
+                let sql = backend.dialect.sql.acquire_all.clone();
+                let (keys, owner) = (keys.clone(), first.owner.clone());
+                let holder = holder_text(&first.holder, Self::HOLDER_MAX);
+                Box::pin(async move {
+                    let taken = sqlx::query_as(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owner)
+                        .bind(ms)
+                        .bind(holder)
+                        .fetch_all(c)
+                        .await;
+                    match taken {
+                        Err(sqlx::Error::Database(e))
+                            if e.code().as_deref() == Some("22P02")
+                                && e.message().contains(BUSY_CAST) =>
+                        {
+                            Ok(Vec::new())
+                        }
+                        taken => taken,
+                    }
+                })
+            })
+            .await?;
+        if taken.len() == requests.len() {
+            let token_of = |key: &str| {
+                taken
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map(|(_, token)| FencingToken::new(*token as u64))
+            };
+            return Ok(AttemptAll::Held(
+                requests
+                    .iter()
+                    .map(|r| Lease::new(r, token_of(&r.key)))
+                    .collect(),
+            ));
         }
-        if !backend.is_listening() {
-            let backoff = backend
-                .contenders
-                .next_backoff(&request.owner, POLL_WHILE_DEAF.min(backend.poll));
-            return Ok(Attempt::Busy { retry_in: backoff });
-        }
-        // Another waiter took it (and cleared the mark): mark it again, so
-        // that its release notifies.
-        Ok(backend
-            .mark_and_peek(request)
-            .await?
-            .unwrap_or(Attempt::Busy {
+        // Busy: nothing was taken. Which key, and its busy answer.
+        let busy: Option<String> = backend
+            .db
+            .call("busy key", |c| {
+                let sql = backend.dialect.sql.busy_of.clone();
+                let (keys, owner) = (keys.clone(), first.owner.clone());
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(keys)
+                        .bind(owner)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        match busy.and_then(|key| requests.iter().position(|r| r.key == key)) {
+            Some(i) => busy_at(i, backend.busy_answer(&requests[i]).await?),
+            // Free again since: look again at once.
+            None => Ok(AttemptAll::Busy {
+                key: 0,
                 retry_in: Some(Duration::ZERO),
-            }))
+            }),
+        }
     }
 
     fn lease_wake(backend: &PostgresBackend, source: WakeSource) -> WakeSource {

@@ -20,6 +20,11 @@
 //! one indexed read per waiter. Set `?poll=1s` or longer where every process
 //! is known to hear the bells.
 //!
+//! Several keys of one hold (`lock_all`) are taken in one statement (one
+//! transaction, under the database's write lock), in the runtime's canonical
+//! order: every row, or none when one is held elsewhere (the waiter then
+//! waits on that key's release and its holder's remaining lease).
+//!
 //! Tokens are hybrid — the larger of the row's token + 1 and the database
 //! clock in microseconds — so they keep growing when a row is deleted (by an
 //! operator, or by the collection of free rows older than `retention`, 10
@@ -49,7 +54,8 @@ use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
+    WakeSource,
 };
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
@@ -74,16 +80,11 @@ const HOLDER_COLUMNS: [(&str, &str); 3] = [
     ("revoked", "TEXT"),
 ];
 
-// `now` is the database's clock in milliseconds; every statement reads it once.
-// A fresh row's token is the clock in µs; a taken-over row's the larger of
-// its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
-// A retry by the same owner (an answer lost on the way) takes it again, and
-// keeps the first grant's time. The holder record (?4) goes with the grant.
-const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at, holder, granted_at)
-    VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
-            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3,
-            ?4, CAST(unixepoch('subsec') * 1000 AS INTEGER))
-    ON CONFLICT (key) DO UPDATE SET
+// How a row is taken: the acquire's, and each row's of the acquire of
+// several keys. A retry by the same owner keeps the first grant's time.
+macro_rules! take_row {
+    () => {
+        "ON CONFLICT (key) DO UPDATE SET
         granted_at = CASE WHEN dlock_leases.owner IS excluded.owner
                           THEN dlock_leases.granted_at ELSE excluded.granted_at END,
         owner = excluded.owner,
@@ -92,8 +93,51 @@ const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at, 
         holder = excluded.holder
     WHERE dlock_leases.owner IS NULL
        OR dlock_leases.owner = excluded.owner
-       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)
-    RETURNING token";
+       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+// Held by another owner: the busy rows among the keys of `?1` (a JSON
+// array) for owner `?2`.
+macro_rules! held_elsewhere {
+    () => {
+        "SELECT key FROM dlock_leases
+    WHERE key IN (SELECT value FROM json_each(?1)) AND owner IS NOT NULL AND owner <> ?2
+      AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+// `now` is the database's clock in milliseconds; every statement reads it once.
+// A fresh row's token is the clock in µs; a taken-over row's the larger of
+// its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
+// A retry by the same owner (an answer lost on the way) takes it again. The
+// holder record (?4) goes with the grant.
+const ACQUIRE: &str = concat!(
+    "INSERT INTO dlock_leases (key, owner, token, expires_at, holder, granted_at)
+    VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
+            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3,
+            ?4, CAST(unixepoch('subsec') * 1000 AS INTEGER)) ",
+    take_row!(),
+    " RETURNING token"
+);
+
+// Several keys (`?1`, a JSON array) in one statement: SQLite runs a write
+// statement under the database's write lock, so no other writer comes
+// between the check that none is held elsewhere and the rows taken: every
+// row comes back, or none.
+const ACQUIRE_ALL: &str = concat!(
+    "INSERT INTO dlock_leases (key, owner, token, expires_at, holder, granted_at)
+    SELECT value, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
+           CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3,
+           ?4, CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    FROM json_each(?1) WHERE NOT EXISTS (",
+    held_elsewhere!(),
+    ") ORDER BY value ",
+    take_row!(),
+    " RETURNING key, token"
+);
+
+const BUSY_OF: &str = concat!(held_elsewhere!(), " ORDER BY key LIMIT 1");
 
 const REMAINING: &str = "SELECT expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)
     FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL";
@@ -350,6 +394,18 @@ fn held_row((key, owner, holder, token, granted_at, expires_in_ms): HeldRow) -> 
 }
 
 impl SqliteBackend {
+    /// How long the holder of the busy `key` has left (the waiter's next
+    /// look); a lost doorbell listener is started again first.
+    async fn remaining(&self, key: &str) -> Result<Duration, BackendError> {
+        self.doorbells.relisten_if_lost();
+        let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        Ok(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64))
+    }
+
     /// The held row of `key`, if any.
     async fn held(&self, key: &str) -> Result<Option<Row>, BackendError> {
         let row: Option<HeldRow> = sqlx::query_as(INSPECT)
@@ -385,16 +441,64 @@ impl LockBackend for SqliteBackend {
                     Some(FencingToken::new(token as u64)),
                 )));
             }
-            self.doorbells.relisten_if_lost();
-            let remaining: Option<i64> = sqlx::query_scalar(REMAINING)
-                .bind(&request.key)
+            Ok(Attempt::Busy {
+                retry_in: Some(self.remaining(&request.key).await?),
+            })
+        })
+    }
+
+    fn try_acquire_all<'a>(
+        &'a self,
+        requests: &'a [AcquireRequest],
+    ) -> Option<BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+        let first = requests.first()?;
+        Some(Box::pin(async move {
+            let keys = json_array(requests.iter().map(|r| r.key.as_str()));
+            let taken: Vec<(String, i64)> = sqlx::query_as(ACQUIRE_ALL)
+                .bind(&keys)
+                .bind(&first.owner)
+                .bind(millis(first.lease))
+                .bind(first.holder.encode())
+                .fetch_all(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            let token_of = |key: &str| {
+                taken
+                    .iter()
+                    .find(|(k, _)| k == key)
+                    .map(|(_, token)| FencingToken::new(*token as u64))
+            };
+            let leases: Vec<Lease> = requests
+                .iter()
+                .map(|r| Lease::new(r, token_of(&r.key)))
+                .collect();
+            if leases.iter().all(|l| l.token.is_some()) {
+                return Ok(AttemptAll::Held(leases));
+            }
+            for lease in leases.iter().filter(|l| l.token.is_some()) {
+                // Not expected (one statement under the write lock): undone.
+                self.release(lease).await?;
+            }
+            let busy: Option<String> = sqlx::query_scalar(BUSY_OF)
+                .bind(&keys)
+                .bind(&first.owner)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(sql_error)?;
-            Ok(Attempt::Busy {
-                retry_in: Some(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64)),
-            })
-        })
+            Ok(
+                match busy.and_then(|k| requests.iter().position(|r| r.key == k)) {
+                    Some(i) => AttemptAll::Busy {
+                        key: i,
+                        retry_in: Some(self.remaining(&requests[i].key).await?),
+                    },
+                    // Free again since: look again at once.
+                    None => AttemptAll::Busy {
+                        key: 0,
+                        retry_in: Some(Duration::ZERO),
+                    },
+                },
+            )
+        }))
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
@@ -522,5 +626,39 @@ impl LockBackend for SqliteBackend {
                 "sqlite: `{key}` changed hands {REVOKE_ATTEMPTS} times while being revoked"
             )))
         })
+    }
+}
+
+/// `keys` as a JSON array of strings (for `json_each`).
+fn json_array<'a>(keys: impl Iterator<Item = &'a str>) -> String {
+    let mut out = String::from("[");
+    for (i, key) in keys.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push('"');
+        for c in key.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    out.push(']');
+    out
+}
+
+#[cfg(test)]
+mod json_tests {
+    use super::json_array;
+
+    #[test]
+    fn keys_are_escaped_as_json_strings() {
+        assert_eq!(json_array(["a", "b"].into_iter()), r#"["a","b"]"#);
+        assert_eq!(json_array([r#"q"u\o"#].into_iter()), r#"["q\"u\\o"]"#);
+        assert_eq!(json_array(["\u{1}"].into_iter()), r#"["\u0001"]"#);
     }
 }
