@@ -807,8 +807,18 @@ EOF
     pg_ensure_db
 }
 
-# Create role and database `dlock` (password `dlock`) unless they already work.
+# Create role and database `dlock` (password `dlock`) unless they already work,
+# and the role `dlock_reader` (password `dlock_reader`): a login without
+# rights beyond what a test grants it (an operator who may not end sessions).
 pg_ensure_db() {
+    "$PG_BIN/psql" -h "$HOST" -p "$PG_PORT" -U postgres -d postgres -qAt -v ON_ERROR_STOP=1 >/dev/null <<'SQL' \
+        || die "postgres: cannot create the role dlock_reader"
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'dlock_reader') THEN
+    CREATE ROLE dlock_reader LOGIN PASSWORD 'dlock_reader';
+  END IF;
+END $$;
+SQL
     "$PG_BIN/psql" "$PG_URL" -qAtc 'select 1' >/dev/null 2>&1 && return 0
     "$PG_BIN/psql" -h "$HOST" -p "$PG_PORT" -U postgres -d postgres -qAt -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
 DO $$ BEGIN
@@ -949,6 +959,8 @@ GRANT ALL PRIVILEGES ON dlock.* TO 'dlock'@'%';
 GRANT ALL PRIVILEGES ON dlock.* TO 'dlock'@'localhost';
 GRANT PROCESS ON *.* TO 'dlock'@'%';
 GRANT PROCESS ON *.* TO 'dlock'@'localhost';
+CREATE USER IF NOT EXISTS 'dlock_reader'@'%' IDENTIFIED BY 'dlock_reader';
+GRANT SELECT ON dlock.* TO 'dlock_reader'@'%';
 SQL
         mark_log "$logfile"
         setsid mariadbd --no-defaults --datadir="$data" --user=root \
