@@ -198,7 +198,8 @@ mod redis_backend {
             .unwrap_or_else(|e| servers_missing(url, e))
     }
 
-    /// Who holds a stored key: the value of its lock key `{K}`.
+    /// Who holds a stored key: the first line of its lock key `{K}`'s value
+    /// (the owner; the holder's record follows).
     fn owner_from_redis<C>(conn: C) -> OwnerOf
     where
         C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
@@ -209,8 +210,13 @@ mod redis_backend {
                 conn.get::<_, Option<String>>(format!("{{{stored}}}"))
                     .await
                     .expect("GET")
+                    .map(owner_line)
             })
         })
+    }
+
+    fn owner_line(value: String) -> String {
+        value.lines().next().unwrap_or_default().to_owned()
     }
 
     #[tokio::test]
@@ -262,6 +268,7 @@ mod redis_backend {
         let mut conn = client.get_async_connection().await.expect("connect");
         let a: Option<String> = conn.get("{dlock:x-one-step-a}").await.expect("GET");
         let b: Option<String> = conn.get("{dlock:x-one-step-b}").await.expect("GET");
+        let (a, b) = (a.map(owner_line), b.map(owner_line));
         assert!(a.is_some() && b.is_some(), "both held");
         assert_ne!(a, b, "keys in different slots are taken one by one");
         guard.release().await.expect("release");
