@@ -36,11 +36,22 @@ async fn stats_count_a_scripted_sequence_exactly() {
     dlock_runtime::init(Registry::builder().default_backend(mem.clone()).build()).expect("init");
     let start = stats();
     assert_eq!(
-        (start.acquired, start.busy, start.skipped, start.released, start.lost),
+        (
+            start.acquired,
+            start.busy,
+            start.skipped,
+            start.released,
+            start.lost
+        ),
         (0, 0, 0, 0, 0)
     );
     assert_eq!(
-        (start.renewals, start.renewal_failures, start.held, start.waiting),
+        (
+            start.renewals,
+            start.renewal_failures,
+            start.held,
+            start.waiting
+        ),
         (0, 0, 0, 0)
     );
     assert_eq!(start.lost_by_reason.len(), LossReason::ALL.len());
