@@ -150,7 +150,7 @@ async fn every_event_is_recorded_with_the_key_template_as_its_label() {
     assert_eq!(counter(&seen, ACQUIRED_TOTAL, &own), 1);
 
     // The formatted keys never appear.
-    for ((_, pairs), _) in &seen {
+    for (_, pairs) in seen.keys() {
         for (_, value) in pairs {
             assert!(
                 !value.contains("metered:7") && !value.contains("metered:8"),
