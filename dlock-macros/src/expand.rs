@@ -130,6 +130,23 @@ fn generate(model: &Model) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
+    let max_hold = match model.max_hold {
+        Some(d) => {
+            let d = duration(&k, d);
+            quote_spanned!(d.span()=> ::core::option::Option::Some(#d))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    // The key label of the metrics: the templates as written (bounded).
+    let key_template = LitStr::new(
+        &model
+            .keys
+            .iter()
+            .map(|t| t.lit.value())
+            .collect::<Vec<_>>()
+            .join(","),
+        Span::call_site(),
+    );
     let backend = match &model.backend {
         Some(name) => quote_spanned!(name.span()=> ::core::option::Option::Some(#name)),
         None => quote!(::core::option::Option::None),
@@ -242,6 +259,8 @@ fn generate(model: &Model) -> TokenStream {
                 watchdog: #watchdog,
                 fencing: #fencing,
                 hold_at_least: #hold_at_least,
+                max_hold: #max_hold,
+                key_template: #key_template,
                 backend: #backend,
             };
             #key_binding
@@ -349,6 +368,8 @@ mod tests {
             "watchdog:true",
             "fencing:true",
             "hold_at_least:::core::option::Option::None",
+            "max_hold:::core::option::Option::None",
+            "key_template:\"order:{order.id}\"",
             "backend:::core::option::Option::None",
             "let__dlock_key:::dlock_runtime::__private::String=::dlock_runtime::__private::format!(\"order:{}\",&order.id);",
             "::dlock_runtime::__private::run_fail::<io::Result<_>,_>(&__DLOCK_SPEC,__dlock_key,asyncmove{body()}).await",
@@ -439,5 +460,20 @@ mod tests {
         let mut ty: Type = syn::parse_quote!(Result<Vec<impl Display>, impl Error + Send>);
         InferImplTrait.visit_type_mut(&mut ty);
         assert_eq!(ty.to_token_stream().to_string(), "Result < Vec < _ > , _ >");
+    }
+
+    #[test]
+    fn max_hold_and_the_template_of_several_keys() {
+        let out = expand_str(
+            r#"keys = ["a:{x}", "b:{y}"], lease = "10s", max_hold = "1m""#,
+            "async fn f(x: u8, y: u8) { }",
+        );
+        let compact: String = out.split_whitespace().collect();
+        for expected in [
+            "max_hold:::core::option::Option::Some(::dlock_runtime::__private::Duration::new(60,0))",
+            "key_template:\"a:{x},b:{y}\"",
+        ] {
+            assert!(compact.contains(expected), "missing {expected} in\n{out}");
+        }
     }
 }

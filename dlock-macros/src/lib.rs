@@ -41,6 +41,7 @@
 //! | `watchdog` | `true` or `false` | `false`: no renewal, `lease` is a hard cap on how long the lock is held | `true` |
 //! | `fencing` | `true` or `false` | `false`: the hold has no fencing token (`fencing_token()` is `None`); on Redis (`redis://`, `redis+cluster://`) the grant is then a plain `SET NX PX`, without the token's script; elsewhere the backend does the same work and the token is dropped | `true` |
 //! | `hold_at_least` | duration string | keep the lock at least this long after the body ends (as a lease that expires, never a sleep in the caller) | none |
+//! | `max_hold` | duration string, at least the `lease`; not with `watchdog = false` | a ceiling on the whole hold, counted from the grant: then the renewals stop and the loss signal fires (reason `MaxHold`), so the body is cancelled under `on_lost = "cancel"`; the lease then runs out on the server (the attribute's release frees it at once when the body is cancelled). A nested hold keeps the outer hold's ceiling | none |
 //! | `backend` | non-empty string | name of a registered backend | the default backend |
 //! | `crate` | string holding a path | path of the runtime crate, for renamed dependencies | `"::dlock_runtime"` |
 //!
@@ -146,6 +147,8 @@
 //!         watchdog: true,
 //!         fencing: true,
 //!         hold_at_least: ::core::option::Option::None,
+//!         max_hold: ::core::option::Option::None,
+//!         key_template: "order:{order.id}",
 //!         backend: ::core::option::Option::None,
 //!     };
 //!     let __dlock_key: ::dlock_runtime::__private::String =
@@ -223,7 +226,7 @@ use proc_macro::TokenStream;
 ///
 /// Arguments: `key` (required template), `wait`, `lease`, `on_busy` (`"fail"` |
 /// `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`, `fencing`,
-/// `hold_at_least`, `backend` and `crate`. See the [crate documentation](crate) for what each does, the
+/// `hold_at_least`, `max_hold`, `backend` and `crate`. See the [crate documentation](crate) for what each does, the
 /// supported return types, and the code this expands to.
 #[proc_macro_attribute]
 pub fn distributed_lock(attr: TokenStream, item: TokenStream) -> TokenStream {

@@ -20,12 +20,12 @@ mod kw {
     syn::custom_keyword!(watchdog);
     syn::custom_keyword!(fencing);
     syn::custom_keyword!(hold_at_least);
+    syn::custom_keyword!(max_hold);
     syn::custom_keyword!(backend);
 }
 
 /// Every argument name, in the order the docs list them.
-pub(crate) const ALLOWED: &str =
-    "key, keys, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, backend, crate";
+pub(crate) const ALLOWED: &str = "key, keys, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, max_hold, backend, crate";
 
 /// The parsed (not yet validated) arguments.
 #[derive(Default)]
@@ -40,6 +40,7 @@ pub(crate) struct Args {
     pub(crate) watchdog: Option<LitBool>,
     pub(crate) fencing: Option<LitBool>,
     pub(crate) hold_at_least: Option<LitStr>,
+    pub(crate) max_hold: Option<LitStr>,
     pub(crate) backend: Option<LitStr>,
     pub(crate) krate: Option<LitStr>,
     /// Whether a `key` argument was written, even one with a bad value (so that a
@@ -63,6 +64,7 @@ enum Name {
     Watchdog,
     Fencing,
     HoldAtLeast,
+    MaxHold,
     Backend,
     Crate,
 }
@@ -79,6 +81,7 @@ impl Name {
             Name::Watchdog => "watchdog",
             Name::Fencing => "fencing",
             Name::HoldAtLeast => "hold_at_least",
+            Name::MaxHold => "max_hold",
             Name::Backend => "backend",
             Name::Crate => "crate",
         }
@@ -96,6 +99,7 @@ impl Name {
             Name::Watchdog => "watchdog = true",
             Name::Fencing => "fencing = false",
             Name::HoldAtLeast => "hold_at_least = \"1s\"",
+            Name::MaxHold => "max_hold = \"5m\"",
             Name::Backend => "backend = \"redis\"",
             Name::Crate => "crate = \"::dlock_runtime\"",
         }
@@ -106,7 +110,7 @@ impl Name {
         match self {
             Name::Key => "a string literal template",
             Name::Keys => "a list of string literal templates",
-            Name::Wait | Name::Lease | Name::HoldAtLeast => "a duration string",
+            Name::Wait | Name::Lease | Name::HoldAtLeast | Name::MaxHold => "a duration string",
             Name::OnBusy => "a string, \"fail\" or \"skip\"",
             Name::OnLost => "a string, \"cancel\" or \"continue\"",
             Name::Watchdog | Name::Fencing => "a bool literal",
@@ -181,6 +185,7 @@ impl Args {
             (Name::OnBusy, Value::Str(s)) => replace(&mut self.on_busy, s),
             (Name::OnLost, Value::Str(s)) => replace(&mut self.on_lost, s),
             (Name::HoldAtLeast, Value::Str(s)) => replace(&mut self.hold_at_least, s),
+            (Name::MaxHold, Value::Str(s)) => replace(&mut self.max_hold, s),
             (Name::Backend, Value::Str(s)) => replace(&mut self.backend, s),
             (Name::Crate, Value::Str(s)) => replace(&mut self.krate, s),
             // `parse_value` only returns a bool for `watchdog` and `fencing`, a
@@ -271,6 +276,7 @@ fn parse_name(input: ParseStream<'_>) -> syn::Result<(Name, Span)> {
         kw::watchdog => Name::Watchdog,
         kw::fencing => Name::Fencing,
         kw::hold_at_least => Name::HoldAtLeast,
+        kw::max_hold => Name::MaxHold,
         kw::backend => Name::Backend,
     }
     if input.peek(Token![crate]) {
@@ -424,7 +430,7 @@ mod tests {
             errors(r#"key = "k", timeout = "3s""#),
             [
                 "unknown argument `timeout` (allowed: key, keys, wait, lease, on_busy, on_lost, \
-              watchdog, fencing, hold_at_least, backend, crate)"
+              watchdog, fencing, hold_at_least, max_hold, backend, crate)"
             ]
         );
         assert!(errors(r#"key = "k", leese = "3s""#)[0].contains("did you mean `lease`?"));

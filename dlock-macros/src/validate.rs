@@ -37,6 +37,7 @@ pub(crate) struct Model {
     pub(crate) watchdog: Spanned<bool>,
     pub(crate) fencing: Spanned<bool>,
     pub(crate) hold_at_least: Option<Spanned<Duration>>,
+    pub(crate) max_hold: Option<Spanned<Duration>>,
     pub(crate) backend: Option<LitStr>,
 }
 
@@ -187,6 +188,10 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         .hold_at_least
         .as_ref()
         .map(|lit| duration(Some(lit), Duration::ZERO));
+    let max_hold = args
+        .max_hold
+        .as_ref()
+        .map(|lit| duration(Some(lit), Duration::ZERO));
     if let Some(lease) = &lease
         && lease.value < MIN_LEASE
     {
@@ -236,6 +241,42 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         || Spanned::new(true, Span::call_site()),
         |b| Spanned::new(b.value, b.span),
     );
+
+    // max_hold: a ceiling on a hold the watchdog keeps renewing.
+    if let Some(Some(ceiling)) = &max_hold {
+        if !watchdog.value {
+            errors.at(
+                ceiling.span,
+                "`max_hold` needs the watchdog: with `watchdog = false` the lease is already \
+                 the cap on the hold; remove `max_hold`, or remove `watchdog = false`",
+            );
+        } else if ceiling.value.is_zero() {
+            errors.at(
+                ceiling.span,
+                "`max_hold` must be greater than zero, e.g. max_hold = \"5m\"",
+            );
+        } else if let Some(lease) = &lease
+            && ceiling.value < lease.value
+        {
+            errors.at(
+                ceiling.span,
+                format!(
+                    "`max_hold` (\"{}\") must be at least the lease ({}): a shorter cap \
+                     needs no renewal; use `lease` with `watchdog = false` instead",
+                    args.max_hold
+                        .as_ref()
+                        .map(LitStr::value)
+                        .unwrap_or_default(),
+                    args.lease
+                        .as_ref()
+                        .map_or("\"30s\", the default".to_owned(), |l| format!(
+                            "\"{}\"",
+                            l.value()
+                        )),
+                ),
+            );
+        }
+    }
 
     // backend
     if let Some(backend) = &args.backend
@@ -291,8 +332,9 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         on_busy,
         on_lost,
         hold_at_least,
+        max_hold,
     ) {
-        (false, Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least) => {
+        (false, Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least, max_hold) => {
             Ok(Model {
                 func,
                 krate,
@@ -305,6 +347,7 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
                 watchdog,
                 fencing,
                 hold_at_least: hold_at_least.flatten(),
+                max_hold: max_hold.flatten(),
                 backend: args.backend,
             })
         }
@@ -551,5 +594,40 @@ mod tests {
             messages(r#"key = """#, "async fn f() {}"),
             ["`key` must not be empty, e.g. key = \"order:{order.id}\""]
         );
+    }
+
+    #[test]
+    fn max_hold_is_a_ceiling_above_the_lease_under_the_watchdog() {
+        let model = check(
+            r#"key = "k", lease = "10s", max_hold = "1m""#,
+            "async fn f() {}",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            model.max_hold.map(|d| d.value),
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(
+            messages(
+                r#"key = "k", watchdog = false, max_hold = "1m""#,
+                "async fn f() {}"
+            ),
+            [
+                "`max_hold` needs the watchdog: with `watchdog = false` the lease is already \
+                 the cap on the hold; remove `max_hold`, or remove `watchdog = false`"
+            ]
+        );
+        assert_eq!(
+            messages(r#"key = "k", max_hold = "0s""#, "async fn f() {}"),
+            ["`max_hold` must be greater than zero, e.g. max_hold = \"5m\""]
+        );
+        assert_eq!(
+            messages(r#"key = "k", max_hold = "10s""#, "async fn f() {}"),
+            [
+                "`max_hold` (\"10s\") must be at least the lease (\"30s\", the default): a \
+                 shorter cap needs no renewal; use `lease` with `watchdog = false` instead"
+            ]
+        );
+        assert!(messages(r#"key = "k", max_hold = "soon""#, "async fn f() {}")[0].contains("soon"));
     }
 }

@@ -32,6 +32,8 @@
 //! - [`backend`]: the [`LockBackend`] trait and the backends.
 //! - [`LockError`]: what can go wrong.
 //! - [`fence`]: the store-side check that refuses a stale holder's write.
+//! - [`Registry::stats`], [`LossReason`] and, with the feature `metrics`, the `metrics` module:
+//!   what the locks did, for operators.
 //!
 //! ## Guarantees, and their limits
 //!
@@ -60,6 +62,7 @@ pub mod fence;
 mod key;
 mod lease;
 mod outcome;
+mod stats;
 mod time;
 mod token;
 
@@ -89,9 +92,12 @@ pub use dlock_macros::distributed_lock;
 pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};
 pub use lease::{
-    CurrentLock, DEFAULT_LEASE, IntoBackend, LockBuilder, LockGuard, Registry, RegistryBuilder,
-    ShutdownReport, current, global, init, lock, lock_all, shutdown,
+    CurrentLock, DEFAULT_LEASE, IntoBackend, LockBuilder, LockGuard, LossReason, Registry,
+    RegistryBuilder, ShutdownReport, current, global, init, lock, lock_all, shutdown,
 };
 pub use outcome::{LockOutcome, SkipOutcome, SkipValue};
+pub use stats::Stats;
+#[cfg(feature = "metrics")]
+pub use stats::metrics;
 pub use time::MIN_LEASE;
 pub use token::FencingToken;

@@ -12,7 +12,7 @@ pub use std::time::Duration;
 pub use std::vec::Vec;
 
 use crate::error::LockError;
-use crate::lease::{Keys, LockOptions, acquire, acquire_all, global};
+use crate::lease::{Keys, LockOptions, acquire_counted, count_skipped, global};
 
 /// What to do when the lock is busy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +51,11 @@ pub struct Spec {
     pub fencing: bool,
     /// `hold_at_least`.
     pub hold_at_least: Option<Duration>,
+    /// `max_hold`.
+    pub max_hold: Option<Duration>,
+    /// The key template as written (the templates of `keys` joined by `,`):
+    /// the metrics' `key` label.
+    pub key_template: &'static str,
     /// `backend`.
     pub backend: Option<&'static str>,
 }
@@ -107,11 +112,10 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         fencing: spec.fencing,
         hold_at_least: spec.hold_at_least,
         backend: spec.backend.map(Cow::Borrowed),
+        max_hold: spec.max_hold,
+        key_label: Some(Cow::Borrowed(spec.key_template)),
     };
-    let acquired = match keys {
-        Keys::One(key) => acquire(registry, &options, key).await,
-        Keys::All(keys) => acquire_all(registry, &options, keys).await,
-    };
+    let acquired = acquire_counted(registry, &options, keys).await;
     let guard = match acquired {
         Ok(guard) => guard,
         Err(err) => {
@@ -123,6 +127,7 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
                         waited_ms = waited.as_secs_f64() * 1000.0,
                         "dlock: busy, body skipped"
                     );
+                    count_skipped(registry, &options);
                     skipped()
                 }
                 (err, _) => R::from_lock_error(err),

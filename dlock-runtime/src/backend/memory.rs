@@ -5,8 +5,10 @@
 //! one process. Clone it before registering to keep a handle on the
 //! controls: [`expire_now`](MemoryBackend::expire_now),
 //! [`fail_renewals`](MemoryBackend::fail_renewals),
-//! [`stall_renewals`](MemoryBackend::stall_renewals) and
-//! [`advance`](MemoryBackend::advance) make the lost path testable without a server.
+//! [`stall_renewals`](MemoryBackend::stall_renewals),
+//! [`advance`](MemoryBackend::advance) and
+//! [`revoke_on_renewal`](MemoryBackend::revoke_on_renewal) make the lost
+//! path testable without a server.
 //!
 //! State is bounded: a key's entry is removed when it is released, expired
 //! entries are collected as new keys come in, and waiter entries live only
@@ -51,6 +53,7 @@ impl Default for MemoryBackend {
                 renewals: AtomicU64::new(0),
                 renewals_after_release: AtomicU64::new(0),
                 waiters: Arc::default(),
+                revoke_on_renewal: AtomicBool::new(false),
             }),
         }
     }
@@ -68,6 +71,8 @@ struct Inner {
     renewals: AtomicU64,
     renewals_after_release: AtomicU64,
     waiters: Arc<Waiters>,
+    /// [`MemoryBackend::revoke_on_renewal`].
+    revoke_on_renewal: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -137,6 +142,14 @@ impl MemoryBackend {
     /// Renewals stalled so far answer when it is set back to `false`.
     pub fn stall_renewals(&self, stall: bool) {
         self.inner.stall_renewals.send_replace(stall);
+    }
+
+    /// While `true`, every renewal of a lease this store holds ends it and
+    /// answers [`Renewal::Revoked`], as after an operator's revocation: the
+    /// holder's loss is reported with the reason
+    /// [`Revoked`](crate::LossReason::Revoked).
+    pub fn revoke_on_renewal(&self, revoke: bool) {
+        self.inner.revoke_on_renewal.store(revoke, Ordering::SeqCst);
     }
 
     /// Moves this store's clock forward: leases whose end falls within `by` expire.
@@ -221,6 +234,12 @@ impl MemoryBackend {
                 && entry.owner == lease.owner
                 && entry.expires_at > now
             {
+                if self.inner.revoke_on_renewal.load(Ordering::SeqCst) {
+                    keys.held.remove(&lease.key);
+                    drop(keys);
+                    self.inner.waiters.wake(&lease.key);
+                    return Ok(Renewal::Revoked);
+                }
                 entry.expires_at = saturating_add(now, ttl);
                 return Ok(Renewal::Renewed);
             }

@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use super::held::HeldLease;
+use super::loss::LossReason;
 use crate::token::FencingToken;
 
 tokio::task_local! {
@@ -173,6 +174,11 @@ pub struct CurrentLock {
 }
 
 impl Hold {
+    /// Why the hold was lost: the reason of its first lease known lost.
+    pub(crate) fn loss_reason(&self) -> Option<LossReason> {
+        self.leases.iter().find_map(|l| l.loss_reason())
+    }
+
     /// Whether the hold's loss was signalled or any of its leases is known lost.
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.is_cancelled() || self.leases.iter().any(|l| l.is_lost())
@@ -251,6 +257,12 @@ impl CurrentLock {
     /// whether any of them is.
     pub fn is_lost(&self) -> bool {
         self.hold.is_lost()
+    }
+
+    /// Why the lease (for several keys, the first of them lost) was lost;
+    /// `None` while it is held. See [`LossReason`].
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.hold.loss_reason()
     }
 
     /// Resolves when the lease (for several keys, any of them) is lost

@@ -10,6 +10,7 @@ use tracing::Instrument;
 
 use super::context::Hold;
 use super::held::HeldLease;
+use super::loss::LossReason;
 use crate::error::LockError;
 use crate::token::FencingToken;
 
@@ -149,6 +150,14 @@ impl LockGuard {
     /// several keys: whether any of them is.
     pub fn is_lost(&self) -> bool {
         self.hold().is_lost()
+    }
+
+    /// Why the lease (for several keys, the first of them lost) was lost:
+    /// `None` while it is held. Known as soon as [`is_lost`](LockGuard::is_lost)
+    /// is true. A nested hold whose outer holder released the lease first
+    /// has none.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.hold().loss_reason()
     }
 
     /// Resolves when the lease is lost: it expired, the watchdog could not renew

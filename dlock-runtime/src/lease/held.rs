@@ -2,18 +2,20 @@
 //! [state machine](super::state).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::background::Releasing;
+use super::loss::LossReason;
 use super::shutdown::Leases;
-use super::state::{LeaseState, ReleaseStart};
+use super::state::{LeaseState, ReleaseStart, TimeLoss};
 use super::watchdog::Watchdog;
 use crate::backend::{Lease, LockBackend, Renewal};
 use crate::error::{BackendError, LockError};
+use crate::stats::Site;
 use crate::token::FencingToken;
 
 /// The state machine and the watchdog slot the lease occupies.
@@ -59,6 +61,12 @@ pub(crate) struct HeldLease {
     sched: Mutex<Sched>,
     /// Notified when a renewal's answer has been taken (a release may wait for it).
     renewal_settled: Notify,
+    /// Where its events are counted.
+    pub(crate) site: Site,
+    /// Why it was lost (the first reason found).
+    loss: OnceLock<LossReason>,
+    /// Whether its end (release or loss) was counted.
+    counted_out: AtomicBool,
 }
 
 pub(crate) struct NewLease {
@@ -77,13 +85,20 @@ pub(crate) struct NewLease {
     pub(crate) span: tracing::Span,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
+    pub(crate) site: Site,
+    /// `max_hold`: the ceiling on the hold, from now.
+    pub(crate) max_hold: Option<Duration>,
 }
 
 impl HeldLease {
     /// The lease, registered with its registry (for shutdown) but not yet scheduled.
     pub(crate) fn new(n: NewLease) -> Arc<Self> {
         let now = Instant::now();
-        let machine = LeaseState::new(n.lease.valid_until, n.lease_len, n.renew, now);
+        let mut machine = LeaseState::new(n.lease.valid_until, n.lease_len, n.renew, now);
+        if let Some(max_hold) = n.max_hold {
+            machine.cap_at(crate::time::saturating_add(now, max_hold));
+        }
+        n.site.acquired();
         let held = Arc::new(HeldLease {
             id: n.id,
             registry_id: n.registry_id,
@@ -108,6 +123,9 @@ impl HeldLease {
                 slot: None,
             }),
             renewal_settled: Notify::new(),
+            site: n.site,
+            loss: OnceLock::new(),
+            counted_out: AtomicBool::new(false),
         });
         held.leases.track(&held);
         held
@@ -141,18 +159,76 @@ impl HeldLease {
     }
 
     /// Tells the holder that the lease is lost (once), with the reason.
-    pub(crate) fn signal_lost(&self, why: &str) {
+    pub(crate) fn signal_lost(&self, reason: LossReason) {
         self.lost_itself.store(true, Ordering::Release);
+        self.note_loss(reason);
         if !self.lost.is_cancelled() {
             tracing::warn!(
                 parent: &self.span,
                 key = %self.user_key,
                 backend = %self.backend_name,
-                reason = why,
+                reason = reason.describe(),
+                loss_reason = reason.as_str(),
                 "dlock lease lost"
             );
             self.lost.cancel();
         }
+    }
+
+    /// Records why the lease was lost (the first reason stays) and counts
+    /// the loss, unless its end was counted already.
+    pub(crate) fn note_loss(&self, reason: LossReason) {
+        let _ = self.loss.set(reason);
+        if !self.counted_out.swap(true, Ordering::AcqRel) {
+            let reason = self.loss.get().copied().unwrap_or(reason);
+            let now = Instant::now();
+            let due = {
+                let sched = self.sched();
+                match (reason, sched.machine.ceiling()) {
+                    (LossReason::MaxHold, Some(ceiling)) => ceiling,
+                    _ => sched.machine.give_up_at(),
+                }
+            };
+            let late = now.saturating_duration_since(due);
+            self.site.lost(reason, self.acquired_at.elapsed(), late);
+        }
+    }
+
+    /// Counts the release of a lease still held (unless its end was counted already).
+    fn count_released(&self) {
+        if !self.counted_out.swap(true, Ordering::AcqRel) {
+            self.site.released(self.acquired_at.elapsed());
+        }
+    }
+
+    /// The loss reason of a time-driven loss.
+    pub(crate) fn time_loss_reason(&self, loss: TimeLoss) -> LossReason {
+        match loss {
+            TimeLoss::Ceiling => LossReason::MaxHold,
+            TimeLoss::GiveUp if self.renew => LossReason::Expired,
+            TimeLoss::GiveUp => LossReason::HardCap,
+        }
+    }
+
+    /// Why this lease was lost: recorded, or found now (the backend's own
+    /// signal, a give-up instant or ceiling passed before the watchdog
+    /// looked). `None` while it is held, and for a lease released by its
+    /// holder.
+    pub(crate) fn loss_reason(&self) -> Option<LossReason> {
+        if let Some(reason) = self.loss.get() {
+            return Some(*reason);
+        }
+        let sched = self.sched();
+        if sched.machine.release_requested() {
+            return None;
+        }
+        if self.backend_lost.is_cancelled() {
+            return Some(LossReason::SessionEnded);
+        }
+        sched
+            .machine
+            .time_loss(Instant::now())
+            .map(|loss| self.time_loss_reason(loss))
     }
 
     /// Wakes a release waiting for the renewal on the wire.
@@ -187,8 +263,22 @@ impl HeldLease {
             let counted = Releasing::new(&self.leases);
             (start, counted, sched.slot.take())
         };
-        if start.was_lost {
-            self.signal_lost("the lease ran out before its release");
+        // Why it ended: a loss recorded, the backend's own report, time; or
+        // released while held (also a key whose hold lost another key).
+        let now = Instant::now();
+        let reason = self.loss.get().copied().or_else(|| {
+            if self.backend_lost.is_cancelled() {
+                Some(LossReason::SessionEnded)
+            } else {
+                let loss = self.sched().machine.time_loss(now);
+                loss.map(|loss| self.time_loss_reason(loss))
+            }
+        });
+        match reason {
+            Some(reason) if start.was_lost || self.backend_lost.is_cancelled() => {
+                self.signal_lost(reason);
+            }
+            _ => self.count_released(),
         }
         if let Some(slot) = slot {
             self.watchdog.unschedule(slot, self.id);
@@ -274,7 +364,7 @@ impl HeldLease {
                 Ok(Renewal::Renewed) => Ok(()),
                 Ok(_) => {
                     self.sched().machine.mark_lost();
-                    self.signal_lost("the key was no longer ours when hold_at_least began");
+                    self.signal_lost(LossReason::Gone);
                     Ok(())
                 }
                 Err(err) => Err(err),

@@ -19,6 +19,7 @@ use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired, AcquiredAll};
 use crate::backend::{AcquireRequest, Lease, LockBackend};
 use crate::error::{BackendError, LockError};
+use crate::stats::{Site, WaitOutcome};
 use crate::time::MIN_LEASE;
 use crate::token::FencingToken;
 
@@ -34,6 +35,10 @@ pub(crate) struct LockOptions {
     pub(crate) fencing: bool,
     pub(crate) hold_at_least: Option<Duration>,
     pub(crate) backend: Option<Cow<'static, str>>,
+    /// The ceiling on the hold (`max_hold`).
+    pub(crate) max_hold: Option<Duration>,
+    /// The `key` label of the metrics (the attribute's key template).
+    pub(crate) key_label: Option<Cow<'static, str>>,
 }
 
 impl Default for LockOptions {
@@ -45,6 +50,8 @@ impl Default for LockOptions {
             fencing: true,
             hold_at_least: None,
             backend: None,
+            max_hold: None,
+            key_label: None,
         }
     }
 }
@@ -194,6 +201,28 @@ impl LockBuilder {
         self
     }
 
+    /// A ceiling on the whole hold, counted from the grant: then the
+    /// renewals stop, [`lost()`](LockGuard::lost) fires and
+    /// [`loss_reason`](LockGuard::loss_reason) is
+    /// [`MaxHold`](crate::LossReason::MaxHold); the lease runs out on the
+    /// server within one lease (a release frees it at once). For several keys
+    /// it caps the whole hold, from the first key's grant. A nested hold keeps
+    /// the outer hold's ceiling. It needs the watchdog and must be at least the
+    /// lease: else `acquire` answers [`LockError::Config`].
+    pub fn max_hold(mut self, ceiling: Duration) -> Self {
+        self.options.max_hold = Some(ceiling);
+        self
+    }
+
+    /// The `key` label of this lock's [metrics](crate::metrics) (feature
+    /// `metrics`); without it the builder's locks have none. Give a bounded
+    /// pattern (`"order:{id}"`), not the formatted key, unless the keys are
+    /// few: every distinct label value is a time series.
+    pub fn key_label(mut self, label: impl Into<Cow<'static, str>>) -> Self {
+        self.options.key_label = Some(label.into());
+        self
+    }
+
     /// Acquires the lock (every key of it), waiting up to the wait budget.
     ///
     /// Errors: [`LockError::Busy`] when the budget ran out (naming the key
@@ -202,11 +231,50 @@ impl LockBuilder {
     /// [`LockError::Config`], [`LockError::Backend`].
     pub async fn acquire(self) -> Result<LockGuard, LockError> {
         let registry = self.registry?;
-        match self.keys {
-            Keys::One(key) => acquire(&registry, &self.options, key).await,
-            Keys::All(keys) => acquire_all(&registry, &self.options, keys).await,
-        }
+        acquire_counted(&registry, &self.options, self.keys).await
     }
+}
+
+/// The counters and labels of an acquisition with these options.
+fn site(registry: &Registry, options: &LockOptions) -> Site {
+    let name = options.backend.as_deref();
+    Site {
+        counters: registry.inner.counters.clone(),
+        backend: registry
+            .backend(name)
+            .map(|e| e.name.clone())
+            .unwrap_or_else(|_| Arc::from(name.unwrap_or("default"))),
+        key_label: options.key_label.clone(),
+    }
+}
+
+/// An acquisition (one key or several) as the builder and the attribute
+/// take it: counted in `waiting` while in progress, then by outcome.
+pub(crate) async fn acquire_counted(
+    registry: &Registry,
+    options: &LockOptions,
+    keys: Keys,
+) -> Result<LockGuard, LockError> {
+    let site = site(registry, options);
+    let waiting = site.waiting();
+    let started = Instant::now();
+    let answer = match keys {
+        Keys::One(key) => acquire(registry, options, key).await,
+        Keys::All(keys) => acquire_all(registry, options, keys).await,
+    };
+    drop(waiting);
+    let outcome = match &answer {
+        Ok(_) => WaitOutcome::Acquired,
+        Err(LockError::Busy { .. }) => WaitOutcome::Busy,
+        Err(_) => WaitOutcome::Failed,
+    };
+    site.waited(outcome, started.elapsed());
+    answer
+}
+
+/// Counts a body skipped under `on_busy = "skip"`.
+pub(crate) fn count_skipped(registry: &Registry, options: &LockOptions) {
+    site(registry, options).skipped();
 }
 
 static NEXT_LEASE_ID: AtomicU64 = AtomicU64::new(1);
@@ -223,6 +291,20 @@ fn checked_backend(registry: &Registry, options: &LockOptions) -> Result<Backend
             "the lease must be at least {MIN_LEASE:?} (dlock_runtime::MIN_LEASE), got {:?}",
             options.lease
         )));
+    }
+    if let Some(ceiling) = options.max_hold {
+        if !options.watchdog {
+            return Err(LockError::config(
+                "max_hold needs the watchdog: with watchdog(false) the lease is already the cap",
+            ));
+        }
+        if ceiling < options.lease {
+            return Err(LockError::config(format!(
+                "max_hold ({ceiling:?}) must be at least the lease ({:?}): a shorter cap needs \
+                 no renewal; use the lease with watchdog(false) instead",
+                options.lease
+            )));
+        }
     }
     if registry.inner.leases.is_closing() {
         return Err(LockError::ShutDown);
@@ -478,6 +560,12 @@ async fn new_leases(
             span,
             watchdog: registry.inner.watchdog.clone(),
             leases: registry.inner.leases.clone(),
+            site: Site {
+                counters: registry.inner.counters.clone(),
+                backend: entry.name.clone(),
+                key_label: options.key_label.clone(),
+            },
+            max_hold: options.max_hold,
         });
         registry.inner.watchdog.reschedule(&lease);
         held.push(lease);
@@ -674,8 +762,18 @@ async fn complete_hold(
         .map(|l| l.sched().machine.next_renewal())
         .min()
     {
+        // One ceiling for the hold: the first key's.
+        let ceiling = leases
+            .iter()
+            .filter_map(|l| l.sched().machine.ceiling())
+            .min();
         for lease in &leases {
-            lease.sched().machine.renew_no_later_than(first_due);
+            let mut sched = lease.sched();
+            sched.machine.renew_no_later_than(first_due);
+            if let Some(ceiling) = ceiling {
+                sched.machine.cap_at(ceiling);
+            }
+            drop(sched);
             registry.inner.watchdog.reschedule(lease);
         }
     }

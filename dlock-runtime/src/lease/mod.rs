@@ -9,6 +9,7 @@
 //! | [`guard`] | the guard the holder keeps |
 //! | [`held`] | one held lease, shared by its guards and the watchdog: the I/O around its state machine |
 //! | [`state`] | the lease's state machine (pure: no I/O, no clock) |
+//! | [`loss`] | why a lease was lost |
 //! | [`watchdog`] | the renewal scheduler of a registry |
 //! | [`context`] | the locks the current task holds: [`current()`](crate::current()), reentrancy |
 //! | [`background`] | releases no caller awaits (a dropped guard, an abandoned acquisition) |
@@ -19,6 +20,7 @@ mod context;
 mod guard;
 mod held;
 mod lock;
+mod loss;
 mod registry;
 mod shutdown;
 mod state;
@@ -28,6 +30,7 @@ pub use context::{CurrentLock, current};
 pub(crate) use context::{TokenFor, token_for};
 pub use guard::LockGuard;
 pub use lock::{DEFAULT_LEASE, LockBuilder, lock, lock_all};
-pub(crate) use lock::{Keys, LockOptions, acquire, acquire_all};
+pub(crate) use lock::{Keys, LockOptions, acquire_counted, count_skipped};
+pub use loss::LossReason;
 pub use registry::{IntoBackend, Registry, RegistryBuilder, global, init};
 pub use shutdown::{ShutdownReport, shutdown};

@@ -48,6 +48,8 @@ pub(crate) struct RegistryInner {
     pub(crate) holder: Arc<HolderRecord>,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
+    /// What [`Registry::stats`] reads.
+    pub(crate) counters: Arc<crate::stats::Counters>,
 }
 
 #[derive(Clone)]
@@ -230,6 +232,7 @@ impl RegistryBuilder {
                 holder: holder_record(self.holder_name),
                 watchdog: Watchdog::start(),
                 leases: Arc::default(),
+                counters: Arc::default(),
             }),
         }
     }

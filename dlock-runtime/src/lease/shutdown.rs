@@ -120,7 +120,7 @@ impl Registry {
             .collect();
         let released = held.len();
         for lease in held {
-            lease.signal_lost("the registry is shutting down");
+            lease.signal_lost(super::loss::LossReason::Shutdown);
             lease.release_in_background();
         }
         let until = crate::time::saturating_add(Instant::now(), deadline);

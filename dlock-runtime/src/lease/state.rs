@@ -70,6 +70,15 @@ pub(crate) struct RenewalTicket {
     pub(crate) sent: Instant,
 }
 
+/// Which instant ended a lease that time ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TimeLoss {
+    /// Its give-up instant passed without a renewal.
+    GiveUp,
+    /// Its `max_hold` ceiling passed.
+    Ceiling,
+}
+
 /// What a renewal came back with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RenewalAnswer {
@@ -118,6 +127,8 @@ pub(crate) struct LeaseState {
     /// A renewal is on the wire (begun, not yet answered).
     renewal_in_flight: bool,
     lost: bool,
+    /// `max_hold`: no renewal from this instant on, and the lease counts as lost.
+    ceiling: Option<Instant>,
 }
 
 impl LeaseState {
@@ -132,6 +143,7 @@ impl LeaseState {
             generation: 0,
             renewal_in_flight: false,
             lost: false,
+            ceiling: None,
         };
         state.next_renewal = state.next_renewal.min(state.give_up_at());
         state
@@ -152,7 +164,35 @@ impl LeaseState {
         give_up_at(self.valid_until, self.lease)
     }
 
-    /// When the watchdog must look at this lease next; `None`: never again.
+    /// Caps the hold at `at` (`max_hold`), or earlier if it is capped already:
+    /// from then on no renewal is begun and the lease counts as lost.
+    pub(crate) fn cap_at(&mut self, at: Instant) {
+        let at = self.ceiling.map_or(at, |c| c.min(at));
+        self.ceiling = Some(at);
+        self.next_renewal = self.next_renewal.min(at);
+    }
+
+    /// The `max_hold` ceiling, if any.
+    pub(crate) fn ceiling(&self) -> Option<Instant> {
+        self.ceiling
+    }
+
+    /// The instant time ends the lease unless renewed: its give-up instant,
+    /// or its ceiling if that comes first.
+    fn deadline(&self) -> Instant {
+        let give_up = self.give_up_at();
+        self.ceiling.map_or(give_up, |c| c.min(give_up))
+    }
+
+    /// Whether time has ended the lease by `now`, and which instant did.
+    pub(crate) fn time_loss(&self, now: Instant) -> Option<TimeLoss> {
+        match self.ceiling {
+            Some(c) if c <= now && c <= self.give_up_at() => Some(TimeLoss::Ceiling),
+            _ if self.give_up_at() <= now => Some(TimeLoss::GiveUp),
+            _ => None,
+        }
+    }
+
     /// When the next renewal is due (meaningful while held).
     pub(crate) fn next_renewal(&self) -> Instant {
         self.next_renewal
@@ -169,34 +209,36 @@ impl LeaseState {
 
     pub(crate) fn due(&self) -> Option<Due> {
         match self.phase {
-            Phase::Held if self.renews => Some(if self.next_renewal < self.give_up_at() {
+            Phase::Held if self.renews => Some(if self.next_renewal < self.deadline() {
                 Due::Renew(self.next_renewal)
             } else {
-                Due::GiveUp(self.give_up_at())
+                Due::GiveUp(self.deadline())
             }),
-            Phase::Held | Phase::Renewing => Some(Due::GiveUp(self.give_up_at())),
+            Phase::Held | Phase::Renewing => Some(Due::GiveUp(self.deadline())),
             Phase::Lost | Phase::ReleaseRequested | Phase::Released => None,
         }
     }
 
     /// Whether the lease is known lost at `now` (also once its give-up
-    /// instant has passed, before the watchdog has looked).
+    /// instant or its ceiling has passed, before the watchdog has looked).
     pub(crate) fn is_lost(&self, now: Instant) -> bool {
         self.lost
             || (matches!(
                 self.phase,
                 Phase::Held | Phase::Renewing | Phase::ReleaseRequested
-            ) && now >= self.give_up_at())
+            ) && now >= self.deadline())
     }
 
-    /// Time-driven loss: a held or renewing lease whose give-up instant has
-    /// passed is lost now. True if this call made it lost.
-    pub(crate) fn expire(&mut self, now: Instant) -> bool {
-        if matches!(self.phase, Phase::Held | Phase::Renewing) && now >= self.give_up_at() {
-            self.mark_lost();
-            return true;
+    /// Time-driven loss: a held or renewing lease whose give-up instant (or
+    /// ceiling) has passed is lost now. `Some` (which instant) if this call
+    /// made it lost.
+    pub(crate) fn expire(&mut self, now: Instant) -> Option<TimeLoss> {
+        if !matches!(self.phase, Phase::Held | Phase::Renewing) {
+            return None;
         }
-        false
+        let loss = self.time_loss(now)?;
+        self.mark_lost();
+        Some(loss)
     }
 
     /// Lost for a reason the backend or the watchdog found. True if this call made it lost.
@@ -213,7 +255,7 @@ impl LeaseState {
     pub(crate) fn begin_renewal(&mut self, now: Instant, due_by: Instant) -> Option<RenewalTicket> {
         if self.phase != Phase::Held
             || !self.renews
-            || now >= self.give_up_at()
+            || now >= self.deadline()
             || self.next_renewal > due_by
         {
             return None;
@@ -273,7 +315,7 @@ impl LeaseState {
                     return Finished::Lost;
                 }
                 self.phase = Phase::Held;
-                self.next_renewal = (now + renew_period(self.lease)).min(self.give_up_at());
+                self.next_renewal = (now + renew_period(self.lease)).min(self.deadline());
                 Finished::Renewed
             }
             RenewalAnswer::Lost => {
@@ -286,7 +328,7 @@ impl LeaseState {
                     return Finished::Lost;
                 }
                 self.phase = Phase::Held;
-                self.next_renewal = (now + retry_after(self.lease)).min(self.give_up_at());
+                self.next_renewal = (now + retry_after(self.lease)).min(self.deadline());
                 Finished::Retry
             }
         }
@@ -381,13 +423,13 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         let ticket = s.begin_renewal(t1, t1).unwrap();
         let give_up = s.give_up_at();
-        assert!(!s.expire(give_up - MS));
+        assert!(s.expire(give_up - MS).is_none());
         assert!(!s.is_lost(give_up - MS));
         assert!(
             s.is_lost(give_up),
             "is_lost reads the clock before the watchdog looks"
         );
-        assert!(s.expire(give_up));
+        assert_eq!(s.expire(give_up), Some(TimeLoss::GiveUp));
         assert_eq!(s.phase(), Phase::Lost);
         // The hung renewal finally answers: too late, nothing changes.
         let late = RenewalAnswer::Renewed {
@@ -435,7 +477,7 @@ mod tests {
                 "never scheduled past the give-up instant"
             );
             if let Due::GiveUp(at) = due {
-                assert!(s.expire(at));
+                assert!(s.expire(at).is_some());
                 break;
             }
             now = due.at();
@@ -514,7 +556,7 @@ mod tests {
         let mut s = LeaseState::new(t0 + LEASE, LEASE, false, t0);
         assert_eq!(s.due(), Some(Due::GiveUp(t0 + LEASE - LEASE / 10)));
         assert!(s.begin_renewal(t0 + LEASE / 2, t0 + LEASE / 2).is_none());
-        assert!(s.expire(t0 + LEASE));
+        assert!(s.expire(t0 + LEASE).is_some());
     }
 
     #[test]
@@ -538,5 +580,45 @@ mod tests {
             drift: Duration::ZERO,
         };
         assert_eq!(s.finish_renewal(second, renewed, t2), Finished::Renewed);
+    }
+
+    #[test]
+    fn the_ceiling_stops_renewals_and_ends_the_lease() {
+        let t0 = Instant::now();
+        let mut s = fresh(t0);
+        let ceiling = t0 + Duration::from_millis(2500);
+        s.cap_at(ceiling);
+        s.cap_at(t0 + Duration::from_secs(10));
+        assert_eq!(s.ceiling(), Some(ceiling), "the earlier ceiling stays");
+        let t1 = t0 + Duration::from_secs(1);
+        let ticket = s.begin_renewal(t1, t1).expect("renewed before the ceiling");
+        let renewed = RenewalAnswer::Renewed {
+            drift: Duration::ZERO,
+        };
+        assert_eq!(s.finish_renewal(ticket, renewed, t1), Finished::Renewed);
+        let t2 = t1 + Duration::from_secs(1);
+        let ticket = s.begin_renewal(t2, t2).expect("still before the ceiling");
+        assert_eq!(s.finish_renewal(ticket, renewed, t2), Finished::Renewed);
+        // The next renewal would fall after the ceiling: the ceiling is due instead.
+        assert_eq!(s.due(), Some(Due::GiveUp(ceiling)));
+        assert!(s.begin_renewal(ceiling, ceiling).is_none());
+        assert!(!s.is_lost(ceiling - MS));
+        assert!(s.is_lost(ceiling));
+        assert_eq!(s.expire(ceiling - MS), None);
+        assert_eq!(s.expire(ceiling), Some(TimeLoss::Ceiling));
+        assert_eq!(s.phase(), Phase::Lost);
+    }
+
+    #[test]
+    fn a_give_up_before_the_ceiling_is_a_give_up() {
+        let t0 = Instant::now();
+        let mut s = fresh(t0);
+        s.cap_at(t0 + Duration::from_secs(5));
+        let give_up = s.give_up_at();
+        assert_eq!(s.time_loss(give_up), Some(TimeLoss::GiveUp));
+        assert_eq!(
+            s.expire(t0 + Duration::from_secs(6)),
+            Some(TimeLoss::GiveUp)
+        );
     }
 }

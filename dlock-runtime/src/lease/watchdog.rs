@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::held::HeldLease;
+use super::loss::LossReason;
 use super::state::{Due, Finished, RenewalAnswer, RenewalTicket};
 use crate::backend::Renewal;
 use crate::token::FencingToken;
@@ -186,19 +187,20 @@ fn look_at(watchdog: &Watchdog, due: Vec<Entry>, now: Instant) {
             if sched.slot == Some(due.at()) {
                 sched.slot = None;
             }
-            if sched.machine.expire(now) {
+            if let Some(loss) = sched.machine.expire(now) {
                 drop(sched);
-                lease.signal_lost(if lease.renew {
-                    "not renewed by its give-up instant (before the server's expiry)"
-                } else {
-                    "the lease reached its hard cap (watchdog = false)"
-                });
+                lease.signal_lost(lease.time_loss_reason(loss));
                 lease.renewal_settled();
                 continue;
             }
             if lease.lost.is_cancelled() {
-                // The backend reported the loss on its own (session expiry, dead connection).
+                // The backend reported the loss on its own (session expiry,
+                // dead connection), or another key of the hold was lost.
                 sched.machine.mark_lost();
+                drop(sched);
+                if lease.lost_itself() {
+                    lease.note_loss(LossReason::SessionEnded);
+                }
                 None
             } else {
                 sched.machine.begin_renewal(now, now + BATCH_WINDOW)
@@ -256,16 +258,30 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
         .map(|(l, _)| (&l.lease, l.lease_len))
         .collect();
     let answers = tokio::time::timeout_at(give_up.into(), backend.renew_all(&batch)).await;
+    // Why a lease that a renewal's answer ends was lost.
+    let mut gone = vec![LossReason::Expired; leases.len()];
     let answers: Vec<RenewalAnswer> = match answers {
         Ok(answers) if answers.len() == leases.len() => answers
             .into_iter()
             .zip(&leases)
-            .map(|(answer, (lease, _))| match answer {
-                Ok(Renewal::Renewed) => RenewalAnswer::Renewed {
-                    drift: backend.drift(lease.lease_len),
-                },
-                Ok(_) => RenewalAnswer::Lost,
+            .zip(&mut gone)
+            .map(|((answer, (lease, _)), gone)| match answer {
+                Ok(Renewal::Renewed) => {
+                    lease.site.renewal(true);
+                    RenewalAnswer::Renewed {
+                        drift: backend.drift(lease.lease_len),
+                    }
+                }
+                Ok(Renewal::Revoked) => {
+                    *gone = LossReason::Revoked;
+                    RenewalAnswer::Lost
+                }
+                Ok(Renewal::Lost) => {
+                    *gone = LossReason::Gone;
+                    RenewalAnswer::Lost
+                }
                 Err(err) => {
+                    lease.site.renewal(false);
                     tracing::warn!(
                         parent: &lease.span,
                         key = %lease.user_key,
@@ -281,13 +297,17 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
                 backend = backend.kind(),
                 "dlock backend answered a renewal batch with the wrong number of results"
             );
+            leases.iter().for_each(|(l, _)| l.site.renewal(false));
             vec![RenewalAnswer::Failed; leases.len()]
         }
-        Err(_) => vec![RenewalAnswer::Failed; leases.len()],
+        Err(_) => {
+            leases.iter().for_each(|(l, _)| l.site.renewal(false));
+            vec![RenewalAnswer::Failed; leases.len()]
+        }
     };
     drop(batch);
     let now = Instant::now();
-    for ((lease, ticket), answer) in leases.into_iter().zip(answers) {
+    for (((lease, ticket), answer), gone) in leases.into_iter().zip(answers).zip(gone) {
         let finished = lease.sched().machine.finish_renewal(ticket, answer, now);
         match finished {
             Finished::Renewed => {
@@ -299,8 +319,8 @@ async fn renew_batch(watchdog: Watchdog, leases: Vec<(Arc<HeldLease>, RenewalTic
                 );
             }
             Finished::Lost => lease.signal_lost(match answer {
-                RenewalAnswer::Lost => "the key is no longer ours on the server",
-                _ => "not renewed by its give-up instant (before the server's expiry)",
+                RenewalAnswer::Lost => gone,
+                _ => LossReason::Expired,
             }),
             Finished::Retry | Finished::Ignored => {}
         }

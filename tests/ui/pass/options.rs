@@ -1,4 +1,4 @@
-// `crate`, `backend`, `hold_at_least`, `watchdog`, `fencing` and `on_lost` arguments.
+// `crate`, `backend`, `hold_at_least`, `max_hold`, `watchdog`, `fencing` and `on_lost` arguments.
 use dlock_runtime::{LockError, distributed_lock};
 
 mod renamed {
@@ -49,6 +49,12 @@ pub async fn defaults_spelled_out() -> Result<(), AppError> {
     Ok(())
 }
 
+#[distributed_lock(key = "f:{n}", lease = "10s", max_hold = "10s")]
+pub async fn capped(n: u8) -> Result<(), AppError> {
+    let _ = n;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     for r in [
@@ -57,6 +63,7 @@ async fn main() {
         other_backend().await,
         everything().await,
         defaults_spelled_out().await,
+        capped(1).await,
     ] {
         assert!(
             matches!(r, Err(AppError(LockError::NotInitialized))),
