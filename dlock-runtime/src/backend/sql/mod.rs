@@ -66,6 +66,7 @@
 //! - [`MysqlBackend`] (`mysql://`, MySQL 8 and MariaDB ≥ 10.5, feature
 //!   `mysql`): waiters poll with back-off; or `GET_LOCK` with `?mode=session`.
 
+mod admin;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod engine;
 #[cfg(feature = "mysql")]

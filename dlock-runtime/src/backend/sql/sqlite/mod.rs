@@ -24,6 +24,13 @@
 //! clock in microseconds — so they keep growing when a row is deleted (by an
 //! operator, or by the collection of free rows older than `retention`, 10
 //! minutes by default: `sqlite://path?retention=1m`).
+//!
+//! Each grant stores its holder record (`holder`, and `granted_at` in
+//! milliseconds on the database's clock); a revocation frees the row as a
+//! release does, keeps the revoked owner in `revoked`, and rings the key's
+//! doorbell. A table created by an earlier version gets the three columns
+//! added (`ALTER TABLE … ADD COLUMN`) when a backend opens it; see
+//! `sql::admin`.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -37,10 +44,13 @@ use sqlx::sqlite::{
 };
 
 use self::doorbell::Doorbells;
+use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -50,20 +60,36 @@ const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
     key        TEXT    PRIMARY KEY NOT NULL,
     owner      TEXT,
     token      INTEGER NOT NULL,
-    expires_at INTEGER NOT NULL
+    expires_at INTEGER NOT NULL,
+    holder     TEXT,
+    granted_at INTEGER,
+    revoked    TEXT
 ) WITHOUT ROWID";
+
+/// The holder-record columns, added to a table created without them (see
+/// `sql::admin`).
+const HOLDER_COLUMNS: [(&str, &str); 3] = [
+    ("holder", "TEXT"),
+    ("granted_at", "INTEGER"),
+    ("revoked", "TEXT"),
+];
 
 // `now` is the database's clock in milliseconds; every statement reads it once.
 // A fresh row's token is the clock in µs; a taken-over row's the larger of
 // its token + 1 and the clock in µs (hybrid: never lower after a deleted row).
-// A retry by the same owner (an answer lost on the way) takes it again.
-const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at)
+// A retry by the same owner (an answer lost on the way) takes it again, and
+// keeps the first grant's time. The holder record (?4) goes with the grant.
+const ACQUIRE: &str = "INSERT INTO dlock_leases (key, owner, token, expires_at, holder, granted_at)
     VALUES (?1, ?2, CAST(unixepoch('subsec') * 1000000 AS INTEGER),
-            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3)
+            CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3,
+            ?4, CAST(unixepoch('subsec') * 1000 AS INTEGER))
     ON CONFLICT (key) DO UPDATE SET
+        granted_at = CASE WHEN dlock_leases.owner IS excluded.owner
+                          THEN dlock_leases.granted_at ELSE excluded.granted_at END,
         owner = excluded.owner,
         token = MAX(dlock_leases.token + 1, excluded.token),
-        expires_at = excluded.expires_at
+        expires_at = excluded.expires_at,
+        holder = excluded.holder
     WHERE dlock_leases.owner IS NULL
        OR dlock_leases.owner = excluded.owner
        OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)
@@ -82,10 +108,36 @@ const RELEASE: &str = "UPDATE dlock_leases
     SET owner = NULL, expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)
     WHERE key = ?1 AND owner = ?2";
 
+// The held rows (an owner, an unexpired lease): one key (?1), or the keys
+// from ?1 up to ?2 (NULL: no end) in key order, at most ?3.
+const INSPECT: &str = "SELECT key, owner, holder, token, granted_at,
+        expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    FROM dlock_leases
+    WHERE key = ?1 AND owner IS NOT NULL
+      AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+const LIST: &str = "SELECT key, owner, holder, token, granted_at,
+        expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    FROM dlock_leases
+    WHERE key >= ?1 AND (?2 IS NULL OR key < ?2) AND owner IS NOT NULL
+      AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    ORDER BY key LIMIT ?3";
+
+// Frees the row like a release, for the owner that was read (?2), and keeps
+// who was revoked: that owner's next renewal answers `Revoked`.
+const REVOKE: &str = "UPDATE dlock_leases
+    SET owner = NULL, expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER), revoked = owner
+    WHERE key = ?1 AND owner = ?2";
+
+const WAS_REVOKED: &str = "SELECT 1 FROM dlock_leases WHERE key = ?1 AND revoked = ?2";
+
 // Rows free (or expired) for longer than the retention (?1 ms). Safe with
 // hybrid tokens: a key locked again later gets a token above every old one.
 const COLLECT: &str = "DELETE FROM dlock_leases
     WHERE expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1";
+
+/// `granted_at` is in milliseconds.
+const GRANTED_UNIT: Duration = Duration::from_millis(1);
 
 /// How often waiters look again by default, doorbell or not: the fallback
 /// for a ring that does not arrive (see the [module docs](self)).
@@ -197,6 +249,7 @@ impl SqliteBackend {
                 .connect_with(options)
                 .await?;
             sqlx::query(CREATE_TABLE).execute(&pool).await?;
+            add_holder_columns(&pool).await?;
             Ok::<_, sqlx::Error>(pool)
         })
         .await
@@ -256,6 +309,58 @@ impl SqliteBackend {
     }
 }
 
+/// Adds the holder-record columns to a table created without them. Another
+/// process may add them meanwhile: a duplicate column counts as added.
+async fn add_holder_columns(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    let present: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM pragma_table_info('dlock_leases')")
+            .fetch_all(pool)
+            .await?;
+    for (column, kind) in HOLDER_COLUMNS {
+        if present.iter().any(|c| c == column) {
+            continue;
+        }
+        let added = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE dlock_leases ADD COLUMN {column} {kind}"
+        )))
+        .execute(pool)
+        .await;
+        match added {
+            Err(sqlx::Error::Database(db)) if db.message().contains("duplicate column") => {}
+            other => {
+                other?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A held row as `INSPECT` and `LIST` read it.
+type HeldRow = (String, String, Option<String>, i64, Option<i64>, i64);
+
+fn held_row((key, owner, holder, token, granted_at, expires_in_ms): HeldRow) -> Row {
+    Row {
+        key,
+        owner,
+        holder,
+        token,
+        granted_at,
+        expires_in_ms,
+    }
+}
+
+impl SqliteBackend {
+    /// The held row of `key`, if any.
+    async fn held(&self, key: &str) -> Result<Option<Row>, BackendError> {
+        let row: Option<HeldRow> = sqlx::query_as(INSPECT)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        Ok(row.map(held_row))
+    }
+}
+
 impl LockBackend for SqliteBackend {
     fn kind(&self) -> &'static str {
         "sqlite"
@@ -270,6 +375,7 @@ impl LockBackend for SqliteBackend {
                 .bind(&request.key)
                 .bind(&request.owner)
                 .bind(millis(request.lease))
+                .bind(request.holder.encode())
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(sql_error)?;
@@ -315,8 +421,17 @@ impl LockBackend for SqliteBackend {
                 .execute(&self.pool)
                 .await
                 .map_err(sql_error)?;
-            Ok(if done.rows_affected() == 1 {
-                Renewal::Renewed
+            if done.rows_affected() == 1 {
+                return Ok(Renewal::Renewed);
+            }
+            let revoked: Option<i64> = sqlx::query_scalar(WAS_REVOKED)
+                .bind(&lease.key)
+                .bind(&lease.owner)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            Ok(if revoked.is_some() {
+                Renewal::Revoked
             } else {
                 Renewal::Lost
             })
@@ -347,6 +462,65 @@ impl LockBackend for SqliteBackend {
             }
             self.collect_free_rows().await;
             Ok(())
+        })
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            // Waiters in other processes are not known: none are counted.
+            Ok(self
+                .held(key)
+                .await?
+                .map(|row| KeyEntry::new(key, vec![row.entry(GRANTED_UNIT)])))
+        })
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            let rows: Vec<HeldRow> = sqlx::query_as(LIST)
+                .bind(prefix)
+                .bind(prefix_successor(prefix))
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(sql_error)?;
+            Ok(rows
+                .into_iter()
+                .map(held_row)
+                .map(|row| KeyEntry::new(row.key.clone(), vec![row.entry(GRANTED_UNIT)]))
+                .collect())
+        })
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(async move {
+            for _ in 0..REVOKE_ATTEMPTS {
+                let Some(row) = self.held(key).await? else {
+                    return Ok(Vec::new());
+                };
+                let done = sqlx::query(REVOKE)
+                    .bind(key)
+                    .bind(&row.owner)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(sql_error)?;
+                if done.rows_affected() > 0 {
+                    // Woken as by a release.
+                    self.local_waiters.wake(key);
+                    self.doorbells.ring(key);
+                    return Ok(vec![row.entry(GRANTED_UNIT)]);
+                }
+            }
+            Err(BackendError::transient(format!(
+                "sqlite: `{key}` changed hands {REVOKE_ATTEMPTS} times while being revoked"
+            )))
         })
     }
 }
