@@ -7,7 +7,14 @@ use std::time::{Duration, SystemTime};
 use dlock_runtime::{HolderInfo, LockInfo};
 
 /// The table's column titles.
-const HEADER: [&str; 6] = ["KEY", "HOLDER", "HELD FOR", "EXPIRES IN", "TOKEN", "WAITERS"];
+const HEADER: [&str; 6] = [
+    "KEY",
+    "HOLDER",
+    "HELD FOR",
+    "EXPIRES IN",
+    "TOKEN",
+    "WAITERS",
+];
 
 /// A duration as a person reads it: `0.4s`, `3.2s`, `42s`, `4m12s`,
 /// `2h03m`, `3d04h`.
@@ -73,7 +80,8 @@ pub(crate) fn expires_in(h: &HolderInfo) -> String {
 
 /// The fencing token, `-` for unfenced holds.
 pub(crate) fn token(h: &HolderInfo) -> String {
-    h.token().map_or_else(|| "-".to_owned(), |t| t.get().to_string())
+    h.token()
+        .map_or_else(|| "-".to_owned(), |t| t.get().to_string())
 }
 
 /// The waiters, `-` where the backend does not know them.
@@ -168,6 +176,34 @@ mod tests {
         for (d, text) in cases {
             assert_eq!(duration(d), text, "{d:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_held_key_is_one_row_under_aligned_titles() {
+        let registry = dlock_runtime::Registry::builder()
+            .default_backend(dlock_runtime::MemoryBackend::new())
+            .holder_name("api-1")
+            .build();
+        let guard = registry.lock("orders:42").acquire().await.expect("held");
+        let locks = registry.list("", 10).await.expect("listed");
+        let text = table(&locks, SystemTime::now());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let row = lines[1];
+        assert!(row.starts_with("orders:42  api-1 ("), "{row}");
+        assert!(
+            row.contains(&format!(" pid {})", std::process::id())),
+            "{row}"
+        );
+        let token = guard.fencing_token().expect("fenced").get().to_string();
+        for title in ["HOLDER", "HELD FOR", "EXPIRES IN", "TOKEN"] {
+            let at = lines[0].find(title).expect("title");
+            assert_eq!(&row[at - 2..at], "  ", "{title} column:\n{text}");
+            assert_ne!(&row[at..=at], " ", "{title} column:\n{text}");
+        }
+        let at = lines[0].find("TOKEN").expect("title");
+        assert!(row[at..].starts_with(&token), "token column:\n{text}");
+        guard.release().await.expect("released");
     }
 
     #[test]

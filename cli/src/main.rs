@@ -245,10 +245,14 @@ async fn bounded<T>(
 ) -> Result<T, Failure> {
     match tokio::time::timeout(timeout, request).await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(Failure::new(format!(
-            "{what} on {shown_url}: {}",
-            scrub(&e.to_string(), secrets)
-        ))),
+        Ok(Err(e)) => {
+            let message = scrub(&e.to_string(), secrets);
+            Err(Failure::new(if message.contains(shown_url) {
+                format!("{what}: {message}")
+            } else {
+                format!("{what} on {shown_url}: {message}")
+            }))
+        }
         Err(_) => Err(Failure::new(format!(
             "{what} on {shown_url}: no answer within {} (is the server up? see --timeout)",
             humantime::format_duration(timeout)
