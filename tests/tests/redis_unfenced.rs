@@ -248,13 +248,31 @@ async fn an_unfenced_grant_is_a_set_and_a_pttl_without_a_script() {
             );
         }
         let stored = hash_tagged(&format!("{}{key}", registry.key_prefix()));
-        let (owner, ttl): (String, i64) = redis::pipe()
+        let (value, ttl): (String, i64) = redis::pipe()
             .get(&stored)
             .pttl(&stored)
             .query_async(&mut admin)
             .await
             .expect("GET, PTTL");
+        // The owner token, then the holder record on the next line.
+        let (owner, record) = value.split_once('\n').expect("a holder record");
         assert_eq!(owner.len(), 32, "the owner token: {owner}");
+        let fields: Vec<&str> = record.splitn(3, ' ').collect();
+        let [token, granted, holder] = fields[..] else {
+            panic!("a token, a time and a record: {record}");
+        };
+        if fencing {
+            assert!(
+                token.parse::<u64>().is_ok() && granted.parse::<u64>().is_ok(),
+                "a fenced grant's token and server time: {record}"
+            );
+        } else {
+            assert_eq!((token, granted), ("-", "-"), "an unfenced grant: {record}");
+        }
+        assert!(
+            holder.starts_with(&format!("h1 {} ", std::process::id())),
+            "the holder: {record}"
+        );
         assert!((19_000..=20_000).contains(&ttl), "TTL {ttl} ms");
         guard.release().await.expect("release");
     }

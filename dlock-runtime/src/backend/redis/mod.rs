@@ -126,6 +126,7 @@
 //! down renewals fail until the watchdog declares the lease lost, before it
 //! ends on the server.
 
+mod admin;
 mod conn;
 mod connections;
 mod listener;
@@ -151,7 +152,9 @@ use replicas::ReplicaAcks;
 use scripts::{ACQUIRE, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
 use url::{Topology, parse_url};
 
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
 
@@ -323,7 +326,8 @@ impl RedisBackend {
         invocation
             .key(fence.as_ref())
             .arg(&request.owner)
-            .arg(millis(request.lease));
+            .arg(millis(request.lease))
+            .arg(request.holder.encode());
         let answer: Result<(i64, i64), BackendError> = match &self.acks {
             None => self.invoke(&invocation).await,
             Some(acks) => acks.call(&invocation).await,
@@ -362,7 +366,7 @@ impl RedisBackend {
         let mut pipe = redis::pipe();
         pipe.cmd("SET")
             .arg(&keys.lock)
-            .arg(&request.owner)
+            .arg(admin::unfenced_value(&request.owner, &request.holder))
             .arg("NX")
             .arg("PX")
             .arg(millis(request.lease))
@@ -383,7 +387,7 @@ impl RedisBackend {
         };
         let taken = match holder {
             None => true,
-            Some(holder) if holder == request.owner => {
+            Some(holder) if admin::owned_by(&holder, &request.owner) => {
                 match self
                     .renew_one_keys(&keys, &request.owner, request.lease)
                     .await
@@ -504,7 +508,10 @@ impl RedisBackend {
         ttl: Duration,
     ) -> Result<Renewal, BackendError> {
         let mut invocation = RENEW.key(&keys.lock);
-        invocation.arg(owner).arg(millis(ttl));
+        invocation
+            .key(admin::revocation_mark(&keys.lock))
+            .arg(owner)
+            .arg(millis(ttl));
         let extended: i64 = self
             .conns
             .send_confirmed(|conn| call(conn, &invocation))
@@ -544,10 +551,10 @@ fn unanswered(error: BackendError) -> Result<Attempt, BackendError> {
 }
 
 fn renewal(extended: i64) -> Renewal {
-    if extended == 1 {
-        Renewal::Renewed
-    } else {
-        Renewal::Lost
+    match extended {
+        1 => Renewal::Renewed,
+        2 => Renewal::Revoked,
+        _ => Renewal::Lost,
     }
 }
 
@@ -609,9 +616,11 @@ impl LockBackend for RedisBackend {
             let mut pipe = redis::pipe();
             pipe.load_script(&RENEW).ignore();
             for (lease, ttl) in batch {
+                let lock = &Keys::of(lease).lock;
                 pipe.invoke_script(
                     RENEW
-                        .key(&Keys::of(lease).lock)
+                        .key(lock)
+                        .key(admin::revocation_mark(lock))
                         .arg(&lease.owner)
                         .arg(millis(*ttl)),
                 );
@@ -683,5 +692,24 @@ impl LockBackend for RedisBackend {
         // The connections' driver tasks already live on dlock's I/O runtime and
         // keep the order of commands, so calls go straight from the caller.
         false
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(self.inspect_key(key))
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(self.list_keys(prefix, limit))
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(self.revoke_key(key))
     }
 }

@@ -9,13 +9,16 @@ use redis::{RedisError, Script};
 use crate::backend::ceil_millis;
 use crate::error::BackendError;
 
-/// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease (ms).
+/// `KEYS[1]` lock, `KEYS[2]` fence counter; `ARGV[1]` owner, `ARGV[2]` lease
+/// (ms), `ARGV[3]` the holder's record (stored after the owner, see `admin.rs`).
 /// Answers `{1, token}` or `{0, holder's remaining ms}`. Sent twice for one
 /// owner (a retry), it grants again (lease from now, a larger token).
 pub(super) static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 
-/// `KEYS[1]` lock; `ARGV[1]` owner, `ARGV[2]` ttl (ms). Answers 1 if extended.
+/// `KEYS[1]` lock, `KEYS[2]` (optional) its revocation mark; `ARGV[1]` owner,
+/// `ARGV[2]` ttl (ms). Answers 1 if extended, 2 if the owner's hold was
+/// revoked, else 0.
 pub(super) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("renew.lua")));
 

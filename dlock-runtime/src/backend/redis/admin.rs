@@ -1,0 +1,300 @@
+//! What an operator reads and revokes on Redis: the holder record stored in a
+//! lock key's value, `inspect`, `list` (a `SCAN` of every master) and
+//! `revoke`.
+//!
+//! A lock key's value is the owner token, a newline, then
+//! `<token> <granted-at µs> <record>` ([`HolderRecord::encode`]): the token
+//! and the grant's time on the server's clock (`TIME`) as the acquire script
+//! wrote them, `-` for each where no script ran (an unfenced grant is one
+//! `SET … NX PX GET`, so it has neither). Every owner check compares the text
+//! up to the first newline, and also takes a value that is the owner alone.
+
+use std::collections::BTreeSet;
+use std::sync::LazyLock;
+use std::time::{Duration, SystemTime};
+
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Script, Value};
+
+use super::conn::Conn;
+use super::connections::call;
+use super::scripts::redis_error;
+use super::{Keys, RedisBackend};
+use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// `KEYS[1]` lock, `KEYS[2]` its revocation mark; `ARGV[1]` release channel.
+/// Answers `{value, remaining ms}`, or nil for a free key.
+static REVOKE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("revoke.lua")));
+
+/// [`REVOKE`] for Redis Cluster: `SPUBLISH` (see `RELEASE_SHARDED`).
+static REVOKE_SHARDED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&include_str!("revoke.lua").replace("'PUBLISH'", "'SPUBLISH'")));
+
+/// How many keys one `SCAN` step asks for.
+const SCAN_COUNT: usize = 1000;
+
+/// The key that marks the revoked owner of the lock key `lock` (`{K}`): in
+/// the lock's slot, so the renew and revoke scripts touch both.
+pub(super) fn revocation_mark(lock: &str) -> String {
+    format!("{lock}:revoked")
+}
+
+/// The value an unfenced grant stores: the owner, then the record without a
+/// token or a server time.
+pub(super) fn unfenced_value(owner: &str, holder: &HolderRecord) -> String {
+    format!("{owner}\n- - {}", holder.encode())
+}
+
+/// Whether the stored `value` is `owner`'s.
+pub(super) fn owned_by(value: &str, owner: &str) -> bool {
+    value
+        .strip_prefix(owner)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('\n'))
+}
+
+/// Reads a lock key's value (and its remaining `ttl` in ms) back as a holder.
+pub(super) fn held_entry(value: &str, ttl: i64) -> HeldEntry {
+    let (owner, rest) = value.split_once('\n').unwrap_or((value, ""));
+    let mut entry = HeldEntry::new(owner);
+    let mut parts = rest.splitn(3, ' ');
+    entry.token = parts
+        .next()
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(FencingToken::new);
+    entry.granted_at = parts
+        .next()
+        .and_then(|g| g.parse::<u64>().ok())
+        .map(|micros| SystemTime::UNIX_EPOCH + Duration::from_micros(micros));
+    entry.holder = parts.next().and_then(HolderRecord::decode);
+    entry.expires_in = u64::try_from(ttl).ok().map(Duration::from_millis);
+    entry
+}
+
+/// The stored key of a lock key `{K}`: `K`, or `None` for any other key.
+fn stored_key(lock: &str) -> Option<&str> {
+    lock.strip_prefix('{')?.strip_suffix('}')
+}
+
+/// `text` with `SCAN … MATCH`'s special characters escaped.
+fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len() + 2);
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^' | '-') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+impl RedisBackend {
+    /// `GET` and `PTTL` of `keys.lock`, in one pipeline routed by the key.
+    async fn read_lock(&self, lock: &str) -> Result<Option<(String, i64)>, BackendError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(lock).cmd("PTTL").arg(lock);
+        let pipe = &pipe;
+        let (value, ttl): (Option<String>, i64) = self
+            .conns
+            .send(|mut conn| async move { pipe.query_async(&mut conn).await })
+            .await?;
+        Ok(value.map(|v| (v, ttl)))
+    }
+
+    /// The holder of the stored `key`, read from the server.
+    pub(super) async fn inspect_key(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
+        let keys = Keys::new(key);
+        Ok(self
+            .read_lock(&keys.lock)
+            .await?
+            .map(|(value, ttl)| KeyEntry::new(key, vec![held_entry(&value, ttl)])))
+    }
+
+    /// The held keys under `prefix`, in key order, at most `limit`.
+    pub(super) async fn list_keys(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>, BackendError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let pattern = format!("{{{}*", glob_escape(prefix));
+        let found = self.scan(&pattern).await?;
+        let mut listed = Vec::new();
+        for lock in found {
+            let Some(key) = stored_key(&lock) else {
+                continue;
+            };
+            if !key.starts_with(prefix) {
+                continue;
+            }
+            if let Some((value, ttl)) = self.read_lock(&lock).await? {
+                listed.push(KeyEntry::new(key, vec![held_entry(&value, ttl)]));
+                if listed.len() == limit {
+                    break;
+                }
+            }
+        }
+        Ok(listed)
+    }
+
+    /// Every key matching `pattern`, sorted: on a cluster, from every master.
+    async fn scan(&self, pattern: &str) -> Result<BTreeSet<String>, BackendError> {
+        let mut found = BTreeSet::new();
+        match self.conns.home() {
+            Conn::Cluster(mut conn) => {
+                for (host, port) in masters(&mut conn).await? {
+                    let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port,
+                    });
+                    let mut cursor = 0_u64;
+                    loop {
+                        let mut cmd = redis::cmd("SCAN");
+                        cmd.arg(cursor)
+                            .arg("MATCH")
+                            .arg(pattern)
+                            .arg("COUNT")
+                            .arg(SCAN_COUNT);
+                        let answer = conn
+                            .route_command(cmd, route.clone())
+                            .await
+                            .map_err(redis_error)?;
+                        let (next, keys): (u64, Vec<String>) =
+                            redis::from_redis_value(answer).map_err(parse_error)?;
+                        found.extend(keys);
+                        cursor = next;
+                        if cursor == 0 {
+                            break;
+                        }
+                    }
+                }
+            }
+            Conn::Single(_) => {
+                let mut cursor = 0_u64;
+                loop {
+                    let mut cmd = redis::cmd("SCAN");
+                    cmd.arg(cursor)
+                        .arg("MATCH")
+                        .arg(pattern)
+                        .arg("COUNT")
+                        .arg(SCAN_COUNT);
+                    let cmd = &cmd;
+                    let (next, keys): (u64, Vec<String>) = self
+                        .conns
+                        .send(|mut conn| async move { cmd.query_async(&mut conn).await })
+                        .await?;
+                    found.extend(keys);
+                    cursor = next;
+                    if cursor == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Takes the stored `key` from its holder (one script: delete, mark the
+    /// owner revoked, wake the waiters).
+    pub(super) async fn revoke_key(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        let keys = Keys::new(key);
+        let script = if self.conns.is_cluster() {
+            &*REVOKE_SHARDED
+        } else {
+            &*REVOKE
+        };
+        let mut invocation = script.key(&keys.lock);
+        invocation
+            .key(revocation_mark(&keys.lock))
+            .arg(&keys.channel);
+        let answer: Option<(String, i64)> = self
+            .conns
+            .send_confirmed(|conn| call(conn, &invocation))
+            .await?;
+        Ok(answer
+            .map(|(value, ttl)| vec![held_entry(&value, ttl)])
+            .unwrap_or_default())
+    }
+}
+
+/// An answer that does not read as expected.
+fn parse_error(err: impl std::fmt::Display) -> BackendError {
+    BackendError::permanent(format!("redis: unexpected answer: {err}"))
+}
+
+/// The masters of a cluster (`CLUSTER SHARDS` would name them too; `CLUSTER
+/// SLOTS` answers on every version the backend supports).
+async fn masters(
+    conn: &mut redis::cluster_async::ClusterConnection,
+) -> Result<Vec<(String, u16)>, BackendError> {
+    let slots: Value = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(conn)
+        .await
+        .map_err(redis_error)?;
+    let ranges: Vec<Vec<Value>> = redis::from_redis_value(slots).map_err(parse_error)?;
+    let mut masters = BTreeSet::new();
+    for range in ranges {
+        let Some(master) = range.into_iter().nth(2) else {
+            continue;
+        };
+        let node: Vec<Value> = redis::from_redis_value(master).map_err(parse_error)?;
+        let mut node = node.into_iter();
+        let (Some(host), Some(port)) = (node.next(), node.next()) else {
+            continue;
+        };
+        let host: String = redis::from_redis_value(host).map_err(parse_error)?;
+        let port: u16 = redis::from_redis_value(port).map_err(parse_error)?;
+        masters.insert((host, port));
+    }
+    Ok(masters.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_values_read_back_as_holders() {
+        let record = HolderRecord::new("web-1", 42, Some("blue one".to_owned()));
+        let value = format!("abc\n17 1700000000000001 {}", record.encode());
+        let entry = held_entry(&value, 900);
+        assert_eq!(entry.owner, "abc");
+        assert_eq!(entry.token, Some(FencingToken::new(17)));
+        assert_eq!(
+            entry.granted_at,
+            Some(SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_000_001))
+        );
+        assert_eq!(entry.holder, Some(record.clone()));
+        assert_eq!(entry.expires_in, Some(Duration::from_millis(900)));
+
+        let unfenced = held_entry(&unfenced_value("abc", &record), -1);
+        assert_eq!(
+            (unfenced.token, unfenced.granted_at, unfenced.expires_in),
+            (None, None, None)
+        );
+        assert_eq!(unfenced.holder, Some(record));
+
+        let bare = held_entry("abc", 5);
+        assert_eq!((bare.owner.as_str(), bare.holder), ("abc", None));
+    }
+
+    #[test]
+    fn owner_checks_compare_up_to_the_newline() {
+        assert!(owned_by("abc", "abc"));
+        assert!(owned_by("abc\n1 2 h1 3 web", "abc"));
+        assert!(!owned_by("abcd\n1 2 h1 3 web", "abc"));
+        assert!(!owned_by("ab", "abc"));
+    }
+
+    #[test]
+    fn scan_patterns_match_the_prefix_literally() {
+        assert_eq!(glob_escape("a*b?[c]-\\^"), "a\\*b\\?\\[c\\]\\-\\\\\\^");
+        assert_eq!(stored_key("{dlock:x}"), Some("dlock:x"));
+        assert_eq!(stored_key("{dlock:x}:revoked"), None);
+        assert_eq!(stored_key("dlock-fence"), None);
+    }
+}
