@@ -448,3 +448,12 @@ async fn watch_redraws_in_a_terminal_and_quits_on_ctrl_c() {
         "the terminal is restored: main screen, cursor shown"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_held_key_on_redis() {
+    operates_a_held_key(&server_url(
+        "DLOCK_TEST_REDIS_URL",
+        "redis://127.0.0.1:46379/",
+    ))
+    .await;
+}
