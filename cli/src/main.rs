@@ -303,7 +303,7 @@ async fn revoke(session: &Session, key: &str, yes: bool, json: bool) -> Result<(
     } else {
         for h in &revoked {
             println!(
-                "revoked {key} from {} (token {})",
+                "revoked {key} from {}, token {}",
                 format::holder(h),
                 format::token(h)
             );

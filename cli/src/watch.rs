@@ -5,7 +5,7 @@
 use std::io::Write as _;
 use std::time::{Duration, SystemTime};
 
-use crate::{Failure, Session, format, under};
+use crate::{Failure, Session, format};
 
 /// Switches to the alternate screen and hides the cursor.
 const ENTER: &str = "\x1b[?1049h\x1b[?25l";
@@ -93,9 +93,9 @@ fn frame(
 ) -> String {
     let now = SystemTime::now();
     let mut text = format!(
-        "dlock watch  {}{}  every {}  {}  (Ctrl-C quits)\n\n",
+        "dlock watch{}{prefix}  on {}  every {}\n{}  (Ctrl-C quits)\n\n",
+        if prefix.is_empty() { "" } else { " " },
         session.shown_url,
-        under(prefix),
         humantime::format_duration(interval),
         humantime::format_rfc3339_seconds(now),
     );
