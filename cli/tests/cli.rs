@@ -122,7 +122,7 @@ async fn operates_a_held_key(url: &str) {
         .find(|l| l.starts_with(&key))
         .unwrap_or_else(|| panic!("list shows {key}:\n{text}"));
     assert!(
-        row.contains(&format!("cli-test (")) && row.contains(&format!("pid {pid})")),
+        row.contains("cli-test (") && row.contains(&format!("pid {pid})")),
         "the row names this process: {row}"
     );
     assert!(
