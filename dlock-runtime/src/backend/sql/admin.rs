@@ -54,15 +54,19 @@ pub(super) fn prefix_successor(prefix: &str) -> Option<String> {
 
 /// One lease-table row as the admin statements read it.
 #[derive(Debug, Clone)]
-pub(super) struct Row {
-    pub(super) key: String,
-    pub(super) owner: String,
-    pub(super) holder: Option<String>,
-    pub(super) token: i64,
-    /// Since the epoch, in the unit `granted_unit` says.
-    pub(super) granted_at: Option<i64>,
+pub struct Row {
+    /// The stored key.
+    pub key: String,
+    /// The owner token.
+    pub owner: String,
+    /// The holder record's text, if the grant stored one.
+    pub holder: Option<String>,
+    /// The fencing token.
+    pub token: i64,
+    /// When the row was granted, since the epoch, in the dialect's unit.
+    pub granted_at: Option<i64>,
     /// What is left of the lease, in milliseconds.
-    pub(super) expires_in_ms: i64,
+    pub expires_in_ms: i64,
 }
 
 impl Row {

@@ -27,12 +27,15 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 
+use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
 use super::pool::{Pooled, batch_failed, timed_out};
 use super::session::{SessionDb, Sessions};
 use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
 use super::url::{Mode, UrlOptions};
 use crate::backend::wait::Waiters;
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError, redact_url};
 
 /// How long a call may take by default (`?timeout=`).
@@ -148,6 +151,75 @@ pub trait Dialect: Sized + Send + Sync + 'static {
 
     /// The dialect's own fields in `Debug`.
     fn debug_fields(backend: &SqlBackend<Self>, d: &mut fmt::DebugStruct<'_, '_>);
+
+    /// The holder-record columns of the lease table (see `sql::admin`), as
+    /// the check selects them.
+    const HOLDER_COLUMNS: &'static str;
+    /// The length of one unit of the `granted_at` column.
+    const GRANTED_UNIT: Duration;
+    /// The longest holder record the table stores, in bytes (a longer one
+    /// is cut at a character boundary).
+    const HOLDER_MAX: usize;
+
+    /// The statements that add the holder-record columns to `table`, one per
+    /// column.
+    fn add_holder_columns(table: &str) -> Vec<String>;
+
+    /// Whether a failed column addition means the column is there already
+    /// (another process added it meanwhile).
+    fn column_exists(err: &sqlx::Error) -> bool;
+
+    /// The held rows (an owner, an unexpired lease) `pick` names, in key order.
+    fn held_rows(
+        backend: &SqlBackend<Self>,
+        pick: Pick,
+    ) -> impl Future<Output = Result<Vec<Row>, BackendError>> + Send;
+
+    /// Frees `key`'s row if `owner` still holds it, recording `owner` as
+    /// revoked, and wakes the waiters in other processes as a release
+    /// does; answers whether it did.
+    fn revoke_row(
+        backend: &SqlBackend<Self>,
+        key: &str,
+        owner: &str,
+    ) -> impl Future<Output = Result<bool, BackendError>> + Send;
+
+    /// Whether `owner`'s grant of `key` was the last one revoked.
+    fn was_revoked(
+        backend: &SqlBackend<Self>,
+        key: &str,
+        owner: &str,
+    ) -> impl Future<Output = Result<bool, BackendError>> + Send;
+}
+
+/// Which held rows [`Dialect::held_rows`] reads.
+#[derive(Debug, Clone)]
+pub enum Pick {
+    /// One key's.
+    Key(String),
+    /// Keys from `from` (inclusive) up to `to` (exclusive; `None`: no end),
+    /// at most `limit` of them.
+    Range {
+        /// The first key.
+        from: String,
+        /// The end of the range.
+        to: Option<String>,
+        /// How many rows at most.
+        limit: i64,
+    },
+}
+
+/// `holder`'s one-line form, cut to `max` bytes at a character boundary.
+pub(super) fn holder_text(holder: &crate::backend::HolderRecord, max: usize) -> String {
+    let mut text = holder.encode();
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
 }
 
 /// The [`Dialect::fetch_i64`] of a database whose connections run
@@ -310,8 +382,14 @@ impl<D: Dialect> SqlBackend<D> {
                 target.create,
                 target.mode,
             );
-            crate::driver::run(async move { ensure_schema::<D>(pool, &table, create, mode).await })
-                .await?;
+            crate::driver::run(async move {
+                ensure_schema::<D>(pool.clone(), &table, create, mode).await?;
+                if mode == Mode::Lease {
+                    ensure_holder_columns::<D>(pool, &table).await?;
+                }
+                Ok::<_, LockError>(())
+            })
+            .await?;
         }
         let waiters = Arc::<Waiters>::default();
         let (dialect, sessions) = D::start(Setup {
@@ -376,6 +454,114 @@ impl<D: Dialect> SqlBackend<D> {
             D::renew_leases(&this, &batch).await
         })
         .await
+    }
+
+    /// Runs `call` on a pool near this thread: here, or on dlock's I/O runtime.
+    async fn near<T, F, Fut>(&self, call: F) -> Result<T, BackendError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Self) -> Fut,
+        Fut: Future<Output = Result<T, BackendError>> + Send + 'static,
+    {
+        if self.db.is_near() {
+            call(self.clone()).await
+        } else {
+            crate::driver::run(call(self.clone())).await
+        }
+    }
+
+    /// The lease table's holder of `key`.
+    async fn inspect_lease(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
+        let pick = Pick::Key(key.to_owned());
+        let rows = self
+            .near(|this| async move { D::held_rows(&this, pick).await })
+            .await?;
+        // Waiters in other processes are not known: none are counted.
+        Ok(rows
+            .into_iter()
+            .next()
+            .map(|row| KeyEntry::new(key, vec![row.entry(D::GRANTED_UNIT)])))
+    }
+
+    /// The lease table's held keys under `prefix`.
+    async fn list_leases(&self, prefix: &str, limit: usize) -> Result<Vec<KeyEntry>, BackendError> {
+        let pick = Pick::Range {
+            from: prefix.to_owned(),
+            to: prefix_successor(prefix),
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+        };
+        let rows = self
+            .near(|this| async move { D::held_rows(&this, pick).await })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| KeyEntry::new(row.key.clone(), vec![row.entry(D::GRANTED_UNIT)]))
+            .collect())
+    }
+
+    /// Revokes `key`'s lease: read its holder, free the row if the same
+    /// holder still has it (see `sql::admin`), wake the waiters.
+    async fn revoke_lease(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        let key = key.to_owned();
+        self.near(|this| async move {
+            for _ in 0..REVOKE_ATTEMPTS {
+                let rows = D::held_rows(&this, Pick::Key(key.clone())).await?;
+                let Some(row) = rows.into_iter().next() else {
+                    return Ok(Vec::new());
+                };
+                if D::revoke_row(&this, &key, &row.owner).await? {
+                    this.waiters.wake(&key);
+                    return Ok(vec![row.entry(D::GRANTED_UNIT)]);
+                }
+            }
+            Err(BackendError::transient(format!(
+                "{}: `{key}` changed hands {REVOKE_ATTEMPTS} times while being revoked",
+                D::KIND
+            )))
+        })
+        .await
+    }
+
+    /// Tells the revoked among the lost leases of a renewed batch.
+    async fn tell_revoked(
+        &self,
+        batch: &[(&Lease, Duration)],
+        answers: Vec<Renewal>,
+    ) -> Result<Vec<Renewal>, BackendError> {
+        if !answers.contains(&Renewal::Lost) {
+            return Ok(answers);
+        }
+        let lost: Vec<(String, String)> = batch
+            .iter()
+            .zip(&answers)
+            .filter(|(_, answer)| **answer == Renewal::Lost)
+            .map(|((lease, _), _)| (lease.key.clone(), lease.owner.clone()))
+            .collect();
+        let revoked = self
+            .near(|this| async move {
+                let mut revoked = Vec::new();
+                for (key, owner) in lost {
+                    if D::was_revoked(&this, &key, &owner).await? {
+                        revoked.push((key, owner));
+                    }
+                }
+                Ok(revoked)
+            })
+            .await?;
+        Ok(batch
+            .iter()
+            .zip(answers)
+            .map(|((lease, _), answer)| {
+                let was = revoked
+                    .iter()
+                    .any(|(k, o)| *k == lease.key && *o == lease.owner);
+                if answer == Renewal::Lost && was {
+                    Renewal::Revoked
+                } else {
+                    answer
+                }
+            })
+            .collect())
     }
 
     /// Deletes old free rows (and old counter rows) in the background, at
@@ -460,6 +646,37 @@ async fn ensure_schema<D: Dialect>(
     check::<D>(&pool, &sql).await.map_err(backend_error::<D>)
 }
 
+/// Adds the holder-record columns to a lease table created without them
+/// (see `sql::admin`). A role that may not alter the table gets an error
+/// naming the statements to run.
+async fn ensure_holder_columns<D: Dialect>(
+    pool: sqlx::Pool<D::Db>,
+    table: &str,
+) -> Result<(), LockError> {
+    let sql: Arc<str> = format!("SELECT {} FROM {table} LIMIT 0", D::HOLDER_COLUMNS).into();
+    match check::<D>(&pool, &sql).await {
+        Ok(()) => return Ok(()),
+        Err(e) if D::schema_missing(&e) == Some(false) => {}
+        Err(e) => return Err(backend_error::<D>(e)),
+    }
+    let statements = D::add_holder_columns(table);
+    for add in &statements {
+        let mut conn = pool.acquire().await.map_err(backend_error::<D>)?;
+        match D::fetch_i64(&mut conn, add.as_str().into(), None).await {
+            Err(e) if !D::column_exists(&e) => {
+                return Err(LockError::config(format!(
+                    "the lock table `{table}` lacks the holder-record columns and they cannot \
+                     be added ({e}); run `{}` (see {}::DDL)",
+                    statements.join("; "),
+                    D::NAME
+                )));
+            }
+            _ => {}
+        }
+    }
+    check::<D>(&pool, &sql).await.map_err(backend_error::<D>)
+}
+
 /// How soon an attempt that met a transient failure is tried again (doubled
 /// while the failures go on, see [`Attempt::Unavailable`]).
 const OUTAGE_RETRY: Duration = Duration::from_millis(25);
@@ -538,7 +755,11 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
                     .await
                 }
                 None => match self.renew_leases(batch).await {
-                    Ok(answers) => answers.into_iter().map(Ok).collect(),
+                    Ok(answers) => match self.tell_revoked(batch, answers.clone()).await {
+                        Ok(told) => told.into_iter().map(Ok).collect(),
+                        // Lost either way: an expiry it is, then.
+                        Err(_) => answers.into_iter().map(Ok).collect(),
+                    },
                     // One lease's error is its own answer.
                     Err(err) if batch.len() == 1 => vec![Err(err)],
                     Err(err) => batch_failed(D::KIND, err, batch.len()),
@@ -567,6 +788,40 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
             }
             self.collect_if_due();
             Ok(())
+        })
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => sessions.inspect(key).await,
+                None => self.inspect_lease(key).await,
+            }
+        })
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => sessions.list(prefix, limit).await,
+                None => self.list_leases(prefix, limit).await,
+            }
+        })
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(async move {
+            match &self.sessions {
+                Some(sessions) => sessions.revoke(key).await,
+                None => self.revoke_lease(key).await,
+            }
         })
     }
 

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::pool::{DeadConnections, is_connection_error, timed_out};
-use crate::backend::{AcquireRequest, Attempt, Lease, Renewal};
+use crate::backend::{AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -151,6 +151,34 @@ impl<S: SessionDb> Sessions<S> {
             timeout,
             next_id: AtomicU64::new(0),
         }
+    }
+
+    /// Who holds `key` on the server.
+    pub(super) async fn inspect(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
+        let _ = key;
+        Err(BackendError::permanent(
+            "session mode: inspect is not supported yet",
+        ))
+    }
+
+    /// The held keys under `prefix`.
+    pub(super) async fn list(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>, BackendError> {
+        let _ = (prefix, limit);
+        Err(BackendError::permanent(
+            "session mode: list is not supported yet",
+        ))
+    }
+
+    /// Takes `key` from its holder.
+    pub(super) async fn revoke(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        let _ = key;
+        Err(BackendError::permanent(
+            "session mode: revoke is not supported yet",
+        ))
     }
 
     /// Locks held or waited for through this backend right now.

@@ -60,7 +60,10 @@ use sqlx::AssertSqlSafe;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 
 use self::session::MySessions;
-use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
+use super::admin::Row;
+use super::engine::{
+    Dialect, Pick, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar, holder_text,
+};
 use super::pool::is_connection_error;
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
@@ -90,6 +93,11 @@ struct Statements {
     renew: Vec<Arc<str>>,
     still_held: Vec<Arc<str>>,
     release: Arc<str>,
+    inspect: Arc<str>,
+    list: Arc<str>,
+    list_to_end: Arc<str>,
+    revoke: Arc<str>,
+    was_revoked: Arc<str>,
 }
 
 impl Statements {
@@ -101,13 +109,22 @@ impl Statements {
         // for the row constructor alone (a full scan of a big table).
         let keys = |n: usize| vec!["?"; n].join(", ");
         let pairs = |n: usize| vec!["(?, ?)"; n].join(", ");
+        let held = format!(
+            "SELECT k, owner, holder, token, granted_us, \
+             CAST(GREATEST(expires_us - {N}, 0) DIV 1000 AS SIGNED)"
+        );
+        let is_held = format!("owner IS NOT NULL AND expires_us > {N}");
         Statements {
+            // The holder record and the grant's time are assigned before
+            // `owner` (F reads it), the time kept for a retry by the owner.
             acquire: s(format!(
-                "INSERT INTO {table} (k, owner, token, expires_us) \
-                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?) \
+                "INSERT INTO {table} (k, owner, token, expires_us, holder, granted_us) \
+                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?, ?, {N}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
                             token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, 0), {}) + 1)), \
+                 holder = IF({free}, ?, holder), \
+                 granted_us = IF({free}, IF(owner <=> ?, granted_us, {N}), granted_us), \
                  owner = IF({free}, ?, owner), \
                  expires_us = IF({free}, {N} + ?, expires_us)",
                 BUSY_MAX - 1
@@ -140,6 +157,19 @@ impl Statements {
             release: s(format!(
                 "UPDATE {table} SET owner = NULL, expires_us = {N} WHERE k = ? AND owner = ?"
             )),
+            inspect: s(format!("{held} FROM {table} WHERE k = ? AND {is_held}")),
+            list: s(format!(
+                "{held} FROM {table} WHERE k >= ? AND k < ? AND {is_held} ORDER BY k LIMIT ?"
+            )),
+            list_to_end: s(format!(
+                "{held} FROM {table} WHERE k >= ? AND {is_held} ORDER BY k LIMIT ?"
+            )),
+            // `revoked` first: assignments run left to right.
+            revoke: s(format!(
+                "UPDATE {table} SET revoked = owner, owner = NULL, expires_us = {N} \
+                 WHERE k = ? AND owner = ?"
+            )),
+            was_revoked: s(format!("SELECT 1 FROM {table} WHERE k = ? AND revoked = ?")),
         }
     }
 }
@@ -212,7 +242,10 @@ impl MysqlBackend {
         k          VARBINARY(1024) NOT NULL PRIMARY KEY,\n    \
         owner      VARBINARY(255),\n    \
         token      BIGINT UNSIGNED NOT NULL,\n    \
-        expires_us BIGINT          NOT NULL\n) ENGINE = InnoDB;\n\
+        expires_us BIGINT          NOT NULL,\n    \
+        holder     VARBINARY(1024),\n    \
+        granted_us BIGINT,\n    \
+        revoked    VARBINARY(255)\n) ENGINE = InnoDB;\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
         k     BIGINT          NOT NULL PRIMARY KEY,\n    \
         token BIGINT UNSIGNED NOT NULL\n) ENGINE = InnoDB;";
@@ -430,12 +463,19 @@ impl Dialect for Mysql {
             .call_for(&request.owner, "acquire", |c| {
                 let sql = backend.dialect.sql.acquire.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
+                let holder = holder_text(&request.holder, Self::HOLDER_MAX);
                 Box::pin(async move {
                     sqlx::query(AssertSqlSafe(sql))
                         .bind(key)
                         .bind(owner.clone())
                         .bind(lease_us)
-                        // F, then F and the new owner, then F and the lease.
+                        .bind(holder.clone())
+                        // F; F and the holder; F and the owner for the time;
+                        // F and the new owner; F and the lease.
+                        .bind(owner.clone())
+                        .bind(owner.clone())
+                        .bind(holder)
+                        .bind(owner.clone())
                         .bind(owner.clone())
                         .bind(owner.clone())
                         .bind(owner.clone())
@@ -513,6 +553,114 @@ impl Dialect for Mysql {
 
     fn debug_fields(backend: &MysqlBackend, d: &mut fmt::DebugStruct<'_, '_>) {
         d.field("poll", &backend.poll);
+    }
+
+    const HOLDER_COLUMNS: &'static str = "holder, granted_us, revoked";
+    const GRANTED_UNIT: Duration = Duration::from_micros(1);
+    const HOLDER_MAX: usize = 1024;
+
+    fn add_holder_columns(table: &str) -> Vec<String> {
+        [
+            "holder VARBINARY(1024)",
+            "granted_us BIGINT",
+            "revoked VARBINARY(255)",
+        ]
+        .iter()
+        .map(|column| format!("ALTER TABLE {table} ADD COLUMN {column}"))
+        .collect()
+    }
+
+    fn column_exists(err: &sqlx::Error) -> bool {
+        // 1060: duplicate column name.
+        error_number(err) == Some(1060)
+    }
+
+    async fn held_rows(backend: &MysqlBackend, pick: Pick) -> Result<Vec<Row>, BackendError> {
+        type Held = (Vec<u8>, Vec<u8>, Option<Vec<u8>>, u64, Option<i64>, i64);
+        let rows: Vec<Held> = backend
+            .db
+            .call("inspect", |c| {
+                let sql = &backend.dialect.sql;
+                let pick = pick.clone();
+                let query = match &pick {
+                    Pick::Key(_) => sql.inspect.clone(),
+                    Pick::Range { to: Some(_), .. } => sql.list.clone(),
+                    Pick::Range { to: None, .. } => sql.list_to_end.clone(),
+                };
+                Box::pin(async move {
+                    let query = sqlx::query_as(AssertSqlSafe(query));
+                    match pick {
+                        Pick::Key(key) => query.bind(key),
+                        Pick::Range { from, to, limit } => match to {
+                            Some(to) => query.bind(from).bind(to).bind(limit),
+                            None => query.bind(from).bind(limit),
+                        },
+                    }
+                    .fetch_all(c)
+                    .await
+                })
+            })
+            .await?;
+        let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
+        Ok(rows
+            .into_iter()
+            .map(
+                |(key, owner, holder, token, granted_at, expires_in_ms)| Row {
+                    key: text(key),
+                    owner: text(owner),
+                    holder: holder.map(text),
+                    token: i64::try_from(token).unwrap_or(i64::MAX),
+                    granted_at,
+                    expires_in_ms,
+                },
+            )
+            .collect())
+    }
+
+    async fn revoke_row(
+        backend: &MysqlBackend,
+        key: &str,
+        owner: &str,
+    ) -> Result<bool, BackendError> {
+        let freed = backend
+            .db
+            .call("revoke", |c| {
+                let sql = backend.dialect.sql.revoke.clone();
+                let (key, owner) = (key.to_owned(), owner.to_owned());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .execute(c)
+                        .await
+                        .map(|done| done.rows_affected())
+                })
+            })
+            .await?;
+        // Waiters elsewhere poll: they find the row free.
+        Ok(freed > 0)
+    }
+
+    async fn was_revoked(
+        backend: &MysqlBackend,
+        key: &str,
+        owner: &str,
+    ) -> Result<bool, BackendError> {
+        let found: Option<i32> = backend
+            .db
+            .call("renew", |c| {
+                let sql = backend.dialect.sql.was_revoked.clone();
+                let (key, owner) = (key.to_owned(), owner.to_owned());
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(found.is_some())
     }
 }
 

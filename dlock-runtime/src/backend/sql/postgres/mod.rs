@@ -74,7 +74,10 @@ use sqlx::{AssertSqlSafe, Connection as _, Executor as _, Row as _};
 
 use self::listener::Listener;
 use self::session::PgSessions;
-use super::engine::{Dialect, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar};
+use super::admin::Row;
+use super::engine::{
+    Dialect, Pick, Setup, SqlBackend, Started, failed, fetch_i64_by_query_scalar, holder_text,
+};
 use super::pool::is_connection_error;
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
@@ -94,6 +97,13 @@ use self::pooler::{
 /// The database clock in microseconds, in SQL.
 const NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
 
+/// What the admin statements read of a held row (`sql::admin::Row`).
+const HELD: &str = "SELECT key, owner, holder, token, \
+    (extract(epoch FROM granted_at) * 1000)::bigint, \
+    GREATEST(0, ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000))::bigint";
+/// A held row: an owner, an unexpired lease.
+const IS_HELD: &str = "owner IS NOT NULL AND expires_at > clock_timestamp()";
+
 const DEFAULT_POLL: Duration = Duration::from_secs(1);
 /// The longest back-off of a waiter while the listener is down.
 const POLL_WHILE_DEAF: Duration = Duration::from_millis(50);
@@ -108,6 +118,11 @@ struct Statements {
     mark: Arc<str>,
     renew: Arc<str>,
     release: Arc<str>,
+    inspect: Arc<str>,
+    list: Arc<str>,
+    list_to_end: Arc<str>,
+    revoke: Arc<str>,
+    was_revoked: Arc<str>,
 }
 
 impl Statements {
@@ -115,11 +130,15 @@ impl Statements {
         let s = |sql: String| Arc::<str>::from(sql);
         Statements {
             acquire: s(format!(
-                "INSERT INTO {table} AS l (key, owner, token, expires_at) \
-                 VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond') \
+                "INSERT INTO {table} AS l (key, owner, token, expires_at, holder, granted_at) \
+                 VALUES ($1, $2, {NOW_US}, clock_timestamp() + $3 * interval '1 millisecond', \
+                         $4, clock_timestamp()) \
                  ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
                      token = GREATEST(l.token + 1, excluded.token), \
-                     expires_at = excluded.expires_at, wanted = false \
+                     expires_at = excluded.expires_at, wanted = false, \
+                     holder = excluded.holder, \
+                     granted_at = CASE WHEN l.owner = excluded.owner THEN l.granted_at \
+                                       ELSE excluded.granted_at END \
                  WHERE l.owner IS NULL OR l.owner = excluded.owner \
                     OR l.expires_at <= clock_timestamp() \
                  RETURNING token"
@@ -150,6 +169,25 @@ impl Statements {
                 "WITH r AS (UPDATE {table} SET owner = NULL, expires_at = clock_timestamp() \
                             WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
                  SELECT pg_notify($3, key) FROM r WHERE wanted"
+            )),
+            inspect: s(format!("{HELD} FROM {table} WHERE key = $1 AND {IS_HELD}")),
+            list: s(format!(
+                "{HELD} FROM {table} WHERE key >= $1 AND key < $2 AND {IS_HELD} \
+                 ORDER BY key LIMIT $3"
+            )),
+            list_to_end: s(format!(
+                "{HELD} FROM {table} WHERE key >= $1 AND {IS_HELD} ORDER BY key LIMIT $2"
+            )),
+            // Frees the row like a release, and always notifies: waiters
+            // look again as after a release.
+            revoke: s(format!(
+                "WITH r AS (UPDATE {table} \
+                            SET owner = NULL, expires_at = clock_timestamp(), revoked = owner \
+                            WHERE key = $1 AND owner = $2 RETURNING key) \
+                 SELECT pg_notify($3, key)::text FROM r"
+            )),
+            was_revoked: s(format!(
+                "SELECT 1 FROM {table} WHERE key = $1 AND revoked = $2"
             )),
         }
     }
@@ -232,7 +270,10 @@ impl PostgresBackend {
         owner      text,\n    \
         token      bigint      NOT NULL,\n    \
         expires_at timestamptz NOT NULL,\n    \
-        wanted     boolean     NOT NULL DEFAULT false\n) WITH (fillfactor = 80);\n\
+        wanted     boolean     NOT NULL DEFAULT false,\n    \
+        holder     text,\n    \
+        granted_at timestamptz,\n    \
+        revoked    text\n) WITH (fillfactor = 80);\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_fence (k bigint PRIMARY KEY, token bigint NOT NULL);";
 
     /// Connects to the database a `postgres://` URL names, creating (or
@@ -546,11 +587,13 @@ impl Dialect for Postgres {
                 let sql = backend.dialect.sql.acquire.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
                 let ms = millis(request.lease);
+                let holder = holder_text(&request.holder, Self::HOLDER_MAX);
                 Box::pin(async move {
                     sqlx::query_scalar(AssertSqlSafe(sql))
                         .bind(key)
                         .bind(owner)
                         .bind(ms)
+                        .bind(holder)
                         .fetch_optional(c)
                         .await
                 })
@@ -671,6 +714,112 @@ impl Dialect for Postgres {
             "listener_connects",
             &backend.dialect.listener.as_ref().map(|l| l.connects()),
         );
+    }
+
+    const HOLDER_COLUMNS: &'static str = "holder, granted_at, revoked";
+    const GRANTED_UNIT: Duration = Duration::from_millis(1);
+    const HOLDER_MAX: usize = 1024;
+
+    fn add_holder_columns(table: &str) -> Vec<String> {
+        ["holder text", "granted_at timestamptz", "revoked text"]
+            .iter()
+            .map(|column| format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}"))
+            .collect()
+    }
+
+    fn column_exists(err: &sqlx::Error) -> bool {
+        // 42701: duplicate column (a race past `IF NOT EXISTS`).
+        sqlstate(err).as_deref() == Some("42701")
+    }
+
+    async fn held_rows(backend: &PostgresBackend, pick: Pick) -> Result<Vec<Row>, BackendError> {
+        type Held = (String, String, Option<String>, i64, Option<i64>, i64);
+        let rows: Vec<Held> = backend
+            .db
+            .call("inspect", |c| {
+                let sql = &backend.dialect.sql;
+                let pick = pick.clone();
+                let query = match &pick {
+                    Pick::Key(_) => sql.inspect.clone(),
+                    Pick::Range { to: Some(_), .. } => sql.list.clone(),
+                    Pick::Range { to: None, .. } => sql.list_to_end.clone(),
+                };
+                Box::pin(async move {
+                    let query = sqlx::query_as(AssertSqlSafe(query));
+                    match pick {
+                        Pick::Key(key) => query.bind(key),
+                        Pick::Range { from, to, limit } => match to {
+                            Some(to) => query.bind(from).bind(to).bind(limit),
+                            None => query.bind(from).bind(limit),
+                        },
+                    }
+                    .fetch_all(c)
+                    .await
+                })
+            })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(key, owner, holder, token, granted_at, expires_in_ms)| Row {
+                    key,
+                    owner,
+                    holder,
+                    token,
+                    granted_at,
+                    expires_in_ms,
+                },
+            )
+            .collect())
+    }
+
+    async fn revoke_row(
+        backend: &PostgresBackend,
+        key: &str,
+        owner: &str,
+    ) -> Result<bool, BackendError> {
+        let freed = backend
+            .db
+            .call("revoke", |c| {
+                let sql = backend.dialect.sql.revoke.clone();
+                let (key, owner, channel) = (
+                    key.to_owned(),
+                    owner.to_owned(),
+                    backend.dialect.channel.clone(),
+                );
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .bind(channel)
+                        .fetch_all(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(!freed.is_empty())
+    }
+
+    async fn was_revoked(
+        backend: &PostgresBackend,
+        key: &str,
+        owner: &str,
+    ) -> Result<bool, BackendError> {
+        let found: Option<i32> = backend
+            .db
+            .call("renew", |c| {
+                let sql = backend.dialect.sql.was_revoked.clone();
+                let (key, owner) = (key.to_owned(), owner.to_owned());
+                Box::pin(async move {
+                    sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(key)
+                        .bind(owner)
+                        .fetch_optional(c)
+                        .await
+                })
+            })
+            .await?;
+        Ok(found.is_some())
     }
 }
 
