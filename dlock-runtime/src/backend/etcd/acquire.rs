@@ -41,6 +41,8 @@ pub(super) struct Pending {
     pub(super) key: String,
     /// The key's queue: `{prefix}/{escaped key}/`.
     queue: String,
+    /// The holder's record, the entry's value.
+    holder: String,
     pub(super) notify: Arc<Notify>,
     state: Mutex<PendingState>,
 }
@@ -114,6 +116,7 @@ impl Inner {
                 Arc::new(Pending {
                     key: format!("{queue}{}", super::url::escape(&request.owner)),
                     queue,
+                    holder: request.holder.encode(),
                     notify: Arc::new(Notify::new()),
                     state: Mutex::new(PendingState::default()),
                 })
@@ -254,7 +257,7 @@ impl Inner {
             .and_then([
                 TxnOp::put(
                     key,
-                    "",
+                    pending.holder.as_str(),
                     Some(PutOptions::new().with_lease(session.lease_id)),
                 ),
                 TxnOp::get(pending.queue.as_str(), Some(first())),

@@ -96,6 +96,7 @@
 //! say and `url` reads the URL and escapes keys.
 
 mod acquire;
+mod admin;
 mod connect;
 mod release;
 mod renew;
@@ -111,7 +112,9 @@ use std::time::Duration;
 use etcd_client::{Client, Error as EtcdError};
 use futures_util::future::BoxFuture;
 
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
 use renew::held_entry;
@@ -338,5 +341,24 @@ impl LockBackend for EtcdBackend {
         // The client's channel, the keeper, the reaper and the waiters'
         // watches live on dlock's runtime.
         true
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(self.inner.inspect_key(key))
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(self.inner.list_keys(prefix, limit))
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(self.inner.revoke_key(key))
     }
 }

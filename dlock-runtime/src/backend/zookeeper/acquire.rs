@@ -48,7 +48,8 @@ impl Drop for Watch {
 /// One acquisition in progress, from its first attempt to its grant,
 /// abandonment or release: its queued node survives across attempts.
 pub(super) struct Pending {
-    owner: String,
+    /// The node's data: the owner and the holder's record.
+    data: Vec<u8>,
     container: String,
     guid: String,
     pub(super) notify: Arc<Notify>,
@@ -125,7 +126,7 @@ impl Inner {
             .or_insert_with(|| {
                 let container = format!("/{}", path::escape_key(&request.key));
                 Arc::new(Pending {
-                    owner: request.owner.clone(),
+                    data: super::admin::node_data(&request.owner, &request.holder),
                     guid: path::new_guid(),
                     container,
                     notify: Arc::new(Notify::new()),
@@ -291,9 +292,7 @@ impl Inner {
             // Sent when called: from here on the node may exist.
             pending.state().maybe_created = true;
             let sent = Instant::now();
-            let create = session
-                .client
-                .create(&prefix, pending.owner.as_bytes(), &options);
+            let create = session.client.create(&prefix, &pending.data, &options);
             let list = session.client.list_children(&pending.container);
             let created = session.finish(sent, create).await;
             let listed = match &created {
@@ -358,9 +357,7 @@ impl Inner {
         for name in children.iter().filter(|c| c.starts_with(&mine)) {
             let node_path = format!("{}/{name}", pending.container);
             match session.call(|c| c.get_data(&node_path)).await {
-                Ok((data, stat))
-                    if stat.ephemeral_owner == session.id && data == pending.owner.as_bytes() =>
-                {
+                Ok((data, stat)) if stat.ephemeral_owner == session.id && data == pending.data => {
                     if path::sequence_of(name).is_some() {
                         found.push(OurNode {
                             name: name.clone(),

@@ -115,6 +115,7 @@
 //! names the nodes and `url` reads the URL.
 
 mod acquire;
+mod admin;
 mod connect;
 mod path;
 mod queue;
@@ -132,7 +133,9 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use zookeeper_client::Error as ZkError;
 
-use crate::backend::{AcquireRequest, Attempt, Lease, LockBackend, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+};
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
 use renew::held_node;
@@ -358,5 +361,24 @@ impl LockBackend for ZooKeeperBackend {
         // waiters' watch tasks, the reaper and background deletes: calls
         // made there keep each round trip on the runtime that drives it.
         true
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
+        Box::pin(self.inner.inspect_key(key))
+    }
+
+    fn list<'a>(
+        &'a self,
+        prefix: &'a str,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
+        Box::pin(self.inner.list_keys(prefix, limit))
+    }
+
+    fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
+        Box::pin(self.inner.revoke_key(key))
     }
 }

@@ -65,12 +65,17 @@ impl Inner {
                                     Renewal::Lost
                                 })
                             }
-                            MultiReadResult::Data { .. }
-                            | MultiReadResult::Error {
+                            MultiReadResult::Data { .. } => {
+                                session.unregister(&node);
+                                Ok(Renewal::Lost)
+                            }
+                            // Deleted while our session lives: by an
+                            // operator (`revoke`), not by an expiry.
+                            MultiReadResult::Error {
                                 err: ZkError::NoNode,
                             } => {
                                 session.unregister(&node);
-                                Ok(Renewal::Lost)
+                                Ok(Renewal::Revoked)
                             }
                             MultiReadResult::Error { err } => Err(backend_error("renewal", err)),
                             other => Err(BackendError::permanent(format!(

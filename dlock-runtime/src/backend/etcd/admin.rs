@@ -1,0 +1,195 @@
+//! What an operator reads and revokes on etcd.
+//!
+//! Each entry `{prefix}/{escaped key}/{owner}` carries its holder's record
+//! ([`HolderRecord::encode`]) as its value. The key's holder is the entry
+//! with the lowest create revision (its fencing token), the other entries
+//! are its waiters. etcd keeps no wall clock for a key (a revision only), so
+//! the time of a grant is not known; how long it has left is the remaining
+//! TTL of the session's etcd lease the entry is under (when its holder's
+//! process dies, the entry goes with that lease; while it runs, dlock's own
+//! lease is kept by the holder's watchdog). Revocation deletes the holder's
+//! entry (guarded by its create revision): its next renewal reads it gone
+//! and answers [`Renewal::Lost`](crate::backend::Renewal::Lost) — etcd keeps
+//! nothing that tells a deletion by an operator from any other — and the
+//! next waiter's watch fires as on a release.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp};
+
+use super::{Inner, backend_error};
+use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// The stored key that [`escape`](super::url::escape) escaped.
+fn unescape(escaped: &str) -> String {
+    escaped.replace("%2F", "/").replace("%25", "%")
+}
+
+/// One key's queue as read: its entries in create-revision order.
+struct Queue {
+    entries: Vec<KeyValue>,
+}
+
+impl Queue {
+    /// The holder (first entry) and the number of waiters.
+    fn holder(&self) -> Option<(&KeyValue, usize)> {
+        self.entries
+            .first()
+            .map(|first| (first, self.entries.len() - 1))
+    }
+}
+
+impl Inner {
+    /// Every entry under `range` (a prefix), grouped by escaped key.
+    async fn read_queues(
+        self: &Arc<Self>,
+        range: &str,
+    ) -> Result<BTreeMap<String, Queue>, BackendError> {
+        let session = self.session().await?;
+        let mut kv = session.client.kv_client();
+        let response = session
+            .call(kv.get(range, Some(GetOptions::new().with_prefix())))
+            .await
+            .map_err(|e| backend_error("inspect", e))?;
+        let root = format!("{}/", self.target.prefix);
+        let mut queues: BTreeMap<String, Queue> = BTreeMap::new();
+        for entry in response.kvs() {
+            let Ok(name) = entry.key_str() else { continue };
+            let Some((escaped, _owner)) = name
+                .strip_prefix(root.as_str())
+                .and_then(|n| n.rsplit_once('/'))
+            else {
+                continue;
+            };
+            queues
+                .entry(unescape(escaped))
+                .or_insert_with(|| Queue {
+                    entries: Vec::new(),
+                })
+                .entries
+                .push(entry.clone());
+        }
+        for queue in queues.values_mut() {
+            queue.entries.sort_by_key(KeyValue::create_revision);
+        }
+        Ok(queues)
+    }
+
+    /// An entry as a holder: its owner, record, token and what its etcd
+    /// lease has left.
+    async fn held_entry(self: &Arc<Self>, entry: &KeyValue) -> HeldEntry {
+        let owner = entry
+            .key_str()
+            .ok()
+            .and_then(|k| k.rsplit_once('/'))
+            .map_or("", |(_, owner)| owner);
+        let mut held = HeldEntry::new(unescape(owner));
+        held.holder = entry.value_str().ok().and_then(HolderRecord::decode);
+        held.token = u64::try_from(entry.create_revision())
+            .ok()
+            .map(FencingToken::new);
+        held.expires_in = self.lease_left(entry.lease()).await;
+        held
+    }
+
+    /// The remaining TTL of etcd lease `id` (`None` if unknown or ended).
+    async fn lease_left(self: &Arc<Self>, id: i64) -> Option<Duration> {
+        let session = self.session().await.ok()?;
+        let mut leases = session.client.lease_client();
+        let answer = session.call(leases.time_to_live(id, None)).await.ok()?;
+        u64::try_from(answer.ttl())
+            .ok()
+            .filter(|&s| s > 0)
+            .map(Duration::from_secs)
+    }
+
+    /// The holder and waiters of the stored `key`.
+    pub(super) async fn inspect_key(
+        self: &Arc<Self>,
+        key: &str,
+    ) -> Result<Option<KeyEntry>, BackendError> {
+        let queues = self.read_queues(&self.queue_of(key)).await?;
+        let Some((first, waiters)) = queues.get(key).and_then(Queue::holder) else {
+            return Ok(None);
+        };
+        let mut entry = KeyEntry::new(key, vec![self.held_entry(first).await]);
+        entry.waiters = Some(waiters);
+        Ok(Some(entry))
+    }
+
+    /// The held keys under `prefix`, in key order, at most `limit`.
+    pub(super) async fn list_keys(
+        self: &Arc<Self>,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>, BackendError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let range = format!("{}/{}", self.target.prefix, super::url::escape(prefix));
+        let queues = self.read_queues(&range).await?;
+        let mut listed = Vec::new();
+        for (key, queue) in &queues {
+            if !key.starts_with(prefix) {
+                continue;
+            }
+            let Some((first, waiters)) = queue.holder() else {
+                continue;
+            };
+            let mut entry = KeyEntry::new(key.clone(), vec![self.held_entry(first).await]);
+            entry.waiters = Some(waiters);
+            listed.push(entry);
+            if listed.len() == limit {
+                break;
+            }
+        }
+        Ok(listed)
+    }
+
+    /// Deletes the holder's entry of the stored `key` (if it is still the
+    /// one read: guarded by its create revision).
+    pub(super) async fn revoke_key(
+        self: &Arc<Self>,
+        key: &str,
+    ) -> Result<Vec<HeldEntry>, BackendError> {
+        let queues = self.read_queues(&self.queue_of(key)).await?;
+        let Some((first, _)) = queues.get(key).and_then(Queue::holder) else {
+            return Ok(Vec::new());
+        };
+        let held = self.held_entry(first).await;
+        let session = self.session().await?;
+        let mut kv = session.client.kv_client();
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                first.key(),
+                CompareOp::Equal,
+                first.create_revision(),
+            )])
+            .and_then([TxnOp::delete(first.key(), None)]);
+        let response = session
+            .call(kv.txn(txn))
+            .await
+            .map_err(|e| backend_error("revoke", e))?;
+        Ok(if response.succeeded() {
+            vec![held]
+        } else {
+            Vec::new()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escaped_keys_read_back() {
+        for key in ["a/b%2F", "plain", "%25/%"] {
+            assert_eq!(unescape(&super::super::url::escape(key)), key);
+        }
+    }
+}

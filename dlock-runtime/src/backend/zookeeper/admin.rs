@@ -1,0 +1,261 @@
+//! What an operator reads and revokes on ZooKeeper.
+//!
+//! A stored key `K` is the container node `{chroot}/{escaped K}` (see the
+//! module docs for the escaping), its lock children are its queue. A dlock
+//! child's data is the owner token, a newline and the holder's record
+//! ([`HolderRecord::encode`]); a Curator child's data is its client's IP
+//! address, so a Curator holder is shown without a record, under its node's
+//! name. The holder is the child created first (lowest `czxid`, also its
+//! fencing token), the other children are its waiters, and the grant's time
+//! is the child's `ctime` (the server's clock). A child lives as long as its
+//! session, so how long it has left is not known (`expires_in` is `None`).
+//! `list` reads the chroot's children whose unescaped name starts with the
+//! prefix. Revocation deletes the holder's child: its waiters' watches fire
+//! as on a release, and the holder's next renewal finds its node gone while
+//! its session lives, which it reports as revoked.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use zookeeper_client::{Error as ZkError, MultiReadResult, Stat};
+
+use super::session::Session;
+use super::{Inner, backend_error, path};
+use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// The data of a dlock lock child: the owner, a newline, the holder's record.
+pub(super) fn node_data(owner: &str, holder: &HolderRecord) -> Vec<u8> {
+    format!("{owner}\n{}", holder.encode()).into_bytes()
+}
+
+/// A container's name read back as the stored key ([`path::escape_key`]
+/// reversed); `None` for a name it could not have written.
+fn unescape_key(name: &str) -> Option<String> {
+    let bytes = name.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = name.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A lock child read: its name, data and stat.
+struct Child {
+    name: String,
+    data: Vec<u8>,
+    stat: Stat,
+}
+
+impl Child {
+    fn held_entry(&self) -> HeldEntry {
+        let text = std::str::from_utf8(&self.data).ok();
+        let split = text.and_then(|t| t.split_once('\n'));
+        let owner = split.map_or(self.name.as_str(), |(owner, _)| owner);
+        let mut entry = HeldEntry::new(owner);
+        entry.holder = split.and_then(|(_, record)| HolderRecord::decode(record));
+        entry.token = u64::try_from(self.stat.czxid).ok().map(FencingToken::new);
+        entry.granted_at = u64::try_from(self.stat.ctime)
+            .ok()
+            .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+        entry
+    }
+}
+
+impl Inner {
+    /// The lock children of `container`, in creation order (by `czxid`,
+    /// which agrees with the sequence numbers wherever they are in order),
+    /// read in one multi-read. Empty for a missing container.
+    async fn children_of(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+    ) -> Result<Vec<Child>, ZkError> {
+        let names = match session.call(|c| c.list_children(container)).await {
+            Ok(names) => names,
+            Err(ZkError::NoNode) => return Ok(Vec::new()),
+            Err(err) => return Err(err),
+        };
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|n| path::sequence_of(n).is_some())
+            .collect();
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut reader = session.client.new_multi_reader();
+        for name in &names {
+            reader.add_get_data(&format!("{container}/{name}"))?;
+        }
+        let sent = std::time::Instant::now();
+        let request = reader.commit();
+        let results = session.finish(sent, request).await?;
+        let mut children = Vec::with_capacity(names.len());
+        for (name, result) in names.into_iter().zip(results) {
+            match result {
+                MultiReadResult::Data { data, stat } => children.push(Child { name, data, stat }),
+                MultiReadResult::Error {
+                    err: ZkError::NoNode,
+                } => {}
+                MultiReadResult::Error { err } => return Err(err),
+                other => {
+                    return Err(ZkError::UnexpectedError(format!(
+                        "unexpected multi-read answer {other:?}"
+                    )));
+                }
+            }
+        }
+        children.sort_by_key(|c| c.stat.czxid);
+        Ok(children)
+    }
+
+    /// The entry of the stored `key` whose container is `container`.
+    async fn key_entry(
+        &self,
+        session: &Arc<Session>,
+        key: &str,
+        container: &str,
+    ) -> Result<Option<KeyEntry>, BackendError> {
+        let children = self
+            .children_of(session, container)
+            .await
+            .map_err(|e| backend_error("inspect", e))?;
+        let Some(first) = children.first() else {
+            return Ok(None);
+        };
+        let mut entry = KeyEntry::new(key, vec![first.held_entry()]);
+        entry.waiters = Some(children.len() - 1);
+        Ok(Some(entry))
+    }
+
+    /// The holder and waiters of the stored `key`.
+    pub(super) async fn inspect_key(
+        self: &Arc<Self>,
+        key: &str,
+    ) -> Result<Option<KeyEntry>, BackendError> {
+        let session = self.session().await?;
+        let container = format!("/{}", path::escape_key(key));
+        self.key_entry(&session, key, &container).await
+    }
+
+    /// The held keys under `prefix`, in key order, at most `limit`.
+    pub(super) async fn list_keys(
+        self: &Arc<Self>,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<KeyEntry>, BackendError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let session = self.session().await?;
+        let names = session
+            .call(|c| c.list_children("/"))
+            .await
+            .map_err(|e| backend_error("list", e))?;
+        let mut keys: Vec<(String, String)> = names
+            .into_iter()
+            .filter_map(|name| {
+                let key = unescape_key(&name)?;
+                key.starts_with(prefix).then(|| (key, format!("/{name}")))
+            })
+            .collect();
+        keys.sort_unstable();
+        let mut listed = Vec::new();
+        for (key, container) in keys {
+            if let Some(entry) = self.key_entry(&session, &key, &container).await? {
+                listed.push(entry);
+                if listed.len() == limit {
+                    break;
+                }
+            }
+        }
+        Ok(listed)
+    }
+
+    /// Deletes the holder's child of the stored `key` (the one read, at the
+    /// version read).
+    pub(super) async fn revoke_key(
+        self: &Arc<Self>,
+        key: &str,
+    ) -> Result<Vec<HeldEntry>, BackendError> {
+        let session = self.session().await?;
+        let container = format!("/{}", path::escape_key(key));
+        let children = self
+            .children_of(&session, &container)
+            .await
+            .map_err(|e| backend_error("revoke", e))?;
+        let Some(first) = children.first() else {
+            return Ok(Vec::new());
+        };
+        let node = format!("{container}/{}", first.name);
+        match session
+            .call(|c| c.delete(&node, Some(first.stat.version)))
+            .await
+        {
+            Ok(()) => Ok(vec![first.held_entry()]),
+            // Released (or revoked) meanwhile.
+            Err(ZkError::NoNode) => Ok(Vec::new()),
+            Err(err) => Err(backend_error("revoke", err)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn container_names_read_back_as_keys() {
+        for key in ["dlock:a/b", "100%", "zookeeper", ".", "é 😀", "a\u{1}b"] {
+            assert_eq!(
+                unescape_key(&path::escape_key(key)).as_deref(),
+                Some(key),
+                "{key}"
+            );
+        }
+        assert_eq!(unescape_key("%zz"), None);
+    }
+
+    #[test]
+    fn curator_children_show_without_a_record() {
+        let stat = Stat {
+            czxid: 7,
+            mzxid: 7,
+            pzxid: 7,
+            ctime: 1_700_000_000_000,
+            mtime: 1_700_000_000_000,
+            version: 0,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 9,
+            num_children: 0,
+        };
+        let curator = Child {
+            name: "_c_x-lock-0000000001".to_owned(),
+            data: b"127.0.0.1".to_vec(),
+            stat,
+        };
+        let entry = curator.held_entry();
+        assert_eq!(entry.owner, "_c_x-lock-0000000001");
+        assert_eq!(entry.holder, None);
+        assert_eq!(entry.token, Some(FencingToken::new(7)));
+        let record = HolderRecord::new("web", 3, None);
+        let ours = Child {
+            name: "_c_y-lock-0000000002".to_owned(),
+            data: node_data("abc", &record),
+            stat,
+        };
+        let entry = ours.held_entry();
+        assert_eq!((entry.owner.as_str(), entry.holder), ("abc", Some(record)));
+    }
+}
