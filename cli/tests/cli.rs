@@ -457,3 +457,39 @@ async fn operates_a_held_key_on_redis() {
     ))
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_held_key_on_postgres() {
+    operates_a_held_key(&server_url(
+        "DLOCK_TEST_POSTGRES_URL",
+        "postgres://dlock:dlock@127.0.0.1:45432/dlock",
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_held_key_on_mysql() {
+    operates_a_held_key(&server_url(
+        "DLOCK_TEST_MYSQL_URL",
+        "mysql://dlock:dlock@127.0.0.1:43306/dlock",
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_held_key_on_zookeeper() {
+    operates_a_held_key(&server_url(
+        "DLOCK_TEST_ZK_URL",
+        "zk://127.0.0.1:42181/dlock-test",
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_held_key_on_etcd() {
+    operates_a_held_key(&server_url(
+        "DLOCK_TEST_ETCD_URL",
+        "etcd://127.0.0.1:42379,127.0.0.1:42389,127.0.0.1:42399/dlock-test",
+    ))
+    .await;
+}
