@@ -271,6 +271,9 @@ fn under(prefix: &str) -> String {
 
 /// Asks, unless `yes`, then revokes and says from whom.
 async fn revoke(session: &Session, key: &str, yes: bool, json: bool) -> Result<(), Failure> {
+    // The holders the question named, to say so if the key changed hands
+    // before the answer came.
+    let mut asked_about = None;
     if !yes {
         let Some(info) = session.call("show", session.admin.inspect(key)).await? else {
             if json {
@@ -294,8 +297,21 @@ async fn revoke(session: &Session, key: &str, yes: bool, json: bool) -> Result<(
         if !matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes") {
             return Err(Failure::new(format!("{key}: not revoked")));
         }
+        asked_about = Some(info);
     }
     let revoked = session.call("revoke", session.admin.revoke(key)).await?;
+    if let Some(info) = asked_about
+        && revoked.iter().any(|h| {
+            !info
+                .holders()
+                .iter()
+                .any(|a| (a.token(), a.pid(), a.host()) == (h.token(), h.pid(), h.host()))
+        })
+    {
+        eprintln!(
+            "dlock: warning: {key} changed hands after the question; revoked its holders then"
+        );
+    }
     if json {
         print_json(&revoked)?;
     } else if revoked.is_empty() {

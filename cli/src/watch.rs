@@ -48,7 +48,7 @@ pub(crate) async fn run(
     let screen = (!json).then(Screen::enter);
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let ctrl_c = tokio::signal::ctrl_c();
+    let ctrl_c = quit_signal();
     tokio::pin!(ctrl_c);
     loop {
         tokio::select! {
@@ -81,6 +81,31 @@ pub(crate) async fn run(
     }
     drop(screen);
     Ok(())
+}
+
+/// Ctrl-C, or on Unix a termination (`kill`) or hang-up (the terminal
+/// closed): each ends the watch with the terminal restored.
+async fn quit_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+            _ = hup.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// One screen: a title line, then the table, `no held keys`, or the error.

@@ -211,6 +211,11 @@ async fn revoke_answered_from_a_pipe_with_yes_revokes() {
     let out = dlock(&["--url", &url, "revoke", &key], Some("yes\n")).await;
     assert_exit(&out, 0, "revoke with `yes` piped");
     assert!(
+        !stderr(&out).contains("changed hands"),
+        "the holder asked about is the one revoked: {}",
+        stderr(&out)
+    );
+    assert!(
         stdout(&out).contains(&format!("revoked {key} from cli-test (")),
         "{}",
         stdout(&out)
@@ -492,4 +497,35 @@ async fn operates_a_held_key_on_etcd() {
         "etcd://127.0.0.1:42379,127.0.0.1:42389,127.0.0.1:42399/dlock-test",
     ))
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_ends_on_sigterm_with_the_terminal_restored() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let out = tokio::task::spawn_blocking(move || {
+        let child = Command::new(DLOCK)
+            .args(["--url", &url, "watch", "--interval", "100ms"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("dlock watch starts");
+        std::thread::sleep(Duration::from_secs(2));
+        let killed = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(killed.success());
+        child.wait_with_output().expect("watch ends")
+    })
+    .await
+    .expect("thread");
+    assert_exit(&out, 0, "watch after SIGTERM");
+    let text = stdout(&out);
+    assert!(text.starts_with("\x1b[?1049h\x1b[?25l"), "{text:?}");
+    assert!(text.contains("no held keys"), "{text:?}");
+    assert!(
+        text.ends_with("\x1b[?25h\x1b[?1049l"),
+        "the terminal is restored: {text:?}"
+    );
 }
