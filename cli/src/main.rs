@@ -187,6 +187,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 println!("no held keys{}", under(&prefix));
             } else {
                 print!("{}", format::table(&locks, SystemTime::now()));
+                if locks.len() == limit {
+                    eprintln!("(the first {limit} keys; see --limit)");
+                }
             }
         }
         Command::Show { key } => {
