@@ -228,6 +228,8 @@ install_missing() {
     command -v etcd >/dev/null || pkgs+=(etcd-server)
     # etcd-client (the etcd backend's gRPC client) runs protoc at build time.
     command -v protoc >/dev/null || pkgs+=(protobuf-compiler)
+    # The `dlock` command's tests drive `dlock watch` in a terminal.
+    command -v tmux >/dev/null || pkgs+=(tmux)
     ((${#pkgs[@]})) || return 0
 
     [[ $(id -u) -eq 0 ]] || die "missing packages (${pkgs[*]}); run this script as root or install them"

@@ -253,6 +253,13 @@ impl Admin {
     }
 }
 
+/// `url` with its secrets replaced by `***` (the password in the user info,
+/// `?password=`-like query parameters and URLs nested in the query), as
+/// dlock's own errors show URLs: for tools that print the URL they were given.
+pub fn redact_url(url: &str) -> String {
+    crate::error::redact_url(url)
+}
+
 impl Registry {
     /// The operator's view of the backend named `backend` (`None`: the
     /// default one), for [`inspect`](Admin::inspect), [`list`](Admin::list)
