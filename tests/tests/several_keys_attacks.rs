@@ -1,0 +1,500 @@
+//! Holds of several keys under stress, on real servers: an acquisition the
+//! caller gives up on while its one step (script, statement, transaction)
+//! is on the wire leaves no key held; a hold of many keys (64, 100) stays
+//! held under the watchdog; one key of a hold revoked cancels the hold and
+//! frees the others; fenced and unfenced holds of the same keys exclude each
+//! other; several-key and single-key holds of overlapping fresh keys on the
+//! SQL lease tables never fail nor overlap; session mode with `wait = 0`
+//! leaves nothing taken when a later key is busy.
+#![cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, Registry};
+use dlock_tests::unique_key;
+
+/// How long the proxy holds the acquisition's step back.
+const HELD_BACK: Duration = Duration::from_millis(800);
+
+/// Two keys of one test sharing a hash tag (one Redis Cluster slot).
+fn two_keys(case: &str) -> [String; 2] {
+    let tag = unique_key(case);
+    [format!("{{{tag}}}:a"), format!("{{{tag}}}:b")]
+}
+
+/// `n` keys of one test sharing a hash tag.
+fn many_keys(case: &str, n: usize) -> Vec<String> {
+    let tag = unique_key(case);
+    (0..n).map(|i| format!("{{{tag}}}:{i:03}")).collect()
+}
+
+/// Watches `keys` through `observer` for `watch`: the longest stretch any of
+/// them was seen held (first to last sighting).
+async fn longest_held(observer: &Registry, keys: &[String], watch: Duration) -> Duration {
+    let started = Instant::now();
+    let mut seen: Vec<Option<(Duration, Duration)>> = vec![None; keys.len()];
+    while started.elapsed() < watch {
+        for (i, key) in keys.iter().enumerate() {
+            if observer.inspect(key).await.expect("inspect").is_some() {
+                let at = started.elapsed();
+                seen[i] = Some(seen[i].map_or((at, at), |(first, _)| (first, at)));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    seen.iter()
+        .flatten()
+        .map(|(first, last)| *last - *first)
+        .max()
+        .unwrap_or_default()
+}
+
+/// The caller gives up on a hold of `keys` while the proxy holds back the
+/// request carrying every one of `needle`: no key is left held for longer
+/// than a round trip after the server answers it, and the keys are free for
+/// another process afterwards.
+async fn abandoned_step_leaves_no_key_held(
+    proxied: &Registry,
+    proxy: &dlock_testkit::FaultProxy,
+    observer: &Registry,
+    keys: &[String],
+    needle: &[u8],
+) {
+    // Connections open and statements prepared.
+    for _ in 0..3 {
+        let warm = two_keys("abandoned-step-warm");
+        let g = proxied.lock_all(&warm).acquire().await.expect("warm up");
+        g.release().await.expect("release");
+    }
+    proxy.hold_next(&[needle], HELD_BACK);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        proxied
+            .lock_all(keys)
+            .lease(Duration::from_secs(60))
+            .acquire(),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the caller gave up before the answer");
+    assert!(proxy.held_on().is_some(), "the step was held back");
+    let held = longest_held(observer, keys, Duration::from_secs(5)).await;
+    assert!(
+        held < Duration::from_secs(1),
+        "a key of the abandoned hold stayed held for {held:?} after the caller left"
+    );
+    let again = observer
+        .lock_all(keys)
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("the keys of the abandoned hold are not free: {e}"));
+    again.release().await.expect("release");
+}
+
+/// Holds of 64 and 100 keys with a 1 s lease stay held under the watchdog
+/// for several leases, and are free once released.
+async fn many_keys_stay_held(registry: &Registry, observer: &Registry) {
+    for n in [64, 100] {
+        let keys = many_keys(&format!("many-keys-{n}"), n);
+        let guard = registry
+            .lock_all(&keys)
+            .lease(Duration::from_secs(1))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{n} free keys: {e}"));
+        assert_eq!(guard.keys().len(), n);
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        assert!(
+            !guard.is_lost(),
+            "a hold of {n} keys was lost under the watchdog"
+        );
+        for key in [&keys[0], &keys[n / 2], &keys[n - 1]] {
+            assert!(
+                observer.inspect(key).await.expect("inspect").is_some(),
+                "`{key}` of a hold of {n} keys is not held on the server"
+            );
+        }
+        guard.release().await.expect("release");
+        let again = observer
+            .lock_all(&keys)
+            .wait(Duration::ZERO)
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("the {n} keys are not free after release: {e}"));
+        again.release().await.expect("release");
+    }
+}
+
+/// One key of a held pair revoked: the hold's loss signal fires within a
+/// few renewals, and once the guard is given up the other key is free.
+async fn revoked_key_cancels_the_hold(registry: &Registry, observer: &Registry) {
+    let keys = two_keys("revoked-one-key");
+    let guard = registry
+        .lock_all(&keys)
+        .lease(Duration::from_secs(2))
+        .acquire()
+        .await
+        .expect("free keys");
+    let revoked = observer.revoke(&keys[1]).await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "one holder revoked");
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the loss of one key is the loss of the hold");
+    let _ = guard.release().await;
+    let other = observer
+        .lock(&keys[0])
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("the key not revoked stayed held after a lost hold: {e}"));
+    other.release().await.expect("release");
+}
+
+/// Asserts `answer` is a busy answer.
+fn assert_busy(answer: Result<dlock_runtime::LockGuard, LockError>, what: &str) {
+    match answer {
+        Err(LockError::Busy { .. }) => {}
+        Ok(_) => panic!("{what}: granted while another holder held a key"),
+        Err(e) => panic!("{what}: expected busy, got {e}"),
+    }
+}
+
+/// A fenced and an unfenced hold of overlapping keys exclude each other,
+/// both ways, and a refused hold takes nothing.
+async fn fenced_and_unfenced_exclude(first: &Registry, second: &Registry) {
+    for holder_fenced in [false, true] {
+        let tag = unique_key(&format!("fenced-{holder_fenced}"));
+        let [a, b, c] = [
+            format!("{{{tag}}}:a"),
+            format!("{{{tag}}}:b"),
+            format!("{{{tag}}}:c"),
+        ];
+        let held = first
+            .lock_all([&a, &b])
+            .fencing(holder_fenced)
+            .acquire()
+            .await
+            .expect("free keys");
+        assert_busy(
+            second
+                .lock_all([&b, &c])
+                .fencing(!holder_fenced)
+                .wait(Duration::ZERO)
+                .acquire()
+                .await,
+            "a several-key hold of a held key",
+        );
+        assert_busy(
+            second
+                .lock(&a)
+                .fencing(!holder_fenced)
+                .wait(Duration::ZERO)
+                .acquire()
+                .await,
+            "a single-key hold of a held key",
+        );
+        let free = second
+            .lock(&c)
+            .wait(Duration::ZERO)
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("`{c}` was left taken by a refused hold: {e}"));
+        free.release().await.expect("release");
+        held.release().await.expect("release");
+    }
+}
+
+/// Several tasks on registries of their own take random pairs (in random
+/// order) and single keys of fresh keys (new rows each round): every
+/// acquisition succeeds within its wait (a deadlock the server detects is
+/// retried, never surfaced), and no two holds of a key overlap.
+async fn overlapping_fresh_keys_never_fail(registries: Vec<Registry>, rounds: usize) {
+    let base = unique_key("overlapping-fresh");
+    let held: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let tasks: Vec<_> = registries
+        .into_iter()
+        .enumerate()
+        .map(|(t, registry)| {
+            let (base, held) = (base.clone(), held.clone());
+            tokio::spawn(async move {
+                for round in 0..rounds {
+                    let pool: Vec<String> = (0..3).map(|i| format!("{base}:{round}:{i}")).collect();
+                    let pick = |n: usize| pool[n % pool.len()].clone();
+                    let r = rand::random::<u32>() as usize;
+                    let keys: Vec<String> = if (t + round) % 3 == 0 {
+                        vec![pick(r)]
+                    } else {
+                        let first = r % pool.len();
+                        let second = (first + 1 + (r / 7) % (pool.len() - 1)) % pool.len();
+                        vec![pick(first), pick(second)]
+                    };
+                    let guard = registry
+                        .lock_all(&keys)
+                        .wait(Duration::from_secs(20))
+                        .lease(Duration::from_secs(10))
+                        .acquire()
+                        .await
+                        .unwrap_or_else(|e| panic!("task {t} round {round} {keys:?}: {e}"));
+                    {
+                        let mut set = held.lock().unwrap();
+                        for k in &keys {
+                            assert!(set.insert(k.clone()), "`{k}` held twice at once");
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    {
+                        let mut set = held.lock().unwrap();
+                        for k in &keys {
+                            set.remove(k);
+                        }
+                    }
+                    guard.release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+}
+
+/// With `wait = 0` a hold of two keys whose second is held elsewhere is
+/// busy, and leaves the first free for another process at once.
+async fn busy_second_key_leaves_first_free(registry: &Registry, other: &Registry) {
+    let keys = two_keys("busy-second-key");
+    let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
+    assert_busy(
+        registry
+            .lock_all(&keys)
+            .wait(Duration::ZERO)
+            .acquire()
+            .await,
+        "a hold whose second key is held elsewhere",
+    );
+    let first = other
+        .lock(&keys[0])
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("the first key was left taken by a busy hold: {e}"));
+    first.release().await.expect("release");
+    elsewhere.release().await.expect("release");
+    // And the other way round: a hold of both by this registry is refused
+    // to the other process key by key.
+    let both = registry
+        .lock_all(&keys)
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .expect("free keys");
+    for key in &keys {
+        assert_busy(
+            other.lock(key).wait(Duration::ZERO).acquire().await,
+            "a key of a held pair",
+        );
+    }
+    both.release().await.expect("release");
+}
+
+#[cfg(feature = "redis")]
+mod redis_backend {
+    use super::*;
+    use dlock_runtime::RedisBackend;
+    use dlock_tests::{server_url, servers_missing};
+
+    fn url() -> String {
+        server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
+    }
+
+    async fn registry_at(url: &str) -> Registry {
+        Registry::builder()
+            .default_backend(
+                RedisBackend::connect(url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(url, e)),
+            )
+            .build()
+    }
+
+    fn host_port(url: &str) -> String {
+        let rest = url.split("://").nth(1).expect("a URL");
+        rest.trim_end_matches('/')
+            .rsplit('@')
+            .next()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_abandoned_one_step_leaves_no_key_held() {
+        let url = url();
+        let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
+            .await
+            .expect("proxy");
+        let proxied = registry_at(&format!("redis://{}/", proxy.addr())).await;
+        let observer = registry_at(&url).await;
+        let keys = two_keys("redis-abandoned-step");
+        abandoned_step_leaves_no_key_held(&proxied, &proxy, &observer, &keys, keys[1].as_bytes())
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_many_keys_stay_held() {
+        let url = url();
+        many_keys_stay_held(&registry_at(&url).await, &registry_at(&url).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_revoked_key_cancels_the_hold() {
+        let url = url();
+        revoked_key_cancels_the_hold(&registry_at(&url).await, &registry_at(&url).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_fenced_and_unfenced_holds_exclude_each_other() {
+        let url = url();
+        fenced_and_unfenced_exclude(&registry_at(&url).await, &registry_at(&url).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_many_keys_stay_held() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        many_keys_stay_held(&registry_at(&url).await, &registry_at(&url).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_fenced_and_unfenced_holds_exclude_each_other() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        fenced_and_unfenced_exclude(&registry_at(&url).await, &registry_at(&url).await).await;
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql_backends {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+    use dlock_tests::sql_support::{SqlMode, proxy_to};
+
+    async fn proxied(db: SqlDb) -> (Registry, dlock_testkit::FaultProxy) {
+        let proxy = proxy_to(&db.host_port()).await;
+        let url = db.url().replace(&db.host_port(), &proxy.addr().to_string());
+        let registry = db.connect_url(&url).await.expect("connect").registry();
+        (registry, proxy)
+    }
+
+    async fn abandoned(db: SqlDb, needle: Option<&[u8]>) {
+        let (registry, proxy) = proxied(db).await;
+        let observer = db.registry("").await;
+        let keys = two_keys("sql-abandoned-step");
+        let needle = needle.unwrap_or(keys[1].as_bytes());
+        abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, needle).await;
+    }
+
+    async fn registries(db: SqlDb, mode: SqlMode, n: usize) -> Vec<Registry> {
+        let mut all = Vec::new();
+        for _ in 0..n {
+            all.push(db.connect(mode.query()).await.registry());
+        }
+        all
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_abandoned_one_step_leaves_no_key_held() {
+        abandoned(SqlDb::Postgres, None).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_abandoned_one_step_at_its_second_key_leaves_no_key_held() {
+        abandoned(SqlDb::Mysql, None).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_abandoned_one_step_at_its_commit_leaves_no_key_held() {
+        abandoned(SqlDb::Mysql, Some(b"COMMIT")).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_many_keys_stay_held() {
+        let db = SqlDb::Postgres;
+        many_keys_stay_held(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_many_keys_stay_held() {
+        let db = SqlDb::Mysql;
+        many_keys_stay_held(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_revoked_key_cancels_the_hold() {
+        let db = SqlDb::Postgres;
+        revoked_key_cancels_the_hold(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_revoked_key_cancels_the_hold() {
+        let db = SqlDb::Mysql;
+        revoked_key_cancels_the_hold(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_overlapping_fresh_keys_never_fail() {
+        let db = SqlDb::Postgres;
+        overlapping_fresh_keys_never_fail(registries(db, SqlMode::Lease, 4).await, 40).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_overlapping_fresh_keys_never_fail() {
+        let db = SqlDb::Mysql;
+        overlapping_fresh_keys_never_fail(registries(db, SqlMode::Lease, 4).await, 40).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_busy_second_key_leaves_first_free() {
+        let db = SqlDb::Postgres;
+        let r = registries(db, SqlMode::Session, 2).await;
+        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_busy_second_key_leaves_first_free() {
+        let db = SqlDb::Mysql;
+        let r = registries(db, SqlMode::Session, 2).await;
+        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_busy_second_key_leaves_first_free() {
+        let db = SqlDb::Postgres;
+        let r = registries(db, SqlMode::Lease, 2).await;
+        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_busy_second_key_leaves_first_free() {
+        let db = SqlDb::Mysql;
+        let r = registries(db, SqlMode::Lease, 2).await;
+        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
+    }
+}
