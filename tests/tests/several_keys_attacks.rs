@@ -498,3 +498,161 @@ mod sql_backends {
         busy_second_key_leaves_first_free(&r[0], &r[1]).await;
     }
 }
+
+/// A one-step waiter for `[a, b]`: `a` held by one process for a moment,
+/// `b` by another for 30 s. Once `a` is released the waiter finds `b` busy
+/// and sleeps on `b`; `b`'s release, 1 s later, wakes it at once (not after
+/// `b`'s lease or a long poll).
+async fn waiter_follows_the_busy_key(waiter: &Registry, first: &Registry, second: &Registry) {
+    let keys = two_keys("busy-key-moves");
+    let a = first.lock(&keys[0]).acquire().await.expect("free key");
+    let b = second
+        .lock(&keys[1])
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("free key");
+    let waiting = tokio::spawn({
+        let (waiter, keys) = (waiter.clone(), keys.clone());
+        async move {
+            let guard = waiter
+                .lock_all(&keys)
+                .wait(Duration::from_secs(20))
+                .acquire()
+                .await;
+            (guard, Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.release().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let released = Instant::now();
+    b.release().await.expect("release");
+    let (guard, acquired) = waiting.await.expect("waiting task");
+    let after = acquired.saturating_duration_since(released);
+    guard
+        .expect("every key once released")
+        .release()
+        .await
+        .expect("release");
+    assert!(
+        after < Duration::from_millis(900),
+        "the release of the key found busy second woke the waiter only after {after:?}"
+    );
+}
+
+/// A one-step waiter whose second key stays held (30 s lease, another
+/// process) gives up within its 1 s budget (plus a little), and leaves the
+/// first key free.
+async fn waiter_keeps_its_budget(waiter: &Registry, holder: &Registry) {
+    let keys = two_keys("one-step-budget");
+    let held = holder
+        .lock(&keys[1])
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("free key");
+    let started = Instant::now();
+    let answer = waiter
+        .lock_all(&keys)
+        .wait(Duration::from_secs(1))
+        .acquire()
+        .await;
+    let took = started.elapsed();
+    assert_busy(answer, "a hold whose second key stays held");
+    assert!(
+        took >= Duration::from_millis(950) && took < Duration::from_millis(1500),
+        "a 1 s wait gave up after {took:?}"
+    );
+    let first = holder
+        .lock(&keys[0])
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("the first key was left taken by a busy waiter: {e}"));
+    first.release().await.expect("release");
+    held.release().await.expect("release");
+}
+
+#[cfg(feature = "redis")]
+mod redis_waits {
+    use super::*;
+    use dlock_runtime::RedisBackend;
+    use dlock_tests::{server_url, servers_missing};
+
+    async fn registry() -> Registry {
+        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        Registry::builder()
+            .default_backend(
+                RedisBackend::connect(&url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(&url, e)),
+            )
+            .build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_one_step_waiter_follows_the_busy_key() {
+        waiter_follows_the_busy_key(&registry().await, &registry().await, &registry().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_one_step_waiter_keeps_its_budget() {
+        waiter_keeps_its_budget(&registry().await, &registry().await).await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres_waits {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_one_step_waiter_follows_the_busy_key() {
+        let db = SqlDb::Postgres;
+        waiter_follows_the_busy_key(
+            &db.registry("").await,
+            &db.registry("").await,
+            &db.registry("").await,
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_one_step_waiter_keeps_its_budget() {
+        let db = SqlDb::Postgres;
+        waiter_keeps_its_budget(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_waiter_keeps_its_budget() {
+        let db = SqlDb::Postgres;
+        waiter_keeps_its_budget(
+            &db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+        )
+        .await;
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql_waits {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_one_step_waiter_keeps_its_budget() {
+        let db = SqlDb::Mysql;
+        waiter_keeps_its_budget(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_waiter_keeps_its_budget() {
+        let db = SqlDb::Mysql;
+        waiter_keeps_its_budget(
+            &db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+        )
+        .await;
+    }
+}
