@@ -656,3 +656,166 @@ mod mysql_waits {
         .await;
     }
 }
+
+/// Cuts the connection just after the first request carrying every one of
+/// `needles` (the request reaches the server, its answer never comes back),
+/// for a protocol whose frame length `frame_len` reads.
+struct CutOnce {
+    needles: Vec<Vec<u8>>,
+    frame_len: fn(&[u8]) -> Option<usize>,
+    cut: std::sync::atomic::AtomicBool,
+}
+
+impl dlock_testkit::RequestFilter for CutOnce {
+    fn frame_len(&self, bytes: &[u8]) -> Option<usize> {
+        (self.frame_len)(bytes)
+    }
+
+    fn request(&self, _index: usize, frame: &[u8]) -> dlock_testkit::Verdict {
+        let carries = |needle: &Vec<u8>| frame.windows(needle.len()).any(|w| w == &needle[..]);
+        if self.needles.iter().all(carries)
+            && !self.cut.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            dlock_testkit::Verdict::ForwardThenCut(Duration::from_millis(100))
+        } else {
+            dlock_testkit::Verdict::Forward
+        }
+    }
+}
+
+/// The length of the RESP request at the start of `bytes` (an array of bulk
+/// strings, as clients send).
+fn resp_frame_len(bytes: &[u8]) -> Option<usize> {
+    fn line(bytes: &[u8], at: usize) -> Option<(usize, usize)> {
+        let end = bytes[at..].windows(2).position(|w| w == b"\r\n")? + at;
+        let n: usize = std::str::from_utf8(&bytes[at + 1..end])
+            .ok()?
+            .parse()
+            .ok()?;
+        Some((n, end + 2))
+    }
+    let (items, mut at) = line(bytes, 0)?;
+    for _ in 0..items {
+        let (len, next) = line(bytes, at)?;
+        at = next + len + 2;
+        if at > bytes.len() {
+            return None;
+        }
+    }
+    Some(at)
+}
+
+/// The length of the MySQL packet at the start of `bytes`.
+fn mysql_frame_len(bytes: &[u8]) -> Option<usize> {
+    if bytes.len() < 4 {
+        return None;
+    }
+    let len = usize::from(bytes[0]) | usize::from(bytes[1]) << 8 | usize::from(bytes[2]) << 16;
+    Some(4 + len)
+}
+
+/// Connections open and statements prepared.
+async fn warm_up(registry: &Registry) {
+    for _ in 0..3 {
+        let warm = two_keys("lost-answer-warm");
+        let g = registry.lock_all(&warm).acquire().await.expect("warm up");
+        g.release().await.expect("release");
+    }
+}
+
+/// A hold of two keys whose one step ran on the server but whose answer was
+/// lost (the connection cut just after it): the acquisition goes on and gets
+/// both keys, each held by the hold's one owner; once released both are
+/// free, and no key is left held without a holder.
+async fn lost_answer_then_retry(proxied: &Registry, observer: &Registry, keys: &[String]) {
+    let guard = proxied
+        .lock_all(keys)
+        .wait(Duration::from_secs(10))
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("a hold whose first answer was lost: {e}"));
+    for key in keys {
+        let info = observer
+            .inspect(key)
+            .await
+            .expect("inspect")
+            .unwrap_or_else(|| panic!("`{key}` not held on the server by the hold"));
+        let holders = info.holders();
+        assert_eq!(holders.len(), 1, "`{key}`: {holders:?}");
+        assert_eq!(
+            holders[0].token(),
+            guard.fencing_token_of(key),
+            "`{key}`: the server's holder is not the hold's grant"
+        );
+    }
+    guard.release().await.expect("release");
+    for key in keys {
+        assert!(
+            observer.inspect(key).await.expect("inspect").is_none(),
+            "`{key}` still held after the hold was released"
+        );
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_one_step_with_a_lost_answer_is_held_once() {
+    use dlock_runtime::RedisBackend;
+    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+    let keys = two_keys("redis-lost-answer");
+    let filter = Arc::new(CutOnce {
+        needles: vec![keys[0].as_bytes().to_vec(), keys[1].as_bytes().to_vec()],
+        frame_len: resp_frame_len,
+        // Armed below, once the connections are up.
+        cut: std::sync::atomic::AtomicBool::new(true),
+    });
+    let upstream = url
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .to_owned();
+    let proxy = dlock_testkit::FaultProxy::start_filtered(upstream, filter.clone())
+        .await
+        .expect("proxy");
+    let registry_at = |url: String| async move {
+        Registry::builder()
+            .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+            .build()
+    };
+    let proxied = registry_at(format!("redis://{}/", proxy.addr())).await;
+    let observer = registry_at(url.clone()).await;
+    warm_up(&proxied).await;
+    filter.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    lost_answer_then_retry(&proxied, &observer, &keys).await;
+    assert!(
+        filter.cut.load(std::sync::atomic::Ordering::SeqCst),
+        "the answer was cut"
+    );
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_one_step_with_a_lost_commit_answer_is_held_once() {
+    use dlock_tests::sql_db::SqlDb;
+    let db = SqlDb::Mysql;
+    let keys = two_keys("mysql-lost-answer");
+    let filter = Arc::new(CutOnce {
+        needles: vec![b"\x03COMMIT".to_vec()],
+        frame_len: mysql_frame_len,
+        // Armed below, once the connections are up.
+        cut: std::sync::atomic::AtomicBool::new(true),
+    });
+    let proxy = dlock_testkit::FaultProxy::start_filtered(db.host_port(), filter.clone())
+        .await
+        .expect("proxy");
+    let url = db.url().replace(&db.host_port(), &proxy.addr().to_string());
+    let proxied = db.connect_url(&url).await.expect("connect").registry();
+    let observer = db.registry("").await;
+    warm_up(&proxied).await;
+    filter.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    lost_answer_then_retry(&proxied, &observer, &keys).await;
+    assert!(
+        filter.cut.load(std::sync::atomic::Ordering::SeqCst),
+        "the answer was cut"
+    );
+}
