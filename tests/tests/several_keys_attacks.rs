@@ -819,3 +819,127 @@ async fn mysql_one_step_with_a_lost_commit_answer_is_held_once() {
         "the answer was cut"
     );
 }
+
+/// Hold acquisitions of two keys given up at many moments (every 250 µs of
+/// their first 10 ms, so at each of their awaits), with both keys free and
+/// with the second held elsewhere: afterwards another process takes both
+/// within 5 s — never a key left held for the 30 s lease.
+async fn abandoned_at_every_moment(registry: &Registry, observer: &Registry) {
+    for busy in [false, true] {
+        for i in 0..40u64 {
+            let keys = two_keys(&format!("abandoned-moment-{busy}-{i}"));
+            let elsewhere = if busy {
+                Some(observer.lock(&keys[1]).acquire().await.expect("free key"))
+            } else {
+                None
+            };
+            let attempt = tokio::time::timeout(
+                Duration::from_micros(250 * i),
+                registry
+                    .lock_all(&keys)
+                    .lease(Duration::from_secs(30))
+                    .wait(Duration::from_secs(30))
+                    .acquire(),
+            )
+            .await;
+            if let Ok(answer) = attempt {
+                answer.expect("free keys").release().await.expect("release");
+            }
+            if let Some(elsewhere) = elsewhere {
+                elsewhere.release().await.expect("release");
+            }
+            let started = Instant::now();
+            let again = observer
+                .lock_all(&keys)
+                .wait(Duration::from_secs(5))
+                .acquire()
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "given up after {:?} (second key busy: {busy}): the keys stayed \
+                         held for {:?}: {e}",
+                        Duration::from_micros(250 * i),
+                        started.elapsed()
+                    )
+                });
+            again.release().await.expect("release");
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+mod redis_abandoned {
+    use super::*;
+    use dlock_runtime::RedisBackend;
+    use dlock_tests::{server_url, servers_missing};
+
+    async fn registry(var: &str, default: &str) -> Registry {
+        let url = server_url(var, default);
+        Registry::builder()
+            .default_backend(
+                RedisBackend::connect(&url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(&url, e)),
+            )
+            .build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let (var, default) = ("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        abandoned_at_every_moment(&registry(var, default).await, &registry(var, default).await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let (var, default) = (
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        abandoned_at_every_moment(&registry(var, default).await, &registry(var, default).await)
+            .await;
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql_abandoned {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let db = SqlDb::Postgres;
+        abandoned_at_every_moment(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let db = SqlDb::Postgres;
+        abandoned_at_every_moment(
+            &db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+        )
+        .await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let db = SqlDb::Mysql;
+        abandoned_at_every_moment(&db.registry("").await, &db.registry("").await).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let db = SqlDb::Mysql;
+        abandoned_at_every_moment(
+            &db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+        )
+        .await;
+    }
+}
