@@ -6,7 +6,12 @@
 //! other; several-key and single-key holds of overlapping fresh keys on the
 //! SQL lease tables never fail nor overlap; session mode with `wait = 0`
 //! leaves nothing taken when a later key is busy.
-#![cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
+#![cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite"
+))]
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -825,9 +830,18 @@ async fn mysql_one_step_with_a_lost_commit_answer_is_held_once() {
 /// with the second held elsewhere: afterwards another process takes both
 /// within 5 s — never a key left held for the 30 s lease.
 async fn abandoned_at_every_moment(registry: &Registry, observer: &Registry) {
+    abandoned_at_every_moment_of(registry, observer, two_keys).await;
+}
+
+/// [`abandoned_at_every_moment`] with the keys `keys` makes for a case.
+async fn abandoned_at_every_moment_of(
+    registry: &Registry,
+    observer: &Registry,
+    keys: fn(&str) -> [String; 2],
+) {
     for busy in [false, true] {
         for i in 0..40u64 {
-            let keys = two_keys(&format!("abandoned-moment-{busy}-{i}"));
+            let keys = keys(&format!("abandoned-moment-{busy}-{i}"));
             let elsewhere = if busy {
                 Some(observer.lock(&keys[1]).acquire().await.expect("free key"))
             } else {
@@ -899,6 +913,63 @@ mod redis_abandoned {
         );
         abandoned_at_every_moment(&registry(var, default).await, &registry(var, default).await)
             .await;
+    }
+
+    /// Two keys in different hash slots (no shared tag).
+    fn two_slots(case: &str) -> [String; 2] {
+        let key = unique_key(case);
+        [format!("{key}:a"), format!("{key}:b")]
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_hold_across_slots_abandoned_at_every_moment_leaves_no_key_held() {
+        let (var, default) = (
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        abandoned_at_every_moment_of(
+            &registry(var, default).await,
+            &registry(var, default).await,
+            two_slots,
+        )
+        .await;
+    }
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite_backend {
+    use super::*;
+    use dlock_runtime::SqliteBackend;
+
+    async fn registry(path: &std::path::Path) -> Registry {
+        let url = format!("sqlite://{}", path.display());
+        Registry::builder()
+            .default_backend(SqliteBackend::connect(&url).await.expect("open"))
+            .build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("several.db");
+        let first = registry(&path).await;
+        abandoned_at_every_moment(&first, &registry(&path).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_many_keys_stay_held() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("several.db");
+        let first = registry(&path).await;
+        many_keys_stay_held(&first, &registry(&path).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_one_step_waiter_follows_the_busy_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("several.db");
+        let first = registry(&path).await;
+        waiter_follows_the_busy_key(&first, &registry(&path).await, &registry(&path).await).await;
     }
 }
 
