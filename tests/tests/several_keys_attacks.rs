@@ -879,6 +879,15 @@ async fn abandoned_at_every_moment_of(
             again.release().await.expect("release");
         }
     }
+    let settled = Instant::now();
+    while registry.held_leases() > 0 && settled.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        registry.held_leases(),
+        0,
+        "leases still tracked after every abandoned hold was undone"
+    );
 }
 
 #[cfg(feature = "redis")]
