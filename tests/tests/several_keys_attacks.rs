@@ -1023,3 +1023,39 @@ mod sql_abandoned {
         .await;
     }
 }
+
+#[cfg(feature = "redis")]
+mod redlock_backend {
+    use super::*;
+    use dlock_runtime::RedlockBackend;
+    use dlock_tests::{server_url, servers_missing};
+
+    async fn registry() -> Registry {
+        let url = server_url(
+            "DLOCK_TEST_REDLOCK_URL",
+            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+        );
+        Registry::builder()
+            .default_backend(
+                RedlockBackend::connect(&url)
+                    .await
+                    .unwrap_or_else(|e| servers_missing(&url, e)),
+            )
+            .build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_hold_abandoned_at_every_moment_leaves_no_key_held() {
+        abandoned_at_every_moment(&registry().await, &registry().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_waiter_keeps_its_budget() {
+        waiter_keeps_its_budget(&registry().await, &registry().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_busy_second_key_leaves_first_free() {
+        busy_second_key_leaves_first_free(&registry().await, &registry().await).await;
+    }
+}
