@@ -646,6 +646,17 @@ mod mysql_waits {
     use dlock_tests::sql_db::SqlDb;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_one_step_waiter_follows_the_busy_key() {
+        let db = SqlDb::Mysql;
+        waiter_follows_the_busy_key(
+            &db.registry("").await,
+            &db.registry("").await,
+            &db.registry("").await,
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_one_step_waiter_keeps_its_budget() {
         let db = SqlDb::Mysql;
         waiter_keeps_its_budget(&db.registry("").await, &db.registry("").await).await;
