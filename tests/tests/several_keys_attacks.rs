@@ -1070,3 +1070,69 @@ mod redlock_backend {
         busy_second_key_leaves_first_free(&registry().await, &registry().await).await;
     }
 }
+
+/// Inside a hold of `[a, b]`, sibling futures asking for `[b, a]`, `[a, b]`
+/// and `a` alone take turns: each enters (within its wait), never two at once.
+async fn siblings_take_turns(registry: &Registry) {
+    let [a, b] = two_keys("several-siblings");
+    let inside = std::sync::atomic::AtomicUsize::new(0);
+    let overlapped = std::sync::atomic::AtomicBool::new(false);
+    let sibling = |keys: Vec<String>| {
+        let (inside, overlapped) = (&inside, &overlapped);
+        async move {
+            let guard = registry
+                .lock_all(&keys)
+                .wait(Duration::from_secs(5))
+                .acquire()
+                .await?;
+            if inside.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+                overlapped.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            inside.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            guard.release().await
+        }
+    };
+    let outer = registry
+        .lock_all([&a, &b])
+        .acquire()
+        .await
+        .expect("free keys");
+    let (x, y, z) = outer
+        .scope(async {
+            tokio::join!(
+                sibling(vec![b.clone(), a.clone()]),
+                sibling(vec![a.clone(), b.clone()]),
+                sibling(vec![a.clone()]),
+            )
+        })
+        .await;
+    x.expect("a sibling naming [b, a]");
+    y.expect("a sibling naming [a, b]");
+    z.expect("a sibling naming a");
+    assert!(
+        !overlapped.load(std::sync::atomic::Ordering::SeqCst),
+        "siblings were inside at the same time"
+    );
+    outer.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_several_key_siblings_take_turns() {
+    let (_backend, registry) = dlock_tests::memory_support::memory_registry();
+    siblings_take_turns(&registry).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_several_key_siblings_take_turns() {
+    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+    let registry = Registry::builder()
+        .default_backend(
+            dlock_runtime::RedisBackend::connect(&url)
+                .await
+                .expect("connect"),
+        )
+        .build();
+    siblings_take_turns(&registry).await;
+}
