@@ -1136,3 +1136,197 @@ async fn redis_several_key_siblings_take_turns() {
         .build();
     siblings_take_turns(&registry).await;
 }
+
+/// Shutdown while this registry holds `[c, d]` and waits for `[a, b]` (`b`
+/// held elsewhere): the waiter answers `ShutDown`, nothing is left
+/// unfinished, and once shutdown has returned another process takes every
+/// key at once.
+async fn shutdown_frees_every_key(registry: Registry, observer: &Registry, keys: [String; 4]) {
+    let [a, b, c, d] = keys;
+    let elsewhere = observer.lock(&b).acquire().await.expect("free key");
+    let held = registry
+        .lock_all([&c, &d])
+        .acquire()
+        .await
+        .expect("free keys");
+    let waiting = tokio::spawn({
+        let (registry, a, b) = (registry.clone(), a.clone(), b.clone());
+        async move {
+            registry
+                .lock_all([&a, &b])
+                .wait(Duration::from_secs(30))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = registry.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(report.unfinished, 0, "{report:?}");
+    let answer = waiting.await.expect("waiting task");
+    elsewhere.release().await.expect("release");
+    let all = observer
+        .lock_all([&a, &b, &c, &d])
+        .wait(Duration::ZERO)
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("a key was still held once shutdown returned: {e}"));
+    all.release().await.expect("release");
+    drop(held);
+    match answer {
+        Err(LockError::ShutDown) => {}
+        Ok(_) => panic!("granted during shutdown"),
+        Err(e) => panic!("a waiting acquisition stopped by shutdown: expected ShutDown, got {e}"),
+    }
+}
+
+/// Four keys sharing a hash tag.
+fn four_keys(case: &str) -> [String; 4] {
+    let tag = unique_key(case);
+    ["a", "b", "c", "d"].map(|s| format!("{{{tag}}}:{s}"))
+}
+
+/// Four keys in different hash slots.
+fn four_slots(case: &str) -> [String; 4] {
+    let key = unique_key(case);
+    ["a", "b", "c", "d"].map(|s| format!("{key}:{s}"))
+}
+
+#[cfg(feature = "redis")]
+mod redis_shutdown {
+    use super::*;
+    use dlock_runtime::RedisBackend;
+    use dlock_tests::server_url;
+
+    async fn registry(url: &str) -> Registry {
+        Registry::builder()
+            .default_backend(RedisBackend::connect(url).await.expect("connect"))
+            .build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_shutdown_frees_every_key_of_several_key_holds() {
+        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        shutdown_frees_every_key(
+            registry(&url).await,
+            &registry(&url).await,
+            four_keys("redis-shutdown"),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_across_slots_shutdown_frees_every_key_of_several_key_holds() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        shutdown_frees_every_key(
+            registry(&url).await,
+            &registry(&url).await,
+            four_slots("cluster-shutdown"),
+        )
+        .await;
+    }
+
+    /// Shutdown while a one-step acquisition's script is held back by a
+    /// proxy: once shutdown returns, neither key is held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_shutdown_during_a_one_step_on_the_wire_frees_both_keys() {
+        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        let upstream = url
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .to_owned();
+        let proxy = dlock_testkit::FaultProxy::start(upstream)
+            .await
+            .expect("proxy");
+        let proxied = registry(&format!("redis://{}/", proxy.addr())).await;
+        let observer = registry(&url).await;
+        let warm = two_keys("shutdown-wire-warm");
+        proxied
+            .lock_all(&warm)
+            .acquire()
+            .await
+            .expect("warm up")
+            .release()
+            .await
+            .expect("release");
+        let keys = two_keys("shutdown-wire");
+        proxy.hold_next(&[keys[1].as_bytes()], Duration::from_millis(800));
+        let acquiring = tokio::spawn({
+            let (proxied, keys) = (proxied.clone(), keys.clone());
+            async move {
+                proxied
+                    .lock_all(&keys)
+                    .lease(Duration::from_secs(60))
+                    .acquire()
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(proxy.held_on().is_some(), "the step was held back");
+        let report = proxied.shutdown(Duration::from_secs(10)).await;
+        assert_eq!(report.unfinished, 0, "{report:?}");
+        let _ = acquiring.await;
+        for key in &keys {
+            assert!(
+                observer.inspect(key).await.expect("inspect").is_none(),
+                "`{key}` held once shutdown returned"
+            );
+        }
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql_shutdown {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_shutdown_frees_every_key_of_several_key_holds() {
+        let db = SqlDb::Postgres;
+        shutdown_frees_every_key(
+            db.registry("").await,
+            &db.registry("").await,
+            four_keys("pg-shutdown"),
+        )
+        .await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_shutdown_frees_every_key_of_several_key_holds() {
+        let db = SqlDb::Postgres;
+        shutdown_frees_every_key(
+            db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+            four_keys("pg-session-shutdown"),
+        )
+        .await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_shutdown_frees_every_key_of_several_key_holds() {
+        let db = SqlDb::Mysql;
+        shutdown_frees_every_key(
+            db.registry("").await,
+            &db.registry("").await,
+            four_keys("mysql-shutdown"),
+        )
+        .await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_shutdown_frees_every_key_of_several_key_holds() {
+        let db = SqlDb::Mysql;
+        shutdown_frees_every_key(
+            db.registry("mode=session").await,
+            &db.registry("mode=session").await,
+            four_keys("mysql-session-shutdown"),
+        )
+        .await;
+    }
+}
