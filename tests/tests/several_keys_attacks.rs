@@ -1330,3 +1330,112 @@ mod sql_shutdown {
         .await;
     }
 }
+
+/// With `hold_at_least`, a hold of `[a, b]` that finds `b` busy (wait 0)
+/// never had a body to keep the keys after: `a`, taken first where the keys
+/// go one by one, is free for another process at once.
+async fn busy_hold_keeps_nothing_at_least(
+    registry: &Registry,
+    other: &Registry,
+    keys: [String; 2],
+) {
+    let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
+    assert_busy(
+        registry
+            .lock_all(&keys)
+            .hold_at_least(Duration::from_secs(20))
+            .wait(Duration::ZERO)
+            .acquire()
+            .await,
+        "a hold whose second key is held elsewhere",
+    );
+    let first = other
+        .lock(&keys[0])
+        .wait(Duration::from_millis(500))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| {
+            panic!("the first key stayed held after a busy acquisition with hold_at_least: {e}")
+        });
+    first.release().await.expect("release");
+    elsewhere.release().await.expect("release");
+}
+
+/// Two keys in different Redis Cluster hash slots.
+fn two_slots_apart(case: &str) -> [String; 2] {
+    let key = unique_key(case);
+    [format!("{key}:a"), format!("{key}:b")]
+}
+
+#[cfg(feature = "redis")]
+mod redis_hold_at_least {
+    use super::*;
+    use dlock_runtime::{RedisBackend, RedlockBackend};
+    use dlock_tests::server_url;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_busy_hold_keeps_nothing_at_least() {
+        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        busy_hold_keeps_nothing_at_least(
+            &registry().await,
+            &registry().await,
+            two_keys("redis-at-least"),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_across_slots_busy_hold_keeps_nothing_at_least() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        busy_hold_keeps_nothing_at_least(
+            &registry().await,
+            &registry().await,
+            two_slots_apart("cluster-at-least"),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_busy_hold_keeps_nothing_at_least() {
+        let url = server_url(
+            "DLOCK_TEST_REDLOCK_URL",
+            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        busy_hold_keeps_nothing_at_least(
+            &registry().await,
+            &registry().await,
+            two_keys("redlock-at-least"),
+        )
+        .await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_busy_hold_keeps_nothing_at_least() {
+    let db = dlock_tests::sql_db::SqlDb::Postgres;
+    busy_hold_keeps_nothing_at_least(
+        &db.registry("").await,
+        &db.registry("").await,
+        two_keys("pg-at-least"),
+    )
+    .await;
+}
