@@ -1439,3 +1439,104 @@ async fn postgres_busy_hold_keeps_nothing_at_least() {
     )
     .await;
 }
+
+/// With `hold_at_least`, a hold of `[a, b]` given up while it waits for `b`
+/// (held elsewhere) leaves `a` free for another process at once.
+async fn abandoned_hold_keeps_nothing_at_least(
+    registry: &Registry,
+    other: &Registry,
+    keys: [String; 2],
+) {
+    let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        registry
+            .lock_all(&keys)
+            .hold_at_least(Duration::from_secs(20))
+            .wait(Duration::from_secs(30))
+            .acquire(),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the caller gave up while the hold waited");
+    let first = other
+        .lock(&keys[0])
+        .wait(Duration::from_millis(500))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the first key stayed held after an abandoned acquisition with hold_at_least: {e}"
+            )
+        });
+    first.release().await.expect("release");
+    elsewhere.release().await.expect("release");
+}
+
+#[cfg(feature = "redis")]
+mod redis_abandoned_at_least {
+    use super::*;
+    use dlock_runtime::{RedisBackend, RedlockBackend};
+    use dlock_tests::server_url;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_across_slots_abandoned_hold_keeps_nothing_at_least() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        abandoned_hold_keeps_nothing_at_least(
+            &registry().await,
+            &registry().await,
+            two_slots_apart("cluster-abandoned-at-least"),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_abandoned_hold_keeps_nothing_at_least() {
+        let url = server_url(
+            "DLOCK_TEST_REDLOCK_URL",
+            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        abandoned_hold_keeps_nothing_at_least(
+            &registry().await,
+            &registry().await,
+            two_keys("redlock-abandoned-at-least"),
+        )
+        .await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_session_busy_hold_keeps_nothing_at_least() {
+    let db = dlock_tests::sql_db::SqlDb::Postgres;
+    busy_hold_keeps_nothing_at_least(
+        &db.registry("mode=session").await,
+        &db.registry("mode=session").await,
+        two_keys("pg-session-at-least"),
+    )
+    .await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_session_busy_hold_keeps_nothing_at_least() {
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
+    busy_hold_keeps_nothing_at_least(
+        &db.registry("mode=session").await,
+        &db.registry("mode=session").await,
+        two_keys("mysql-session-at-least"),
+    )
+    .await;
+}
