@@ -1540,3 +1540,91 @@ async fn mysql_session_busy_hold_keeps_nothing_at_least() {
     )
     .await;
 }
+
+/// Without the watchdog (1 s lease), a hold of `[a, b]` that waits 2 s for
+/// `b`: `a`, taken first where the keys go one by one, has run out by then
+/// and another process took it. The hold must not be granted as if `a` were
+/// still its own.
+async fn expired_first_key_is_not_granted(
+    registry: &Registry,
+    other: &Registry,
+    keys: [String; 2],
+) {
+    let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
+    let waiting = tokio::spawn({
+        let (registry, keys) = (registry.clone(), keys.clone());
+        async move {
+            registry
+                .lock_all(&keys)
+                .lease(Duration::from_secs(1))
+                .watchdog(false)
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let taker = other
+        .lock(&keys[0])
+        .wait(Duration::from_secs(3))
+        .acquire()
+        .await
+        .expect("the first key ran out without the watchdog");
+    elsewhere.release().await.expect("release");
+    let answer = waiting.await.expect("waiting task");
+    let granted = answer.is_ok();
+    if let Ok(guard) = answer {
+        let _ = guard.release().await;
+    }
+    taker.release().await.expect("release");
+    assert!(
+        !granted,
+        "a hold of {keys:?} was granted while another process held `{}`",
+        keys[0]
+    );
+}
+
+#[cfg(feature = "redis")]
+mod redis_expired_first_key {
+    use super::*;
+    use dlock_runtime::{RedisBackend, RedlockBackend};
+    use dlock_tests::server_url;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster_across_slots_expired_first_key_is_not_granted() {
+        let url = server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        expired_first_key_is_not_granted(
+            &registry().await,
+            &registry().await,
+            two_slots_apart("cluster-expired-first"),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_expired_first_key_is_not_granted() {
+        let url = server_url(
+            "DLOCK_TEST_REDLOCK_URL",
+            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+        );
+        let registry = || async {
+            Registry::builder()
+                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
+                .build()
+        };
+        expired_first_key_is_not_granted(
+            &registry().await,
+            &registry().await,
+            two_keys("redlock-expired-first"),
+        )
+        .await;
+    }
+}
