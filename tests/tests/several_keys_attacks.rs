@@ -1628,3 +1628,78 @@ mod redis_expired_first_key {
         .await;
     }
 }
+
+/// A one-step waiter whose busy key's holder never releases (a 1.5 s lease
+/// without the watchdog, as a crashed holder leaves it): the waiter takes
+/// both keys soon after that lease runs out, not at the end of its wait.
+async fn waiter_takes_over_an_expired_holder(waiter: &Registry, holder: &Registry) {
+    let keys = two_keys("expired-holder");
+    let crashed = holder
+        .lock(&keys[1])
+        .lease(Duration::from_millis(1500))
+        .watchdog(false)
+        .acquire()
+        .await
+        .expect("free key");
+    let started = Instant::now();
+    let guard = waiter
+        .lock_all(&keys)
+        .wait(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("both keys once the holder's lease ran out");
+    let took = started.elapsed();
+    guard.release().await.expect("release");
+    drop(crashed);
+    assert!(
+        took < Duration::from_millis(2500),
+        "the waiter took the keys {took:?} after it began, for a holder's 1.5 s lease"
+    );
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_one_step_waiter_takes_over_an_expired_holder() {
+    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+    let registry = || async {
+        Registry::builder()
+            .default_backend(
+                dlock_runtime::RedisBackend::connect(&url)
+                    .await
+                    .expect("connect"),
+            )
+            .build()
+    };
+    waiter_takes_over_an_expired_holder(&registry().await, &registry().await).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_one_step_waiter_takes_over_an_expired_holder() {
+    let db = dlock_tests::sql_db::SqlDb::Postgres;
+    waiter_takes_over_an_expired_holder(&db.registry("").await, &db.registry("").await).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_one_step_waiter_takes_over_an_expired_holder() {
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
+    waiter_takes_over_an_expired_holder(&db.registry("").await, &db.registry("").await).await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_one_step_waiter_takes_over_an_expired_holder() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("expired.db").display());
+    let registry = || async {
+        Registry::builder()
+            .default_backend(
+                dlock_runtime::SqliteBackend::connect(&url)
+                    .await
+                    .expect("open"),
+            )
+            .build()
+    };
+    waiter_takes_over_an_expired_holder(&registry().await, &registry().await).await;
+}
