@@ -1214,7 +1214,8 @@ mod redis_shutdown {
         .await;
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    // One thread: shutdown runs from start to end before the waiter is polled.
+    #[tokio::test(flavor = "current_thread")]
     async fn redis_cluster_across_slots_shutdown_frees_every_key_of_several_key_holds() {
         let url = server_url(
             "DLOCK_TEST_REDIS_CLUSTER_URL",
@@ -1295,7 +1296,8 @@ mod sql_shutdown {
     }
 
     #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    // One thread: shutdown runs from start to end before the waiter is polled.
+    #[tokio::test(flavor = "current_thread")]
     async fn postgres_session_shutdown_frees_every_key_of_several_key_holds() {
         let db = SqlDb::Postgres;
         shutdown_frees_every_key(
@@ -1319,7 +1321,8 @@ mod sql_shutdown {
     }
 
     #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    // One thread: shutdown runs from start to end before the waiter is polled.
+    #[tokio::test(flavor = "current_thread")]
     async fn mysql_session_shutdown_frees_every_key_of_several_key_holds() {
         let db = SqlDb::Mysql;
         shutdown_frees_every_key(
