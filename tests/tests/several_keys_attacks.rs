@@ -1,11 +1,16 @@
 //! Holds of several keys under stress, on real servers: an acquisition the
 //! caller gives up on while its one step (script, statement, transaction)
-//! is on the wire leaves no key held; a hold of many keys (64, 100) stays
-//! held under the watchdog; one key of a hold revoked cancels the hold and
-//! frees the others; fenced and unfenced holds of the same keys exclude each
-//! other; several-key and single-key holds of overlapping fresh keys on the
-//! SQL lease tables never fail nor overlap; session mode with `wait = 0`
-//! leaves nothing taken when a later key is busy.
+//! is on the wire, or at any other moment, leaves no key held; a step whose
+//! answer is lost is held once, by the hold's one owner; a hold of many keys
+//! (64, 100) stays held under the watchdog; one key of a hold revoked
+//! cancels the hold and frees the others; fenced and unfenced holds of the
+//! same keys exclude each other; several-key and single-key holds of
+//! overlapping fresh keys on the SQL lease tables never fail nor overlap; a
+//! waiter follows the busy key, takes over an expired holder and keeps its
+//! budget; siblings inside a hold take turns; shutdown answers `ShutDown` to
+//! a waiting hold and frees every key; and a busy or abandoned hold with
+//! `hold_at_least` keeps none of the keys it took (where the keys go one by
+//! one: Redis Cluster across slots, Redlock, session modes).
 #![cfg(any(
     feature = "redis",
     feature = "postgres",
