@@ -1711,3 +1711,84 @@ async fn sqlite_one_step_waiter_takes_over_an_expired_holder() {
     };
     waiter_takes_over_an_expired_holder(&registry().await, &registry().await).await;
 }
+
+/// Tokens per key across one-step and single-key grants and a revocation:
+/// a single-key grant after a one-step hold, a one-step grant after a
+/// revoked single-key hold, each key's token larger than every earlier one.
+async fn tokens_rise_across_grants_and_revocation(registry: &Registry, observer: &Registry) {
+    let keys = two_keys("tokens-across");
+    let token_of = |g: &dlock_runtime::LockGuard, k: &str| g.fencing_token_of(k).expect("token");
+    let both = registry.lock_all(&keys).acquire().await.expect("free keys");
+    let first = [token_of(&both, &keys[0]), token_of(&both, &keys[1])];
+    both.release().await.expect("release");
+    let single = registry.lock(&keys[1]).acquire().await.expect("free key");
+    let single_token = single.fencing_token().expect("token");
+    assert!(
+        single_token > first[1],
+        "{single_token:?} after {:?}",
+        first[1]
+    );
+    let revoked = observer.revoke(&keys[1]).await.expect("revoke");
+    assert_eq!(revoked.len(), 1);
+    let again = registry
+        .lock_all(&keys)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("the keys after the revocation");
+    assert!(token_of(&again, &keys[0]) > first[0]);
+    assert!(
+        token_of(&again, &keys[1]) > single_token,
+        "a one-step grant after a revoked hold: {:?} after {single_token:?}",
+        token_of(&again, &keys[1])
+    );
+    again.release().await.expect("release");
+    drop(single);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_tokens_rise_across_grants_and_revocation() {
+    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+    let registry = || async {
+        Registry::builder()
+            .default_backend(
+                dlock_runtime::RedisBackend::connect(&url)
+                    .await
+                    .expect("connect"),
+            )
+            .build()
+    };
+    tokens_rise_across_grants_and_revocation(&registry().await, &registry().await).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_tokens_rise_across_grants_and_revocation() {
+    let db = dlock_tests::sql_db::SqlDb::Postgres;
+    tokens_rise_across_grants_and_revocation(&db.registry("").await, &db.registry("").await).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_tokens_rise_across_grants_and_revocation() {
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
+    tokens_rise_across_grants_and_revocation(&db.registry("").await, &db.registry("").await).await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_tokens_rise_across_grants_and_revocation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("tokens.db").display());
+    let registry = || async {
+        Registry::builder()
+            .default_backend(
+                dlock_runtime::SqliteBackend::connect(&url)
+                    .await
+                    .expect("open"),
+            )
+            .build()
+    };
+    tokens_rise_across_grants_and_revocation(&registry().await, &registry().await).await;
+}
