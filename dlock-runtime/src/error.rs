@@ -227,9 +227,19 @@ pub(crate) fn redact_url(url: &str) -> String {
             None => redact_query(url),
         };
     };
-    let (authority, tail) = match rest.find(['/', '?', '#']) {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
+    // The credentials end at the last `@` before any URL nested in the query
+    // (`?listen_url=postgres://…`), even when an unencoded `/`, `?` or `#` in
+    // the password would otherwise end the authority early.
+    let nested = rest.find("://").unwrap_or(rest.len());
+    let (authority, tail) = match rest[..nested].rfind('@') {
+        Some(at) => match rest[at..].find(['/', '?', '#']) {
+            Some(i) => rest.split_at(at + i),
+            None => (rest, ""),
+        },
+        None => match rest.find(['/', '?', '#']) {
+            Some(i) => rest.split_at(i),
+            None => (rest, ""),
+        },
     };
     let authority = match authority.rfind('@') {
         Some(at) => {
@@ -313,6 +323,23 @@ mod tests {
         assert_eq!(
             redact_url("postgres://h/db?listen_url=postgres%3A%2F%2Fd%2Fdb"),
             "postgres://h/db?listen_url=postgres%3A%2F%2Fd%2Fdb"
+        );
+        // Unencoded reserved characters in a password never show.
+        for url in [
+            "postgres://admin:se/cretpw@127.0.0.1:1/locks",
+            "redis://:se#cretpw@127.0.0.1:1/",
+            "mysql://u:se?cretpw@h/db",
+            "redis://u:se@cretpw@h:1/",
+        ] {
+            let shown = redact_url(url);
+            assert!(
+                !shown.contains("cretpw") && !shown.contains("se/") && !shown.contains("se#"),
+                "{shown}"
+            );
+        }
+        assert_eq!(
+            redact_url("postgres://u:p@h/db?listen_url=postgres://v:q@d/db"),
+            "postgres://u:***@h/db?listen_url=postgres://v:***@d/db"
         );
     }
 

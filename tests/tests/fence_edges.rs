@@ -182,26 +182,36 @@ async fn check_current_under_several_keys_fences_with_the_resources_own_token() 
     let first = unique_key("edge-all-a");
     let second = unique_key("edge-all-b");
 
-    // Tokens are per key: retake the hold until its two keys' tokens differ
-    // (they may coincide within one clock tick).
-    let mut attempts = 0;
-    let (hold, own) = loop {
-        let hold = registry
-            .lock_all([first.clone(), second.clone()])
-            .backend("sqlite")
-            .acquire()
-            .await
-            .expect("both keys");
-        assert_eq!(hold.keys(), [first.clone(), second.clone()]);
-        let own = hold.fencing_token_of(&second).expect("second's token");
-        if hold.fencing_token() != Some(own) {
-            break (hold, own);
-        }
-        hold.release().await.unwrap();
-        attempts += 1;
-        assert!(attempts < 50, "the two keys never had distinct tokens");
-        tokio::time::sleep(Duration::from_millis(3)).await;
-    };
+    // Tokens are per key, but a hold taken in one step draws both from one
+    // clock reading: put `second`'s row ahead of the clock (an earlier grant
+    // of it, its token moved forward) so that the two tokens differ.
+    registry
+        .lock(&second)
+        .backend("sqlite")
+        .acquire()
+        .await
+        .expect("second alone")
+        .release()
+        .await
+        .unwrap();
+    sqlx::query("UPDATE dlock_leases SET token = token + 1000000000 WHERE key = ?1")
+        .bind(format!("{}{second}", registry.key_prefix()))
+        .execute(&pool)
+        .await
+        .expect("move the token forward");
+    let hold = registry
+        .lock_all([first.clone(), second.clone()])
+        .backend("sqlite")
+        .acquire()
+        .await
+        .expect("both keys");
+    assert_eq!(hold.keys(), [first.clone(), second.clone()]);
+    let own = hold.fencing_token_of(&second).expect("second's token");
+    assert_ne!(
+        hold.fencing_token(),
+        Some(own),
+        "the two keys' tokens differ"
+    );
 
     hold.scope(sqlite_fenced_write(&pool, &second, 1))
         .await

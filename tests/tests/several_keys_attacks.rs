@@ -74,7 +74,7 @@ async fn abandoned_step_leaves_no_key_held(
 ) {
     // Connections open and statements prepared.
     for _ in 0..3 {
-        let warm = two_keys("abandoned-step-warm");
+        let warm = two_keys(&format!("abandoned-step-warm-{}", keys[0]));
         let g = proxied.lock_all(&warm).acquire().await.expect("warm up");
         g.release().await.expect("release");
     }
@@ -403,7 +403,12 @@ mod sql_backends {
     async fn abandoned(db: SqlDb, needle: Option<&[u8]>) {
         let (registry, proxy) = proxied(db).await;
         let observer = db.registry("").await;
-        let keys = two_keys("sql-abandoned-step");
+        // Keys of this case alone: the cases of one database run at once.
+        let case = match needle {
+            None => "sql-abandoned-step-second-key",
+            Some(n) => &format!("sql-abandoned-step-{}", String::from_utf8_lossy(n)),
+        };
+        let keys = two_keys(case);
         let needle = needle.unwrap_or(keys[1].as_bytes());
         abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, needle).await;
     }

@@ -87,6 +87,15 @@ impl LockGuard {
         hold.leases[0].clone()
     }
 
+    /// A hold no body ran under (a hold of several keys given up while it
+    /// was being built): its release frees every key at once, whatever
+    /// `hold_at_least` says.
+    pub(super) fn waive_hold_at_least(&self) {
+        for lease in self.hold().leases.iter() {
+            lease.waive_hold_at_least();
+        }
+    }
+
     fn hold(&self) -> &Hold {
         self.hold
             .as_ref()

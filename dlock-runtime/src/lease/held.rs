@@ -40,6 +40,9 @@ pub(crate) struct HeldLease {
     /// Whether the watchdog renews it (`watchdog = false` makes the lease a hard cap).
     pub(crate) renew: bool,
     pub(crate) hold_at_least: Option<Duration>,
+    /// Set when the lease ends without a body having run under it (a hold of
+    /// several keys that could not be completed): `hold_at_least` is waived.
+    no_body: AtomicBool,
     /// Whether it was taken with a fencing token asked for (`fencing`).
     pub(crate) fenced: bool,
     /// Cancelled when the lease is lost (by the watchdog, or by the backend on
@@ -109,6 +112,7 @@ impl HeldLease {
             lease_len: n.lease_len,
             renew: n.renew,
             hold_at_least: n.hold_at_least,
+            no_body: AtomicBool::new(false),
             fenced: n.fenced,
             lost: n.lost,
             lost_itself: AtomicBool::new(false),
@@ -335,6 +339,12 @@ impl HeldLease {
         }
     }
 
+    /// The lease ends without a body having run under it: its release frees
+    /// the key at once, whatever `hold_at_least` says.
+    pub(crate) fn waive_hold_at_least(&self) {
+        self.no_body.store(true, Ordering::Release);
+    }
+
     /// Frees the key at once — or, with `hold_at_least`, waits for a renewal
     /// still on the wire and lets the key expire that long from now. A plain
     /// release need not wait: renewals are owner-checked, so one that lands
@@ -343,7 +353,13 @@ impl HeldLease {
     /// renewal may share a batch whose time limit is a longer lease's).
     async fn send_release(self: Arc<Self>, start: ReleaseStart) -> Result<(), LockError> {
         let give_up = self.sched().machine.give_up_at();
-        while self.hold_at_least.is_some() && self.sched().machine.renewal_in_flight() {
+        // No minimum for a hold no body ran under, nor for one already lost
+        // (its ceiling reached, revoked, expired): extending it would keep
+        // the key past what ended it.
+        let hold_at_least = self
+            .hold_at_least
+            .filter(|_| !self.no_body.load(Ordering::Acquire) && !self.lost.is_cancelled());
+        while hold_at_least.is_some() && self.sched().machine.renewal_in_flight() {
             let settled = self.renewal_settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
@@ -359,7 +375,7 @@ impl HeldLease {
         }
         let held_for = self.acquired_at.elapsed();
         self.span.record("held_ms", held_for.as_secs_f64() * 1000.0);
-        let outcome: Result<(), BackendError> = match self.hold_at_least {
+        let outcome: Result<(), BackendError> = match hold_at_least {
             Some(at_least) => match self.backend.renew(&self.lease, at_least).await {
                 Ok(Renewal::Renewed) => Ok(()),
                 Ok(_) => {

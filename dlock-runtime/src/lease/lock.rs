@@ -371,6 +371,7 @@ async fn acquire_new(
     // the registry shuts down (a waiter woken by shutdown's own release) is
     // never handed out.
     if registry.inner.leases.is_closing() {
+        guard.waive_hold_at_least();
         let _ = guard.release().await;
         return Err(LockError::ShutDown);
     }
@@ -704,7 +705,7 @@ pub(crate) async fn acquire_all(
     drop(requests);
     // Dropped (an error, a cancelled acquisition): what was taken is released
     // at once, in the background.
-    let mut taken: Vec<LockGuard> = Vec::with_capacity(keys.len());
+    let mut taken = Taken(Vec::with_capacity(keys.len()));
     for ((key, stored_key), own) in keys.into_iter().zip(stored).zip(backend_lost) {
         let mut one = options.clone();
         if options.wait != Duration::MAX {
@@ -718,18 +719,24 @@ pub(crate) async fn acquire_all(
             answer = next => Some(answer),
         };
         let Some(answer) = answer else {
+            if registry.inner.leases.is_closing() {
+                // Shutdown ends the keys taken so far: that is not a loss.
+                release_taken(taken).await;
+                return Err(LockError::ShutDown);
+            }
             let key = taken
+                .0
                 .iter()
                 .find(|g| g.lost_itself())
-                .or_else(|| taken.iter().find(|g| g.is_lost()))
-                .unwrap_or(&taken[0])
+                .or_else(|| taken.0.iter().find(|g| g.is_lost()))
+                .unwrap_or(&taken.0[0])
                 .key()
                 .to_owned();
             release_taken(taken).await;
             return Err(LockError::Lost { key });
         };
         match answer {
-            Ok(guard) => taken.push(guard),
+            Ok(guard) => taken.0.push(guard),
             Err(LockError::Busy { key, .. }) => {
                 release_taken(taken).await;
                 return Err(LockError::Busy {
@@ -743,8 +750,24 @@ pub(crate) async fn acquire_all(
             }
         }
     }
-    let leases: Vec<Arc<HeldLease>> = taken.into_iter().map(LockGuard::into_lease).collect();
+    let leases: Vec<Arc<HeldLease>> = std::mem::take(&mut taken.0)
+        .into_iter()
+        .map(LockGuard::into_lease)
+        .collect();
     complete_hold(registry, leases, lost, joined_loss).await
+}
+
+/// The keys a hold of several keys has taken so far. Dropped unfinished (an
+/// error, a cancelled acquisition), they are released at once: no body ran
+/// under them, so `hold_at_least` does not apply.
+struct Taken(Vec<LockGuard>);
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        for guard in &self.0 {
+            guard.waive_hold_at_least();
+        }
+    }
 }
 
 /// The guard of a hold of several keys, once each is held: their renewals
@@ -788,20 +811,26 @@ async fn complete_hold(
     if guard.is_lost() {
         // A key taken first ran out while a later one was awaited.
         let key = guard.key().to_owned();
+        guard.waive_hold_at_least();
         let _ = guard.release().await;
         return Err(LockError::Lost { key });
     }
     if registry.inner.leases.is_closing() {
+        guard.waive_hold_at_least();
         let _ = guard.release().await;
         return Err(LockError::ShutDown);
     }
     Ok(guard)
 }
 
-/// Releases the keys of a hold that could not be completed.
-async fn release_taken(taken: Vec<LockGuard>) {
+/// Releases the keys of a hold that could not be completed, at once.
+async fn release_taken(mut taken: Taken) {
+    let guards = std::mem::take(&mut taken.0);
+    for guard in &guards {
+        guard.waive_hold_at_least();
+    }
     // Cancel-safe: the guards not yet released release on drop.
-    let _ = futures_util::future::join_all(taken.into_iter().map(LockGuard::release)).await;
+    let _ = futures_util::future::join_all(guards.into_iter().map(LockGuard::release)).await;
 }
 
 /// A nested hold of several keys, every one held further up this call

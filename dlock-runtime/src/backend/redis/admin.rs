@@ -121,15 +121,19 @@ impl RedisBackend {
             return Ok(Vec::new());
         }
         let pattern = format!("{{{}*", glob_escape(prefix));
-        let found = self.scan(&pattern).await?;
+        // In the stored keys' order, not the lock keys' (`}` sorts after
+        // some characters of keys).
+        let found: BTreeSet<String> = self
+            .scan(&pattern)
+            .await?
+            .iter()
+            .filter_map(|lock| stored_key(lock))
+            .filter(|key| key.starts_with(prefix))
+            .map(str::to_owned)
+            .collect();
         let mut listed = Vec::new();
-        for lock in found {
-            let Some(key) = stored_key(&lock) else {
-                continue;
-            };
-            if !key.starts_with(prefix) {
-                continue;
-            }
+        for key in found {
+            let lock = Keys::new(&key).lock;
             if let Some((value, ttl)) = self.read_lock(&lock).await? {
                 listed.push(KeyEntry::new(key, vec![held_entry(&value, ttl)]));
                 if listed.len() == limit {
@@ -140,7 +144,7 @@ impl RedisBackend {
         Ok(listed)
     }
 
-    /// Every key matching `pattern`, sorted: on a cluster, from every master.
+    /// Every key matching `pattern`: on a cluster, from every master.
     async fn scan(&self, pattern: &str) -> Result<BTreeSet<String>, BackendError> {
         let mut found = BTreeSet::new();
         match self.conns.home() {

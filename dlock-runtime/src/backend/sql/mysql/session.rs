@@ -115,7 +115,10 @@ fn hex_literal(text: &str) -> String {
 
 /// A held lock as the admin statements read it: the holder's connection id,
 /// the counter row's key, holder record, token and grant time (µs).
-type HeldLock = (u64, Vec<u8>, Option<Vec<u8>>, u64, Option<i64>);
+/// The holder's connection id is `None` when the lock was released between
+/// the query's two looks at it (MariaDB may evaluate `IS_USED_LOCK` again for
+/// the outer filter): such a row is free.
+type HeldLock = (Option<u64>, Vec<u8>, Option<Vec<u8>>, u64, Option<i64>);
 
 impl MySessions {
     /// The held rows `query` reads (`?`s bound by `bind`), as key entries
@@ -139,6 +142,9 @@ impl MySessions {
         let text = |bytes: Vec<u8>| String::from_utf8_lossy(&bytes).into_owned();
         Ok(rows
             .into_iter()
+            .filter_map(|(id, key, holder, token, granted_us)| {
+                Some((id?, key, holder, token, granted_us))
+            })
             .map(|(id, key, holder, token, granted_us)| {
                 let key = text(key);
                 let row = Row {
