@@ -134,7 +134,7 @@ async fn list_answers_in_key_order_under_a_limit(backend: &str) {
     let registry = registry(backend).await;
     let base = unique_key(&format!("order-{backend}"));
     let keys = [
-        format!("{base}"),
+        base.clone(),
         format!("{base}!"),
         format!("{base}:x"),
         format!("{base}~"),
@@ -359,6 +359,95 @@ async fn revoking_one_key_of_several_loses_the_hold(backend: &str) {
     );
 }
 
+/// Revoking one key takes only that key: the same process's other holds
+/// (through the same registry, so the same connections and sessions) stay
+/// held and are not signalled lost.
+async fn revoking_one_key_leaves_the_holders_other_keys_held(backend: &str) {
+    let registry = registry(backend).await;
+    let base = unique_key(&format!("neighbours-{backend}"));
+    let revoked_key = format!("{base}:revoked");
+    let kept_key = format!("{base}:kept");
+    let kept = registry
+        .lock(&kept_key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire the kept key");
+    let target = registry
+        .lock(&revoked_key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire the revoked key");
+    let revoked = registry.revoke(&revoked_key).await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{backend}: {revoked:?}");
+    tokio::time::timeout(5 * SECOND, target.lost())
+        .await
+        .unwrap_or_else(|_| panic!("{backend}: the revoked holder is never told"));
+    tokio::time::sleep(3 * SECOND).await;
+    assert!(
+        !kept.is_lost(),
+        "{backend}: the other key was lost too: {:?}",
+        kept.loss_reason()
+    );
+    let info = registry
+        .inspect(&kept_key)
+        .await
+        .expect("inspect")
+        .unwrap_or_else(|| panic!("{backend}: the other key is free"));
+    assert_eq!(info.holders()[0].token(), kept.fencing_token(), "{backend}");
+    kept.release()
+        .await
+        .expect("the other key releases cleanly");
+    let _ = target.release().await;
+}
+
+/// A revocation while another task waits for the key: `inspect` counts
+/// the waiter where the backend knows waiters, and the waiter gets the key
+/// soon after the revocation, not at the end of the revoked lease.
+async fn a_revocation_hands_the_key_to_a_waiter_promptly(backend: &str) {
+    let holder = registry(backend).await;
+    // One registry: `memory://` opens a new store per registry.
+    let waiter = holder.clone();
+    let key = unique_key(&format!("waiter-{backend}"));
+    let guard = holder
+        .lock(&key)
+        .lease(30 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiting_key = key.clone();
+    let waiting = tokio::spawn(async move {
+        let next = waiter
+            .lock(&waiting_key)
+            .lease(10 * SECOND)
+            .wait(25 * SECOND)
+            .acquire()
+            .await;
+        (Instant::now(), next)
+    });
+    tokio::time::sleep(2 * SECOND).await;
+    let info = holder.inspect(&key).await.expect("inspect").expect("held");
+    if let Some(waiters) = info.waiters() {
+        assert_eq!(waiters, 1, "{backend}: {info:?}");
+    }
+    let revoked_at = Instant::now();
+    let revoked = holder.revoke(&key).await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{backend}: {revoked:?}");
+    let (granted_at, next) = waiting.await.expect("the waiter's task");
+    let next = next.unwrap_or_else(|e| panic!("{backend}: the waiter never gets the key: {e}"));
+    let took = granted_at - revoked_at;
+    assert!(
+        took < 5 * SECOND,
+        "{backend}: the waiter got the key {took:?} after the revocation"
+    );
+    if let (Some(before), Some(now)) = (guard.fencing_token(), next.fencing_token()) {
+        assert!(now > before, "{backend}");
+    }
+    next.release().await.expect("release");
+    let _ = guard.release().await;
+}
+
 /// A revoked holder's loss is reported with the reason `Revoked`, not as
 /// an expiry or an ended session.
 async fn a_revoked_holder_is_told_the_reason_revoked(backend: &str) {
@@ -502,6 +591,8 @@ on_every_backend!(
     a_revocation_racing_a_release_leaves_the_key_free,
     two_revocations_at_once_revoke_the_holder_once,
     revoking_one_key_of_several_loses_the_hold,
+    revoking_one_key_leaves_the_holders_other_keys_held,
+    a_revocation_hands_the_key_to_a_waiter_promptly,
     a_revoked_holder_is_told_the_reason_revoked,
     a_nested_hold_keeps_the_outer_ceiling,
     a_minimum_hold_does_not_outlast_the_ceiling,
