@@ -163,6 +163,27 @@ async fn list_answers_in_key_order_under_a_limit(backend: &str) {
     }
 }
 
+/// The largest limits (`usize::MAX`, and past `i64::MAX`) list every
+/// held key; a limit of 0 lists none.
+async fn list_takes_any_limit(backend: &str) {
+    let registry = registry(backend).await;
+    let base = unique_key(&format!("limits-{backend}"));
+    let guard = hold(&registry, &format!("{base}:a")).await;
+    for limit in [usize::MAX, i64::MAX as usize + 1, u32::MAX as usize + 1] {
+        assert_eq!(
+            listed(&registry, &base, limit).await,
+            vec![format!("{base}:a")],
+            "{backend}: limit {limit}"
+        );
+    }
+    assert_eq!(
+        listed(&registry, &base, 0).await,
+        Vec::<String>::new(),
+        "{backend}: limit 0"
+    );
+    guard.release().await.expect("release");
+}
+
 /// Keys with non-ASCII characters are inspected, listed (also by a
 /// non-ASCII prefix) and revoked under the key they were locked with.
 async fn non_ascii_keys_read_back_as_locked(backend: &str) {
@@ -585,6 +606,7 @@ on_every_backend!(
     list_takes_wildcards_in_the_prefix_literally,
     list_with_a_whole_key_as_prefix_lists_it_once,
     list_answers_in_key_order_under_a_limit,
+    list_takes_any_limit,
     non_ascii_keys_read_back_as_locked,
     expired_leases_are_not_shown_as_held,
     revocations_racing_renewals_leave_the_key_free,
