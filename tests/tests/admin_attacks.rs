@@ -296,7 +296,7 @@ async fn revocations_racing_renewals_leave_the_key_free(backend: &str) {
 async fn a_revocation_racing_a_release_leaves_the_key_free(backend: &str) {
     let registry = registry(backend).await;
     let key = unique_key(&format!("revoke-release-{backend}"));
-    for round in 0..5 {
+    for round in 0..40 {
         let guard = hold(&registry, &key).await;
         let token = guard.fencing_token();
         let revoke = registry.revoke(&key);
@@ -315,6 +315,49 @@ async fn a_revocation_racing_a_release_leaves_the_key_free(backend: &str) {
         }
         next.release().await.expect("release");
     }
+}
+
+/// `inspect` and `list` while the key is taken and released again and
+/// again: each answers (held or free), never an error.
+async fn admin_reads_racing_grants_and_releases_never_fail(backend: &str) {
+    let registry = registry(backend).await;
+    let key = unique_key(&format!("churn-{backend}"));
+    let churn_registry = registry.clone();
+    let churn_key = key.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let churn = tokio::spawn(async move {
+        let mut rounds = 0u32;
+        while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Ok(guard) = churn_registry
+                .lock(&churn_key)
+                .lease(10 * SECOND)
+                .wait(SECOND)
+                .acquire()
+                .await
+            {
+                let _ = guard.release().await;
+                rounds += 1;
+            }
+        }
+        rounds
+    });
+    let started = Instant::now();
+    let mut calls = 0u32;
+    while started.elapsed() < 4 * SECOND {
+        registry
+            .inspect(&key)
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: inspect after {calls} calls: {e:?}"));
+        registry
+            .list(&key, 10)
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: list after {calls} calls: {e:?}"));
+        calls += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rounds = churn.await.expect("the churning task");
+    assert!(rounds > 0, "{backend}: the key was never taken");
 }
 
 /// Two revocations at once take the key from its holder once: together
@@ -615,6 +658,7 @@ on_every_backend!(
     expired_leases_are_not_shown_as_held,
     revocations_racing_renewals_leave_the_key_free,
     a_revocation_racing_a_release_leaves_the_key_free,
+    admin_reads_racing_grants_and_releases_never_fail,
     two_revocations_at_once_revoke_the_holder_once,
     revoking_one_key_of_several_loses_the_hold,
     revoking_one_key_leaves_the_holders_other_keys_held,
