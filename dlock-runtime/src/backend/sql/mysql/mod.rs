@@ -77,7 +77,7 @@ use super::pool::is_connection_error;
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
 use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
-use crate::error::{BackendError, LockError, redact_url};
+use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
 mod session;
@@ -390,7 +390,7 @@ impl Dialect for Mysql {
         MySqlConnectOptions::from_str(&driver_url).map_err(|e| {
             LockError::config(format!(
                 "bad MySQL URL `{shown}`: {}",
-                e.to_string().replace(&driver_url, &redact_url(&driver_url))
+                e.to_string().replace(&driver_url, shown)
             ))
         })
     }

@@ -281,17 +281,19 @@ pub struct PgOptions {
     listen: Option<PgConnectOptions>,
 }
 
-fn driver_options(url: &str) -> Result<PgConnectOptions, LockError> {
+/// The driver's options from `url`; errors name the URL as `shown` (the
+/// user's URL, redacted: `url` may be a re-encoded form of it, in which a
+/// malformed password no longer looks like one).
+fn driver_options(url: &str, shown: &str) -> Result<PgConnectOptions, LockError> {
     let options = PgConnectOptions::from_str(url).map_err(|e| {
         LockError::config(format!(
-            "bad PostgreSQL URL `{}`: {}",
-            redact_url(url),
+            "bad PostgreSQL URL `{shown}`: {}",
             // The driver's message may quote the URL: keep only its kind.
             match e {
                 sqlx::Error::Configuration(c) => c.to_string(),
                 other => other.to_string(),
             }
-            .replace(url, &redact_url(url))
+            .replace(url, shown)
         ))
     })?;
     let named = options.get_application_name().is_some();
@@ -416,12 +418,12 @@ impl Dialect for Postgres {
                         "`listen_url` in `{shown}` must be a postgres:// URL"
                     )));
                 }
-                Some(driver_options(&url)?)
+                Some(driver_options(&url, &redact_url(&url))?)
             }
             None => None,
         };
         Ok(PgOptions {
-            driver: driver_options(&o.driver_url(Self::SCHEME, base))?,
+            driver: driver_options(&o.driver_url(Self::SCHEME, base), shown)?,
             channel,
             listen,
         })
