@@ -813,8 +813,13 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                         GaveUpAt::Body => Duration::from_micros(
                             rng.random_range(0..(worker.args.hold_max_ms + 5) * 1000),
                         ),
-                        // A release is one round trip (a fast one on SQLite).
-                        GaveUpAt::Release => Duration::from_micros(rng.random_range(0..500)),
+                        // A release is one round trip (a fast one on SQLite),
+                        // often shorter than the timer's millisecond tick: half
+                        // of these give up at the release's first await (a zero
+                        // limit), the rest within half a millisecond.
+                        GaveUpAt::Release => {
+                            Duration::from_micros(rng.random_range(0..1000u64).saturating_sub(500))
+                        }
                     };
                     (at, limit)
                 }),

@@ -106,6 +106,43 @@ macro_rules! fence_suite {
                 let _: () = conn.del(&[&data, &fenced::fence_key(&data)]).await.unwrap();
             }
 
+            /// An operator revokes A's hold (`Registry::revoke`): B is
+            /// granted the key with a larger token and writes through the
+            /// fence; A's late write with its revoked token is refused.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_revoked_holders_late_write_is_refused() {
+                let registry = Registry::from_url(&$url()).await.expect("backend");
+                let mut conn = $conn().await;
+                let key = unique_key("fence-revoked");
+                let data = format!("fence-test:{key}");
+                let a = registry.lock(&*key).acquire().await.expect("A acquires");
+                let ta = a.fencing_token().expect("A's token");
+                let revoked = registry.revoke(&key).await.expect("revoke");
+                assert_eq!(revoked.len(), 1, "{revoked:?}");
+                let b = registry
+                    .lock(&*key)
+                    .wait(Duration::from_secs(10))
+                    .acquire()
+                    .await
+                    .expect("B acquires after the revocation");
+                let tb = b.fencing_token().expect("B's token");
+                assert!(tb > ta, "B's token {tb} above the revoked {ta}");
+                b.scope(fenced::set_current(&mut conn, &data, "B"))
+                    .await
+                    .expect("B writes");
+                // A, paused through all of it, writes with the token it had.
+                let refused = fenced::set(&mut conn, &data, "A", ta).await;
+                assert_fenced(refused, &data, ta.get(), tb.get());
+                let value: String = conn.get(&data).await.unwrap();
+                assert_eq!(value, "B");
+                tokio::time::timeout(Duration::from_secs(15), a.lost())
+                    .await
+                    .expect("A learns that it lost the key");
+                b.release().await.unwrap();
+                let _ = a.release().await;
+                let _: () = conn.del(&[&data, &fenced::fence_key(&data)]).await.unwrap();
+            }
+
             /// Many writers at once, tokens shuffled: each refusal names a
             /// larger token, and the value left is the largest token's.
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

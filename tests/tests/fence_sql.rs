@@ -253,6 +253,63 @@ macro_rules! fence_suite {
                 let _ = a.release().await;
             }
 
+            /// An operator revokes A's hold (`Registry::revoke`): B is
+            /// granted the key with a larger token and writes through the
+            /// fence; A's late write with its revoked token is refused and
+            /// rolled back, and A is told it lost the key.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_revoked_holders_late_write_is_refused() {
+                let pool = setup().await;
+                let registry = registry().await;
+                let key = unique_key(concat!("fence-revoked-", $backend));
+                insert(&pool, &key).await;
+
+                let a = registry
+                    .lock(&*key)
+                    .backend($backend)
+                    .acquire()
+                    .await
+                    .expect("A acquires");
+                let ta = a.fencing_token().expect("A's token");
+                let revoked = registry
+                    .admin(Some($backend))
+                    .expect("the backend")
+                    .revoke(&key)
+                    .await
+                    .expect("revoke");
+                assert_eq!(revoked.len(), 1, "{revoked:?}");
+                assert_eq!(revoked[0].token(), Some(ta));
+                let b = registry
+                    .lock(&*key)
+                    .backend($backend)
+                    .wait(Duration::from_secs(10))
+                    .acquire()
+                    .await
+                    .expect("B acquires after the revocation");
+                let tb = b.fencing_token().expect("B's token");
+                assert!(tb > ta, "B's token {tb} above the revoked {ta}");
+                b.scope(async {
+                    let mut tx = pool.begin().await.unwrap();
+                    fence::check_current(&mut tx, &key).await.expect("B passes");
+                    write(&mut tx, &key, 2).await;
+                    tx.commit().await.unwrap();
+                })
+                .await;
+
+                // A, paused through all of it, writes with the token it had.
+                let mut tx = pool.begin().await.unwrap();
+                write(&mut tx, &key, 1).await;
+                let refused = fence::check(&mut tx, &key, ta).await;
+                drop(tx);
+                assert_fenced(refused, &key, ta.get(), tb.get());
+                assert_eq!(value(&pool, &key).await, 2, "A's write did not commit");
+                tokio::time::timeout(Duration::from_secs(15), a.lost())
+                    .await
+                    .expect("A learns that it lost the key");
+                b.release().await.unwrap();
+                let _ = a.release().await;
+            }
+
             /// Many checkers of one resource at once, tokens shuffled: each
             /// one that passes reads the value committed before it, which is
             /// never from a larger token, and the last value is the largest
