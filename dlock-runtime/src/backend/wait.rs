@@ -243,6 +243,10 @@ pub(crate) async fn acquire_watched(
     let mut source: Option<WakeSource> = None;
     let mut unavailable_streak = 0u32;
     let mut unanswered_before = false;
+    // What the last unavailable answer said: an attempt dropped unanswered
+    // at the deadline names it, so the caller learns the cause, not only
+    // the last symptom.
+    let mut last_unavailable: Option<String> = None;
     let mut owed = OwedWake(None);
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
@@ -255,7 +259,14 @@ pub(crate) async fn acquire_watched(
                     Ok(attempt) => attempt,
                     // Dropped unanswered; `on_the_wire` stays set: the
                     // server may still run it.
-                    Err(_) => return Err(unanswered(backend, request, sent)),
+                    Err(_) => {
+                        return Err(unanswered(
+                            backend,
+                            request,
+                            sent,
+                            last_unavailable.as_deref(),
+                        ));
+                    }
                 }
             }
         };
@@ -264,6 +275,7 @@ pub(crate) async fn acquire_watched(
         let now = Instant::now();
         if !matches!(attempt, Attempt::Unavailable { .. }) {
             unavailable_streak = 0;
+            last_unavailable = None;
         }
         if matches!(attempt, Attempt::Held(_)) {
             owed.settled();
@@ -294,6 +306,7 @@ pub(crate) async fn acquire_watched(
             Attempt::Unavailable { error, retry_in } => {
                 unavailable_streak += 1;
                 unanswered_before = true;
+                last_unavailable = Some(error.to_string());
                 (
                     Some(unavailable_backoff(retry_in, unavailable_streak)),
                     Some(error),
@@ -338,16 +351,27 @@ pub(crate) async fn acquire_watched(
 }
 
 /// The error of an attempt sent at `sent` and dropped unanswered at the
-/// deadline.
-fn unanswered(backend: &dyn LockBackend, request: &AcquireRequest, sent: Instant) -> BackendError {
-    BackendError::transient(format!(
+/// deadline, naming what the attempt before it answered when that was an
+/// error.
+fn unanswered(
+    backend: &dyn LockBackend,
+    request: &AcquireRequest,
+    sent: Instant,
+    before: Option<&str>,
+) -> BackendError {
+    let mut text = format!(
         "the {} backend did not answer an attempt on {} within {:?} (the wait was {:?}); \
          the attempt was dropped",
         backend.kind(),
         request.key,
         sent.elapsed(),
         request.wait
-    ))
+    );
+    if let Some(before) = before {
+        text.push_str("; the attempt before it failed: ");
+        text.push_str(before);
+    }
+    BackendError::transient(text)
 }
 
 /// The local end of a lease granted by a request sent at `sent`.
@@ -484,10 +508,14 @@ mod tests {
     }
 
     /// A backend that answers an attempt only after `answers_after`
-    /// (never, for `None`), and then that the key is busy.
-    #[derive(Debug)]
+    /// (never, for `None`), and then that the key is busy; with
+    /// `first_fails`, its first attempt answers at once that it is
+    /// unavailable, with that text.
+    #[derive(Debug, Default)]
     struct Slow {
         answers_after: Option<Duration>,
+        first_fails: Option<&'static str>,
+        attempts: std::sync::atomic::AtomicUsize,
     }
 
     impl LockBackend for Slow {
@@ -500,6 +528,13 @@ mod tests {
             _request: &'a AcquireRequest,
         ) -> futures_util::future::BoxFuture<'a, Result<Attempt, BackendError>> {
             Box::pin(async move {
+                let first = self.attempts.fetch_add(1, Ordering::SeqCst) == 0;
+                if let (true, Some(text)) = (first, self.first_fails) {
+                    return Ok(Attempt::Unavailable {
+                        error: BackendError::transient(text),
+                        retry_in: Duration::from_millis(10),
+                    });
+                }
                 match self.answers_after {
                     Some(after) => tokio::time::sleep(after).await,
                     None => std::future::pending::<()>().await,
@@ -540,9 +575,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unanswered_attempt_is_an_error_just_after_the_deadline() {
-        let silent = Slow {
-            answers_after: None,
-        };
+        let silent = Slow::default();
         let wait = Duration::from_millis(400);
         let started = Instant::now();
         let answer = acquire(&silent, &request(wait)).await;
@@ -553,9 +586,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_unanswered_attempt_names_what_the_attempt_before_it_answered() {
+        let failing = Slow {
+            first_fails: Some("only 0 of 1 replicas acknowledged; undone"),
+            ..Slow::default()
+        };
+        let answer = acquire(&failing, &request(Duration::from_millis(100))).await;
+        let error = answer.expect_err("a silent backend is an error");
+        let text = error.to_string();
+        assert!(text.contains("did not answer"), "{text}");
+        assert!(
+            text.contains("the attempt before it failed: only 0 of 1 replicas acknowledged; undone"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
     async fn an_attempt_answered_within_the_grace_is_the_answer() {
         let slow = Slow {
             answers_after: Some(Duration::from_millis(100)),
+            ..Slow::default()
         };
         let answer = acquire(&slow, &request(Duration::from_millis(20))).await;
         assert!(matches!(answer, Ok(Acquired::Busy)), "{answer:?}");
@@ -565,6 +615,7 @@ mod tests {
     async fn a_try_once_waits_for_the_backends_own_answer() {
         let slow = Slow {
             answers_after: Some(ATTEMPT_GRACE * 2),
+            ..Slow::default()
         };
         let answer = acquire(&slow, &request(Duration::ZERO)).await;
         assert!(matches!(answer, Ok(Acquired::Busy)), "{answer:?}");
