@@ -596,7 +596,9 @@ mod tests {
         let text = error.to_string();
         assert!(text.contains("did not answer"), "{text}");
         assert!(
-            text.contains("the attempt before it failed: only 0 of 1 replicas acknowledged; undone"),
+            text.contains(
+                "the attempt before it failed: only 0 of 1 replicas acknowledged; undone"
+            ),
             "{text}"
         );
     }
