@@ -2,15 +2,17 @@
 //! Cluster, Redlock, ZooKeeper, etcd), beyond the conformance suite: a
 //! holder in another process is shown with its pid and instance name, a
 //! Cluster listing covers every master, a Curator holder on ZooKeeper is
-//! shown (without a record) and revoked, and a revocation racing the
-//! holder's renewals never frees the next holder's key.
+//! shown (without a record) and revoked, a revocation racing the
+//! holder's renewals never frees the next holder's key, and on etcd and
+//! Redlock a revoked holder is told "revoked" while a key deleted by hand is
+//! told "gone", the revocation's mark neither listed nor left behind.
 #![cfg(all(feature = "redis", feature = "zookeeper", feature = "etcd"))]
 
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use dlock_runtime::{LockError, Registry, ZooKeeperBackend};
+use dlock_runtime::{EtcdBackend, LockError, LossReason, Registry, ZooKeeperBackend};
 use dlock_tests::zk_support::{hosts, java_programs};
 use dlock_tests::{server_url, servers_missing, unique_key};
 use tokio::io::AsyncBufReadExt as _;
@@ -274,4 +276,165 @@ async fn revocations_racing_renewals_never_free_the_next_holders_key() {
             second.release().await.expect("release");
         }
     }
+}
+
+/// `redis://host:port/` of each node of the Redlock URL.
+fn redlock_nodes() -> Vec<String> {
+    let url = redlock_url();
+    let hosts = url.trim_start_matches("redlock://");
+    hosts
+        .split(',')
+        .map(|h| format!("redis://{}/", h.trim_end_matches('/')))
+        .collect()
+}
+
+async fn redlock_node(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("node url")
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| servers_missing(url, e))
+}
+
+/// The etcd keys under `prefix`.
+async fn etcd_keys(client: &etcd_client::Client, prefix: &str) -> Vec<String> {
+    dlock_tests::etcd_support::entries(client, prefix)
+        .await
+        .into_iter()
+        .map(|(key, _)| key)
+        .collect()
+}
+
+/// etcd: an entry deleted by hand is reported gone, a revoked one revoked;
+/// the revocation's mark is not listed, and is deleted by the holder's
+/// renewal, or by its release when that comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_tells_a_revocation_from_an_entry_deleted_by_hand() {
+    let url = etcd_url();
+    let etcd = EtcdBackend::connect(&url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e));
+    let registry = Registry::builder().default_backend(etcd.clone()).build();
+    let admin = dlock_tests::etcd_support::admin(&url).await;
+    let key = unique_key("revoked-or-gone");
+    let queue = etcd.queue_prefix(&format!("dlock:{key}"));
+    let (root, escaped) = queue
+        .trim_end_matches('/')
+        .rsplit_once('/')
+        .expect("{prefix}/{key}/");
+    let marks = format!("{root}/%revoked/{escaped}/");
+
+    let deleted = registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let mut kv = admin.kv_client();
+    for entry in etcd_keys(&admin, &queue).await {
+        kv.delete(entry, None).await.expect("delete by hand");
+    }
+    tokio::time::timeout(5 * SECOND, deleted.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(deleted.loss_reason(), Some(LossReason::Gone));
+    let _ = deleted.release().await;
+
+    let revoked = registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    tokio::time::timeout(5 * SECOND, revoked.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(revoked.loss_reason(), Some(LossReason::Revoked));
+    assert!(
+        etcd_keys(&admin, &marks).await.is_empty(),
+        "the renewal leaves the mark"
+    );
+    let _ = revoked.release().await;
+
+    let released = registry
+        .lock(&key)
+        .lease(30 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    // The next renewal is 10 s away.
+    assert_eq!(etcd_keys(&admin, &marks).await.len(), 1, "the mark is put");
+    assert!(
+        registry.list(&key, 10).await.expect("list").is_empty(),
+        "the mark is listed"
+    );
+    let _ = released.release().await;
+    assert!(
+        etcd_keys(&admin, &marks).await.is_empty(),
+        "the release leaves the mark"
+    );
+}
+
+/// Redlock: a key deleted by hand on every node is reported gone, a
+/// revoked one revoked; the revocation's mark is not listed and expires on
+/// its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_tells_a_revocation_from_a_key_deleted_by_hand() {
+    let registry = registry(&redlock_url()).await;
+    let key = unique_key("revoked-or-gone");
+    let stored = format!("dlock:{key}");
+    let mut nodes = Vec::new();
+    for url in redlock_nodes() {
+        nodes.push(redlock_node(&url).await);
+    }
+
+    let deleted = registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    for node in &mut nodes {
+        let _: i64 = redis::cmd("DEL")
+            .arg(&stored)
+            .query_async(node)
+            .await
+            .expect("DEL");
+    }
+    tokio::time::timeout(5 * SECOND, deleted.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(deleted.loss_reason(), Some(LossReason::Gone));
+    let _ = deleted.release().await;
+
+    let revoked = registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    let mark = format!("{stored}\nrevoked");
+    for node in &mut nodes {
+        let left: i64 = redis::cmd("PTTL")
+            .arg(&mark)
+            .query_async(node)
+            .await
+            .expect("PTTL");
+        assert!(
+            left > 0 && left <= 3_000,
+            "the mark outlives the copy it replaced by 1 s, no more: {left} ms"
+        );
+    }
+    assert!(
+        registry.list(&key, 10).await.expect("list").is_empty(),
+        "the mark is listed"
+    );
+    tokio::time::timeout(5 * SECOND, revoked.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(revoked.loss_reason(), Some(LossReason::Revoked));
+    let _ = revoked.release().await;
 }

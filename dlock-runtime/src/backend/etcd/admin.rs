@@ -7,18 +7,34 @@
 //! the time of a grant is not known; how long it has left is the remaining
 //! TTL of the session's etcd lease the entry is under (when its holder's
 //! process dies, the entry goes with that lease; while it runs, dlock's own
-//! lease is kept by the holder's watchdog). Revocation deletes the holder's
-//! entry (guarded by its create revision): its next renewal reads it gone
-//! and answers [`Renewal::Lost`](crate::backend::Renewal::Lost), and the
-//! next waiter's watch fires as on a release.
+//! lease is kept by the holder's watchdog).
+//!
+//! **Revocation** deletes the holder's entry (guarded by its create
+//! revision) and, in the same transaction, puts a *mark* for it:
+//! `{prefix}/%revoked/{escaped key}/{owner}` (outside every queue: no
+//! escaped key is `%revoked`, so no waiter counts it and `inspect` / `list`
+//! skip it), whose value is the revoked entry's create revision. The next
+//! waiter's watch fires as on a release. The holder's next renewal reads its
+//! entry gone, then reads and deletes the mark, and answers
+//! [`Renewal::Revoked`](crate::backend::Renewal::Revoked) when the mark names
+//! that very entry (an entry that expired, was deleted by hand or went with
+//! its session has no mark: [`Renewal::Lost`](crate::backend::Renewal::Lost)).
+//! The mark is bounded: it is put under the holder's own etcd lease (the
+//! session lease its entry was under), so it goes with the holder's session
+//! at the latest, and the holder deletes it earlier — at that renewal, or
+//! at its release (or the reaper's delete, or an abandoned acquisition's)
+//! when the entry is already gone. Nothing is stored for an entry that is
+//! under no lease.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, PutOptions, Txn, TxnOp};
 
-use super::{Inner, backend_error};
+use super::session::timed_out;
+use super::url::{is_escaped, revocation_mark};
+use super::{Inner, backend_error, lease_gone};
 use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
 use crate::error::BackendError;
 use crate::token::FencingToken;
@@ -58,9 +74,12 @@ impl Inner {
         let mut queues: BTreeMap<String, Queue> = BTreeMap::new();
         for entry in response.kvs() {
             let Ok(name) = entry.key_str() else { continue };
+            // `{escaped key}/{owner}`, one segment each: not a mark, nor
+            // an entry of a backend whose prefix is under this one.
             let Some((escaped, _owner)) = name
                 .strip_prefix(root.as_str())
-                .and_then(|n| n.rsplit_once('/'))
+                .and_then(|n| n.split_once('/'))
+                .filter(|(key, owner)| is_escaped(key) && is_escaped(owner))
             else {
                 continue;
             };
@@ -150,7 +169,8 @@ impl Inner {
     }
 
     /// Deletes the holder's entry of the stored `key` (if it is still the
-    /// one read: guarded by its create revision).
+    /// one read: guarded by its create revision) and leaves the mark its
+    /// renewal reads (see the [module docs](self)), in one transaction.
     pub(super) async fn revoke_key(
         self: &Arc<Self>,
         key: &str,
@@ -162,22 +182,37 @@ impl Inner {
         let held = self.held_entry(first).await;
         let session = self.session().await?;
         let mut kv = session.client.kv_client();
+        let mut ops = vec![TxnOp::delete(first.key(), None)];
+        let mark = first.key_str().ok().and_then(revocation_mark);
+        if let Some(mark) = mark.filter(|_| first.lease() != 0) {
+            let under_holders_lease = PutOptions::new().with_lease(first.lease());
+            ops.push(TxnOp::put(
+                mark,
+                first.create_revision().to_string(),
+                Some(under_holders_lease),
+            ));
+        }
         let txn = Txn::new()
             .when([Compare::create_revision(
                 first.key(),
                 CompareOp::Equal,
                 first.create_revision(),
             )])
-            .and_then([TxnOp::delete(first.key(), None)]);
-        let response = session
-            .call(kv.txn(txn))
+            .and_then(ops);
+        // Not `session.call`: an unknown lease here would be the holder's,
+        // not this session's, and must not end this session. (etcd checks
+        // the lease only when the entry is still there, that is while its
+        // lease is.)
+        let answer = tokio::time::timeout(session.op_timeout, kv.txn(txn))
             .await
-            .map_err(|e| backend_error("revoke", e))?;
-        Ok(if response.succeeded() {
-            vec![held]
-        } else {
-            Vec::new()
-        })
+            .unwrap_or_else(|_| Err(timed_out()));
+        match answer {
+            Ok(response) if response.succeeded() => Ok(vec![held]),
+            Ok(_) => Ok(Vec::new()),
+            // The holder's lease ended in between, and its entry with it.
+            Err(err) if lease_gone(&err) => Ok(Vec::new()),
+            Err(err) => Err(backend_error("revoke", err)),
+        }
     }
 }
 

@@ -16,7 +16,18 @@
 //! Each waiter's watch is its own gRPC stream, opened again at the next
 //! attempt when it breaks (etcd-client's streams do not reconnect). Nothing
 //! else is stored per key: entries are deleted on release, and expire with
-//! their etcd lease.
+//! their etcd lease — except a revoked entry's mark, below.
+//!
+//! **Revocation** (`Registry::revoke`) deletes the holder's entry and, in
+//! the same transaction, puts a mark `{prefix}/%revoked/{key}/{owner}`
+//! under the holder's own etcd lease, outside every queue. The holder's next
+//! renewal reads its entry gone and the mark there, deletes the mark, and
+//! answers "revoked": its loss is reported with
+//! [`LossReason::Revoked`](crate::LossReason::Revoked). An entry gone
+//! without a mark (expired, deleted by hand, its session ended) is reported
+//! gone. A mark goes with the holder's session at the latest, and is
+//! deleted earlier by that renewal or by the holder's release (see
+//! `admin.rs`).
 //!
 //! **Fencing token**: the holder entry's create revision — etcd's one
 //! cluster-wide revision counter, which only grows (a compaction or a

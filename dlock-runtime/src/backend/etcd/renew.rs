@@ -5,13 +5,20 @@
 //! keep-alive of it, sent by its keeper after the batch started. A lease is
 //! renewed only when both answered: etcd then keeps its entry at least until
 //! the lease's new end.
+//!
+//! An entry read as gone was revoked when the revocation's mark for it is
+//! there (see `admin.rs`): the renewal answers
+//! [`Renewal::Revoked`](crate::backend::Renewal::Revoked), else
+//! [`Renewal::Lost`](crate::backend::Renewal::Lost). The mark is read and
+//! deleted in one transaction, sent only when an entry is gone.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use super::session::{HeldEntry, Session};
+use super::url::revocation_mark;
 use super::{Inner, backend_error};
 use crate::backend::{Lease, Renewal};
 use crate::error::BackendError;
@@ -71,11 +78,23 @@ impl Inner {
             };
             let (kept, read) = tokio::join!(kept, reads);
             for (chunk, read) in items.chunks(PER_TXN).zip(read) {
+                // Rare: only a chunk with an entry gone asks whether a
+                // revocation took it.
+                let revoked = match &read {
+                    Ok(ours) if session.is_alive() && ours.contains(&false) => {
+                        revoked_among(&session, chunk, ours).await
+                    }
+                    _ => vec![false; chunk.len()],
+                };
                 for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
                     answers[*i] = Some(match &read {
                         Ok(ours) if !ours[n] || !session.is_alive() => {
                             session.unregister(entry);
-                            Ok(Renewal::Lost)
+                            if revoked[n] {
+                                Ok(Renewal::Revoked)
+                            } else {
+                                Ok(Renewal::Lost)
+                            }
                         }
                         Ok(_) if !kept => Err(BackendError::transient(
                             "etcd: no keep-alive of the session's lease answered in time",
@@ -131,6 +150,44 @@ impl Inner {
             })
             .collect())
     }
+}
+
+/// For each entry of `chunk` that is no longer ours (`ours[n]` false):
+/// whether a revocation took it, read from the mark the revocation left
+/// (its value is the entry's create revision), which is deleted in the
+/// same transaction: it has been read. All false when the marks cannot
+/// be read: the entry is gone all the same.
+async fn revoked_among(
+    session: &Session,
+    chunk: &[(usize, Arc<HeldEntry>, Duration)],
+    ours: &[bool],
+) -> Vec<bool> {
+    let gone: Vec<(usize, String, i64)> = chunk
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| !ours[*n])
+        .filter_map(|(n, (_, entry, _))| Some((n, revocation_mark(&entry.key)?, entry.revision)))
+        .collect();
+    let mut revoked = vec![false; chunk.len()];
+    let deletes: Vec<TxnOp> = gone
+        .iter()
+        .map(|(_, mark, _)| {
+            TxnOp::delete(mark.as_str(), Some(DeleteOptions::new().with_prev_key()))
+        })
+        .collect();
+    let mut kv = session.client.kv_client();
+    let Ok(response) = session.call(kv.txn(Txn::new().and_then(deletes))).await else {
+        return revoked;
+    };
+    for ((n, _, revision), answer) in gone.iter().zip(response.op_responses()) {
+        if let TxnOpResponse::Delete(deleted) = answer {
+            revoked[*n] = deleted
+                .prev_kvs()
+                .first()
+                .is_some_and(|mark| mark.value() == revision.to_string().as_bytes());
+        }
+    }
+    revoked
 }
 
 pub(super) fn held_entry(lease: &Lease) -> Option<Arc<HeldEntry>> {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use etcd_client::{Client, Compare, CompareOp, Error as EtcdError, Txn, TxnOp};
 use tokio_util::sync::CancellationToken;
 
+use super::url::revocation_mark;
 use super::{Counters, lease_gone, transient};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -351,29 +352,42 @@ impl HeldEntry {
 
 /// Deletes `key` if its create revision is still `revision` (so never a
 /// newer entry of the same name), until done, the session ended (its lease
-/// takes the entry with it) or `deadline`.
+/// takes the entry with it) or `deadline`. When the entry is already gone,
+/// the same transaction deletes the mark a revocation may have left for it
+/// (the hold is over: nobody will read it).
 pub(super) async fn delete_entry(
     session: &Session,
     key: &str,
     revision: i64,
     deadline: Option<Instant>,
 ) -> Result<(), EtcdError> {
+    let mark = revocation_mark(key);
     let txn = || {
-        Txn::new()
+        let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, revision)])
-            .and_then([TxnOp::delete(key, None)])
+            .and_then([TxnOp::delete(key, None)]);
+        match &mark {
+            Some(mark) => txn.or_else([TxnOp::delete(mark.as_str(), None)]),
+            None => txn,
+        }
     };
     delete_with(session, txn, deadline).await
 }
 
 /// Deletes `key`, whatever it holds (an entry named by the owner token of
-/// an acquisition that is over).
+/// an acquisition that is over), and the mark a revocation may have left
+/// for it.
 pub(super) async fn delete_named(
     session: &Session,
     key: &str,
     deadline: Option<Instant>,
 ) -> Result<(), EtcdError> {
-    let txn = || Txn::new().and_then([TxnOp::delete(key, None)]);
+    let mark = revocation_mark(key);
+    let txn = || {
+        let mut ops = vec![TxnOp::delete(key, None)];
+        ops.extend(mark.as_deref().map(|m| TxnOp::delete(m, None)));
+        Txn::new().and_then(ops)
+    };
     delete_with(session, txn, deadline).await
 }
 

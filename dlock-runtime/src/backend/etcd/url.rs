@@ -141,6 +141,30 @@ pub(super) fn escape(key: &str) -> String {
     out
 }
 
+/// The segment under the backend's prefix where revocation marks live:
+/// `%` followed by neither `25` nor `2F`, so no escaped key is this segment
+/// and no queue is under it.
+const MARKS: &str = "%revoked";
+
+/// The mark a revocation leaves for the entry `{prefix}/{key}/{owner}`:
+/// `{prefix}/%revoked/{key}/{owner}`, outside every queue (see the
+/// [module docs](super)). `None` for a name that is not an entry's.
+pub(super) fn revocation_mark(entry: &str) -> Option<String> {
+    let mut parts = entry.rsplitn(3, '/');
+    let (owner, key, root) = (parts.next()?, parts.next()?, parts.next()?);
+    (!owner.is_empty() && !key.is_empty()).then(|| format!("{root}/{MARKS}/{key}/{owner}"))
+}
+
+/// Whether `segment` is a key or an owner token as [`escape`] writes it:
+/// no `/`, and every `%` followed by `25` or `2F`. The marks' segment is not.
+pub(super) fn is_escaped(segment: &str) -> bool {
+    !segment.is_empty()
+        && !segment.contains('/')
+        && segment
+            .match_indices('%')
+            .all(|(at, _)| matches!(segment.get(at + 1..at + 3), Some("25" | "2F")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +221,28 @@ mod tests {
             }
         }
         assert_eq!(escape("dlock:order/1%"), "dlock:order%2F1%25");
+        for key in keys {
+            assert!(is_escaped(&escape(key)), "{key}");
+        }
+    }
+
+    #[test]
+    fn revocation_marks_are_outside_every_queue() {
+        assert_eq!(
+            revocation_mark("/locks/x/dlock:a%2Fb/0f3a").as_deref(),
+            Some("/locks/x/%revoked/dlock:a%2Fb/0f3a")
+        );
+        assert_eq!(
+            revocation_mark("/dlock:a/0f3a").as_deref(),
+            Some("/%revoked/dlock:a/0f3a")
+        );
+        assert_eq!(revocation_mark("no-slash"), None);
+        assert_eq!(revocation_mark("/p/k/"), None);
+        // No key escapes to the marks' segment.
+        assert!(!is_escaped(MARKS));
+        assert!(!is_escaped("a/b"));
+        assert!(!is_escaped("a%2"));
+        assert!(!is_escaped(""));
+        assert!(is_escaped("a%2Fb%25"));
     }
 }

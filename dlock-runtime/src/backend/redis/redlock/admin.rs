@@ -6,23 +6,85 @@
 //! issues none) or a grant time (the nodes' clocks are independent). How
 //! long the key has left is how long the holder keeps its majority: the
 //! quorum-th longest remaining TTL among the agreeing nodes. `list` is the
-//! union of a `SCAN` of every node. `revoke` deletes the majority owner's
-//! copy on every node (owner-checked, with the release message): its next
-//! renewal finds no majority and answers lost.
+//! union of a `SCAN` of every node.
+//!
+//! **Revocation.** `revoke` reads the majority owner, then runs one script
+//! on every node that, atomically, deletes that owner's copy *only if it is
+//! still there*, leaves a mark `<key>\nrevoked` holding the owner (for the
+//! copy's remaining TTL + 1 s, 60 s + 1 s for a copy without one: the mark
+//! disappears on its own), sends the release message, and answers whether
+//! it deleted. The holder is reported only by the revocation that deleted
+//! its copies on a majority of the nodes. Two revocations at once delete
+//! each copy once between them, so at most one of them reaches a majority
+//! and reports the holder: with the holder's copies on every node that
+//! answers, exactly one. A split — each deleted the copies of a minority,
+//! which needs copies missing or nodes not answering — reports the holder
+//! from neither, though it is revoked all the same (no majority of copies
+//! is left to it). A revocation that fewer than a majority of the nodes
+//! answered is an error (the holder may keep its majority); one that a
+//! majority answered but that deleted a minority reports nobody (a release,
+//! an expiry or another revocation removed the rest: the holder has no
+//! majority left).
+//!
+//! The holder's renewal (the shared renew script, given the mark) answers
+//! per node 1 (extended), 2 (its copy is gone and the mark names it) or 0.
+//! A renewal that fails is **revoked** when a majority of the nodes answer
+//! 2 — a revocation deleted its copies on a majority, which no expiry,
+//! release or takeover does — else lost when a majority refuse it. A mark
+//! is never a lock key (a stored key holds no control character), and
+//! `list` skips the marks.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use redis::Script;
 
 use super::super::admin::held_entry;
-use super::super::scripts::RELEASE;
 use super::RedlockBackend;
 use crate::backend::{HeldEntry, KeyEntry};
 use crate::error::BackendError;
 
 /// How many keys one `SCAN` step asks for.
 const SCAN_COUNT: usize = 1000;
+
+/// What a mark's name adds to its lock key's.
+const MARK_SUFFIX: &str = "\nrevoked";
+
+/// `KEYS[1]` lock, `KEYS[2]` its revocation mark; `ARGV[1]` the owner read,
+/// `ARGV[2]` release channel. Deletes the owner's copy only if it is still
+/// there, marks the owner revoked for longer than the copy had left (so its
+/// next renewal on this node answers 2), wakes the waiters, and answers 1;
+/// else 0.
+static REVOKE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] or (held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '\n') then
+  local ttl = redis.call('PTTL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  if ttl < 0 then
+    ttl = 60000
+  end
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl + 1000)
+  redis.call('PUBLISH', ARGV[2], '1')
+  return 1
+end
+return 0
+",
+    )
+});
+
+/// The key that marks the revoked owner of the lock key `key` on a node.
+pub(super) fn revocation_mark(key: &str) -> String {
+    format!("{key}{MARK_SUFFIX}")
+}
+
+/// Whether a node's key is a revocation mark, not a lock key.
+fn is_mark(name: &str) -> bool {
+    name.ends_with(MARK_SUFFIX)
+}
 
 impl RedlockBackend {
     /// Every node's copy of `key` (value and remaining ms), `None` where a
@@ -112,7 +174,12 @@ impl RedlockBackend {
                 self.quorum
             )));
         }
-        let keys: BTreeSet<String> = scans.into_iter().flatten().flatten().collect();
+        let keys: BTreeSet<String> = scans
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|name| !is_mark(name))
+            .collect();
         let mut listed = Vec::new();
         for key in keys.into_iter().filter(|k| k.starts_with(prefix)) {
             if let Some(holder) = self.majority(&key).await? {
@@ -125,19 +192,57 @@ impl RedlockBackend {
         Ok(listed)
     }
 
-    /// Deletes the majority holder's copy of `key` on every node.
+    /// Deletes the majority holder's copy of `key` on every node, each node
+    /// in one script; reports the holder if this revocation deleted its
+    /// copies on a majority (see the [module docs](self)).
     pub(super) async fn revoke_key(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
         let Some(holder) = self.majority(key).await? else {
             return Ok(Vec::new());
         };
-        let mut release = RELEASE.key(key);
-        release.arg(&holder.owner).arg(format!("{key}:released"));
-        let release = &release;
-        join_all(self.nodes.iter().map(|node| async move {
+        let mut revoke = REVOKE.key(key);
+        revoke
+            .key(revocation_mark(key))
+            .arg(&holder.owner)
+            .arg(format!("{key}:released"));
+        let revoke = &revoke;
+        let answers = join_all(self.nodes.iter().map(|node| async move {
             let route = node.route()?;
-            node.invoke::<i64>(&route, release, self.timeout).await
+            node.invoke::<i64>(&route, revoke, self.timeout).await
         }))
         .await;
-        Ok(vec![holder])
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        let deleted = answers.iter().filter(|a| matches!(a, Ok(1))).count();
+        if deleted >= self.quorum {
+            return Ok(vec![holder]);
+        }
+        if answered < self.quorum {
+            let why = answers
+                .into_iter()
+                .find_map(Result::err)
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            return Err(BackendError::transient(format!(
+                "redlock: only {answered} of {} nodes answered the revocation, {} needed; \
+                 the holder may keep its majority ({why})",
+                self.nodes.len(),
+                self.quorum
+            )));
+        }
+        Ok(Vec::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_are_told_from_lock_keys() {
+        let mark = revocation_mark("dlock:a");
+        assert!(is_mark(&mark));
+        assert!(!is_mark("dlock:a"));
+        assert!(!is_mark("dlock:a:revoked"));
+        // A stored key holds no control character: no lock key is a mark.
+        assert!(mark.contains('\n'));
     }
 }

@@ -20,6 +20,16 @@
 //!   with a majority. The watchdog's batches go out as one pipeline per node.
 //! - **release**: owner-checked delete on every node, which also `PUBLISH`es on
 //!   the key's release channel.
+//! - **revoke** (`Registry::revoke`): on every node, one script deletes the
+//!   majority holder's copy only if it is still there and leaves a
+//!   short-lived mark naming the holder; only the revocation that deleted
+//!   the copies on a majority reports the holder, so two revocations at once
+//!   report it once. The holder's renewal is answered "revoked" — its loss
+//!   reported with [`LossReason::Revoked`](crate::LossReason::Revoked) —
+//!   when it fails and a majority of the nodes carry the mark; an expiry, a
+//!   release or a takeover leaves no mark and is reported as the key gone.
+//!   See `admin.rs` for the rules, and what a split between two revocations
+//!   does.
 //!
 //! Waiters subscribe to the release channel on every node (any one message
 //! wakes them) and also try again when the holders' TTL runs out.
@@ -450,7 +460,13 @@ impl LockBackend for RedlockBackend {
             let mut pipe = redis::pipe();
             pipe.load_script(&RENEW).ignore();
             for (lease, ttl) in batch {
-                pipe.invoke_script(RENEW.key(&lease.key).arg(&lease.owner).arg(millis(*ttl)));
+                pipe.invoke_script(
+                    RENEW
+                        .key(&lease.key)
+                        .key(admin::revocation_mark(&lease.key))
+                        .arg(&lease.owner)
+                        .arg(millis(*ttl)),
+                );
             }
             let pipe = &pipe;
             let per_node: Vec<Result<Vec<i64>, BackendError>> =
@@ -473,10 +489,17 @@ impl LockBackend for RedlockBackend {
                         .iter()
                         .filter(|n| matches!(n, Ok(answers) if answers[i] == 1))
                         .count();
+                    let revoked = per_node
+                        .iter()
+                        .filter(|n| matches!(n, Ok(answers) if answers[i] == 2))
+                        .count();
                     let refused = per_node.len() - unanswered - extended;
                     let drift = Self::drift(*ttl);
                     if extended >= self.quorum && elapsed + drift < *ttl {
                         Ok(Renewal::Renewed)
+                    } else if revoked >= self.quorum {
+                        // A revocation deleted our copies on a majority.
+                        Ok(Renewal::Revoked)
                     } else if refused > self.nodes.len() - self.quorum {
                         // A majority says the key is not ours.
                         Ok(Renewal::Lost)
