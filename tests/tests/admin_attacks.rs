@@ -678,16 +678,18 @@ on_every_backend!(
 
 backend_tests!(
     two_revocations_at_once_revoke_the_holder_once;
-    memory, sqlite, postgres, mysql, redis, redis_cluster, zookeeper, etcd;
-    open "open: two revocations at once both read the holder before either removes it (session \
-          modes: both end its connection; Redlock: both release on every node)":
-    postgres_session, mysql_session, redlock
+    memory, sqlite, postgres, postgres_session, mysql, mysql_session, redis, redis_cluster,
+    zookeeper, etcd;
+    open "open: two revocations at once both read the holder before either removes it \
+          (Redlock: both release on every node)":
+    redlock
 );
 
 backend_tests!(
     a_revoked_holder_is_told_the_reason_revoked;
-    memory, sqlite, postgres, mysql, redis, redis_cluster, zookeeper;
+    memory, sqlite, postgres, postgres_session, mysql, mysql_session, redis, redis_cluster,
+    zookeeper;
     open "open: these backends cannot yet tell a revocation from another end of the hold \
-          (etcd and Redlock: the entry is gone; session modes: the connection ended)":
-    etcd, redlock, postgres_session, mysql_session
+          (etcd and Redlock: the entry is gone)":
+    etcd, redlock
 );
