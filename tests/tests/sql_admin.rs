@@ -17,9 +17,9 @@ use dlock_runtime::{LockError, Registry};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use dlock_runtime::{LockGuard, LossReason};
 use dlock_tests::sql_db::SqlDb;
-use dlock_tests::unique_key;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use dlock_tests::sql_support::SqlMode;
+use dlock_tests::unique_key;
 
 const SECOND: Duration = Duration::from_secs(1);
 
