@@ -617,21 +617,11 @@ async fn a_minimum_hold_does_not_extend_a_hold_past_its_ceiling(backend: &str) {
 
 macro_rules! backend_tests {
     ($attack:ident; $($backend:ident),*) => {
-        backend_tests!($attack; $($backend),*; open "": );
-    };
-    ($attack:ident; $($backend:ident),*; open $why:literal: $($open:ident),*) => {
         mod $attack {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $backend() {
                     super::$attack(stringify!($backend)).await;
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                #[ignore = $why]
-                async fn $open() {
-                    super::$attack(stringify!($open)).await;
                 }
             )*
         }
@@ -674,20 +664,6 @@ on_every_backend!(
     a_revocation_hands_the_key_to_a_waiter_promptly,
     a_nested_hold_keeps_the_outer_ceiling,
     a_minimum_hold_does_not_extend_a_hold_past_its_ceiling,
-);
-
-backend_tests!(
-    two_revocations_at_once_revoke_the_holder_once;
-    memory, sqlite, postgres, mysql, redis, redis_cluster, redlock, zookeeper, etcd;
-    open "open: two revocations at once both read the holder before either removes it (session \
-          modes: both end its connection)":
-    postgres_session, mysql_session
-);
-
-backend_tests!(
-    a_revoked_holder_is_told_the_reason_revoked;
-    memory, sqlite, postgres, mysql, redis, redis_cluster, redlock, zookeeper, etcd;
-    open "open: these backends cannot yet tell a revocation from another end of the hold \
-          (session modes: the connection ended)":
-    postgres_session, mysql_session
+    two_revocations_at_once_revoke_the_holder_once,
+    a_revoked_holder_is_told_the_reason_revoked,
 );

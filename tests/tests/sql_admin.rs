@@ -2,8 +2,9 @@
 //! the conformance suite: the holder's instance name (the builder's and
 //! `DLOCK_HOLDER`), a grant by another process shown with its pid and taken
 //! from it, session mode's revoke refused to a role that may not end the
-//! holder's connection, and a lease table created without the holder
-//! columns.
+//! holder's connection (leaving nothing that would later call a loss a
+//! revocation), a session connection ended by something else not reported
+//! as revoked, and a lease table created without the holder columns.
 #![cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 
 use std::io::{BufRead as _, BufReader};
@@ -13,7 +14,11 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use dlock_runtime::{LockError, Registry};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use dlock_runtime::{LockGuard, LossReason};
 use dlock_tests::sql_db::SqlDb;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use dlock_tests::sql_support::SqlMode;
 use dlock_tests::unique_key;
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -108,6 +113,48 @@ impl Drop for Holder {
     }
 }
 
+/// Ends the session connection holding `key` behind its holder's back, as
+/// an operator's own `pg_terminate_backend` or `KILL` would, and answers the
+/// reason its holder is told.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn reason_told_when_ended_by_another(
+    db: SqlDb,
+    registry: &Registry,
+    key: &str,
+    guard: &LockGuard,
+) -> Option<LossReason> {
+    db.faults(SqlMode::Session)
+        .revoke(&format!("{}{key}", registry.key_prefix()))
+        .await;
+    tokio::time::timeout(10 * SECOND, guard.lost())
+        .await
+        .expect("the holder is told that its connection ended");
+    guard.loss_reason()
+}
+
+/// A session connection ended by something other than dlock's revoke is
+/// reported as an ended session (or a key gone), never as a revocation.
+#[cfg(all(feature = "postgres", feature = "mysql"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ended_by_another_is_not_reported_revoked() {
+    for db in [SqlDb::Postgres, SqlDb::Mysql] {
+        let url = format!("{}?mode=session", db.url());
+        let registry = registry(&url).await;
+        let key = unique_key("ended-otherwise");
+        let guard = registry
+            .lock(&key)
+            .lease(2 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let reason = reason_told_when_ended_by_another(db, &registry, &key, &guard).await;
+        assert!(
+            matches!(reason, Some(LossReason::SessionEnded | LossReason::Gone)),
+            "{url}: {reason:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_builders_holder_name_is_stored_with_the_grant() {
     for url in urls() {
@@ -169,9 +216,10 @@ async fn another_process_grant_is_shown_with_its_pid_and_revoked() {
     }
 }
 
-/// A role that may read dlock's tables but not end other sessions
-/// (`dlock_reader`, created by `scripts/servers.sh`): its revoke in session
-/// mode says what it needs.
+/// A role that may read dlock's tables and write the counter table but not
+/// end other sessions (`dlock_reader`, created by `scripts/servers.sh`): its
+/// revoke in session mode says what it needs, and leaves no mark that would
+/// later report another end of the holder's connection as a revocation.
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_session_revoke_without_the_right_says_what_is_needed() {
@@ -180,10 +228,17 @@ async fn postgres_session_revoke_without_the_right_says_what_is_needed() {
     let url = format!("{}?mode=session", db.url());
     let holder_registry = registry(&url).await;
     let key = unique_key("admin-denied");
-    let guard = holder_registry.lock(&key).acquire().await.expect("acquire");
-    // The tables exist now; their owner lets the reader read them.
+    let guard = holder_registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    // The tables exist now; their owner lets the reader read them, and
+    // write the counter table (where a revocation marks the grant's end).
     db.execute(&format!(
-        "GRANT SELECT ON dlock_leases, dlock_leases_fence TO {role}"
+        "GRANT SELECT ON dlock_leases, dlock_leases_fence TO {role}; \
+         GRANT INSERT ON dlock_leases_fence TO {role}"
     ))
     .await;
     let base = db.url();
@@ -213,11 +268,19 @@ async fn postgres_session_revoke_without_the_right_says_what_is_needed() {
             .is_some(),
         "the holder keeps the key"
     );
-    guard.release().await.expect("release");
+    let reason = reason_told_when_ended_by_another(db, &holder_registry, &key, &guard).await;
+    db.execute(&format!("REVOKE INSERT ON dlock_leases_fence FROM {role}"))
+        .await;
+    assert!(
+        matches!(reason, Some(LossReason::SessionEnded | LossReason::Gone)),
+        "a refused revocation marked the grant: {reason:?}"
+    );
 }
 
 /// A user that may read dlock's tables but not kill other connections
-/// (`dlock_reader`, created by `scripts/servers.sh`).
+/// (`dlock_reader`, created by `scripts/servers.sh`): its revoke in session
+/// mode says what it needs, and leaves no mark that would later report
+/// another end of the holder's connection as a revocation.
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_session_revoke_without_the_right_says_what_is_needed() {
@@ -228,7 +291,12 @@ async fn mysql_session_revoke_without_the_right_says_what_is_needed() {
     let url = format!("{base}?mode=session");
     let holder_registry = registry(&url).await;
     let key = unique_key("admin-denied");
-    let guard = holder_registry.lock(&key).acquire().await.expect("acquire");
+    let guard = holder_registry
+        .lock(&key)
+        .lease(2 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
     let denied = registry(&format!(
         "mysql://{user}:{user}@{rest}?mode=session&create=false"
     ))
@@ -253,7 +321,11 @@ async fn mysql_session_revoke_without_the_right_says_what_is_needed() {
             .is_some(),
         "the holder keeps the key"
     );
-    guard.release().await.expect("release");
+    let reason = reason_told_when_ended_by_another(db, &holder_registry, &key, &guard).await;
+    assert!(
+        matches!(reason, Some(LossReason::SessionEnded | LossReason::Gone)),
+        "a refused revocation marked the grant: {reason:?}"
+    );
 }
 
 /// A lease table as earlier versions created it, with a row one of them

@@ -25,6 +25,10 @@
 //! same owner still holds it (a grant in between is left alone and read
 //! again). A renewal that finds its row gone reads `revoked` to tell a
 //! revocation from an expiry. The revoked holder's release matches no row.
+//! Session mode ends the holder's connection instead, after marking the
+//! grant's end in the counter table, which is how the holder tells a
+//! revocation from another end of its connection and how two revocations
+//! at once end it once (see `session.rs`).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

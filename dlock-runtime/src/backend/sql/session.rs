@@ -21,6 +21,23 @@
 //!   go back for reuse. Any failure, timeout or cancellation on the way
 //!   closes it instead: a connection whose lock state is unknown is never
 //!   reused, and closing it ends the server session, which drops its locks.
+//! - **Revocation** ends the holder's connection from another one, in a
+//!   transaction that first inserts the grant's *end mark*: a row of the
+//!   counter table under a key of its own ([`end_mark`]: the key and the
+//!   grant's token), with no stored key (so never listed) and a token a
+//!   [`MARK_LIFE`] ahead of the clock (so collected with the other old rows
+//!   that much later). The mark is committed only if the connection was
+//!   ended: a revocation refused (the role may not end it) leaves none.
+//!   The holder whose connection ends inserts the same mark itself, over
+//!   another connection: if a revocation's mark is there — or still being
+//!   written, as the insert waits for the revocation's transaction — its
+//!   insert adds nothing, and its renewals answer
+//!   [`Revoked`](Renewal::Revoked); otherwise the connection ended for
+//!   another reason (a restart, a network reset, a session killed by
+//!   something else), and the loss is reported at once. The mark
+//!   is also what makes two revocations at once revoke the holder once:
+//!   only the one whose insert added it ends the connection and names the
+//!   holder.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -115,8 +132,61 @@ pub trait SessionDb: Send + Sync + 'static {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>>;
 
-    /// Ends the server session that holds `key`, or answers why it may not.
+    /// Ends the server session that holds `key`, or answers why it may not:
+    /// in one transaction, inserts the grant's [`end_mark`] (of kind
+    /// [`MarkKind::Revoked`]) and ends the session, committing only if it
+    /// did. Names the holder only if its insert added the mark.
     fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>>;
+
+    /// Inserts, from another connection, the [`end_mark`] of the grant of
+    /// `key` with `token` (of kind [`MarkKind::Ended`]), waiting for a
+    /// revocation still writing the same mark: answers whether a
+    /// revocation's mark was there (the insert added nothing).
+    fn ended<'a>(&'a self, key: &'a str, token: u64) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+}
+
+/// Who wrote a grant's [`end_mark`], stored as its holder text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MarkKind {
+    /// A revocation, before it ended the holder's connection.
+    Revoked,
+    /// The holder, after its connection ended otherwise.
+    Ended,
+}
+
+impl MarkKind {
+    /// The mark's holder text.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            MarkKind::Revoked => "dlock: revoked",
+            MarkKind::Ended => "dlock: ended",
+        }
+    }
+}
+
+/// How much longer than the counter rows an end mark is kept: a holder
+/// learns that its connection ended at its next renewal at the latest
+/// (MySQL cannot watch an idle connection), so its mark must outlast a
+/// third of the longest lease in use, plus the collector's retention.
+pub(super) const MARK_LIFE: Duration = Duration::from_secs(3600);
+
+/// [`MARK_LIFE`] in microseconds.
+pub(super) const MARK_LIFE_US: i64 = MARK_LIFE.as_micros() as i64;
+
+/// The counter-table key of the end mark of `key`'s grant with `token`:
+/// the first 8 bytes of the SHA-256 of `0xFF`, the key and the token
+/// (big-endian). `0xFF` never occurs in UTF-8, so no key's own name
+/// ([`session_hash`]) is built from the same bytes.
+pub(crate) fn end_mark(key: &str, token: u64) -> i64 {
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    hasher.update([0xFF]);
+    hasher.update(key.as_bytes());
+    hasher.update(token.to_be_bytes());
+    let digest = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
 }
 
 /// The longest holder record a counter row stores, in bytes.
@@ -132,6 +202,10 @@ enum Owner<C> {
     Waiting { since: Instant, conn: Option<C> },
     /// Held: the task that owns the connection.
     Held(Hold),
+    /// Revoked: the connection was ended by a revocation; kept until the
+    /// holder's release, for its renewals to answer
+    /// [`Revoked`](Renewal::Revoked).
+    Revoked,
 }
 
 struct Hold {
@@ -222,7 +296,7 @@ impl<S: SessionDb> Sessions<S> {
                     )));
                 }
                 Some(Owner::Waiting { since, conn }) => (since, conn),
-                None => (Instant::now(), None),
+                Some(Owner::Revoked) | None => (Instant::now(), None),
             }
         };
         // From here, `conn` is a local: if this future is dropped, it is
@@ -307,6 +381,8 @@ impl<S: SessionDb> Sessions<S> {
                 crate::driver::handle().spawn(hold(HoldTask {
                     db: self.db.clone(),
                     conn,
+                    key: request.key.clone(),
+                    token,
                     expires: Instant::now() + request.lease,
                     lost: request.lost.clone(),
                     commands: receiver,
@@ -345,18 +421,27 @@ impl<S: SessionDb> Sessions<S> {
         }
     }
 
-    /// Renews by a ping of the lease's connection; `Lost` if it is gone.
+    /// Renews by a ping of the lease's connection; `Lost` if it is gone,
+    /// `Revoked` if a revocation ended it.
     pub(super) async fn renew(&self, lease: &Lease, ttl: Duration) -> Renewal {
         let commands = match lock_owners(&self.owners).get(&lease.owner) {
             Some(Owner::Held(hold)) => hold.commands.clone(),
+            Some(Owner::Revoked) => return Renewal::Revoked,
             _ => return Renewal::Lost,
         };
         let (reply, answer) = oneshot::channel();
-        if commands.send(Command::Ping { ttl, reply }).is_err() {
-            return Renewal::Lost;
+        if commands.send(Command::Ping { ttl, reply }).is_ok()
+            && let Ok(renewal) = answer.await
+        {
+            // The task answers within its timeout (and the time it takes
+            // to tell a revocation), or ends.
+            return renewal;
         }
-        // The task answers within its timeout, or ends (the lease is lost).
-        answer.await.unwrap_or(Renewal::Lost)
+        // The task ended meanwhile: it left its verdict before it did.
+        match lock_owners(&self.owners).get(&lease.owner) {
+            Some(Owner::Revoked) => Renewal::Revoked,
+            _ => Renewal::Lost,
+        }
     }
 
     /// Unlocks what `owner` holds or waits on, if anything.
@@ -372,7 +457,7 @@ impl<S: SessionDb> Sessions<S> {
             Some(Owner::Waiting {
                 conn: Some(conn), ..
             }) => unlock_and_recycle(self.db.clone(), conn, self.timeout).await,
-            Some(Owner::Waiting { conn: None, .. }) | None => {}
+            Some(Owner::Waiting { conn: None, .. } | Owner::Revoked) | None => {}
         }
     }
 }
@@ -452,6 +537,9 @@ async fn end_abandoned<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout: Dur
 struct HoldTask<S: SessionDb> {
     db: Arc<S>,
     conn: S::Conn,
+    /// The stored key and the grant's token, for its end mark.
+    key: String,
+    token: u64,
     /// The local end of the lease: at least the holder's own.
     expires: Instant,
     lost: CancellationToken,
@@ -468,8 +556,12 @@ enum End {
     Released,
     /// Its lease ran out unrenewed.
     Expired,
-    /// The connection failed: the server may have let the lock go.
-    Dead(String),
+    /// The connection failed: the server may have let the lock go. With
+    /// the renewal that found it, if one did.
+    Dead {
+        why: String,
+        reply: Option<oneshot::Sender<Renewal>>,
+    },
     /// The backend is gone.
     Dropped,
 }
@@ -491,14 +583,14 @@ async fn hold<S: SessionDb>(mut task: HoldTask<S>) {
                             task.expires = task.expires.max(asked + ttl);
                             let _ = reply.send(Renewal::Renewed);
                         }
-                        Ok(Err(e)) => {
-                            let _ = reply.send(Renewal::Lost);
-                            break End::Dead(format!("ping failed: {e}"));
-                        }
-                        Err(_) => {
-                            let _ = reply.send(Renewal::Lost);
-                            break End::Dead(format!("ping not answered within {:?}", task.timeout));
-                        }
+                        Ok(Err(e)) => break End::Dead {
+                            why: format!("ping failed: {e}"),
+                            reply: Some(reply),
+                        },
+                        Err(_) => break End::Dead {
+                            why: format!("ping not answered within {:?}", task.timeout),
+                            reply: Some(reply),
+                        },
                     }
                 }
                 Some(Command::Release { reply }) => {
@@ -515,13 +607,13 @@ async fn hold<S: SessionDb>(mut task: HoldTask<S>) {
                 }
                 None => break End::Dropped,
             },
-            why = task.db.watch(&mut task.conn) => break End::Dead(why),
+            why = task.db.watch(&mut task.conn) => break End::Dead { why, reply: None },
             () = tokio::time::sleep_until(task.expires.into()) => break End::Expired,
         }
     };
-    forget(&task);
     match end {
         End::Expired => {
+            forget(&task);
             // The holder stopped renewing (`watchdog = false`, the end of
             // `hold_at_least`): the lease ends here, as on the lease table.
             if let Ok(Ok(())) =
@@ -530,12 +622,69 @@ async fn hold<S: SessionDb>(mut task: HoldTask<S>) {
                 task.db.recycle(task.conn);
             }
         }
-        End::Dead(why) => {
-            tracing::debug!(reason = %why, "dlock session lock: connection lost");
+        End::Dead { why, reply } => connection_ended(task, why, reply).await,
+        End::Released | End::Dropped => {
+            forget(&task);
             drop(task.conn);
-            task.lost.cancel();
         }
-        End::Released | End::Dropped => drop(task.conn),
+    }
+}
+
+/// A held lock whose connection ended: tells a revocation from any other
+/// end by inserting the grant's end mark (see the module docs), then
+/// leaves the verdict where the renewals read it. Lost otherwise: the
+/// holder is told at once. Revoked: its renewals answer so (the next one
+/// comes within a third of the lease; a holder that does not renew learns
+/// at its lease's end, as on the lease table).
+async fn connection_ended<S: SessionDb>(
+    task: HoldTask<S>,
+    why: String,
+    reply: Option<oneshot::Sender<Renewal>>,
+) {
+    let HoldTask {
+        db,
+        conn,
+        key,
+        token,
+        lost,
+        commands,
+        owners,
+        owner,
+        id,
+        timeout,
+        ..
+    } = task;
+    drop(conn);
+    let revoked = match tokio::time::timeout(timeout, db.ended(&key, token)).await {
+        Ok(Ok(revoked)) => revoked,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "dlock session lock: the end mark could not be written");
+            false
+        }
+        Err(_) => false,
+    };
+    tracing::debug!(reason = %why, revoked, "dlock session lock: connection lost");
+    if let Some(owners) = owners.upgrade() {
+        let mut owners = lock_owners(&owners);
+        if matches!(owners.get(&owner), Some(Owner::Held(h)) if h.id == id) {
+            if revoked {
+                owners.insert(owner, Owner::Revoked);
+            } else {
+                owners.remove(&owner);
+            }
+        }
+    }
+    // Renewals sent meanwhile find the task gone, and read the verdict.
+    drop(commands);
+    if revoked {
+        if let Some(reply) = reply {
+            let _ = reply.send(Renewal::Revoked);
+        }
+    } else {
+        if let Some(reply) = reply {
+            let _ = reply.send(Renewal::Lost);
+        }
+        lost.cancel();
     }
 }
 
@@ -564,6 +713,15 @@ pub(crate) fn session_hash(key: &str) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn end_marks_differ_by_key_and_token_and_from_key_names() {
+        let mark = end_mark("dlock:a", 7);
+        assert_eq!(mark, end_mark("dlock:a", 7));
+        assert_ne!(mark, end_mark("dlock:a", 8));
+        assert_ne!(mark, end_mark("dlock:b", 7));
+        assert_ne!(mark, session_hash("dlock:a"));
+    }
 
     #[test]
     fn session_hash_is_the_first_8_bytes_of_sha256() {

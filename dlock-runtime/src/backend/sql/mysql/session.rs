@@ -6,14 +6,17 @@ use std::time::Duration;
 use futures_util::TryStreamExt as _;
 use futures_util::future::BoxFuture;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
-use sqlx::{AssertSqlSafe, Either, Row as _};
+use sqlx::{AssertSqlSafe, Connection as _, Either, Row as _};
 
 use super::{N, my_error, pool_options};
 use crate::backend::sql::admin::{Row, prefix_successor};
 use crate::backend::sql::pool::Checked;
-use crate::backend::sql::session::{Locked, SessionDb, session_hash};
+use crate::backend::sql::session::{
+    Locked, MARK_LIFE_US, MarkKind, SessionDb, end_mark, session_hash,
+};
 use crate::backend::{HeldEntry, KeyEntry};
 use crate::error::BackendError;
+use crate::token::FencingToken;
 
 /// The most session connections one backend opens.
 const MAX_SESSIONS: u32 = 1024;
@@ -95,6 +98,109 @@ impl MySessions {
             false
         })
     }
+}
+
+impl MySessions {
+    /// Inserts an end mark (see [session mode](crate::backend::sql::session)):
+    /// its key and kind bound; nothing if it is there already (or being
+    /// inserted by a transaction not yet ended, which it waits for).
+    fn mark_sql(&self) -> String {
+        format!(
+            "INSERT IGNORE INTO {} (k, token, name, holder, granted_us) \
+             VALUES (?, {N} + {MARK_LIFE_US}, NULL, ?, {N})",
+            self.fence
+        )
+    }
+
+    /// Revokes the grant of `key` with `token` held by connection `id`: in
+    /// one transaction, its end mark inserted, then the connection killed.
+    /// Answers whether this call ended it: not if another revocation or the
+    /// holder marked the grant's end first (a holder's mark whose
+    /// connection the server still shows is killed anyway, to free the
+    /// key, but not named), nor if the connection was gone already.
+    async fn revoke_grant(&self, key: &str, id: u64, token: u64) -> Result<bool, BackendError> {
+        let mark = end_mark(key, token);
+        let mut conn = Checked::new(self.control.acquire().await.map_err(my_error)?);
+        let mut tx = conn.conn().begin().await.map_err(my_error)?;
+        let marked = sqlx::query(AssertSqlSafe(self.mark_sql()))
+            .bind(mark)
+            .bind(MarkKind::Revoked.as_str())
+            .execute(&mut *tx)
+            .await;
+        match marked {
+            Ok(done) if done.rows_affected() == 0 => {
+                tx.rollback().await.map_err(my_error)?;
+                let sql = format!("SELECT holder FROM {} WHERE k = ?", self.fence);
+                let kind: Option<Option<Vec<u8>>> = sqlx::query_scalar(AssertSqlSafe(sql))
+                    .bind(mark)
+                    .fetch_optional(conn.conn())
+                    .await
+                    .map_err(my_error)?;
+                if kind.flatten().as_deref() == Some(MarkKind::Ended.as_str().as_bytes()) {
+                    let _ = kill(conn.conn(), id).await;
+                }
+                conn.keep();
+                return Ok(false);
+            }
+            Ok(_) => {}
+            // ER_TABLEACCESS_DENIED_ERROR: this user may not write the
+            // counter table. The connection is killed without a mark: its
+            // holder is told that its connection ended.
+            Err(e) if super::error_number(&e) == Some(1142) => {
+                tx.rollback().await.map_err(my_error)?;
+                let killed = kill(conn.conn(), id).await;
+                conn.keep();
+                return killed.map_err(|e| denied(key, id, e));
+            }
+            Err(e) => return Err(my_error(e)),
+        }
+        match kill(&mut tx, id).await {
+            Ok(true) => {
+                tx.commit().await.map_err(my_error)?;
+                conn.keep();
+                Ok(true)
+            }
+            // Gone already: its holder is not told it was revoked.
+            Ok(false) => {
+                tx.rollback().await.map_err(my_error)?;
+                conn.keep();
+                Ok(false)
+            }
+            Err(e) => {
+                // The mark goes with the transaction.
+                tx.rollback().await.map_err(my_error)?;
+                conn.keep();
+                Err(denied(key, id, e))
+            }
+        }
+    }
+}
+
+/// Kills connection `id` (`KILL CONNECTION`): whether it was there to kill.
+async fn kill(conn: &mut sqlx::MySqlConnection, id: u64) -> Result<bool, sqlx::Error> {
+    match sqlx::raw_sql(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+        .execute(conn)
+        .await
+    {
+        Ok(_) => Ok(true),
+        // ER_NO_SUCH_THREAD: its session has ended already.
+        Err(sqlx::Error::Database(e)) if e.message().contains("Unknown thread") => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The error of a revocation `KILL` refused: ER_KILL_DENIED_ERROR said
+/// clearly.
+fn denied(key: &str, id: u64, e: sqlx::Error) -> BackendError {
+    if super::error_number(&e) != Some(1095) {
+        return my_error(e);
+    }
+    BackendError::permanent(format!(
+        "mysql: revoking `{key}` in session mode ends the holder's \
+         connection (id {id}) with KILL CONNECTION, which this user may \
+         not ({e}): connect as the holder's user, or grant this user \
+         CONNECTION_ADMIN (MySQL 8) or CONNECTION ADMIN (MariaDB), or SUPER"
+    ))
 }
 
 /// The `GET_LOCK` name of the key hashed to `k`.
@@ -352,28 +458,27 @@ impl SessionDb for MySessions {
                 .await?;
             let mut revoked = Vec::new();
             for (id, entry) in held.into_iter().filter(|(_, e)| e.key == key) {
-                let killed = sqlx::raw_sql(AssertSqlSafe(format!("KILL CONNECTION {id}")))
-                    .execute(&self.control)
-                    .await;
-                match killed {
-                    Ok(_) => revoked.extend(entry.holders),
-                    // ER_NO_SUCH_THREAD: its session has ended already.
-                    Err(sqlx::Error::Database(e)) if e.message().contains("Unknown thread") => {
-                        revoked.extend(entry.holders)
-                    }
-                    // ER_KILL_DENIED_ERROR: not this user's connection.
-                    Err(e) if super::error_number(&e) == Some(1095) => {
-                        return Err(BackendError::permanent(format!(
-                            "mysql: revoking `{key}` in session mode ends the holder's \
-                             connection (id {id}) with KILL CONNECTION, which this user may \
-                             not ({e}): connect as the holder's user, or grant this user \
-                             CONNECTION_ADMIN (MySQL 8) or CONNECTION ADMIN (MariaDB), or SUPER"
-                        )));
-                    }
-                    Err(e) => return Err(my_error(e)),
+                let token = entry
+                    .holders
+                    .first()
+                    .and_then(|h| h.token)
+                    .map_or(0, FencingToken::get);
+                if self.revoke_grant(key, id, token).await? {
+                    revoked.extend(entry.holders);
                 }
             }
             Ok(revoked)
+        })
+    }
+
+    fn ended<'a>(&'a self, key: &'a str, token: u64) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.mark_sql()))
+                .bind(end_mark(key, token))
+                .bind(MarkKind::Ended.as_str())
+                .execute(&self.control)
+                .await?;
+            Ok(done.rows_affected() == 0)
         })
     }
 

@@ -7,16 +7,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection as _};
 
 use super::{NOW_US, pg_error, sqlstate};
 use crate::backend::sql::admin::{Row, prefix_successor};
 use crate::backend::sql::pool::Checked;
-use crate::backend::sql::session::{Locked, SessionDb, session_hash};
+use crate::backend::sql::session::{
+    Locked, MARK_LIFE_US, MarkKind, SessionDb, end_mark, session_hash,
+};
 use crate::backend::sql::upkeep::millis;
 use crate::backend::{HeldEntry, KeyEntry};
 use crate::error::BackendError;
+use crate::token::FencingToken;
 
 /// The most session connections one backend opens.
 const MAX_SESSIONS: u32 = 1024;
@@ -52,6 +55,9 @@ pub struct PgSessions {
     /// See [`PgSessions::held_sql`]: one key's holder, and the held keys of a range.
     inspect_sql: Arc<str>,
     list_sql: Arc<str>,
+    /// See [`PgSessions::mark_sql`], and the kind of a mark already there.
+    mark_sql: Arc<str>,
+    mark_kind_sql: Arc<str>,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
     /// Clean connections kept for reuse, oldest first, with when each was
@@ -114,6 +120,8 @@ impl PgSessions {
                 "f.name >= $1 AND ($2::text IS NULL OR f.name < $2) ORDER BY f.name LIMIT $3",
             )
             .into(),
+            mark_sql: PgSessions::mark_sql(&format!("{table}_fence")),
+            mark_kind_sql: format!("SELECT holder FROM {table}_fence WHERE k = $1").into(),
             idle_limit: version >= 140_000,
             idle: Mutex::default(),
             control,
@@ -184,6 +192,81 @@ impl PgSessions {
 }
 
 impl PgSessions {
+    /// Inserts an end mark (see [session mode](crate::backend::sql::session)):
+    /// `$1` its key, `$2` its kind; nothing if it is there already (or being
+    /// inserted by a transaction not yet ended, which it waits for).
+    fn mark_sql(fence: &str) -> Arc<str> {
+        format!(
+            "INSERT INTO {fence} (k, token, name, holder, granted_at) \
+             VALUES ($1, {NOW_US} + {MARK_LIFE_US}, NULL, $2, clock_timestamp()) \
+             ON CONFLICT (k) DO NOTHING"
+        )
+        .into()
+    }
+
+    /// Revokes the grant of `key` with `token` held by server process
+    /// `pid`: in one transaction, its end mark inserted, then the process
+    /// ended. Answers whether this call ended it: not if another
+    /// revocation or the holder marked the grant's end first (a holder's
+    /// mark whose connection the server still shows is ended anyway, to
+    /// free the key, but not named), nor if the process was gone already.
+    async fn revoke_grant(&self, key: &str, pid: i32, token: u64) -> Result<bool, BackendError> {
+        let mark = end_mark(key, token);
+        let mut conn = Checked::new(self.control.acquire().await.map_err(pg_error)?);
+        let mut tx = conn.conn().begin().await.map_err(pg_error)?;
+        let marked = sqlx::query(AssertSqlSafe(self.mark_sql.clone()))
+            .bind(mark)
+            .bind(MarkKind::Revoked.as_str())
+            .execute(&mut *tx)
+            .await;
+        match marked {
+            Ok(done) if done.rows_affected() == 0 => {
+                tx.rollback().await.map_err(pg_error)?;
+                let kind: Option<Option<String>> =
+                    sqlx::query_scalar(AssertSqlSafe(self.mark_kind_sql.clone()))
+                        .bind(mark)
+                        .fetch_optional(conn.conn())
+                        .await
+                        .map_err(pg_error)?;
+                if kind.flatten().as_deref() == Some(MarkKind::Ended.as_str()) {
+                    let _ = terminate(conn.conn(), pid).await;
+                }
+                conn.keep();
+                return Ok(false);
+            }
+            Ok(_) => {}
+            // 42501: this role may not write the counter table. The
+            // session is ended without a mark: its holder is told that its
+            // connection ended.
+            Err(e) if sqlstate(&e).as_deref() == Some("42501") => {
+                tx.rollback().await.map_err(pg_error)?;
+                let ended = terminate(conn.conn(), pid).await;
+                conn.keep();
+                return ended.map_err(|e| denied(key, pid, e));
+            }
+            Err(e) => return Err(pg_error(e)),
+        }
+        match terminate(&mut tx, pid).await {
+            Ok(true) => {
+                tx.commit().await.map_err(pg_error)?;
+                conn.keep();
+                Ok(true)
+            }
+            // Gone already: its holder is not told it was revoked.
+            Ok(false) => {
+                tx.rollback().await.map_err(pg_error)?;
+                conn.keep();
+                Ok(false)
+            }
+            Err(e) => {
+                // The mark goes with the transaction.
+                tx.rollback().await.map_err(pg_error)?;
+                conn.keep();
+                Err(denied(key, pid, e))
+            }
+        }
+    }
+
     /// The held advisory locks of this database (`pg_locks`: granted, on a
     /// bigint key, whose two halves are `classid` and `objid`) joined with
     /// the counter rows `filter` picks: the server process holding each,
@@ -414,27 +497,52 @@ impl SessionDb for PgSessions {
                 .await?;
             let mut revoked = Vec::new();
             for (pid, entry) in held.into_iter().filter(|(_, e)| e.key == key) {
-                let ended = sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1)")
-                    .bind(pid)
-                    .fetch_one(&self.control)
-                    .await;
-                match ended {
-                    Ok(_) => revoked.extend(entry.holders),
-                    // 42501: insufficient privilege.
-                    Err(e) if sqlstate(&e).as_deref() == Some("42501") => {
-                        return Err(BackendError::permanent(format!(
-                            "postgres: revoking `{key}` in session mode ends the holder's \
-                             connection (server process {pid}) with pg_terminate_backend, \
-                             which this role may not ({e}): connect as the holder's role or \
-                             a superuser, or `GRANT pg_signal_backend TO <this role>`"
-                        )));
-                    }
-                    Err(e) => return Err(pg_error(e)),
+                let token = entry
+                    .holders
+                    .first()
+                    .and_then(|h| h.token)
+                    .map_or(0, FencingToken::get);
+                if self.revoke_grant(key, pid, token).await? {
+                    revoked.extend(entry.holders);
                 }
             }
             Ok(revoked)
         })
     }
+
+    fn ended<'a>(&'a self, key: &'a str, token: u64) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(AssertSqlSafe(self.mark_sql.clone()))
+                .bind(end_mark(key, token))
+                .bind(MarkKind::Ended.as_str())
+                .execute(&self.control)
+                .await?;
+            Ok(done.rows_affected() == 0)
+        })
+    }
+}
+
+/// Ends server process `pid` (`pg_terminate_backend`): whether it was
+/// there to end.
+async fn terminate(conn: &mut sqlx::PgConnection, pid: i32) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(conn)
+        .await
+}
+
+/// The error of a revocation `pg_terminate_backend` refused: 42501
+/// (insufficient privilege) said clearly.
+fn denied(key: &str, pid: i32, e: sqlx::Error) -> BackendError {
+    if sqlstate(&e).as_deref() != Some("42501") {
+        return pg_error(e);
+    }
+    BackendError::permanent(format!(
+        "postgres: revoking `{key}` in session mode ends the holder's \
+         connection (server process {pid}) with pg_terminate_backend, \
+         which this role may not ({e}): connect as the holder's role or \
+         a superuser, or `GRANT pg_signal_backend TO <this role>`"
+    ))
 }
 
 /// `idle_session_timeout` for a session lock of `ttl` (ms, as text): the
