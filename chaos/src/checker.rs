@@ -269,7 +269,8 @@ pub(crate) struct Summary {
     /// Revoked holders still holding that were not told within the bound
     /// (must be 0).
     pub(crate) revoked_unsignalled: u64,
-    /// The reasons the signalled revoked holders were given.
+    /// The reasons the signalled revoked holders were given (`untraced`:
+    /// the worker saw the signal, the runtime traced no loss).
     pub(crate) revoked_loss_reasons: BTreeMap<String, u64>,
     /// Revoked holders told another reason than `revoked` on a backend of
     /// [`TELLS_REVOKED`] (must be 0).
@@ -439,7 +440,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
 
     check_traces(&mut s, &traces, &faults, meta);
-    check_revocations(&mut s, &revocations, &traces, &faults, meta);
+    check_revocations(&mut s, &revocations, &traces, &events, &faults, meta);
 
     // Time from each heal to the next entry into the lock.
     let acquired: Vec<u64> = events
@@ -856,6 +857,7 @@ fn check_revocations(
     s: &mut Summary,
     revocations: &[&RevocationEvent],
     traces: &[&TraceEvent],
+    steps: &[&WorkerEvent],
     faults: &[&FaultEvent],
     meta: &RunMeta,
 ) {
@@ -942,20 +944,31 @@ fn check_revocations(
             let killed = spans("sigkill_worker", w)
                 .iter()
                 .any(|&(start, _)| start >= acquired_at && start <= deadline);
-            let lost = events.iter().find(|e| e.event == TraceKind::Lost);
+            let traced = events.iter().find(|e| e.event == TraceKind::Lost);
+            if traced.is_some_and(|lost| lost.t < r.t) {
+                s.revoked_ended_first += 1;
+                continue;
+            }
+            // The signal as the runtime traced it, or as the worker saw it
+            // (`lost()` fired; a loss the backend learned of by itself may
+            // not be traced).
+            let seen = worker_lost_in_hold(steps, (w, id.1), &r.key, acquired_at, r.t);
+            let signal = traced.map(|e| e.t).into_iter().chain(seen).min();
             let released = events
                 .iter()
                 .find(|e| e.event == TraceKind::ReleaseRequested)
                 .map(|e| e.t);
-            match lost {
-                Some(lost) if lost.t < r.t => s.revoked_ended_first += 1,
-                Some(lost) if lost.t <= deadline => {
+            match signal {
+                Some(t) if t <= deadline => {
                     s.revoked_signalled += 1;
-                    latencies.push(lost.t.saturating_sub(r.answered) as f64 / 1e6);
-                    let reason = lost
-                        .loss_reason
-                        .clone()
-                        .unwrap_or_else(|| "unknown".to_owned());
+                    latencies.push(t.saturating_sub(r.answered) as f64 / 1e6);
+                    let reason = match traced {
+                        Some(lost) => lost
+                            .loss_reason
+                            .clone()
+                            .unwrap_or_else(|| "unknown".to_owned()),
+                        None => UNTRACED.to_owned(),
+                    };
                     if tells && reason != "revoked" {
                         s.revoked_misreported += 1;
                     }
@@ -1015,6 +1028,35 @@ fn check_revocations(
             s.revoked_unexplained += 1;
         }
     }
+}
+
+/// The reason counted for a revoked holder whose worker saw the loss
+/// signal but whose runtime traced no `dlock lease lost` event for it.
+const UNTRACED: &str = "untraced";
+
+/// When worker process `who` recorded the loss signal (`Lost`), at `from`
+/// or later, within its hold of `key` granted at `granted` (the runtime's
+/// trace): between its first `Acquired` step of that key from then on and
+/// its next `Acquired` step.
+fn worker_lost_in_hold(
+    steps: &[&WorkerEvent],
+    who: (usize, u32),
+    key: &str,
+    granted: u64,
+    from: u64,
+) -> Option<u64> {
+    let mine = || steps.iter().filter(|e| (e.w, e.inc) == who);
+    let start = mine().find(|e| {
+        e.t >= granted
+            && matches!(e.ev, Step::Acquired { .. })
+            && e.all_keys().iter().any(|k| k == key)
+    })?;
+    let end = mine()
+        .find(|e| e.t > start.t && matches!(e.ev, Step::Acquired { .. }))
+        .map_or(u64::MAX, |e| e.t);
+    mine()
+        .find(|e| e.t >= from.max(start.t) && e.t < end && matches!(e.ev, Step::Lost { .. }))
+        .map(|e| e.t)
 }
 
 /// The moment a lost signal is measured from: the latest fault touching that
@@ -1729,6 +1771,25 @@ mod tests {
         let s = check(&records, &[], &with_backend("etcd"));
         assert!(s.violations.is_empty(), "{:?}", s.violations);
         assert_eq!(s.revoked_loss_reasons.get("gone"), Some(&1));
+    }
+
+    #[test]
+    fn a_revoked_holder_that_saw_an_untraced_signal_was_told() {
+        let mut records = revoked_history(8);
+        records.push(worker(260 * MS, 1, Step::Lost { cancelled: false }));
+        // No reason to compare where the backend does not tell revocations.
+        let s = check(&records, &[], &with_backend("mysql-session"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(s.revoked_signalled, 1);
+        assert_eq!(s.revoked_loss_reasons.get("untraced"), Some(&1));
+        // Where it does, an untraced loss has not told it.
+        let s = check(&records, &[], &with_backend("sqlite"));
+        assert_eq!(s.revoked_misreported, 1, "{:?}", s.violations);
+        // A loss seen in an earlier hold of the worker does not count.
+        let mut earlier = revoked_history(8);
+        earlier.insert(0, worker(0, 1, Step::Lost { cancelled: false }));
+        let s = check(&earlier, &[], &with_backend("mysql-session"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
     }
 
     #[test]
