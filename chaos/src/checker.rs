@@ -277,6 +277,13 @@ pub(crate) struct Summary {
     pub(crate) revoked_misreported: u64,
     /// Losses reported as `revoked` of leases no revocation took (must be 0).
     pub(crate) revoked_unexplained: u64,
+    /// Writes revoked holders sent after the revocation that the store
+    /// refused (a newer holder had been there).
+    pub(crate) revoked_writes_refused: u64,
+    /// Writes revoked holders sent after the revocation that the store
+    /// took: before any newer holder had read (the stale-write check
+    /// counts any other).
+    pub(crate) revoked_writes_taken: u64,
     /// Time from each revocation's answer to its holder's loss signal.
     pub(crate) revoke_signal_latency: Spread,
     /// Revoked keys granted again with a token, whose token was compared.
@@ -952,7 +959,22 @@ fn check_revocations(
             // The signal as the runtime traced it, or as the worker saw it
             // (`lost()` fired; a loss the backend learned of by itself may
             // not be traced).
-            let seen = worker_lost_in_hold(steps, (w, id.1), &r.key, acquired_at, r.t);
+            let hold = hold_steps(steps, (w, id.1), &r.key, acquired_at);
+            let seen = hold
+                .iter()
+                .find(|e| e.t >= r.t && matches!(e.ev, Step::Lost { .. }))
+                .map(|e| e.t);
+            // Its writes after the revocation: the fence must refuse them
+            // once a newer holder has read (the stale-write check).
+            for e in hold.iter().filter(|e| e.t >= r.t) {
+                if let Step::Wrote { accepted } = e.ev {
+                    if accepted {
+                        s.revoked_writes_taken += 1;
+                    } else {
+                        s.revoked_writes_refused += 1;
+                    }
+                }
+            }
             let signal = traced.map(|e| e.t).into_iter().chain(seen).min();
             let released = events
                 .iter()
@@ -1034,29 +1056,26 @@ fn check_revocations(
 /// signal but whose runtime traced no `dlock lease lost` event for it.
 const UNTRACED: &str = "untraced";
 
-/// When worker process `who` recorded the loss signal (`Lost`), at `from`
-/// or later, within its hold of `key` granted at `granted` (the runtime's
-/// trace): between its first `Acquired` step of that key from then on and
-/// its next `Acquired` step.
-fn worker_lost_in_hold(
-    steps: &[&WorkerEvent],
+/// The steps of worker process `who` in its hold of `key` granted at
+/// `granted` (the runtime's trace): from its first `Acquired` step of that
+/// key from then on to its next `Acquired` step.
+fn hold_steps<'a>(
+    steps: &[&'a WorkerEvent],
     who: (usize, u32),
     key: &str,
     granted: u64,
-    from: u64,
-) -> Option<u64> {
-    let mine = || steps.iter().filter(|e| (e.w, e.inc) == who);
-    let start = mine().find(|e| {
+) -> Vec<&'a WorkerEvent> {
+    let mut mine = steps.iter().copied().filter(|e| (e.w, e.inc) == who);
+    let Some(start) = mine.find(|e| {
         e.t >= granted
             && matches!(e.ev, Step::Acquired { .. })
             && e.all_keys().iter().any(|k| k == key)
-    })?;
-    let end = mine()
-        .find(|e| e.t > start.t && matches!(e.ev, Step::Acquired { .. }))
-        .map_or(u64::MAX, |e| e.t);
-    mine()
-        .find(|e| e.t >= from.max(start.t) && e.t < end && matches!(e.ev, Step::Lost { .. }))
-        .map(|e| e.t)
+    }) else {
+        return Vec::new();
+    };
+    let mut hold = vec![start];
+    hold.extend(mine.take_while(|e| !matches!(e.ev, Step::Acquired { .. })));
+    hold
 }
 
 /// The moment a lost signal is measured from: the latest fault touching that
@@ -1204,6 +1223,11 @@ impl std::fmt::Display for Summary {
             revoked_reasons.join(", "),
             self.revoked_misreported,
             self.revoked_unexplained
+        )?;
+        writeln!(
+            f,
+            "  revoked holders' writes    {} refused, {} taken before a newer holder read",
+            self.revoked_writes_refused, self.revoked_writes_taken
         )?;
         writeln!(
             f,
@@ -1685,9 +1709,11 @@ mod tests {
     fn a_revoked_holder_told_revoked_and_a_larger_next_token_pass() {
         let mut records = revoked_history(8);
         records.push(lost_as(250 * MS, 1, 1, 7, "revoked"));
+        records.push(worker(500 * MS, 1, Step::Wrote { accepted: false }));
         let s = check(&records, &[], &with_backend("redis"));
         assert!(s.violations.is_empty(), "{:?}", s.violations);
         assert_eq!((s.revocations, s.holders_revoked), (1, 1));
+        assert_eq!((s.revoked_writes_refused, s.revoked_writes_taken), (1, 0));
         assert_eq!((s.revoked_signalled, s.revoked_unsignalled), (1, 0));
         assert_eq!(s.revoked_loss_reasons.get("revoked"), Some(&1));
         assert_eq!(s.revoke_signal_latency.max, 149.0);
