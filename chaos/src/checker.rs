@@ -8,19 +8,23 @@
 //! also checks that no renewal went out after a release was asked for, that
 //! every loss was signalled before the server's expiry (measured from the last
 //! renewal the server answered, with each lease's own length — on ZooKeeper,
-//! with the session timeout: see [`check_traces`]), and that the main
-//! backend went on renewing while the side backend was stalled.
+//! with the session timeout: see [`check_traces`]), that the main
+//! backend went on renewing while the side backend was stalled, and that
+//! every holder the nemesis revoked was told of its loss, for the right
+//! reason, and the key's next grant got a larger token (see
+//! [`check_revocations`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::history::{
-    self, FaultEvent, OpKind, Phase, Record, Step, StoreOp, TraceEvent, TraceKind, WorkerEvent,
+    self, FaultEvent, OpKind, Phase, Record, RevocationEvent, Step, StoreOp, TraceEvent, TraceKind,
+    WorkerEvent,
 };
-use crate::nemesis::{SESSION_EXPIRY, SIDE_STALL};
+use crate::nemesis::{SESSION_EXPIRY, SIDE_STALL, revocation_bound};
 use crate::store::Mode;
 use crate::worker::Workload;
 
@@ -37,6 +41,31 @@ const EXPIRY_GRACE: u64 = 2_000_000;
 
 /// The reason the runtime gives when shutdown ends the leases (not a fault).
 const SHUTDOWN_REASON: &str = "the registry is shutting down";
+
+/// The backends whose revoked holders are told `revoked` as the reason of
+/// their loss, by the name a run's meta gives them (`--backend`, with
+/// `-session` for the SQL session modes, or a `--url`'s scheme). On the
+/// others a revoked holder must still be told of its loss, for any reason.
+pub(crate) const TELLS_REVOKED: &[&str] = &[
+    "memory",
+    "sqlite",
+    "postgres",
+    "postgresql",
+    "mysql",
+    "mariadb",
+    "redis",
+    "rediss",
+    "redis+cluster",
+    "rediss+cluster",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "zk",
+];
+
+/// How long before a revoked holder's release a renewal must have gone out
+/// for its answer (the key revoked) to be due before the release: a
+/// renewal still in flight when the holder lets go may go unsignalled.
+const RENEWAL_ANSWER_GRACE: u64 = 1_000_000_000;
 
 /// What the orchestrator measured at the end of a run, saved as `meta.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -223,6 +252,45 @@ pub(crate) struct Summary {
     /// Main-backend leases lost during a side stall with no main fault to
     /// explain it (must be 0).
     pub(crate) main_lost_in_side_stall: u64,
+    /// Losses the runtime signalled (shutdown aside), by the reason it gave
+    /// (`unknown` where the trace has none).
+    pub(crate) losses_by_reason: BTreeMap<String, u64>,
+    /// Revocations the nemesis made through the admin API.
+    pub(crate) revocations: u64,
+    /// Holders those revocations reported.
+    pub(crate) holders_revoked: u64,
+    /// Revoked holders whose runtime signalled the loss within
+    /// [`revocation_bound`] of the revocation.
+    pub(crate) revoked_signalled: u64,
+    /// Revoked holders whose hold had ended before they could be told: lost
+    /// or released before the revocation, released before a renewal went
+    /// out after it, or their process gone.
+    pub(crate) revoked_ended_first: u64,
+    /// Revoked holders still holding that were not told within the bound
+    /// (must be 0).
+    pub(crate) revoked_unsignalled: u64,
+    /// The reasons the signalled revoked holders were given (`untraced`:
+    /// the worker saw the signal, the runtime traced no loss).
+    pub(crate) revoked_loss_reasons: BTreeMap<String, u64>,
+    /// Revoked holders told another reason than `revoked` on a backend of
+    /// [`TELLS_REVOKED`] (must be 0).
+    pub(crate) revoked_misreported: u64,
+    /// Losses reported as `revoked` of leases no revocation took (must be 0).
+    pub(crate) revoked_unexplained: u64,
+    /// Writes revoked holders sent after the revocation that the store
+    /// refused (a newer holder had been there).
+    pub(crate) revoked_writes_refused: u64,
+    /// Writes revoked holders sent after the revocation that the store
+    /// took: before any newer holder had read (the stale-write check
+    /// counts any other).
+    pub(crate) revoked_writes_taken: u64,
+    /// Time from each revocation's answer to its holder's loss signal.
+    pub(crate) revoke_signal_latency: Spread,
+    /// Revoked keys granted again with a token, whose token was compared.
+    pub(crate) tokens_after_revoke: u64,
+    /// Of those, grants whose token was not larger than every revoked one
+    /// (must be 0).
+    pub(crate) tokens_not_above_revoked: u64,
     /// Lock keys left on the server once idle (must be 0).
     pub(crate) keys_left: Option<usize>,
     /// Lock keys left on the side backend once idle (must be 0).
@@ -253,13 +321,16 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     let mut events: Vec<&WorkerEvent> = Vec::new();
     let mut faults: Vec<&FaultEvent> = Vec::new();
     let mut traces: Vec<&TraceEvent> = Vec::new();
+    let mut revocations: Vec<&RevocationEvent> = Vec::new();
     for r in records {
         match r {
             Record::Worker(e) => events.push(e),
             Record::Fault(f) => faults.push(f),
             Record::Trace(e) => traces.push(e),
+            Record::Revocation(r) => revocations.push(r),
         }
     }
+    revocations.sort_by_key(|r| r.t);
     events.sort_by_key(|e| e.t);
     faults.sort_by_key(|f| f.t);
     traces.sort_by_key(|e| e.t);
@@ -269,6 +340,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             Record::Worker(e) => e.t,
             Record::Fault(f) => f.t,
             Record::Trace(e) => e.t,
+            Record::Revocation(r) => r.t,
         })
         .fold((u64::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
     s.seconds = last.saturating_sub(first) as f64 / 1e9;
@@ -375,6 +447,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
 
     check_traces(&mut s, &traces, &faults, meta);
+    check_revocations(&mut s, &revocations, &traces, &events, &faults, meta);
 
     // Time from each heal to the next entry into the lock.
     let acquired: Vec<u64> = events
@@ -551,6 +624,30 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             s.main_lost_in_side_stall
         ));
     }
+    if s.revoked_unsignalled > 0 {
+        v.push(format!(
+            "{} revoked holders were not told of their loss within their lease, a renewal period and 2 s of the revocation",
+            s.revoked_unsignalled
+        ));
+    }
+    if s.revoked_misreported > 0 {
+        v.push(format!(
+            "{} revoked holders were told another reason than `revoked` ({:?})",
+            s.revoked_misreported, s.revoked_loss_reasons
+        ));
+    }
+    if s.revoked_unexplained > 0 {
+        v.push(format!(
+            "{} losses reported as `revoked` with no revocation of that holder",
+            s.revoked_unexplained
+        ));
+    }
+    if s.tokens_not_above_revoked > 0 {
+        v.push(format!(
+            "{} grants after a revocation had a token not larger than every revoked one",
+            s.tokens_not_above_revoked
+        ));
+    }
     if meta.traced && s.acquisitions > 0 && s.releases_requested == 0 {
         v.push("the workers recorded none of the runtime's lease events".to_owned());
     }
@@ -646,6 +743,13 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
             continue;
         };
         s.losses_traced += 1;
+        *s.losses_by_reason
+            .entry(
+                lost.loss_reason
+                    .clone()
+                    .unwrap_or_else(|| "unknown".to_owned()),
+            )
+            .or_default() += 1;
         if lost.backend != crate::worker::SIDE {
             main_losses.push(*lost);
         }
@@ -741,6 +845,237 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
             s.main_lost_in_side_stall += 1;
         }
     }
+}
+
+/// Checks every revocation the nemesis made: each holder it reported was
+/// told of its loss within [`revocation_bound`] of its lease after
+/// `revoke` answered (the bound restarts when a pause of that worker
+/// ends), unless its hold had ended first (see
+/// [`Summary::revoked_ended_first`]); on a backend of [`TELLS_REVOKED`],
+/// with the reason `revoked`. No lease is told `revoked` unless a
+/// revocation took it, and the first grant of a revoked key after the
+/// revocation carries a token larger than every revoked one.
+///
+/// A holder is matched to its lease by the runtime's trace: the latest
+/// `dlock.lock` span of that worker process on that key (main backend)
+/// acquired before `revoke` answered, with the revoked token where the
+/// backend has one.
+fn check_revocations(
+    s: &mut Summary,
+    revocations: &[&RevocationEvent],
+    traces: &[&TraceEvent],
+    steps: &[&WorkerEvent],
+    faults: &[&FaultEvent],
+    meta: &RunMeta,
+) {
+    let default_lease = Duration::from_millis(meta.lease_ms);
+    let tells = TELLS_REVOKED.contains(&meta.backend.as_str());
+    let mut leases: BTreeMap<(usize, u32, u64), Vec<&TraceEvent>> = BTreeMap::new();
+    for e in traces.iter().filter(|e| e.backend != crate::worker::SIDE) {
+        leases.entry((e.w, e.inc, e.lease)).or_default().push(e);
+    }
+    // The faults of one kind touching worker `w`, as (start, heal).
+    let spans = |kind: &str, w: usize| -> Vec<(u64, u64)> {
+        faults
+            .iter()
+            .filter(|f| f.fault == kind && f.phase == Phase::Start && f.workers.contains(&w))
+            .map(|start| {
+                let heal = faults
+                    .iter()
+                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
+                    .map_or(u64::MAX, |f| f.t);
+                (start.t, heal)
+            })
+            .collect()
+    };
+    let mut matched: HashSet<(usize, u32, u64)> = HashSet::new();
+    let mut latencies = Vec::new();
+    for r in revocations {
+        s.revocations += 1;
+        s.holders_revoked += r.holders.len() as u64;
+        let mut revoked_tokens: Vec<u64> = Vec::new();
+        for h in &r.holders {
+            revoked_tokens.extend(h.token);
+            // Its lease: that worker process's (or, without one, any
+            // process's lease with that token) latest on the key.
+            let process = h.w.zip(h.inc);
+            let lease = leases
+                .iter()
+                .filter(|((lw, linc, _), _)| process.is_none_or(|p| p == (*lw, *linc)))
+                .filter_map(|(id, events)| {
+                    let acquired = events
+                        .iter()
+                        .find(|e| e.event == TraceKind::Acquired && e.key == r.lock_key)?;
+                    let same = match (process, h.token) {
+                        (_, Some(token)) => acquired.token == Some(token),
+                        (Some(_), None) => true,
+                        (None, None) => false,
+                    };
+                    (same && acquired.t <= r.answered).then_some((acquired.t, *id, events))
+                })
+                .max_by_key(|(t, ..)| *t);
+            let Some((acquired_at, id, events)) = lease else {
+                // A live worker process leaves a trace of its lease, unless
+                // killed; a pid no worker had any more was a process gone.
+                let gone = match process {
+                    Some((w, _)) => spans("sigkill_worker", w)
+                        .iter()
+                        .any(|&(start, _)| start >= r.t),
+                    None => h.pid.is_some(),
+                };
+                if gone {
+                    s.revoked_ended_first += 1;
+                } else {
+                    s.revoked_unsignalled += 1;
+                }
+                continue;
+            };
+            let w = id.0;
+            if h.token.is_none() {
+                revoked_tokens.extend(events.iter().find_map(|e| e.token));
+            }
+            matched.insert(id);
+            let lease_len = events
+                .iter()
+                .find_map(|e| e.lease_ms)
+                .map_or(default_lease, Duration::from_millis);
+            let bound = revocation_bound(lease_len).as_nanos() as u64;
+            let mut deadline = r.answered + bound;
+            for (start, heal) in spans("sigstop", w) {
+                if start <= deadline && heal >= r.t {
+                    deadline = deadline.max(heal.saturating_add(bound));
+                }
+            }
+            // The first kill of that worker after the grant ended this
+            // process.
+            let killed = spans("sigkill_worker", w)
+                .iter()
+                .any(|&(start, _)| start >= acquired_at && start <= deadline);
+            let traced = events.iter().find(|e| e.event == TraceKind::Lost);
+            if traced.is_some_and(|lost| lost.t < r.t) {
+                s.revoked_ended_first += 1;
+                continue;
+            }
+            // The signal as the runtime traced it, or as the worker saw it
+            // (`lost()` fired; a loss the backend learned of by itself may
+            // not be traced).
+            let hold = hold_steps(steps, (w, id.1), &r.key, acquired_at);
+            let seen = hold
+                .iter()
+                .find(|e| e.t >= r.t && matches!(e.ev, Step::Lost { .. }))
+                .map(|e| e.t);
+            // Its writes after the revocation: the fence must refuse them
+            // once a newer holder has read (the stale-write check).
+            for e in hold.iter().filter(|e| e.t >= r.t) {
+                if let Step::Wrote { accepted } = e.ev {
+                    if accepted {
+                        s.revoked_writes_taken += 1;
+                    } else {
+                        s.revoked_writes_refused += 1;
+                    }
+                }
+            }
+            let signal = traced.map(|e| e.t).into_iter().chain(seen).min();
+            let released = events
+                .iter()
+                .find(|e| e.event == TraceKind::ReleaseRequested)
+                .map(|e| e.t);
+            match signal {
+                Some(t) if t <= deadline => {
+                    s.revoked_signalled += 1;
+                    latencies.push(t.saturating_sub(r.answered) as f64 / 1e6);
+                    let reason = match traced {
+                        Some(lost) => lost
+                            .loss_reason
+                            .clone()
+                            .unwrap_or_else(|| "unknown".to_owned()),
+                        None => UNTRACED.to_owned(),
+                    };
+                    if tells && reason != "revoked" {
+                        s.revoked_misreported += 1;
+                    }
+                    *s.revoked_loss_reasons.entry(reason).or_default() += 1;
+                }
+                Some(_) => s.revoked_unsignalled += 1,
+                None => match released {
+                    Some(released) if released < r.t => s.revoked_ended_first += 1,
+                    Some(released) => {
+                        // Released before a renewal could find the key revoked?
+                        let renewed = events.iter().any(|e| {
+                            e.event == TraceKind::RenewalSent
+                                && e.t > r.answered
+                                && e.t.saturating_add(RENEWAL_ANSWER_GRACE) < released
+                        });
+                        if renewed {
+                            s.revoked_unsignalled += 1;
+                        } else {
+                            s.revoked_ended_first += 1;
+                        }
+                    }
+                    None if killed => s.revoked_ended_first += 1,
+                    None => s.revoked_unsignalled += 1,
+                },
+            }
+        }
+
+        // The first grant of the key after the revocation.
+        let revoked = revoked_tokens;
+        let Some(&highest) = revoked.iter().max() else {
+            continue;
+        };
+        let next = traces.iter().find(|e| {
+            e.event == TraceKind::Acquired
+                && e.backend != crate::worker::SIDE
+                && e.key == r.lock_key
+                && e.t > r.t
+                && !e.token.is_some_and(|t| revoked.contains(&t))
+        });
+        if let Some(token) = next.and_then(|e| e.token) {
+            s.tokens_after_revoke += 1;
+            if token <= highest {
+                s.tokens_not_above_revoked += 1;
+            }
+        }
+    }
+    s.revoke_signal_latency = Spread::of(latencies);
+
+    // A loss told `revoked` must have been one.
+    let mut told: HashSet<(usize, u32, u64)> = HashSet::new();
+    for e in traces {
+        if e.event == TraceKind::Lost
+            && e.loss_reason.as_deref() == Some("revoked")
+            && told.insert((e.w, e.inc, e.lease))
+            && (e.backend == crate::worker::SIDE || !matched.contains(&(e.w, e.inc, e.lease)))
+        {
+            s.revoked_unexplained += 1;
+        }
+    }
+}
+
+/// The reason counted for a revoked holder whose worker saw the loss
+/// signal but whose runtime traced no `dlock lease lost` event for it.
+const UNTRACED: &str = "untraced";
+
+/// The steps of worker process `who` in its hold of `key` granted at
+/// `granted` (the runtime's trace): from its first `Acquired` step of that
+/// key from then on to its next `Acquired` step.
+fn hold_steps<'a>(
+    steps: &[&'a WorkerEvent],
+    who: (usize, u32),
+    key: &str,
+    granted: u64,
+) -> Vec<&'a WorkerEvent> {
+    let mut mine = steps.iter().copied().filter(|e| (e.w, e.inc) == who);
+    let Some(start) = mine.find(|e| {
+        e.t >= granted
+            && matches!(e.ev, Step::Acquired { .. })
+            && e.all_keys().iter().any(|k| k == key)
+    }) else {
+        return Vec::new();
+    };
+    let mut hold = vec![start];
+    hold.extend(mine.take_while(|e| !matches!(e.ev, Step::Acquired { .. })));
+    hold
 }
 
 /// The moment a lost signal is measured from: the latest fault touching that
@@ -858,6 +1193,52 @@ impl std::fmt::Display for Summary {
             self.losses_traced, self.losses_after_expiry
         )?;
         writeln!(f, "  loss margin before expiry  {}", self.loss_margin)?;
+        let reasons: Vec<String> = self
+            .losses_by_reason
+            .iter()
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        writeln!(f, "  losses by reason           {}", reasons.join(", "))?;
+        writeln!(
+            f,
+            "  revocations                {}, holders revoked {}, signalled {}, reason revoked {}; {} ended first; {} unsignalled  (must be 0)",
+            self.revocations,
+            self.holders_revoked,
+            self.revoked_signalled,
+            self.revoked_loss_reasons
+                .get("revoked")
+                .copied()
+                .unwrap_or(0),
+            self.revoked_ended_first,
+            self.revoked_unsignalled
+        )?;
+        let revoked_reasons: Vec<String> = self
+            .revoked_loss_reasons
+            .iter()
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        writeln!(
+            f,
+            "  revoked holders' reasons   {}; {} other than revoked where it must be, {} revoked with no revocation  (must be 0)",
+            revoked_reasons.join(", "),
+            self.revoked_misreported,
+            self.revoked_unexplained
+        )?;
+        writeln!(
+            f,
+            "  revoked holders' writes    {} refused, {} taken before a newer holder read",
+            self.revoked_writes_refused, self.revoked_writes_taken
+        )?;
+        writeln!(
+            f,
+            "  revocation to signal       {}",
+            self.revoke_signal_latency
+        )?;
+        writeln!(
+            f,
+            "  next token after revoke    {} compared, {} not larger than the revoked  (must be 0)",
+            self.tokens_after_revoke, self.tokens_not_above_revoked
+        )?;
         writeln!(
             f,
             "  side stalls                main renewals during them {}, side leases lost {}, main leases lost {}  (must be 0)",
@@ -1261,7 +1642,213 @@ mod tests {
             lease_ms: Some(400),
             backend: backend.into(),
             reason: (event == TraceKind::Lost).then(|| "test".to_owned()),
+            loss_reason: None,
         })
+    }
+
+    /// The lock key of the revocation tests.
+    const LOCK_KEY: &str = "chaos:r:k";
+
+    /// A runtime event of lease `lease` (token `token`, 400 ms) of worker
+    /// `w` on [`LOCK_KEY`], a loss with `reason`.
+    fn on_key(t: u64, w: usize, lease: u64, token: u64, event: TraceKind) -> TraceEvent {
+        TraceEvent {
+            t,
+            w,
+            inc: 0,
+            event,
+            key: LOCK_KEY.into(),
+            token: Some(token),
+            lease,
+            lease_ms: Some(400),
+            backend: "default".into(),
+            reason: None,
+            loss_reason: None,
+        }
+    }
+
+    fn lost_as(t: u64, w: usize, lease: u64, token: u64, reason: &str) -> Record {
+        let mut e = on_key(t, w, lease, token, TraceKind::Lost);
+        e.loss_reason = Some(reason.into());
+        Record::Trace(e)
+    }
+
+    /// Worker 1 holds token 7 from 0; the nemesis revokes it at 100 ms
+    /// (answered at 101 ms); worker 2 is granted the key at 400 ms with
+    /// `next_token`.
+    fn revoked_history(next_token: u64) -> Vec<Record> {
+        vec![
+            worker(0, 1, Step::Acquired { token: Some(7) }),
+            Record::Trace(on_key(0, 1, 1, 7, TraceKind::Acquired)),
+            fault_event(90 * MS, 1, "revoke", Phase::Start, vec![1]),
+            Record::Revocation(RevocationEvent {
+                t: 100 * MS,
+                answered: 101 * MS,
+                id: 1,
+                key: "k".into(),
+                lock_key: LOCK_KEY.into(),
+                holders: vec![crate::history::RevokedHolder {
+                    pid: Some(4242),
+                    w: Some(1),
+                    inc: Some(0),
+                    token: Some(7),
+                }],
+            }),
+            fault_event(300 * MS, 1, "revoke", Phase::Heal, vec![1]),
+            Record::Trace(on_key(400 * MS, 2, 1, next_token, TraceKind::Acquired)),
+        ]
+    }
+
+    fn with_backend(backend: &str) -> RunMeta {
+        let mut m = meta(Mode::Fence, &[]);
+        m.backend = backend.into();
+        m
+    }
+
+    #[test]
+    fn a_revoked_holder_told_revoked_and_a_larger_next_token_pass() {
+        let mut records = revoked_history(8);
+        records.push(lost_as(250 * MS, 1, 1, 7, "revoked"));
+        records.push(worker(500 * MS, 1, Step::Wrote { accepted: false }));
+        let s = check(&records, &[], &with_backend("redis"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.revocations, s.holders_revoked), (1, 1));
+        assert_eq!((s.revoked_writes_refused, s.revoked_writes_taken), (1, 0));
+        assert_eq!((s.revoked_signalled, s.revoked_unsignalled), (1, 0));
+        assert_eq!(s.revoked_loss_reasons.get("revoked"), Some(&1));
+        assert_eq!(s.revoke_signal_latency.max, 149.0);
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (1, 0));
+        assert_eq!(s.losses_by_reason.get("revoked"), Some(&1));
+    }
+
+    #[test]
+    fn a_revoked_holder_never_told_or_told_too_late_is_caught() {
+        // 400 ms lease: told by 101 + 400 + 133 + 2000 ms at the latest.
+        for lost_at in [None, Some(2700 * MS)] {
+            let mut records = revoked_history(8);
+            records.extend(lost_at.map(|t| lost_as(t, 1, 1, 7, "revoked")));
+            let s = check(&records, &[], &with_backend("redis"));
+            assert_eq!(s.revoked_unsignalled, 1, "{lost_at:?}");
+            assert!(
+                s.violations
+                    .iter()
+                    .any(|v| v.contains("revoked holders were not told")),
+                "{:?}",
+                s.violations
+            );
+        }
+        // Paused meanwhile: the bound runs from its resumption.
+        let mut paused = revoked_history(8);
+        paused.push(lost_as(2700 * MS, 1, 1, 7, "revoked"));
+        paused.push(fault_event(110 * MS, 2, "sigstop", Phase::Start, vec![1]));
+        paused.push(fault_event(1000 * MS, 2, "sigstop", Phase::Heal, vec![1]));
+        let s = check(&paused, &[], &with_backend("redis"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+    }
+
+    #[test]
+    fn a_revoked_holder_that_released_before_a_renewal_was_not_due_to_be_told() {
+        let mut records = revoked_history(8);
+        records.push(Record::Trace(on_key(
+            150 * MS,
+            1,
+            1,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&records, &[], &with_backend("redis"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.revoked_ended_first, s.revoked_signalled), (1, 0));
+        // A renewal went out after the revocation, well before the release:
+        // its answer should have told the holder.
+        let mut renewed = revoked_history(8);
+        renewed.push(Record::Trace(on_key(
+            200 * MS,
+            1,
+            1,
+            7,
+            TraceKind::RenewalSent,
+        )));
+        renewed.push(Record::Trace(on_key(
+            1500 * MS,
+            1,
+            1,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&renewed, &[], &with_backend("redis"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn another_reason_for_a_revoked_holder_is_caught_where_the_backend_tells_revoked() {
+        let mut records = revoked_history(8);
+        records.push(lost_as(250 * MS, 1, 1, 7, "gone"));
+        let s = check(&records, &[], &with_backend("zk"));
+        assert_eq!(s.revoked_misreported, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("another reason than `revoked`")),
+            "{:?}",
+            s.violations
+        );
+        // etcd is not in the list (yet): any reason will do there.
+        let s = check(&records, &[], &with_backend("etcd"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(s.revoked_loss_reasons.get("gone"), Some(&1));
+    }
+
+    #[test]
+    fn a_revoked_holder_that_saw_an_untraced_signal_was_told() {
+        let mut records = revoked_history(8);
+        records.push(worker(260 * MS, 1, Step::Lost { cancelled: false }));
+        // No reason to compare where the backend does not tell revocations.
+        let s = check(&records, &[], &with_backend("mysql-session"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(s.revoked_signalled, 1);
+        assert_eq!(s.revoked_loss_reasons.get("untraced"), Some(&1));
+        // Where it does, an untraced loss has not told it.
+        let s = check(&records, &[], &with_backend("sqlite"));
+        assert_eq!(s.revoked_misreported, 1, "{:?}", s.violations);
+        // A loss seen in an earlier hold of the worker does not count.
+        let mut earlier = revoked_history(8);
+        earlier.insert(0, worker(0, 1, Step::Lost { cancelled: false }));
+        let s = check(&earlier, &[], &with_backend("mysql-session"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn a_next_token_not_above_the_revoked_one_is_caught() {
+        let mut records = revoked_history(6);
+        records.push(lost_as(250 * MS, 1, 1, 7, "revoked"));
+        let s = check(&records, &[], &with_backend("redis"));
+        assert_eq!(s.tokens_not_above_revoked, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("not larger than every revoked one")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn a_loss_told_revoked_without_a_revocation_is_caught() {
+        let records = [
+            worker(0, 2, Step::Acquired { token: Some(3) }),
+            Record::Trace(on_key(0, 2, 1, 3, TraceKind::Acquired)),
+            lost_as(300 * MS, 2, 1, 3, "revoked"),
+        ];
+        let s = check(&records, &[], &with_backend("redis"));
+        assert_eq!(s.revoked_unexplained, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("with no revocation")),
+            "{:?}",
+            s.violations
+        );
     }
 
     #[test]

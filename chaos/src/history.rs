@@ -22,6 +22,8 @@ pub(crate) enum Record {
     Fault(FaultEvent),
     /// From a worker process: an event dlock's runtime traced.
     Trace(TraceEvent),
+    /// From the nemesis: what a `revoke` fault took, and from whom.
+    Revocation(RevocationEvent),
 }
 
 /// A line a worker prints: one of its steps or one of the runtime's events.
@@ -212,9 +214,13 @@ pub(crate) struct TraceEvent {
     pub(crate) lease_ms: Option<u64>,
     /// The registry's name of the backend (`default` or `side`).
     pub(crate) backend: String,
-    /// Why, for a loss.
+    /// Why, for a loss: the runtime's description.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) reason: Option<String>,
+    /// Why, for a loss: the reason's short name (`expired`, `gone`,
+    /// `revoked`, `session_ended`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) loss_reason: Option<String>,
 }
 
 /// The runtime events the harness follows.
@@ -262,6 +268,38 @@ pub(crate) struct FaultEvent {
     pub(crate) workers: Vec<usize>,
     /// Free text: which node, how long, with or without persistence.
     pub(crate) detail: String,
+}
+
+/// A revocation the nemesis made through the admin API
+/// (`Registry::revoke`), between its fault's start and heal.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct RevocationEvent {
+    /// When the nemesis called `revoke`, on the shared clock.
+    pub(crate) t: u64,
+    /// When `revoke` answered.
+    pub(crate) answered: u64,
+    /// Number of the fault in the run.
+    pub(crate) id: u32,
+    /// The store key (as the workers name it).
+    pub(crate) key: String,
+    /// The lock key revoked (as the workers lock it, without the registry's
+    /// prefix; the runtime's events name it so).
+    pub(crate) lock_key: String,
+    /// Who held it, as `revoke` answered.
+    pub(crate) holders: Vec<RevokedHolder>,
+}
+
+/// One holder a revocation reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RevokedHolder {
+    /// The holder's process id, from its holder record.
+    pub(crate) pid: Option<u32>,
+    /// The worker slot running that process when it was revoked, if any.
+    pub(crate) w: Option<usize>,
+    /// The incarnation of that slot.
+    pub(crate) inc: Option<u32>,
+    /// The revoked grant's fencing token (none on Redlock).
+    pub(crate) token: Option<u64>,
 }
 
 /// Start or end of a fault.

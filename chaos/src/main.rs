@@ -19,7 +19,8 @@
 //! accounts in one hold (`keys = [..]`, `lock_all`) and moves an amount from
 //! one to the other, both writes fenced with each key's own token and decided
 //! together; the checker adds conservation of the total. A nemesis pauses,
-//! kills and cuts off workers and servers on a seeded schedule. The checker then reads every history, including the runtime's
+//! kills and cuts off workers and servers on a seeded schedule, and revokes
+//! held keys through the admin API as an operator would. The checker then reads every history, including the runtime's
 //! own trace of each lease, and prints one summary; the exit status is 1 when an
 //! invariant was broken.
 

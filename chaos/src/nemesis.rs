@@ -15,7 +15,7 @@ use nix::unistd::Pid;
 use rand::seq::{IndexedRandom as _, SliceRandom as _};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 
-use crate::history::Phase;
+use crate::history::{Phase, RevocationEvent, RevokedHolder};
 use crate::proxy::Fault;
 use crate::run::{Backend, Cluster, SqlMode};
 use crate::worker::{EXPIRE_REQUEST, LEASES, LONG_HOLD, LongRequest};
@@ -66,13 +66,20 @@ enum Kind {
     /// side leases, or a Lua busy loop that stalls the side Redis for 1–2 s. The
     /// main backend must go on renewing meanwhile.
     SideStall,
+    /// An operator's `dlock revoke`: the nemesis opens a registry of its own
+    /// on the run's backend (the server itself, not through a proxy) and
+    /// revokes the key of a worker inside the lock (in the middle of a long
+    /// stay), recording whom `revoke` reported; the fault lasts until those
+    /// holders have left the lock, at most [`revocation_bound`] of the
+    /// longest lease.
+    Revoke,
 }
 
 fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
     use Kind::*;
     match backend {
-        Backend::Url => &[PauseHolder, KillWorker],
-        Backend::Sqlite => &[PauseHolder, KillWorker, SideStall],
+        Backend::Url => &[PauseHolder, KillWorker, Revoke],
+        Backend::Sqlite => &[PauseHolder, KillWorker, SideStall, Revoke],
         Backend::Redis | Backend::Etcd => &[
             PauseHolder,
             KillWorker,
@@ -81,6 +88,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
             ProxyBlackhole,
             ProxyReset,
             SideStall,
+            Revoke,
         ],
         Backend::Redlock => &[
             PauseHolder,
@@ -88,6 +96,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
             RedlockMinority,
             RedlockHolderMajority,
             SideStall,
+            Revoke,
         ],
         Backend::Zk => &[
             PauseHolder,
@@ -98,6 +107,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
             ProxyReset,
             SessionExpiry,
             SideStall,
+            Revoke,
         ],
         Backend::Postgres | Backend::Mysql => match mode {
             SqlMode::Lease => &[
@@ -109,6 +119,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
                 ProxyReset,
                 RowStolen,
                 SideStall,
+                Revoke,
             ],
             SqlMode::Session => &[
                 PauseHolder,
@@ -119,6 +130,7 @@ fn kinds(backend: Backend, mode: SqlMode) -> &'static [Kind] {
                 ProxyReset,
                 SessionKill,
                 SideStall,
+                Revoke,
             ],
         },
     }
@@ -138,6 +150,7 @@ fn name(kind: Kind) -> &'static str {
         Kind::SessionKill => "session_kill",
         Kind::RowStolen => "row_stolen",
         Kind::SideStall => SIDE_STALL,
+        Kind::Revoke => REVOKE,
     }
 }
 
@@ -154,6 +167,18 @@ pub(crate) const SIDE_STALL: &str = "side_stall";
 
 /// The name of a forced session expiry in histories (the checker looks for it).
 pub(crate) const SESSION_EXPIRY: &str = "session_expiry";
+
+/// The name of a revocation in histories (the checker looks for it).
+pub(crate) const REVOKE: &str = "revoke";
+
+/// How long after a revocation answered its holder of a lease of `lease`
+/// must have been told of its loss: its next renewal (a third of the lease
+/// later at most) finds the key revoked, and a renewal that fails for
+/// another reason ends in a loss by the end of the lease; plus slack for a
+/// loaded machine.
+pub(crate) fn revocation_bound(lease: Duration) -> Duration {
+    lease + lease / 3 + Duration::from_secs(2)
+}
 
 /// Between `lo` and `hi` times `lease`.
 fn leases(rng: &mut StdRng, lease: Duration, lo: f64, hi: f64) -> Duration {
@@ -423,6 +448,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 cluster.fault(id, fault, Phase::Heal, vec![w], outcome);
             }
+            Kind::Revoke => revoke(&cluster, &mut rng, id).await?,
             Kind::SideStall => {
                 // The main lease is short enough to be renewed several times during
                 // the stall; the side lease short enough to be lost in it.
@@ -450,6 +476,123 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The `revoke` fault (see [`Kind::Revoke`]).
+async fn revoke(cluster: &Cluster, rng: &mut StdRng, id: u32) -> anyhow::Result<()> {
+    // A worker in the middle of a long stay, so that its hold outlasts its
+    // next renewal (a few tries: the key it picks may be busy for a while).
+    let long_stay = LONG_HOLD.as_millis() as u64;
+    let mut target = None;
+    for _ in 0..3 {
+        let lease = any_lease(rng);
+        let w = long_holder(cluster, rng, None, long(lease)).await;
+        let tracker = cluster.tracker.lock().expect("tracker");
+        if matches!(tracker.inside.get(&w), Some(Some(ms)) if *ms >= long_stay)
+            && let Some(key) = tracker.keys.get(&w)
+        {
+            target = Some((w, key.clone(), format!("lease {lease:?}")));
+            break;
+        }
+    }
+    // Otherwise any key held now.
+    if target.is_none() {
+        let tracker = cluster.tracker.lock().expect("tracker");
+        let mut inside: Vec<(&usize, &String)> = tracker.keys.iter().collect();
+        inside.sort();
+        target = inside
+            .first()
+            .map(|&(&w, key)| (w, key.clone(), "a short stay".to_owned()));
+    }
+    let Some((w, key, what)) = target else {
+        cluster.fault(id, REVOKE, Phase::Start, vec![], "no key held".to_owned());
+        cluster.fault(id, REVOKE, Phase::Heal, vec![], String::new());
+        return Ok(());
+    };
+    let lock_key = format!("chaos:{}:{key}", cluster.run_id);
+    cluster.fault(
+        id,
+        REVOKE,
+        Phase::Start,
+        vec![w],
+        format!("{key} held by worker {w} ({what})"),
+    );
+    let entries_before = cluster.tracker.lock().expect("tracker").entries.clone();
+    let url = cluster.admin_url().await;
+    let backend = dlock_runtime::connect(&url).await.with_context(|| {
+        format!(
+            "revoke: connect to {}",
+            dlock_runtime::admin::redact_url(&url)
+        )
+    })?;
+    let registry = dlock_runtime::Registry::builder()
+        .default_backend(backend)
+        .build();
+    let t = crate::clock::now_ns();
+    let held = tokio::time::timeout(Duration::from_secs(10), registry.revoke(&lock_key))
+        .await
+        .context("revoke: no answer within 10 s")?
+        .with_context(|| format!("revoke {lock_key}"))?;
+    let answered = crate::clock::now_ns();
+    drop(registry);
+    let mut holders = Vec::new();
+    {
+        let workers = cluster.workers.lock().await;
+        for info in &held {
+            let slot = info.pid().and_then(|pid| {
+                workers
+                    .iter()
+                    .position(|p| p.child.id() == Some(pid))
+                    .map(|w| (w, workers[w].inc))
+            });
+            holders.push(RevokedHolder {
+                pid: info.pid(),
+                w: slot.map(|(w, _)| w),
+                inc: slot.map(|(_, inc)| inc),
+                token: info.token().map(|t| t.get()),
+            });
+        }
+    }
+    cluster.revocation(RevocationEvent {
+        t,
+        answered,
+        id,
+        key: key.clone(),
+        lock_key,
+        holders: holders.clone(),
+    });
+    // Until every revoked worker has left that hold (it was told, or its
+    // hold ended), at most the bound of the longest lease.
+    let slots: Vec<usize> = holders.iter().filter_map(|h| h.w).collect();
+    let until = tokio::time::Instant::now() + revocation_bound(crate::worker::MAX_LEASE);
+    while tokio::time::Instant::now() < until {
+        let left = {
+            let tracker = cluster.tracker.lock().expect("tracker");
+            slots.iter().all(|w| {
+                !tracker.inside.contains_key(w) || tracker.entries.get(w) != entries_before.get(w)
+            })
+        };
+        if left {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let tokens: Vec<String> = holders
+        .iter()
+        .map(|h| h.token.map_or("-".to_owned(), |t| t.to_string()))
+        .collect();
+    cluster.fault(
+        id,
+        REVOKE,
+        Phase::Heal,
+        slots,
+        format!(
+            "{} holders of {key} revoked (tokens {})",
+            holders.len(),
+            tokens.join(", ")
+        ),
+    );
     Ok(())
 }
 

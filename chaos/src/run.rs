@@ -16,7 +16,7 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::Mutex;
 
 use crate::checker::{self, RunMeta, Summary};
-use crate::history::{FaultEvent, Phase, Record, Step, WorkerEvent, WorkerLine};
+use crate::history::{FaultEvent, Phase, Record, RevocationEvent, Step, WorkerEvent, WorkerLine};
 use crate::proxy::Proxy;
 use crate::servers::Server;
 use crate::store::Mode;
@@ -134,6 +134,8 @@ pub(crate) struct Tracker {
     pub(crate) inside: HashMap<usize, Option<u64>>,
     /// Worker slot → the key (as the worker names it) it is inside.
     pub(crate) keys: HashMap<usize, String>,
+    /// Worker slot → its entries into the lock so far (every incarnation).
+    pub(crate) entries: HashMap<usize, u64>,
 }
 
 /// A running worker process.
@@ -256,6 +258,41 @@ impl Cluster {
         Some(format!("{scheme}://dlock:dlock@127.0.0.1:{port}/dlock"))
     }
 
+    /// The URL an operator would use on the run's main backend: the servers
+    /// themselves (never through a worker's proxy), with the workers' chroot
+    /// or prefix, for the nemesis' own registry (`revoke`).
+    pub(crate) async fn admin_url(&self) -> String {
+        match self.args.backend {
+            Backend::Sqlite | Backend::Redlock | Backend::Url => self.worker_url(0),
+            Backend::Redis => {
+                let port = self.servers.lock().await[0].port();
+                format!("redis://127.0.0.1:{port}/?timeout=1s")
+            }
+            Backend::Zk => format!(
+                "zk://127.0.0.1:{}/chaos-{}?session_timeout={}ms",
+                zk_port(&self.args),
+                self.run_id,
+                ZK_SESSION_TIMEOUT.as_millis()
+            ),
+            Backend::Etcd => {
+                let members: Vec<String> = etcd_ports(&self.args)
+                    .iter()
+                    .map(|p| format!("127.0.0.1:{p}"))
+                    .collect();
+                format!(
+                    "etcd://{}/chaos-{}?session_ttl={}s",
+                    members.join(","),
+                    self.run_id,
+                    ETCD_SESSION_TTL.as_secs()
+                )
+            }
+            Backend::Postgres | Backend::Mysql => {
+                let port = self.servers.lock().await[0].port();
+                sql_url(&self.args, port)
+            }
+        }
+    }
+
     /// The side backend's URL: a second SQLite file, or a Redis of its own; none
     /// with `--backend url` (the harness cannot stall what it does not own).
     pub(crate) fn side_url(&self) -> Option<String> {
@@ -372,6 +409,11 @@ impl Cluster {
         );
         append(&self.history, &Record::Fault(event));
     }
+
+    /// Records what a revocation took.
+    pub(crate) fn revocation(&self, event: RevocationEvent) {
+        append(&self.history, &Record::Revocation(event));
+    }
 }
 
 /// The name of a workload on the command line.
@@ -409,6 +451,7 @@ fn track(tracker: &mut Tracker, event: &WorkerEvent) {
     match &event.ev {
         Step::Acquired { .. } => {
             tracker.acquisitions += 1;
+            *tracker.entries.entry(event.w).or_default() += 1;
             tracker.inside.insert(event.w, None);
             tracker.keys.insert(event.w, event.key.clone());
         }
@@ -447,12 +490,17 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         );
     }
     let backend_name = match args.backend {
-        Backend::Url => args
-            .url
-            .as_deref()
-            .and_then(|u| u.split("://").next())
-            .unwrap_or("url")
-            .to_owned(),
+        Backend::Url => {
+            let url = args.url.as_deref().unwrap_or_default();
+            let scheme = url.split_once("://").map_or("url", |(scheme, _)| scheme);
+            // The session modes tell their losses apart (see the checker's
+            // `TELLS_REVOKED`).
+            if url.contains("mode=session") {
+                format!("{scheme}-session")
+            } else {
+                scheme.to_owned()
+            }
+        }
         other if args.mode == SqlMode::Session => {
             format!("{}-session", format!("{other:?}").to_lowercase())
         }

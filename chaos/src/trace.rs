@@ -182,6 +182,7 @@ where
             lease_ms: info.lease_ms,
             backend: fields.backend.unwrap_or(info.backend),
             reason: fields.reason,
+            loss_reason: fields.loss_reason,
         });
     }
 }
@@ -194,6 +195,7 @@ struct Fields {
     token: Option<u64>,
     backend: Option<String>,
     reason: Option<String>,
+    loss_reason: Option<String>,
 }
 
 impl Fields {
@@ -203,6 +205,7 @@ impl Fields {
             "key" => self.key = Some(value),
             "backend" => self.backend = Some(value),
             "reason" => self.reason = Some(value),
+            "loss_reason" => self.loss_reason = Some(value),
             "token" => self.token = value.parse().ok(),
             _ => {}
         }
@@ -235,11 +238,15 @@ impl Visit for Fields {
 mod tests {
     use super::*;
 
+    /// One test at a time owns [`OUT`].
+    static SERIAL: Mutex<()> = Mutex::new(());
+
     /// The layer reads the runtime's real events: a lock taken and released on
     /// the memory backend gives `acquired` then `release_requested`, with the
     /// key, the token, the lease asked for and one serial.
     #[test]
     fn captures_the_runtimes_lease_events() {
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let (tx, rx) = mpsc::channel();
         *OUT.lock().unwrap() = Some(tx);
         let subscriber = Registry::default().with(
@@ -284,5 +291,42 @@ mod tests {
             assert!(e.token.is_some());
             assert_eq!(e.lease, events[0].lease);
         }
+    }
+
+    /// A loss carries both the runtime's description (`reason`) and the
+    /// reason's short name (`loss_reason`), as `signal_lost` writes them.
+    #[test]
+    fn captures_both_names_of_a_loss_reason() {
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let (tx, rx) = mpsc::channel();
+        *OUT.lock().unwrap() = Some(tx);
+        let subscriber = Registry::default().with(
+            TraceLayer { w: 1, inc: 0 }
+                .with_filter(Targets::new().with_target("dlock_runtime", LevelFilter::TRACE)),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(target: "dlock_runtime", "dlock.lock", key = "k", backend = "default");
+            tracing::warn!(
+                target: "dlock_runtime",
+                parent: &span,
+                key = "k",
+                backend = "default",
+                reason = "the key was revoked on the server",
+                loss_reason = "revoked",
+                "dlock lease lost"
+            );
+        });
+        drop(OUT.lock().unwrap().take());
+        let events: Vec<TraceEvent> = rx
+            .iter()
+            .map(|l| serde_json::from_slice(&l).unwrap())
+            .collect();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(events[0].event, TraceKind::Lost);
+        assert_eq!(events[0].loss_reason.as_deref(), Some("revoked"));
+        assert_eq!(
+            events[0].reason.as_deref(),
+            Some("the key was revoked on the server")
+        );
     }
 }

@@ -8,7 +8,10 @@
 //! exercise the faults it claims (no stale write refused, no lost-lease
 //! signal, a caller that never gave up at the acquisition, the body or the
 //! release, no side stall with the main backend renewing through it, a lease
-//! length never used).
+//! length never used, no revoked holder told of its loss). Every run revokes
+//! a held key through the admin API at least once: each revoked holder must
+//! be told within a bound (with the reason `revoked` where the backend
+//! tells it), and the next grant's token must be larger.
 //!
 //! `DLOCK_CHAOS_PORT_BASE` moves the servers the runs start (`--port-base`)
 //! away from the default ports, for a machine where those are taken.
@@ -153,6 +156,24 @@ fn short_run_of(
     assert_eq!(field("renewals_after_release"), 0);
     assert_eq!(field("losses_after_expiry"), 0);
     assert_eq!(field("main_lost_in_side_stall"), 0);
+    assert!(
+        summary["faults"]["revoke"].as_u64().unwrap_or(0) >= 1,
+        "no key was revoked: {summary}"
+    );
+    assert!(
+        field("holders_revoked") >= 1 && field("revoked_signalled") >= 1,
+        "no revoked holder was told of its loss: {summary}"
+    );
+    if backend != "redlock" {
+        assert!(
+            field("tokens_after_revoke") >= 1,
+            "no grant after a revocation to compare tokens with: {summary}"
+        );
+    }
+    assert_eq!(field("revoked_unsignalled"), 0);
+    assert_eq!(field("revoked_misreported"), 0);
+    assert_eq!(field("revoked_unexplained"), 0);
+    assert_eq!(field("tokens_not_above_revoked"), 0);
     assert_eq!(field("stale_writes_accepted"), 0);
     assert_eq!(field("lost_updates"), 0);
     assert_eq!(summary["keys_left"].as_u64(), Some(0));
@@ -179,7 +200,8 @@ fn read_summary(dir: &Path) -> serde_json::Value {
 
 // Every fault kind of a backend comes once per round of the nemesis' schedule,
 // so each run below (with at least as many faults as its backend has kinds:
-// 3, 7, 5, 8, and 8 for each SQL run) stalls the side backend at least once.
+// 4, 8, 6, 9, and 9 for each SQL run) stalls the side backend and revokes a
+// held key at least once.
 
 #[test]
 fn sqlite_under_pauses_kills_and_side_stalls() {
@@ -210,12 +232,13 @@ fn zookeeper_under_server_kills_partitions_session_expiries_pauses_kills_and_sid
             "proxy_reset",
             "session_expiry",
             "side_stall",
+            "revoke",
         ],
     );
 }
 
 /// The faults of a SQL run besides its mode's own (`row_stolen`, `session_kill`).
-const SQL_FAULTS: [&str; 7] = [
+const SQL_FAULTS: [&str; 8] = [
     "sigstop",
     "sigkill_worker",
     "kill_server",
@@ -223,6 +246,7 @@ const SQL_FAULTS: [&str; 7] = [
     "proxy_blackhole",
     "proxy_reset",
     "side_stall",
+    "revoke",
 ];
 
 #[test]
@@ -259,21 +283,21 @@ fn mysql_session_under_server_kills_partitions_killed_connections_pauses_kills_a
 
 #[test]
 fn transfers_on_redis_conserve_the_total_under_one_round_of_faults() {
-    short_transfer_run("redis", 7);
+    short_transfer_run("redis", 8);
 }
 
 #[test]
 fn transfers_on_postgres_conserve_the_total_under_one_round_of_faults() {
-    let summary = short_transfer_run("postgres", 8);
+    let summary = short_transfer_run("postgres", 9);
     assert_faults(&summary, &SQL_FAULTS);
     assert_faults(&summary, &["row_stolen"]);
 }
 
 #[test]
 fn transfers_on_zookeeper_conserve_the_total_under_one_round_of_faults() {
-    let summary = short_transfer_run("zk", 8);
+    let summary = short_transfer_run("zk", 9);
     assert_faults(
         &summary,
-        &["session_expiry", "kill_server", "proxy_blackhole"],
+        &["session_expiry", "kill_server", "proxy_blackhole", "revoke"],
     );
 }
