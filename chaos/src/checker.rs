@@ -60,7 +60,39 @@ pub(crate) const TELLS_REVOKED: &[&str] = &[
     "redis+sentinel",
     "rediss+sentinel",
     "zk",
+    "etcd",
+    "redlock",
+    "postgres-session",
+    "postgresql-session",
+    "mysql-session",
+    "mariadb-session",
 ];
+
+/// The backends whose holders can also be told `session_ended` (their
+/// session or connection ended): a revoked holder there that could not learn
+/// the revocation in time (its session's end found before the revocation's
+/// mark could be read) is told so, or its loss may be the backend's own,
+/// untraced signal.
+const HAS_SESSIONS: &[&str] = &[
+    "zk",
+    "etcd",
+    "postgres-session",
+    "postgresql-session",
+    "mysql-session",
+    "mariadb-session",
+];
+
+/// Whether `reason`, told a revoked holder on `backend` (one of
+/// [`TELLS_REVOKED`]), names another cause than the revocation. `expired`
+/// is never one: a holder whose renewal got no answer in time (a stalled
+/// machine, a concurrent fault) gives up on its own clock, truthfully.
+fn misreports_revocation(backend: &str, reason: &str) -> bool {
+    match reason {
+        "revoked" | "expired" | "max_hold" | "hard_cap" | "shutdown" => false,
+        "session_ended" | UNTRACED => !HAS_SESSIONS.contains(&backend),
+        _ => true,
+    }
+}
 
 /// How long before a revoked holder's release a renewal must have gone out
 /// for its answer (the key revoked) to be due before the release: a
@@ -991,7 +1023,7 @@ fn check_revocations(
                             .unwrap_or_else(|| "unknown".to_owned()),
                         None => UNTRACED.to_owned(),
                     };
-                    if tells && reason != "revoked" {
+                    if tells && misreports_revocation(&meta.backend, &reason) {
                         s.revoked_misreported += 1;
                     }
                     *s.revoked_loss_reasons.entry(reason).or_default() += 1;
@@ -1793,17 +1825,26 @@ mod tests {
             "{:?}",
             s.violations
         );
-        // etcd is not in the list (yet): any reason will do there.
         let s = check(&records, &[], &with_backend("etcd"));
+        assert_eq!(s.revoked_misreported, 1);
+        // A backend not in the list (a URL's unknown scheme): any reason will do.
+        let s = check(&records, &[], &with_backend("custom"));
         assert!(s.violations.is_empty(), "{:?}", s.violations);
         assert_eq!(s.revoked_loss_reasons.get("gone"), Some(&1));
+        // A holder that could not hear the revocation in time gave up on its
+        // own clock: not another cause.
+        let mut stalled = revoked_history(8);
+        stalled.push(lost_as(250 * MS, 1, 1, 7, "expired"));
+        let s = check(&stalled, &[], &with_backend("zk"));
+        assert_eq!(s.revoked_misreported, 0, "{:?}", s.violations);
     }
 
     #[test]
     fn a_revoked_holder_that_saw_an_untraced_signal_was_told() {
         let mut records = revoked_history(8);
         records.push(worker(260 * MS, 1, Step::Lost { cancelled: false }));
-        // No reason to compare where the backend does not tell revocations.
+        // Where the backend's sessions end on their own, its own signal may
+        // come first.
         let s = check(&records, &[], &with_backend("mysql-session"));
         assert!(s.violations.is_empty(), "{:?}", s.violations);
         assert_eq!(s.revoked_signalled, 1);
