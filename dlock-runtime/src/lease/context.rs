@@ -94,6 +94,12 @@ pub(crate) fn find(registry_id: u64, backend: &str, key: &str) -> Option<Found> 
 }
 
 /// The lock [`token_for`] chose: its key, its backend's name, its token.
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 pub(crate) struct TokenFor {
     pub(crate) key: String,
     pub(crate) backend: String,
@@ -108,6 +114,12 @@ pub(crate) struct TokenFor {
 /// write with the newer token of a lock it took inside (a lost lock giving
 /// the token itself is left to the fence, which refuses it once a newer
 /// holder wrote).
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 pub(crate) fn token_for(resource: &str) -> Option<Result<TokenFor, crate::LockError>> {
     HELD.try_with(|stack| {
         let frames = &stack.0;

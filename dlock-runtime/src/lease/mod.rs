@@ -27,6 +27,12 @@ mod state;
 mod watchdog;
 
 pub use context::{CurrentLock, current};
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 pub(crate) use context::{TokenFor, token_for};
 pub use guard::LockGuard;
 pub use lock::{DEFAULT_LEASE, LockBuilder, lock, lock_all};

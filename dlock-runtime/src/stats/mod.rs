@@ -80,9 +80,11 @@ pub(crate) struct Counters {
 pub(crate) struct Site {
     pub(crate) counters: Arc<Counters>,
     /// The backend's name in the registry (`default` for the default one).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) backend: Arc<str>,
     /// The `key` label: the attribute's key template, or what
     /// [`LockBuilder::key_label`](crate::LockBuilder::key_label) set.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) key_label: Option<Cow<'static, str>>,
 }
 

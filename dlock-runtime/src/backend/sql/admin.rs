@@ -58,8 +58,13 @@ pub(super) fn prefix_successor(prefix: &str) -> Option<String> {
     None
 }
 
-/// One lease-table row as the admin statements read it.
+/// One lease-table row as the admin statements read it (public in the
+/// PostgreSQL and MySQL dialects' trait).
 #[derive(Debug, Clone)]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unreachable_pub)
+)]
 pub struct Row {
     /// The stored key.
     pub key: String,
