@@ -1,0 +1,359 @@
+//! Revocation on etcd and Redlock under attack: a revoked holder is told
+//! "revoked" even when its successor is revoked before its next renewal,
+//! the next grant's token is larger, a waiter gets the key as soon as the
+//! holder is revoked, two revocations at once report the holder once, a
+//! Redlock revocation with a node stalled answers in time, a revocation
+//! racing the holder's release leaves no mark, and the mark of a holder
+//! that crashed goes with its session.
+#![cfg(all(feature = "redis", feature = "etcd"))]
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{EtcdBackend, LossReason, Registry};
+use dlock_testkit::{Fault, FaultProxy};
+use dlock_tests::{server_url, servers_missing, unique_key};
+use tokio::io::AsyncBufReadExt as _;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn redlock_url() -> String {
+    server_url(
+        "DLOCK_TEST_REDLOCK_URL",
+        "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+    )
+}
+
+fn etcd_url() -> String {
+    server_url(
+        "DLOCK_TEST_ETCD_URL",
+        "etcd://127.0.0.1:42379,127.0.0.1:42389,127.0.0.1:42399/dlock-test",
+    )
+}
+
+async fn connect(url: &str) -> Registry {
+    Registry::from_url(url)
+        .await
+        .unwrap_or_else(|e| servers_missing(url, e))
+}
+
+/// `host:port` of each node of the Redlock URL.
+fn redlock_hosts() -> Vec<String> {
+    redlock_url()
+        .trim_start_matches("redlock://")
+        .split(',')
+        .map(|h| h.trim_end_matches('/').to_owned())
+        .collect()
+}
+
+/// The guard's fencing token (0 on Redlock, which issues none).
+fn token(guard: &dlock_runtime::LockGuard) -> u64 {
+    guard.fencing_token().map_or(0, u64::from)
+}
+
+/// A holds with a lease whose next renewal is a few seconds away; it is
+/// revoked, a waiter takes the key and is revoked in turn before A's next
+/// renewal. A must still be told it was revoked (nothing else took its
+/// hold from it), and each grant's token is larger than the revoked one.
+async fn holder_revoked_then_successor_revoked(url: &str) {
+    let registry = connect(url).await;
+    let key = unique_key("revoked-twice");
+    let first = registry
+        .lock(&key)
+        .lease(6 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiter = {
+        let registry = registry.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            registry
+                .lock(&key)
+                .lease(6 * SECOND)
+                .wait(10 * SECOND)
+                .acquire()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    let second = tokio::time::timeout(5 * SECOND, waiter)
+        .await
+        .expect("the waiter gets the revoked key in time")
+        .expect("join")
+        .expect("the waiter's acquisition");
+    assert!(
+        token(&second) > token(&first) || token(&second) == 0,
+        "{} then {}",
+        token(&first),
+        token(&second)
+    );
+    let revoked = registry.revoke(&key).await.expect("revoke the successor");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    tokio::time::timeout(10 * SECOND, first.lost())
+        .await
+        .expect("the first holder learns");
+    tokio::time::timeout(10 * SECOND, second.lost())
+        .await
+        .expect("the second holder learns");
+    assert_eq!(
+        second.loss_reason(),
+        Some(LossReason::Revoked),
+        "the second holder"
+    );
+    assert_eq!(
+        first.loss_reason(),
+        Some(LossReason::Revoked),
+        "the first holder was revoked, then its successor was"
+    );
+    let third = registry
+        .lock(&key)
+        .wait(5 * SECOND)
+        .acquire()
+        .await
+        .expect("the key is free");
+    assert!(token(&third) > token(&second) || token(&third) == 0);
+    third.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_a_holder_whose_successor_is_revoked_too_is_told_revoked() {
+    holder_revoked_then_successor_revoked(&redlock_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_holder_whose_successor_is_revoked_too_is_told_revoked() {
+    holder_revoked_then_successor_revoked(&etcd_url()).await;
+}
+
+/// A waiter (wait 10 s) behind a 30 s lease gets the key soon after the
+/// holder is revoked, not when the lease runs out.
+async fn revocation_wakes_a_waiter(url: &str) {
+    let registry = connect(url).await;
+    let key = unique_key("revoke-wakes");
+    let holder = registry
+        .lock(&key)
+        .lease(30 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiter = {
+        let registry = registry.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            registry
+                .lock(&key)
+                .lease(30 * SECOND)
+                .wait(10 * SECOND)
+                .acquire()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let revoked_at = Instant::now();
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    let next = waiter
+        .await
+        .expect("join")
+        .expect("the waiter gets the key");
+    let waited = revoked_at.elapsed();
+    assert!(waited < 3 * SECOND, "woken {waited:?} after the revocation");
+    assert!(token(&next) > token(&holder) || token(&next) == 0);
+    next.release().await.expect("release");
+    let _ = holder.release().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_wakes_a_waiter() {
+    revocation_wakes_a_waiter(&redlock_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_revocation_wakes_a_waiter() {
+    revocation_wakes_a_waiter(&etcd_url()).await;
+}
+
+/// Two revocations at once, every node answering: exactly one reports the
+/// holder, round after round.
+async fn two_revocations_report_the_holder_once(url: &str) {
+    let registry = connect(url).await;
+    let other = connect(url).await;
+    for round in 0..10 {
+        let key = unique_key("revoked-by-two");
+        let holder = registry
+            .lock(&key)
+            .lease(10 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let (a, b) = tokio::join!(registry.revoke(&key), other.revoke(&key));
+        let reported = a.expect("revoke").len() + b.expect("revoke").len();
+        assert_eq!(
+            reported, 1,
+            "round {round}: the holder reported {reported} times"
+        );
+        tokio::time::timeout(10 * SECOND, holder.lost())
+            .await
+            .expect("the holder learns");
+        assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_two_revocations_at_once_report_the_holder_once() {
+    two_revocations_report_the_holder_once(&redlock_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_two_revocations_at_once_report_the_holder_once() {
+    two_revocations_report_the_holder_once(&etcd_url()).await;
+}
+
+/// A Redlock revocation sent through a registry whose last node is stalled
+/// answers within a bound, reports the holder (its copies went on the four
+/// other nodes), and the holder is told it was revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_with_a_node_stalled_answers_in_time() {
+    let hosts = redlock_hosts();
+    let holder_registry = connect(&redlock_url()).await;
+    let proxy = FaultProxy::start(hosts[4].clone()).await.expect("proxy");
+    let through = format!("redlock://{},{}", hosts[..4].join(","), proxy.addr());
+    let revoker = connect(&through).await;
+    let key = unique_key("revoke-stalled");
+    let holder = holder_registry
+        .lock(&key)
+        .lease(6 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    // The revoker's connections are open before the stall.
+    assert!(revoker.inspect(&key).await.expect("inspect").is_some());
+    proxy.set(Fault::Hold);
+    let started = Instant::now();
+    let revoked = tokio::time::timeout(10 * SECOND, revoker.revoke(&key))
+        .await
+        .expect("the revocation answers within 10 s")
+        .expect("four of five nodes answered");
+    let took = started.elapsed();
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    assert!(took < 5 * SECOND, "revoke took {took:?}");
+    tokio::time::timeout(10 * SECOND, holder.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
+    proxy.set(Fault::Pass);
+}
+
+/// etcd: the holder's release racing a revocation, round after round, never
+/// leaves a revocation mark behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_revocation_racing_the_release_leaves_no_mark() {
+    let url = etcd_url();
+    let etcd = EtcdBackend::connect(&url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e));
+    let registry = Registry::builder().default_backend(etcd.clone()).build();
+    let revoker = connect(&url).await;
+    let admin = dlock_tests::etcd_support::admin(&url).await;
+    for round in 0..20 {
+        let key = unique_key("revoke-vs-release");
+        let queue = etcd.queue_prefix(&format!("dlock:{key}"));
+        let (root, escaped) = queue
+            .trim_end_matches('/')
+            .rsplit_once('/')
+            .expect("{prefix}/{key}/");
+        let marks = format!("{root}/%revoked/{escaped}/");
+        let guard = registry
+            .lock(&key)
+            .lease(10 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let delay = Duration::from_micros(round * 500);
+        let (_, revoked) = tokio::join!(
+            async {
+                tokio::time::sleep(delay).await;
+                let _ = guard.release().await;
+            },
+            revoker.revoke(&key)
+        );
+        revoked.expect("revoke");
+        let left = dlock_tests::etcd_support::entries(&admin, &marks).await;
+        assert!(left.is_empty(), "round {round}: marks left {left:?}");
+        assert!(
+            dlock_tests::etcd_support::entries(&admin, &queue)
+                .await
+                .is_empty(),
+            "round {round}: an entry left"
+        );
+    }
+}
+
+/// etcd: the mark of a holder revoked and then killed goes with the
+/// holder's session, within about the session's TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_mark_of_a_crashed_revoked_holder_goes_with_its_session() {
+    let url = etcd_url();
+    let short = format!("{url}?session_ttl=2s");
+    let etcd = EtcdBackend::connect(&url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e));
+    let registry = Registry::builder().default_backend(etcd.clone()).build();
+    let admin = dlock_tests::etcd_support::admin(&url).await;
+    let key = unique_key("crashed-revoked");
+    let queue = etcd.queue_prefix(&format!("dlock:{key}"));
+    let (root, escaped) = queue
+        .trim_end_matches('/')
+        .rsplit_once('/')
+        .expect("{prefix}/{key}/");
+    let marks = format!("{root}/%revoked/{escaped}/");
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlock-admin-holder"))
+        .arg(&short)
+        .arg(&key)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start dlock-admin-holder");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let held = tokio::time::timeout(30 * SECOND, lines.next_line())
+        .await
+        .expect("the child holds in time")
+        .expect("its output")
+        .expect("a line");
+    assert!(held.starts_with("held "), "{held}");
+    // Killed right after the revocation, before its
+    // next renewal (its lease is 10 s: renewals about every 3 s).
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    child.kill().await.expect("kill the child");
+    assert_eq!(
+        dlock_tests::etcd_support::entries(&admin, &marks)
+            .await
+            .len(),
+        1,
+        "the mark is put"
+    );
+    let deadline = Instant::now() + 10 * SECOND;
+    loop {
+        let left = dlock_tests::etcd_support::entries(&admin, &marks).await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mark outlives the crashed holder's session: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The key is free for the next holder.
+    let next = registry
+        .lock(&key)
+        .wait(5 * SECOND)
+        .acquire()
+        .await
+        .expect("the key is free");
+    next.release().await.expect("release");
+}
