@@ -357,3 +357,76 @@ async fn etcd_mark_of_a_crashed_revoked_holder_goes_with_its_session() {
         .expect("the key is free");
     next.release().await.expect("release");
 }
+
+/// etcd: an acquisition queued behind a revoked holder whose entry is
+/// revoked in turn before it learns it heads the queue (its connection
+/// held meanwhile) queues again under the same entry name; once every hold
+/// of the key is released, no revocation mark is left on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_queued_acquisition_revoked_before_it_learns_leaves_no_mark() {
+    let url = etcd_url();
+    let etcd = EtcdBackend::connect(&url)
+        .await
+        .unwrap_or_else(|e| servers_missing(&url, e));
+    let registry = Registry::builder().default_backend(etcd.clone()).build();
+    let admin = dlock_tests::etcd_support::admin(&url).await;
+    let member = dlock_tests::etcd_support::endpoints(&url)[0].clone();
+    let proxy = FaultProxy::start(member).await.expect("proxy");
+    let through = dlock_tests::etcd_support::url_to(&[format!("127.0.0.1:{}", proxy.port())], "");
+    let waiting = connect(&through).await;
+    let key = unique_key("queued-revoked");
+    let queue = etcd.queue_prefix(&format!("dlock:{key}"));
+    let (root, escaped) = queue
+        .trim_end_matches('/')
+        .rsplit_once('/')
+        .expect("{prefix}/{key}/");
+    let marks = format!("{root}/%revoked/{escaped}/");
+
+    let holder = registry
+        .lock(&key)
+        .lease(30 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            waiting
+                .lock(&key)
+                .lease(30 * SECOND)
+                .wait(20 * SECOND)
+                .acquire()
+                .await
+        })
+    };
+    let queued_by = Instant::now() + 10 * SECOND;
+    while dlock_tests::etcd_support::entries(&admin, &queue)
+        .await
+        .len()
+        < 2
+    {
+        assert!(Instant::now() < queued_by, "the waiter never queued");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set(Fault::Hold);
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    let second = registry
+        .revoke(&key)
+        .await
+        .expect("revoke the queue's head");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set(Fault::Pass);
+    let next = waiter.await.expect("join");
+    let granted = next.as_ref().map(token).ok();
+    let _ = holder.release().await;
+    if let Ok(next) = next {
+        next.release().await.expect("release");
+    }
+    let left = dlock_tests::etcd_support::entries(&admin, &marks).await;
+    assert!(
+        left.is_empty(),
+        "marks left after every hold was released (the queue's head revoked: {second:?}; \
+         the waiter then granted token {granted:?}): {left:?}"
+    );
+}
