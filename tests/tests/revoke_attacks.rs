@@ -179,6 +179,7 @@ async fn etcd_revocation_wakes_a_waiter() {
 async fn two_revocations_report_the_holder_once(url: &str) {
     let registry = connect(url).await;
     let other = connect(url).await;
+    let revoked_before = registry.stats().lost_for(LossReason::Revoked);
     for round in 0..10 {
         let key = unique_key("revoked-by-two");
         let holder = registry
@@ -198,6 +199,11 @@ async fn two_revocations_report_the_holder_once(url: &str) {
             .expect("the holder learns");
         assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
     }
+    assert_eq!(
+        registry.stats().lost_for(LossReason::Revoked) - revoked_before,
+        10,
+        "losses by revocation counted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -429,4 +435,37 @@ async fn etcd_a_queued_acquisition_revoked_before_it_learns_leaves_no_mark() {
         "marks left after every hold was released (the queue's head revoked: {second:?}; \
          the waiter then granted token {granted:?}): {left:?}"
     );
+}
+
+/// A Redlock revocation through a registry whose last node was stalled
+/// before it ever connected there answers within a bound and reports the
+/// holder, whose copies went on the four other nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_with_a_node_stalled_from_the_start_answers_in_time() {
+    let hosts = redlock_hosts();
+    let holder_registry = connect(&redlock_url()).await;
+    let proxy = FaultProxy::start(hosts[4].clone()).await.expect("proxy");
+    proxy.set(Fault::Hold);
+    let through = format!("redlock://{},{}", hosts[..4].join(","), proxy.addr());
+    let key = unique_key("revoke-stalled-early");
+    let holder = holder_registry
+        .lock(&key)
+        .lease(6 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let started = Instant::now();
+    let revoked = tokio::time::timeout(10 * SECOND, async {
+        connect(&through).await.revoke(&key).await
+    })
+    .await
+    .expect("the revocation answers within 10 s")
+    .expect("four of five nodes answered");
+    let took = started.elapsed();
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    assert!(took < 5 * SECOND, "revoke took {took:?}");
+    tokio::time::timeout(10 * SECOND, holder.lost())
+        .await
+        .expect("the holder learns");
+    assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
 }
