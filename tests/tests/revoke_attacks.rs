@@ -469,3 +469,31 @@ async fn redlock_revocation_with_a_node_stalled_from_the_start_answers_in_time()
         .expect("the holder learns");
     assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
 }
+
+/// etcd: the revoked holder's read of its mark answered late once (held
+/// back 3 s on its connection, past one request bound, well within the
+/// session's TTL): the holder must still be told it was revoked, not that
+/// its key is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_revoked_holder_whose_mark_read_is_slow_is_told_revoked() {
+    let url = etcd_url();
+    let registry = connect(&url).await;
+    let member = dlock_tests::etcd_support::endpoints(&url)[0].clone();
+    let proxy = FaultProxy::start(member).await.expect("proxy");
+    let through = dlock_tests::etcd_support::url_to(&[format!("127.0.0.1:{}", proxy.port())], "");
+    let holding = connect(&through).await;
+    let key = unique_key("revoked-slow-mark");
+    let holder = holding
+        .lock(&key)
+        .lease(10 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    proxy.hold_next(&[b"%revoked/"], 3 * SECOND);
+    assert_eq!(registry.revoke(&key).await.expect("revoke").len(), 1);
+    tokio::time::timeout(15 * SECOND, holder.lost())
+        .await
+        .expect("the holder learns");
+    assert!(proxy.held_on().is_some(), "the mark's read was held back");
+    assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
+}
