@@ -497,3 +497,135 @@ async fn etcd_a_revoked_holder_whose_mark_read_is_slow_is_told_revoked() {
     assert!(proxy.held_on().is_some(), "the mark's read was held back");
     assert_eq!(holder.loss_reason(), Some(LossReason::Revoked));
 }
+
+/// Keys shaped like the marks (`%revoked`, `/`, a literal `\n` followed by
+/// `revoked`) are held, listed, revoked and told so like any other key;
+/// after the revocations the listing shows no mark and the keys are free.
+async fn keys_shaped_like_marks(url: &str, case: &str) {
+    let registry = connect(url).await;
+    let other = connect(url).await;
+    let base = unique_key(case);
+    let keys: Vec<String> = ["%revoked", "/%revoked/x", "\\nrevoked", "%2Frevoked"]
+        .iter()
+        .map(|suffix| format!("{base}{suffix}"))
+        .collect();
+    let mut guards = Vec::new();
+    for key in &keys {
+        guards.push(
+            registry
+                .lock(key)
+                .lease(3 * SECOND)
+                .acquire()
+                .await
+                .expect("acquire"),
+        );
+    }
+    let mut listed: Vec<String> = other
+        .list(&base, 100)
+        .await
+        .expect("list")
+        .iter()
+        .map(|info| info.key().to_owned())
+        .collect();
+    listed.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(listed, expected);
+    for key in &keys {
+        assert_eq!(other.revoke(key).await.expect("revoke").len(), 1, "{key}");
+    }
+    assert!(
+        other.list(&base, 100).await.expect("list").is_empty(),
+        "marks listed"
+    );
+    for (key, guard) in keys.iter().zip(&guards) {
+        tokio::time::timeout(10 * SECOND, guard.lost())
+            .await
+            .expect("the holder learns");
+        assert_eq!(guard.loss_reason(), Some(LossReason::Revoked), "{key}");
+        assert!(
+            other.inspect(key).await.expect("inspect").is_none(),
+            "{key}"
+        );
+    }
+    for key in &keys {
+        let next = other
+            .lock(key)
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{key} is free: {e}"));
+        next.release().await.expect("release");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_keys_shaped_like_marks_are_revoked_like_any_other() {
+    keys_shaped_like_marks(&redlock_url(), "redlock-mark-shaped").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_keys_shaped_like_marks_are_revoked_like_any_other() {
+    keys_shaped_like_marks(&etcd_url(), "etcd-mark-shaped").await;
+}
+
+/// Redlock: the holder's release racing a revocation, round after round,
+/// leaves the key free on every node and no mark without an expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_racing_the_release_frees_every_node() {
+    let registry = connect(&redlock_url()).await;
+    let revoker = connect(&redlock_url()).await;
+    let mut nodes = Vec::new();
+    for host in redlock_hosts() {
+        let url = format!("redis://{host}/");
+        nodes.push(
+            redis::Client::open(url.as_str())
+                .expect("node url")
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap_or_else(|e| servers_missing(&url, e)),
+        );
+    }
+    for round in 0..20u64 {
+        let key = unique_key(&format!("redlock-revoke-vs-release-{round}"));
+        let stored = format!("dlock:{key}");
+        let mark = format!("{stored}\nrevoked");
+        let guard = registry
+            .lock(&key)
+            .lease(5 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let delay = Duration::from_micros(round * 300);
+        let (_, revoked) = tokio::join!(
+            async {
+                tokio::time::sleep(delay).await;
+                let _ = guard.release().await;
+            },
+            revoker.revoke(&key)
+        );
+        revoked.expect("revoke");
+        for node in &mut nodes {
+            let held: Option<String> = redis::cmd("GET")
+                .arg(&stored)
+                .query_async(node)
+                .await
+                .expect("GET");
+            assert!(held.is_none(), "round {round}: a copy left: {held:?}");
+            let left: i64 = redis::cmd("PTTL")
+                .arg(&mark)
+                .query_async(node)
+                .await
+                .expect("PTTL");
+            assert!(
+                left == -2 || (0..=6_000).contains(&left),
+                "round {round}: a mark kept for {left} ms"
+            );
+        }
+        let next = registry
+            .lock(&key)
+            .acquire()
+            .await
+            .expect("the key is free at once");
+        next.release().await.expect("release");
+    }
+}
