@@ -629,3 +629,67 @@ async fn redlock_revocation_racing_the_release_frees_every_node() {
         next.release().await.expect("release");
     }
 }
+
+/// Redlock: a revocation while an acquisition is half-way (its copies on
+/// three nodes, two nodes stalled) reports that acquisition's holder, and
+/// the acquisition, if it returns a guard, is told "revoked" within a
+/// renewal period; the key is free for the next holder at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_during_a_half_granted_acquisition() {
+    let hosts = redlock_hosts();
+    let registry = connect(&redlock_url()).await;
+    let (four, five) = (
+        FaultProxy::start(hosts[3].clone()).await.expect("proxy"),
+        FaultProxy::start(hosts[4].clone()).await.expect("proxy"),
+    );
+    let through = format!(
+        "redlock://{},{},{}",
+        hosts[..3].join(","),
+        four.addr(),
+        five.addr()
+    );
+    let acquiring = connect(&through).await;
+    let key = unique_key("revoke-half-granted");
+    four.set(Fault::Hold);
+    five.set(Fault::Hold);
+    let acquisition = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            acquiring
+                .lock(&key)
+                .lease(3 * SECOND)
+                .wait(5 * SECOND)
+                .acquire()
+                .await
+        })
+    };
+    let seen_by = Instant::now() + 5 * SECOND;
+    while registry.inspect(&key).await.expect("inspect").is_none() {
+        assert!(
+            Instant::now() < seen_by,
+            "the copies never reached a majority"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let revoked = registry.revoke(&key).await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    let next = registry
+        .lock(&key)
+        .lease(3 * SECOND)
+        .acquire()
+        .await
+        .expect("the key is free at once");
+    four.set(Fault::Pass);
+    five.set(Fault::Pass);
+    if let Ok(half) = acquisition.await.expect("join") {
+        tokio::time::timeout(5 * SECOND, half.lost())
+            .await
+            .expect("the half-granted holder learns");
+        assert_eq!(half.loss_reason(), Some(LossReason::Revoked));
+    }
+    assert!(
+        next.loss_reason().is_none(),
+        "the next holder keeps the key"
+    );
+    next.release().await.expect("release");
+}
