@@ -693,3 +693,50 @@ async fn redlock_revocation_during_a_half_granted_acquisition() {
     );
     next.release().await.expect("release");
 }
+
+/// Redlock: a revocation dropped mid-way (one node stalled, dropped at
+/// several instants) leaves the holder either holding or told "revoked",
+/// never told its key is gone, and leaves no copy that outlives its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_revocation_dropped_mid_way_leaves_the_holder_holding_or_revoked() {
+    let hosts = redlock_hosts();
+    let registry = connect(&redlock_url()).await;
+    let proxy = FaultProxy::start(hosts[4].clone()).await.expect("proxy");
+    let through = format!("redlock://{},{}", hosts[..4].join(","), proxy.addr());
+    let revoker = connect(&through).await;
+    for (round, after) in [0u64, 2, 10, 30, 80, 200, 500].into_iter().enumerate() {
+        let key = unique_key(&format!("revoke-dropped-{round}"));
+        let holder = registry
+            .lock(&key)
+            .lease(3 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        assert!(revoker.inspect(&key).await.expect("inspect").is_some());
+        proxy.set(Fault::Hold);
+        let dropped = tokio::time::timeout(Duration::from_millis(after), revoker.revoke(&key))
+            .await
+            .is_err();
+        proxy.set(Fault::Pass);
+        tokio::time::sleep(2 * SECOND).await;
+        match holder.loss_reason() {
+            None => assert!(
+                registry.inspect(&key).await.expect("inspect").is_some(),
+                "round {round} (dropped: {dropped}): the holder is not told, yet holds nothing"
+            ),
+            Some(reason) => assert_eq!(
+                reason,
+                LossReason::Revoked,
+                "round {round} (dropped after {after} ms: {dropped})"
+            ),
+        }
+        let _ = holder.release().await;
+        let next = registry
+            .lock(&key)
+            .wait(5 * SECOND)
+            .acquire()
+            .await
+            .expect("the key is free");
+        next.release().await.expect("release");
+    }
+}
