@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use super::session::{HeldEntry, Session};
 use super::url::revocation_mark;
@@ -84,13 +84,24 @@ impl Inner {
                     Ok(ours) if session.is_alive() && ours.contains(&false) => {
                         revoked_among(&session, chunk, ours).await
                     }
-                    _ => vec![false; chunk.len()],
+                    _ => Ok(vec![false; chunk.len()]),
                 };
                 for (n, (i, entry, ttl)) in chunk.iter().enumerate() {
                     answers[*i] = Some(match &read {
+                        // The entry is gone, but whether a revocation took
+                        // it is not known yet: asked again at the next
+                        // renewal (the entry stays registered), until the
+                        // holder's give-up instant.
+                        Ok(ours) if !ours[n] && session.is_alive() && revoked.is_err() => {
+                            Err(BackendError::transient(format!(
+                                "etcd: the entry is gone and its revocation mark could not be \
+                                 read: {}",
+                                revoked.as_ref().err().map(ToString::to_string).unwrap_or_default()
+                            )))
+                        }
                         Ok(ours) if !ours[n] || !session.is_alive() => {
                             session.unregister(entry);
-                            if revoked[n] {
+                            if revoked.as_ref().is_ok_and(|r| r[n]) {
                                 Ok(Renewal::Revoked)
                             } else {
                                 Ok(Renewal::Lost)
@@ -154,14 +165,16 @@ impl Inner {
 
 /// For each entry of `chunk` that is no longer ours (`ours[n]` false):
 /// whether a revocation took it, read from the mark the revocation left
-/// (its value is the entry's create revision), which is deleted in the
-/// same transaction: it has been read. All false when the marks cannot
-/// be read: the entry is gone all the same.
+/// (its value is the entry's create revision; read, not deleted: a read
+/// whose answer was lost can be made again, and the hold's release deletes
+/// the mark with the entry). An error when the marks cannot be
+/// read: the caller asks again at the next renewal rather than call a
+/// revoked holder's loss another end.
 async fn revoked_among(
     session: &Session,
     chunk: &[(usize, Arc<HeldEntry>, Duration)],
     ours: &[bool],
-) -> Vec<bool> {
+) -> Result<Vec<bool>, BackendError> {
     let gone: Vec<(usize, String, i64)> = chunk
         .iter()
         .enumerate()
@@ -169,25 +182,24 @@ async fn revoked_among(
         .filter_map(|(n, (_, entry, _))| Some((n, revocation_mark(&entry.key)?, entry.revision)))
         .collect();
     let mut revoked = vec![false; chunk.len()];
-    let deletes: Vec<TxnOp> = gone
+    let reads: Vec<TxnOp> = gone
         .iter()
-        .map(|(_, mark, _)| {
-            TxnOp::delete(mark.as_str(), Some(DeleteOptions::new().with_prev_key()))
-        })
+        .map(|(_, mark, _)| TxnOp::get(mark.as_str(), None))
         .collect();
     let mut kv = session.client.kv_client();
-    let Ok(response) = session.call(kv.txn(Txn::new().and_then(deletes))).await else {
-        return revoked;
-    };
+    let response = session
+        .call(kv.txn(Txn::new().and_then(reads)))
+        .await
+        .map_err(|e| BackendError::transient(e.to_string()))?;
     for ((n, _, revision), answer) in gone.iter().zip(response.op_responses()) {
-        if let TxnOpResponse::Delete(deleted) = answer {
-            revoked[*n] = deleted
-                .prev_kvs()
+        if let TxnOpResponse::Get(read) = answer {
+            revoked[*n] = read
+                .kvs()
                 .first()
                 .is_some_and(|mark| mark.value() == revision.to_string().as_bytes());
         }
     }
-    revoked
+    Ok(revoked)
 }
 
 pub(super) fn held_entry(lease: &Lease) -> Option<Arc<HeldEntry>> {

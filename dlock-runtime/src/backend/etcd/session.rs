@@ -352,9 +352,10 @@ impl HeldEntry {
 
 /// Deletes `key` if its create revision is still `revision` (so never a
 /// newer entry of the same name), until done, the session ended (its lease
-/// takes the entry with it) or `deadline`. When the entry is already gone,
-/// the same transaction deletes the mark a revocation may have left for it
-/// (the hold is over: nobody will read it).
+/// takes the entry with it) or `deadline`. The same transaction deletes the
+/// mark a revocation may have left for this entry's name, whether the entry
+/// is still there (a name queued again after its revocation) or gone (the
+/// hold is over: nobody will read it).
 pub(super) async fn delete_entry(
     session: &Session,
     key: &str,
@@ -363,9 +364,11 @@ pub(super) async fn delete_entry(
 ) -> Result<(), EtcdError> {
     let mark = revocation_mark(key);
     let txn = || {
+        let mut ours = vec![TxnOp::delete(key, None)];
+        ours.extend(mark.as_deref().map(|m| TxnOp::delete(m, None)));
         let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, revision)])
-            .and_then([TxnOp::delete(key, None)]);
+            .and_then(ours);
         match &mark {
             Some(mark) => txn.or_else([TxnOp::delete(mark.as_str(), None)]),
             None => txn,

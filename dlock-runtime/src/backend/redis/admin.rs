@@ -35,7 +35,7 @@ static REVOKE_SHARDED: LazyLock<Script> =
 /// How many keys one `SCAN` step asks for.
 const SCAN_COUNT: usize = 1000;
 
-/// The key that marks the revoked owner of the lock key `lock` (`{K}`): in
+/// The set of the revoked owners of the lock key `lock` (`{K}`): in
 /// the lock's slot, so the renew and revoke scripts touch both.
 pub(super) fn revocation_mark(lock: &str) -> String {
     format!("{lock}:revoked")

@@ -48,7 +48,8 @@
 //! release channel is `{K}:released`. Its value is the owner token, a newline
 //! and the holder's record (token, grant time, host, pid, name: see
 //! `admin.rs`, which also reads it back for `inspect`, `list` and `revoke`);
-//! a revoked owner is marked in `{K}:revoked` for the lease it had left. The fence counters are shared, so the
+//! a revoked owner is added to `{K}:revoked` (the set of the owners revoked
+//! within their lease), which lives as long as the longest lease it marks had left. The fence counters are shared, so the
 //! server keeps **no key per lock name** once its lock is released: one
 //! counter `dlock-fence` per server (and database), or on **Redis Cluster**
 //! one per hash slot, `dlock-fence:{<tag>}`, with the tag chosen so that the

@@ -15,6 +15,12 @@ local mark = ttl
 if mark < 0 then
   mark = 60000
 end
-redis.call('SET', KEYS[2], string.match(held, '^[^\n]*'), 'PX', mark + 1000)
+-- The mark is the set of the owners revoked within their lease: a holder
+-- revoked after an earlier one does not hide the earlier one's revocation.
+-- It lives as long as its longest-lived owner needs.
+redis.call('SADD', KEYS[2], string.match(held, '^[^\n]*'))
+if redis.call('PTTL', KEYS[2]) < mark + 1000 then
+  redis.call('PEXPIRE', KEYS[2], mark + 1000)
+end
 redis.call('PUBLISH', ARGV[1], '1')
 return {held, ttl}

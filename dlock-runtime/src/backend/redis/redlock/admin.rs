@@ -10,9 +10,11 @@
 //!
 //! **Revocation.** `revoke` reads the majority owner, then runs one script
 //! on every node that, atomically, deletes that owner's copy *only if it is
-//! still there*, leaves a mark `<key>\nrevoked` holding the owner (for the
-//! copy's remaining TTL + 1 s, 60 s + 1 s for a copy without one: the mark
-//! disappears on its own), sends the release message, and answers whether
+//! still there*, adds the owner to a mark `<key>\nrevoked` (a set of the
+//! owners revoked within their lease, so a successor revoked in turn does
+//! not hide an earlier holder's revocation; it lives at least the copy's
+//! remaining TTL + 1 s, 60 s + 1 s for a copy without one, and disappears
+//! on its own), sends the release message, and answers whether
 //! it deleted. The holder is reported only by the revocation that deleted
 //! its copies on a majority of the nodes. Two revocations at once delete
 //! each copy once between them, so at most one of them reaches a majority
@@ -67,7 +69,10 @@ if held == ARGV[1] or (held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. 
   if ttl < 0 then
     ttl = 60000
   end
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', ttl + 1000)
+  redis.call('SADD', KEYS[2], ARGV[1])
+  if redis.call('PTTL', KEYS[2]) < ttl + 1000 then
+    redis.call('PEXPIRE', KEYS[2], ttl + 1000)
+  end
   redis.call('PUBLISH', ARGV[2], '1')
   return 1
 end
