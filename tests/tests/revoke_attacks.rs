@@ -24,6 +24,17 @@ fn redlock_url() -> String {
     )
 }
 
+fn redis_url() -> String {
+    server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
+}
+
+fn redis_cluster_url() -> String {
+    server_url(
+        "DLOCK_TEST_REDIS_CLUSTER_URL",
+        "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+    )
+}
+
 fn etcd_url() -> String {
     server_url(
         "DLOCK_TEST_ETCD_URL",
@@ -120,6 +131,16 @@ async fn holder_revoked_then_successor_revoked(url: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redlock_a_holder_whose_successor_is_revoked_too_is_told_revoked() {
     holder_revoked_then_successor_revoked(&redlock_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_holder_whose_successor_is_revoked_too_is_told_revoked() {
+    holder_revoked_then_successor_revoked(&redis_url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_a_holder_whose_successor_is_revoked_too_is_told_revoked() {
+    holder_revoked_then_successor_revoked(&redis_cluster_url()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -96,7 +96,11 @@ impl Inner {
                             Err(BackendError::transient(format!(
                                 "etcd: the entry is gone and its revocation mark could not be \
                                  read: {}",
-                                revoked.as_ref().err().map(ToString::to_string).unwrap_or_default()
+                                revoked
+                                    .as_ref()
+                                    .err()
+                                    .map(ToString::to_string)
+                                    .unwrap_or_default()
                             )))
                         }
                         Ok(ours) if !ours[n] || !session.is_alive() => {
