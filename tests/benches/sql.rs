@@ -171,17 +171,21 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(bench(plan, quick))
 }
 
-/// Where the servers' directories go: `target/bench-sql/`.
-fn servers_root() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
+/// Where the servers' directories go: `target/bench-sql/`, as an absolute
+/// path without `..` (the servers report their data directory so, and the
+/// benchmark compares it with its own).
+fn servers_root() -> anyhow::Result<PathBuf> {
+    let root = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
-        .join("bench-sql")
+        .join("bench-sql");
+    std::fs::create_dir_all(&root)?;
+    Ok(root.canonicalize()?)
 }
 
 async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
     let load_at_start = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let root = servers_root();
+    let root = servers_root()?;
     let pg = OwnServer::postgres(PG_PORT, &root).await?;
     let my = OwnServer::mariadb(MARIADB_PORT, &root).await?;
     let (pg_url, my_url) = (pg.url(), my.url());

@@ -60,6 +60,9 @@ pub(super) struct Contenders {
     pub(super) admin: MultiplexedConnection,
     pub(super) unlock: Script,
     pub(super) acquire_lua: Script,
+    /// The holder record dlock stores with each grant (this process's),
+    /// which the acquire script takes as its third argument.
+    pub(super) record: String,
     pub(super) release_lua: Script,
     pub(super) rslock: rslock::LockManager,
     pub(super) run: u64,
@@ -86,6 +89,7 @@ impl Contenders {
             admin: client.get_multiplexed_async_connection().await?,
             unlock: unlock_script(),
             acquire_lua: Script::new(ACQUIRE_LUA),
+            record: dlock_runtime::backend::HolderRecord::this_process().encode(),
             release_lua: Script::new(RELEASE_LUA),
             rslock: rslock::LockManager::new(vec![url.to_owned()]),
             run,
@@ -179,6 +183,7 @@ pub(super) async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
                 .key(FENCE_KEY)
                 .arg(&owner)
                 .arg(30_000)
+                .arg(&c.record)
                 .invoke_async(&mut conn)
                 .await
                 .unwrap_or_else(|e| panic!("dlock's scripts by hand: acquire failed: {e}"));

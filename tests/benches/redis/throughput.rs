@@ -53,6 +53,7 @@ pub(super) async fn step(c: &Contenders, s: Step, tag: &str, i: u64) {
                 .key(FENCE_KEY)
                 .arg(&owner)
                 .arg(30_000)
+                .arg(&c.record)
                 .invoke_async(&mut conn)
                 .await
                 .unwrap_or_else(|e| panic!("split: acquire.lua failed: {e}"));
