@@ -143,6 +143,7 @@ fn fenced_message(resource: &str, token: FencingToken, seen: Option<FencingToken
 /// A failure inside a backend, with whether it is worth retrying.
 pub struct BackendError {
     retryable: bool,
+    config: bool,
     source: Box<dyn std::error::Error + Send + Sync + 'static>,
 }
 
@@ -151,6 +152,7 @@ impl BackendError {
     pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         BackendError {
             retryable: true,
+            config: false,
             source: source.into(),
         }
     }
@@ -159,8 +161,26 @@ impl BackendError {
     pub fn permanent(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         BackendError {
             retryable: false,
+            config: false,
             source: source.into(),
         }
+    }
+
+    /// A request the caller's configuration makes impossible (a semaphore
+    /// asked with another number of permits than its holders use, a mode the
+    /// key is not held in): the caller gets [`LockError::Config`] with
+    /// `message`. Not retryable.
+    pub fn config(message: impl Into<String>) -> Self {
+        BackendError {
+            retryable: false,
+            config: true,
+            source: message.into().into(),
+        }
+    }
+
+    /// Whether this is a [`config`](Self::config) error.
+    pub fn is_config(&self) -> bool {
+        self.config
     }
 
     /// Whether the same call may succeed later.
@@ -186,6 +206,9 @@ impl BackendError {
 
     /// Wraps it into [`LockError::Backend`].
     pub(crate) fn into_lock_error(self, backend: &'static str) -> LockError {
+        if self.config {
+            return LockError::config(self.source.to_string());
+        }
         LockError::Backend {
             backend,
             source: self,
@@ -197,6 +220,7 @@ impl fmt::Debug for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackendError")
             .field("retryable", &self.retryable)
+            .field("config", &self.config)
             .field("source", &self.source)
             .finish()
     }

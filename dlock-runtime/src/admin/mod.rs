@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::backend::{HeldEntry, KeyEntry, LockBackend};
+use crate::backend::{HeldEntry, HoldMode, KeyEntry, LockBackend};
 use crate::error::{BackendError, LockError};
 use crate::lease::Registry;
 use crate::token::FencingToken;
@@ -149,8 +149,8 @@ impl HolderInfo {
             pid,
             name,
             token: entry.token,
-            slot: None,
-            reader: false,
+            slot: entry.slot,
+            reader: entry.mode == HoldMode::Shared,
             granted_at: entry.granted_at,
             expires_in: entry.expires_in,
         }

@@ -13,6 +13,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
+use super::HoldMode;
 use crate::token::FencingToken;
 
 /// Who holds a grant: stamped by the runtime on every acquisition and stored by
@@ -134,6 +135,10 @@ pub struct HeldEntry {
     /// lease of its own (`None` for holds that end with a session or a
     /// connection, like PostgreSQL's session mode).
     pub expires_in: Option<Duration>,
+    /// What the holder holds of the key (a reader's share, a permit).
+    pub mode: HoldMode,
+    /// The semaphore slot of a permit holder.
+    pub slot: Option<u32>,
 }
 
 impl HeldEntry {
@@ -145,6 +150,8 @@ impl HeldEntry {
             token: None,
             granted_at: None,
             expires_in: None,
+            mode: HoldMode::Exclusive,
+            slot: None,
         }
     }
 }

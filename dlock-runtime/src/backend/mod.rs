@@ -38,6 +38,7 @@ pub mod holders;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "mysql"))]
 mod local;
 pub mod memory;
+mod mode;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -48,6 +49,7 @@ pub mod zookeeper;
 
 pub use connect::connect;
 pub use holders::{HeldEntry, HolderRecord, KeyEntry};
+pub use mode::{HoldMode, MAX_PERMITS};
 pub use wait::WakeSource;
 
 /// What the runtime asks a backend for when it acquires a lock.
@@ -74,6 +76,11 @@ pub struct AcquireRequest {
     /// Who asks: stored by the backend with the grant and read back by
     /// [`inspect`](LockBackend::inspect) and [`list`](LockBackend::list).
     pub holder: Arc<HolderRecord>,
+    /// What the request holds of the key: the whole key (a plain lock, the
+    /// default), a reader's share, or one permit of a semaphore. A backend
+    /// that does not offer `mode` has said so in
+    /// [`offers`](LockBackend::offers); the runtime never sends it one.
+    pub mode: HoldMode,
 }
 
 impl AcquireRequest {
@@ -88,7 +95,14 @@ impl AcquireRequest {
             lost: CancellationToken::new(),
             fencing: true,
             holder: HolderRecord::this_process(),
+            mode: HoldMode::Exclusive,
         }
+    }
+
+    /// Asks for `mode` instead of the whole key.
+    pub fn with_mode(mut self, mode: HoldMode) -> Self {
+        self.mode = mode;
+        self
     }
 
     /// Waits up to `wait` for a busy key.
@@ -136,6 +150,14 @@ pub struct Lease {
     /// travel over different connections releases such a lease over each of
     /// them, behind whatever is still in flight there.
     pub after_unanswered: bool,
+    /// What the lease holds of the key (the request's [`mode`](AcquireRequest::mode)).
+    pub mode: HoldMode,
+    /// The semaphore slot a [`HoldMode::Permit`] grant took (`0..permits`),
+    /// set by the backend with [`with_slot`](Lease::with_slot); `None` for
+    /// other modes. A lease the runtime builds to undo an abandoned attempt
+    /// has no slot: a backend's release then frees whatever permit the owner
+    /// holds on the key.
+    pub slot: Option<u32>,
 }
 
 impl Lease {
@@ -149,7 +171,15 @@ impl Lease {
             valid_until: Instant::now(),
             extra: None,
             after_unanswered: false,
+            mode: request.mode,
+            slot: None,
         }
+    }
+
+    /// The semaphore slot this grant took.
+    pub fn with_slot(mut self, slot: u32) -> Self {
+        self.slot = Some(slot);
+        self
     }
 
     /// Keeps backend-specific state with the lease.
@@ -164,6 +194,8 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("key", &self.key)
             .field("token", &self.token)
+            .field("mode", &self.mode)
+            .field("slot", &self.slot)
             .field("valid_until", &self.valid_until)
             .finish_non_exhaustive()
     }
@@ -276,8 +308,24 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Ok(())
     }
 
-    /// One attempt to take the key for `request.owner`, for `request.lease`.
-    /// Never waits for a busy key: the runtime's wait loop does.
+    /// Whether this backend offers `mode` (semaphores, read-write locks):
+    /// `Err` says why not, and the runtime answers
+    /// [`LockError::Config`](crate::LockError::Config) with it before any
+    /// attempt. The default offers [`HoldMode::Exclusive`] only.
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        match mode {
+            HoldMode::Exclusive => Ok(()),
+            other => Err(format!(
+                "the {} backend does not offer {other}",
+                self.kind()
+            )),
+        }
+    }
+
+    /// One attempt to take the key for `request.owner`, for `request.lease`,
+    /// in `request.mode`. Never waits for a busy key: the runtime's wait loop
+    /// does. Holders of the key in another mode (see [`HoldMode`]) are an
+    /// `Err` made with [`BackendError::config`] naming both.
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,

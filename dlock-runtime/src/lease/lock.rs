@@ -17,7 +17,7 @@ use super::held::{HeldLease, NewLease};
 use super::registry::{BackendEntry, Registry, global};
 use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired, AcquiredAll};
-use crate::backend::{AcquireRequest, Lease, LockBackend};
+use crate::backend::{AcquireRequest, HoldMode, Lease, LockBackend};
 use crate::error::{BackendError, LockError};
 use crate::stats::{Site, WaitOutcome};
 use crate::time::MIN_LEASE;
@@ -394,6 +394,7 @@ fn new_request(
         lost: backend_lost,
         fencing: options.fencing,
         holder: registry.inner.holder.clone(),
+        mode: HoldMode::Exclusive,
     }
 }
 

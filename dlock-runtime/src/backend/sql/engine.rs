@@ -901,6 +901,7 @@ fn copy_request(request: &AcquireRequest) -> AcquireRequest {
         lost: request.lost.clone(),
         fencing: request.fencing,
         holder: request.holder.clone(),
+        mode: request.mode,
     }
 }
 
@@ -913,6 +914,8 @@ fn copy_lease(lease: &Lease) -> Lease {
         valid_until: lease.valid_until,
         extra: lease.extra.clone(),
         after_unanswered: lease.after_unanswered,
+        mode: lease.mode,
+        slot: lease.slot,
     }
 }
 
