@@ -262,6 +262,7 @@ fn generate(model: &Model) -> TokenStream {
                 max_hold: #max_hold,
                 key_template: #key_template,
                 backend: #backend,
+                mode: #k::__private::HoldMode::Exclusive,
             };
             #key_binding
             #call

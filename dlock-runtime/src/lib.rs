@@ -87,7 +87,7 @@ pub use backend::sql::PostgresBackend;
 pub use backend::sql::SqliteBackend;
 #[cfg(feature = "zookeeper")]
 pub use backend::zookeeper::ZooKeeperBackend;
-pub use backend::{LockBackend, connect};
+pub use backend::{HoldMode, LockBackend, MAX_PERMITS, connect};
 pub use dlock_macros::distributed_lock;
 pub use error::{BackendError, LockError};
 pub use key::{DEFAULT_PREFIX, MAX_KEY_LEN};

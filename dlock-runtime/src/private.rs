@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 
+pub use crate::backend::HoldMode;
 pub use crate::outcome::{LockOutcome, SkipOutcome};
 pub use std::format;
 pub use std::string::String;
@@ -58,6 +59,8 @@ pub struct Spec {
     pub key_template: &'static str,
     /// `backend`.
     pub backend: Option<&'static str>,
+    /// `permits` / `mode`.
+    pub mode: HoldMode,
 }
 
 /// Runs `body` under the lock, with `on_busy = "fail"`.
@@ -114,6 +117,8 @@ async fn run<R: LockOutcome, F: Future<Output = R>>(
         backend: spec.backend.map(Cow::Borrowed),
         max_hold: spec.max_hold,
         key_label: Some(Cow::Borrowed(spec.key_template)),
+        mode: spec.mode,
+        permits: spec.mode.permits(),
     };
     let acquired = acquire_counted(registry, &options, keys).await;
     let guard = match acquired {

@@ -264,6 +264,12 @@ impl CurrentLock {
         self.first().fencing_token()
     }
 
+    /// The semaphore slot of the innermost hold (`0..permits`); `None` for a
+    /// plain or read-write lock.
+    pub fn permit(&self) -> Option<u32> {
+        self.first().lease.slot
+    }
+
     /// Whether the lease is known to be lost (also once its local give-up
     /// instant has passed, before the watchdog has looked); for several keys,
     /// whether any of them is.

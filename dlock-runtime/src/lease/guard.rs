@@ -133,6 +133,13 @@ impl LockGuard {
         self.first().fencing_token()
     }
 
+    /// The semaphore slot this hold took (`0..permits`, see
+    /// [`LockBuilder::permits`](crate::LockBuilder::permits)); `None` for a
+    /// plain or read-write lock. For several keys, the first key's.
+    pub fn permit(&self) -> Option<u32> {
+        self.first().lease.slot
+    }
+
     /// The fencing token of one key of the hold; `None` if the hold does not
     /// have that key, or on backends without a safe token (Redlock).
     pub fn fencing_token_of(&self, key: &str) -> Option<FencingToken> {

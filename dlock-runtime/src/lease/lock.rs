@@ -17,7 +17,7 @@ use super::held::{HeldLease, NewLease};
 use super::registry::{BackendEntry, Registry, global};
 use super::shutdown::Leases;
 use crate::backend::wait::{self, Acquired, AcquiredAll};
-use crate::backend::{AcquireRequest, HoldMode, Lease, LockBackend};
+use crate::backend::{AcquireRequest, HoldMode, Lease, LockBackend, MAX_PERMITS};
 use crate::error::{BackendError, LockError};
 use crate::stats::{Site, WaitOutcome};
 use crate::time::MIN_LEASE;
@@ -39,6 +39,11 @@ pub(crate) struct LockOptions {
     pub(crate) max_hold: Option<Duration>,
     /// The `key` label of the metrics (the attribute's key template).
     pub(crate) key_label: Option<Cow<'static, str>>,
+    /// What the hold takes of each key: the whole key, a reader's share, a permit.
+    pub(crate) mode: HoldMode,
+    /// The number of permits asked with [`LockBuilder::permits`], checked
+    /// when the lock is acquired (`mode` is then its [`HoldMode`]).
+    pub(crate) permits: Option<u32>,
 }
 
 impl Default for LockOptions {
@@ -52,6 +57,8 @@ impl Default for LockOptions {
             backend: None,
             max_hold: None,
             key_label: None,
+            mode: HoldMode::Exclusive,
+            permits: None,
         }
     }
 }
@@ -214,6 +221,40 @@ impl LockBuilder {
         self
     }
 
+    /// A semaphore of `n` permits (1 ..= [`MAX_PERMITS`]): at most `n`
+    /// holders of the key at once, each on its own slot
+    /// ([`LockGuard::permit`]), with fencing tokens increasing per (key,
+    /// slot). `permits(1)` is the plain lock. Every holder of a key must
+    /// use the same `n` (a plain lock counts as 1): while the key has
+    /// holders, another `n` is [`LockError::Config`] naming both. 0 or more
+    /// than [`MAX_PERMITS`] is [`LockError::Config`] when acquired.
+    pub fn permits(mut self, n: u32) -> Self {
+        self.options.permits = Some(n);
+        self.options.mode = if n == 1 {
+            HoldMode::Exclusive
+        } else {
+            HoldMode::Permit { permits: n }
+        };
+        self
+    }
+
+    /// The read mode of a read-write lock: readers share the key, a writer
+    /// ([`write`](Self::write), or a plain lock) excludes everyone, and a
+    /// waiting writer holds new readers back.
+    pub fn read(mut self) -> Self {
+        self.options.permits = None;
+        self.options.mode = HoldMode::Shared;
+        self
+    }
+
+    /// The write mode of a read-write lock: the plain lock, excluding readers
+    /// and other writers (the default).
+    pub fn write(mut self) -> Self {
+        self.options.permits = None;
+        self.options.mode = HoldMode::Exclusive;
+        self
+    }
+
     /// The `key` label of this lock's [metrics](crate::metrics) (feature
     /// `metrics`); without it the builder's locks have none. Give a bounded
     /// pattern (`"order:{id}"`), not the formatted key, unless the keys are
@@ -306,10 +347,22 @@ fn checked_backend(registry: &Registry, options: &LockOptions) -> Result<Backend
             )));
         }
     }
+    if let Some(n) = options.permits
+        && (n == 0 || n > MAX_PERMITS)
+    {
+        return Err(LockError::config(format!(
+            "a semaphore has 1 to {MAX_PERMITS} permits, got {n}"
+        )));
+    }
     if registry.inner.leases.is_closing() {
         return Err(LockError::ShutDown);
     }
-    Ok(registry.backend(options.backend.as_deref())?.clone())
+    let entry = registry.backend(options.backend.as_deref())?.clone();
+    entry
+        .backend
+        .offers(options.mode)
+        .map_err(LockError::config)?;
+    Ok(entry)
 }
 
 /// The stored form of a user's key (with the registry's prefix), checked
@@ -394,7 +447,7 @@ fn new_request(
         lost: backend_lost,
         fencing: options.fencing,
         holder: registry.inner.holder.clone(),
-        mode: HoldMode::Exclusive,
+        mode: options.mode,
     }
 }
 
