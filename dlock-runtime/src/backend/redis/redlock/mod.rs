@@ -104,7 +104,7 @@ use super::connections::Route;
 use super::scripts::{RELEASE, RENEW, millis, redis_error};
 use super::url::{Topology, parse_url};
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 
@@ -415,6 +415,15 @@ impl RedlockBackend {
 impl LockBackend for RedlockBackend {
     fn kind(&self) -> &'static str {
         "redlock"
+    }
+
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        match mode {
+            HoldMode::Exclusive => Ok(()),
+            other => Err(format!(
+                "Redlock does not offer {other}: a majority of independent masters cannot keep                  its invariant (two majorities of permits or of readers overlap in one node, so                  a node that restarts or loses a key can hand out one permit or one write too                  many); use a single Redis, Redis Sentinel or Cluster for semaphores and                  read-write locks. Plain locks (the write mode) and several keys work here"
+            )),
+        }
     }
 
     fn try_acquire<'a>(
