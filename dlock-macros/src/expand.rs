@@ -10,7 +10,7 @@ use syn::{AttrStyle, Ident, ItemFn, LitStr, Member, ReturnType, Type};
 
 use crate::parse::Args;
 use crate::template::{Field, Piece};
-use crate::validate::{self, BusyPolicy, LostPolicy, Model};
+use crate::validate::{self, BusyPolicy, LostPolicy, Mode, Model};
 
 /// The whole attribute: parse, validate, generate. Never fails: errors become
 /// `compile_error!`s emitted next to the original, unmodified item.
@@ -137,6 +137,16 @@ fn generate(model: &Model) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
+    let mode_span = model.mode.span;
+    let mode = match model.mode.value {
+        Mode::Exclusive => quote_spanned!(mode_span=> #k::__private::HoldMode::Exclusive),
+        Mode::Shared => quote_spanned!(mode_span=> #k::__private::HoldMode::Shared),
+        Mode::Permit(permits) => {
+            let mut permits = proc_macro2::Literal::u32_unsuffixed(permits);
+            permits.set_span(mode_span);
+            quote_spanned!(mode_span=> #k::__private::HoldMode::Permit { permits: #permits })
+        }
+    };
     // The key label of the metrics: the templates as written (bounded).
     let key_template = LitStr::new(
         &model
@@ -262,7 +272,7 @@ fn generate(model: &Model) -> TokenStream {
                 max_hold: #max_hold,
                 key_template: #key_template,
                 backend: #backend,
-                mode: #k::__private::HoldMode::Exclusive,
+                mode: #mode,
             };
             #key_binding
             #call
@@ -372,6 +382,7 @@ mod tests {
             "max_hold:::core::option::Option::None",
             "key_template:\"order:{order.id}\"",
             "backend:::core::option::Option::None",
+            "mode:::dlock_runtime::__private::HoldMode::Exclusive",
             "let__dlock_key:::dlock_runtime::__private::String=::dlock_runtime::__private::format!(\"order:{}\",&order.id);",
             "::dlock_runtime::__private::run_fail::<io::Result<_>,_>(&__DLOCK_SPEC,__dlock_key,asyncmove{body()}).await",
         ] {
@@ -476,5 +487,77 @@ mod tests {
         ] {
             assert!(compact.contains(expected), "missing {expected} in\n{out}");
         }
+    }
+
+    #[test]
+    fn permits_become_a_permit_mode() {
+        let out = expand_str(r#"key = "pay", permits = 3"#, "async fn f() {}");
+        let compact: String = out.split_whitespace().collect();
+        assert!(
+            compact.contains("mode:::dlock_runtime::__private::HoldMode::Permit{permits:3}"),
+            "{out}"
+        );
+        // A suffix is the user's; the field is a `u32` whatever they wrote.
+        let out = expand_str(r#"key = "pay", permits = 1024u16"#, "async fn f() {}");
+        let compact: String = out.split_whitespace().collect();
+        assert!(compact.contains("HoldMode::Permit{permits:1024}"), "{out}");
+    }
+
+    #[test]
+    fn one_permit_is_the_plain_lock() {
+        let out = expand_str(r#"key = "k", permits = 1"#, "async fn f() {}");
+        let compact: String = out.split_whitespace().collect();
+        assert!(
+            compact.contains("mode:::dlock_runtime::__private::HoldMode::Exclusive"),
+            "{out}"
+        );
+        assert!(!compact.contains("Permit"), "{out}");
+    }
+
+    #[test]
+    fn read_and_write_modes() {
+        let out = expand_str(
+            r#"key = "doc:{id}", mode = "read", crate = "my::rt""#,
+            "async fn f(id: u8) {}",
+        );
+        let compact: String = out.split_whitespace().collect();
+        assert!(
+            compact.contains("mode:my::rt::__private::HoldMode::Shared"),
+            "{out}"
+        );
+        let out = expand_str(r#"key = "doc", mode = "write""#, "async fn f() {}");
+        let compact: String = out.split_whitespace().collect();
+        assert!(
+            compact.contains("mode:::dlock_runtime::__private::HoldMode::Exclusive"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn modes_with_several_keys() {
+        let out = expand_str(
+            r#"keys = ["a:{x}", "b:{x}"], permits = 2"#,
+            "async fn f(x: u8) {}",
+        );
+        let compact: String = out.split_whitespace().collect();
+        assert!(compact.contains("HoldMode::Permit{permits:2}"), "{out}");
+        assert!(compact.contains("run_fail_all::<(),_>"), "{out}");
+        let out = expand_str(
+            r#"mode = "read", keys = ["a:{x}", "b:{x}"]"#,
+            "async fn f(x: u8) {}",
+        );
+        let compact: String = out.split_whitespace().collect();
+        assert!(compact.contains("HoldMode::Shared"), "{out}");
+        assert!(compact.contains("run_fail_all::<(),_>"), "{out}");
+    }
+
+    #[test]
+    fn a_bad_mode_keeps_the_original_function() {
+        let item = "async fn f() {}";
+        let out = expand_str(r#"key = "k", permits = 0, mode = "read""#, item);
+        assert_eq!(out.matches("compile_error").count(), 2, "{out}");
+        assert!(!out.contains("HoldMode"), "{out}");
+        let original: TokenStream = item.parse().expect("item tokens");
+        assert!(out.ends_with(&original.to_string()), "{out}");
     }
 }

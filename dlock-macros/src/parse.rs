@@ -8,7 +8,7 @@
 use proc_macro2::{Span, TokenStream, TokenTree};
 use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream, Parser};
-use syn::{Ident, Lit, LitBool, LitStr, Token};
+use syn::{Ident, Lit, LitBool, LitInt, LitStr, Token};
 
 mod kw {
     syn::custom_keyword!(key);
@@ -21,11 +21,13 @@ mod kw {
     syn::custom_keyword!(fencing);
     syn::custom_keyword!(hold_at_least);
     syn::custom_keyword!(max_hold);
+    syn::custom_keyword!(permits);
+    syn::custom_keyword!(mode);
     syn::custom_keyword!(backend);
 }
 
 /// Every argument name, in the order the docs list them.
-pub(crate) const ALLOWED: &str = "key, keys, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, max_hold, backend, crate";
+pub(crate) const ALLOWED: &str = "key, keys, wait, lease, on_busy, on_lost, watchdog, fencing, hold_at_least, max_hold, permits, mode, backend, crate";
 
 /// The parsed (not yet validated) arguments.
 #[derive(Default)]
@@ -41,6 +43,10 @@ pub(crate) struct Args {
     pub(crate) fencing: Option<LitBool>,
     pub(crate) hold_at_least: Option<LitStr>,
     pub(crate) max_hold: Option<LitStr>,
+    /// `permits = N`: the integer literal as written (checked by `validate`).
+    pub(crate) permits: Option<LitInt>,
+    /// `mode = "read" | "write"` (checked by `validate`).
+    pub(crate) mode: Option<LitStr>,
     pub(crate) backend: Option<LitStr>,
     pub(crate) krate: Option<LitStr>,
     /// Whether a `key` argument was written, even one with a bad value (so that a
@@ -48,6 +54,9 @@ pub(crate) struct Args {
     pub(crate) key_written: bool,
     /// The same for `keys`.
     pub(crate) keys_written: bool,
+    /// Which of `permits` and `mode` was written first, whatever its value:
+    /// the other one is then an error at its own argument.
+    hold_written: Option<Name>,
     /// Every parse error, combined; `None` if there were none.
     pub(crate) errors: Option<syn::Error>,
 }
@@ -65,6 +74,8 @@ enum Name {
     Fencing,
     HoldAtLeast,
     MaxHold,
+    Permits,
+    Mode,
     Backend,
     Crate,
 }
@@ -82,6 +93,8 @@ impl Name {
             Name::Fencing => "fencing",
             Name::HoldAtLeast => "hold_at_least",
             Name::MaxHold => "max_hold",
+            Name::Permits => "permits",
+            Name::Mode => "mode",
             Name::Backend => "backend",
             Name::Crate => "crate",
         }
@@ -100,6 +113,8 @@ impl Name {
             Name::Fencing => "fencing = false",
             Name::HoldAtLeast => "hold_at_least = \"1s\"",
             Name::MaxHold => "max_hold = \"5m\"",
+            Name::Permits => "permits = 3",
+            Name::Mode => "mode = \"read\"",
             Name::Backend => "backend = \"redis\"",
             Name::Crate => "crate = \"::dlock_runtime\"",
         }
@@ -114,6 +129,8 @@ impl Name {
             Name::OnBusy => "a string, \"fail\" or \"skip\"",
             Name::OnLost => "a string, \"cancel\" or \"continue\"",
             Name::Watchdog | Name::Fencing => "a bool literal",
+            Name::Permits => "an integer literal from 1 to 1024",
+            Name::Mode => "a string, \"read\" or \"write\"",
             Name::Backend => "a string naming a registered backend",
             Name::Crate => "a string holding a path",
         }
@@ -126,6 +143,7 @@ enum Value {
     /// `keys`: the templates and the span of the list.
     Strs(Vec<LitStr>, Span),
     Bool(LitBool),
+    Int(LitInt),
 }
 
 impl Parse for Args {
@@ -147,18 +165,31 @@ impl Parse for Args {
                 }
                 continue;
             }
-            if let Some(TokenTree::Ident(name)) = chunk.clone().into_iter().next()
-                && name == "key"
-            {
-                args.key_written = true;
+            let first = match chunk.clone().into_iter().next() {
+                Some(TokenTree::Ident(name)) => name.to_string(),
+                _ => String::new(),
+            };
+            match first.as_str() {
+                "key" => args.key_written = true,
+                "keys" => args.keys_written = true,
+                "permits" | "mode" => {
+                    let name = if first == "permits" {
+                        Name::Permits
+                    } else {
+                        Name::Mode
+                    };
+                    match args.hold_written {
+                        Some(earlier) if earlier != name => {
+                            args.error(permits_with_mode(&chunk, name));
+                            continue;
+                        }
+                        _ => args.hold_written = Some(name),
+                    }
+                }
+                _ => {}
             }
-            if let Some(TokenTree::Ident(name)) = chunk.clone().into_iter().next()
-                && name == "keys"
-            {
-                args.keys_written = true;
-            }
-            match (|input: ParseStream<'_>| parse_arg(input)).parse2(chunk) {
-                Ok((name, name_span, value)) => args.set(name, name_span, value),
+            match (|input: ParseStream<'_>| parse_arg(input)).parse2(chunk.clone()) {
+                Ok((name, name_span, value)) => args.set(name, name_span, &chunk, value),
                 Err(e) => args.error(e),
             }
         }
@@ -174,7 +205,8 @@ impl Args {
         }
     }
 
-    fn set(&mut self, name: Name, name_span: Span, value: Value) {
+    /// Stores a well-formed argument; `arg` is all of its tokens (`name = value`).
+    fn set(&mut self, name: Name, name_span: Span, arg: &TokenStream, value: Value) {
         let duplicate = match (name, value) {
             (Name::Watchdog, Value::Bool(b)) => replace(&mut self.watchdog, b),
             (Name::Fencing, Value::Bool(b)) => replace(&mut self.fencing, b),
@@ -186,22 +218,46 @@ impl Args {
             (Name::OnLost, Value::Str(s)) => replace(&mut self.on_lost, s),
             (Name::HoldAtLeast, Value::Str(s)) => replace(&mut self.hold_at_least, s),
             (Name::MaxHold, Value::Str(s)) => replace(&mut self.max_hold, s),
+            (Name::Permits, Value::Int(n)) => replace(&mut self.permits, n),
+            (Name::Mode, Value::Str(s)) => replace(&mut self.mode, s),
             (Name::Backend, Value::Str(s)) => replace(&mut self.backend, s),
             (Name::Crate, Value::Str(s)) => replace(&mut self.krate, s),
             // `parse_value` only returns a bool for `watchdog` and `fencing`, a
-            // list for `keys` and a string otherwise.
+            // list for `keys`, an integer for `permits` and a string otherwise.
             _ => false,
         };
         if duplicate {
-            self.error(syn::Error::new(
-                name_span,
-                format!(
-                    "duplicate argument `{}`: each argument may be given once",
-                    name.as_str()
-                ),
-            ));
+            let message = format!(
+                "duplicate argument `{}`: each argument may be given once",
+                name.as_str()
+            );
+            // A second `permits` or `mode` is shown whole, value included: it
+            // says another kind of lock than the first.
+            self.error(match name {
+                Name::Permits | Name::Mode => syn::Error::new_spanned(arg, message),
+                _ => syn::Error::new(name_span, message),
+            });
         }
     }
+}
+
+/// The error for the second of `permits` and `mode` (`second` names it),
+/// spanned at that whole argument.
+fn permits_with_mode(arg: &TokenStream, second: Name) -> syn::Error {
+    let first = if second == Name::Permits {
+        "mode"
+    } else {
+        "permits"
+    };
+    syn::Error::new_spanned(
+        arg,
+        format!(
+            "`{}` cannot be used with `{first}`: a semaphore (`permits = N`) has no read or \
+             write mode; keep `permits = N` for at most N holders at once, or \
+             `mode = \"read\"` / `mode = \"write\"` for a read-write lock",
+            second.as_str()
+        ),
+    )
 }
 
 /// Stores `value` in `slot` unless it is already set; returns whether it was.
@@ -277,6 +333,8 @@ fn parse_name(input: ParseStream<'_>) -> syn::Result<(Name, Span)> {
         kw::fencing => Name::Fencing,
         kw::hold_at_least => Name::HoldAtLeast,
         kw::max_hold => Name::MaxHold,
+        kw::permits => Name::Permits,
+        kw::mode => Name::Mode,
         kw::backend => Name::Backend,
     }
     if input.peek(Token![crate]) {
@@ -364,7 +422,17 @@ fn parse_value(name: Name, tokens: TokenStream) -> syn::Result<Value> {
         return Ok(Value::Strs(templates, span));
     }
     let Ok(lit) = syn::parse2::<Lit>(tokens.clone()) else {
-        return Err(wrong(String::new()));
+        return Err(match (name, syn::parse2::<syn::Path>(tokens.clone())) {
+            (Name::Permits, Ok(_)) => wrong(
+                " written out (the attribute checks it at compile time, so it cannot read a \
+                 constant)"
+                    .to_owned(),
+            ),
+            (Name::Mode, Ok(path)) if path.is_ident("read") || path.is_ident("write") => {
+                wrong(" in quotes".to_owned())
+            }
+            _ => wrong(String::new()),
+        });
     };
     match (name, lit) {
         (Name::Watchdog | Name::Fencing, Lit::Bool(b)) => Ok(Value::Bool(b)),
@@ -374,6 +442,12 @@ fn parse_value(name: Name, tokens: TokenStream) -> syn::Result<Value> {
             Err(wrong(" without quotes".to_owned()))
         }
         (Name::Watchdog | Name::Fencing, _) => Err(wrong(String::new())),
+        // `Lit` also parses a negative number as one literal.
+        (Name::Permits, Lit::Int(n)) if !n.base10_digits().starts_with('-') => Ok(Value::Int(n)),
+        (Name::Permits, Lit::Str(s)) if s.value().trim().parse::<u64>().is_ok() => {
+            Err(wrong(" without quotes".to_owned()))
+        }
+        (Name::Permits, _) => Err(wrong(String::new())),
         (_, Lit::Str(s)) => Ok(Value::Str(s)),
         (Name::Wait | Name::Lease | Name::HoldAtLeast, Lit::Int(_) | Lit::Float(_)) => {
             Err(wrong(" with a unit".to_owned()))
@@ -430,7 +504,7 @@ mod tests {
             errors(r#"key = "k", timeout = "3s""#),
             [
                 "unknown argument `timeout` (allowed: key, keys, wait, lease, on_busy, on_lost, \
-              watchdog, fencing, hold_at_least, max_hold, backend, crate)"
+              watchdog, fencing, hold_at_least, max_hold, permits, mode, backend, crate)"
             ]
         );
         assert!(errors(r#"key = "k", leese = "3s""#)[0].contains("did you mean `lease`?"));
@@ -501,6 +575,113 @@ mod tests {
             ["`crate` expects a string holding a path, e.g. `crate = \"::dlock_runtime\"`"]
         );
         assert!(errors(r#"key = "a" "b""#)[0].starts_with("`key` expects"));
+    }
+
+    #[test]
+    fn permits_and_mode() {
+        let args = parse(r#"key = "k", permits = 3"#);
+        assert!(args.errors.is_none());
+        assert_eq!(args.permits.unwrap().base10_digits(), "3");
+        let args = parse(r#"key = "k", mode = "read""#);
+        assert!(args.errors.is_none());
+        assert_eq!(args.mode.unwrap().value(), "read");
+        assert!(errors("permits = 3").is_empty());
+        assert!(errors(r#"key = "k", permit = 3"#)[0].contains("did you mean `permits`?"));
+        assert!(errors(r#"key = "k", mod = "read""#)[0].contains("did you mean `mode`?"));
+    }
+
+    #[test]
+    fn permits_must_be_an_integer_literal() {
+        let integer = "`permits` expects an integer literal from 1 to 1024, e.g. `permits = 3`";
+        for value in [
+            "2.5", "-1", "-0", "- 3", "-2.5", "true", "'3'", "3 4", "[3]",
+        ] {
+            assert_eq!(errors(&format!("permits = {value}")), [integer], "{value}");
+        }
+        assert_eq!(
+            errors(r#"permits = "3""#),
+            [
+                "`permits` expects an integer literal from 1 to 1024 without quotes, \
+                 e.g. `permits = 3`"
+            ]
+        );
+        assert_eq!(errors(r#"permits = "three""#), [integer]);
+        for value in ["N", "limits::PAYMENTS"] {
+            assert_eq!(
+                errors(&format!("permits = {value}")),
+                [
+                    "`permits` expects an integer literal from 1 to 1024 written out (the \
+                     attribute checks it at compile time, so it cannot read a constant), \
+                     e.g. `permits = 3`"
+                ],
+                "{value}"
+            );
+        }
+        // A bad value is a value error only, not also a missing or duplicate one.
+        assert!(parse("permits = 2.5").permits.is_none());
+    }
+
+    #[test]
+    fn mode_must_be_a_string() {
+        let string = "`mode` expects a string, \"read\" or \"write\", e.g. `mode = \"read\"`";
+        for value in ["1", "true", "shared", "HoldMode::Shared"] {
+            assert_eq!(errors(&format!("mode = {value}")), [string], "{value}");
+        }
+        for value in ["read", "write"] {
+            assert_eq!(
+                errors(&format!("mode = {value}")),
+                ["`mode` expects a string, \"read\" or \"write\" in quotes, \
+                     e.g. `mode = \"read\"`"],
+                "{value}"
+            );
+        }
+    }
+
+    #[test]
+    fn duplicate_permits_and_mode() {
+        let args = parse(r#"key = "k", permits = 3, permits = 4"#);
+        assert_eq!(args.permits.unwrap().base10_digits(), "3");
+        assert_eq!(
+            args.errors.unwrap().to_string(),
+            "duplicate argument `permits`: each argument may be given once"
+        );
+        assert_eq!(
+            errors(r#"mode = "read", key = "k", mode = "write""#),
+            ["duplicate argument `mode`: each argument may be given once"]
+        );
+    }
+
+    #[test]
+    fn permits_with_mode_is_an_error_on_the_second() {
+        let args = parse(r#"key = "k", permits = 3, mode = "read""#);
+        assert_eq!(args.permits.unwrap().base10_digits(), "3");
+        assert!(args.mode.is_none());
+        assert_eq!(
+            args.errors.unwrap().to_string(),
+            "`mode` cannot be used with `permits`: a semaphore (`permits = N`) has no read or \
+             write mode; keep `permits = N` for at most N holders at once, or \
+             `mode = \"read\"` / `mode = \"write\"` for a read-write lock"
+        );
+        let args = parse(r#"mode = "write", key = "k", permits = 2"#);
+        assert_eq!(args.mode.unwrap().value(), "write");
+        assert!(args.permits.is_none());
+        assert!(
+            args.errors
+                .unwrap()
+                .to_string()
+                .starts_with("`permits` cannot be used with `mode`")
+        );
+        // Whatever the first one's value: it was written.
+        let e = errors(r#"key = "k", permits = "x", mode = "read""#);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e[0].starts_with("`permits` expects"), "{e:?}");
+        assert!(
+            e[1].starts_with("`mode` cannot be used with `permits`"),
+            "{e:?}"
+        );
+        // Each further one is reported too.
+        let e = errors(r#"key = "k", mode = "read", permits = 2, permits = 3"#);
+        assert_eq!(e.len(), 2, "{e:?}");
     }
 
     #[test]

@@ -19,6 +19,10 @@ use crate::template::{self, Piece};
 /// compile error here, as a smaller builder value is a `Config` error at run time.
 const MIN_LEASE: Duration = Duration::from_millis(100);
 
+/// The most `permits` accepted: `dlock_runtime::MAX_PERMITS`, repeated here for
+/// the same reason as [`MIN_LEASE`].
+const MAX_PERMITS: u64 = 1024;
+
 /// Everything the expansion needs, all checked.
 pub(crate) struct Model {
     /// The user's function, unchanged.
@@ -38,6 +42,8 @@ pub(crate) struct Model {
     pub(crate) fencing: Spanned<bool>,
     pub(crate) hold_at_least: Option<Spanned<Duration>>,
     pub(crate) max_hold: Option<Spanned<Duration>>,
+    /// `permits` / `mode`: what each hold takes of its key.
+    pub(crate) mode: Spanned<Mode>,
     pub(crate) backend: Option<LitStr>,
 }
 
@@ -72,6 +78,17 @@ pub(crate) enum BusyPolicy {
 pub(crate) enum LostPolicy {
     Cancel,
     Continue,
+}
+
+/// `permits` / `mode`: the runtime's `HoldMode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// The plain lock: no `permits` or `mode`, `permits = 1`, `mode = "write"`.
+    Exclusive,
+    /// `mode = "read"`.
+    Shared,
+    /// `permits = N` with 2 ≤ N ≤ 1024.
+    Permit(u32),
 }
 
 /// Accumulates errors with [`syn::Error::combine`].
@@ -278,6 +295,54 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         }
     }
 
+    // permits, mode (`parse` already refused the two together).
+    let mode = match (&args.permits, &args.mode) {
+        (Some(lit), _) => match lit.base10_digits().parse::<u64>() {
+            Ok(0) => {
+                errors.at(
+                    lit.span(),
+                    "`permits` must be at least 1: with 0 permits the body could never run; \
+                     write permits = 1 (or leave `permits` out) for a plain lock, \
+                     or e.g. permits = 3 for at most 3 holders at once",
+                );
+                None
+            }
+            Ok(1) => Some(Spanned::new(Mode::Exclusive, lit.span())),
+            Ok(n) if n <= MAX_PERMITS => Some(Spanned::new(
+                Mode::Permit(u32::try_from(n).unwrap_or(u32::MAX)),
+                lit.span(),
+            )),
+            // More than 1024, or more than even a `u64` holds.
+            _ => {
+                errors.at(
+                    lit.span(),
+                    format!(
+                        "`permits` must be at most 1024 (dlock_runtime::MAX_PERMITS), not {}: \
+                         every holder of a semaphore has its own slot on the server; \
+                         e.g. permits = 3",
+                        lit.base10_digits()
+                    ),
+                );
+                None
+            }
+        },
+        (None, Some(lit)) => match lit.value().as_str() {
+            "read" => Some(Spanned::new(Mode::Shared, lit.span())),
+            "write" => Some(Spanned::new(Mode::Exclusive, lit.span())),
+            other => {
+                errors.at(
+                    lit.span(),
+                    format!(
+                        "unknown `mode` `{other}`: expected \"read\" (shared with other \
+                         readers) or \"write\" (exclusive, the plain lock)"
+                    ),
+                );
+                None
+            }
+        },
+        (None, None) => Some(Spanned::new(Mode::Exclusive, Span::call_site())),
+    };
+
     // backend
     if let Some(backend) = &args.backend
         && backend.value().is_empty()
@@ -333,24 +398,33 @@ pub(crate) fn validate(args: Args, func: ItemFn) -> syn::Result<Model> {
         on_lost,
         hold_at_least,
         max_hold,
+        mode,
     ) {
-        (false, Some(wait), Some(lease), Some(on_busy), Some(on_lost), hold_at_least, max_hold) => {
-            Ok(Model {
-                func,
-                krate,
-                keys,
-                several,
-                wait,
-                lease,
-                on_busy,
-                on_lost,
-                watchdog,
-                fencing,
-                hold_at_least: hold_at_least.flatten(),
-                max_hold: max_hold.flatten(),
-                backend: args.backend,
-            })
-        }
+        (
+            false,
+            Some(wait),
+            Some(lease),
+            Some(on_busy),
+            Some(on_lost),
+            hold_at_least,
+            max_hold,
+            Some(mode),
+        ) => Ok(Model {
+            func,
+            krate,
+            keys,
+            several,
+            wait,
+            lease,
+            on_busy,
+            on_lost,
+            watchdog,
+            fencing,
+            hold_at_least: hold_at_least.flatten(),
+            max_hold: max_hold.flatten(),
+            mode,
+            backend: args.backend,
+        }),
         // Every `None` above pushed an error, so this is unreachable in practice.
         _ => Err(syn::Error::new(
             Span::call_site(),
@@ -629,5 +703,92 @@ mod tests {
             ]
         );
         assert!(messages(r#"key = "k", max_hold = "soon""#, "async fn f() {}")[0].contains("soon"));
+    }
+
+    #[test]
+    fn permits_from_one_to_the_maximum() {
+        let mode = |attr: &str| {
+            check(attr, "async fn f() {}")
+                .unwrap_or_else(|e| panic!("{attr}: {e}"))
+                .mode
+                .value
+        };
+        assert_eq!(mode(r#"key = "k""#), Mode::Exclusive);
+        assert_eq!(mode(r#"key = "k", permits = 1"#), Mode::Exclusive);
+        assert_eq!(mode(r#"key = "k", permits = 2"#), Mode::Permit(2));
+        assert_eq!(mode(r#"key = "k", permits = 0x10"#), Mode::Permit(16));
+        assert_eq!(mode(r#"key = "k", permits = 1_024"#), Mode::Permit(1024));
+        assert_eq!(mode(r#"keys = ["a", "b"], permits = 5"#), Mode::Permit(5));
+    }
+
+    #[test]
+    fn permits_out_of_range() {
+        assert_eq!(
+            messages(r#"key = "k", permits = 0"#, "async fn f() {}"),
+            [
+                "`permits` must be at least 1: with 0 permits the body could never run; write \
+                 permits = 1 (or leave `permits` out) for a plain lock, or e.g. permits = 3 for \
+                 at most 3 holders at once"
+            ]
+        );
+        assert_eq!(
+            messages(r#"key = "k", permits = 1025"#, "async fn f() {}"),
+            [
+                "`permits` must be at most 1024 (dlock_runtime::MAX_PERMITS), not 1025: every \
+                 holder of a semaphore has its own slot on the server; e.g. permits = 3"
+            ]
+        );
+        for huge in [
+            "4294967296",
+            "99999999999999999999999",
+            "0xFFFF_FFFF_FFFF_FFFF_FF",
+        ] {
+            let e = messages(
+                &format!(r#"key = "k", permits = {huge}"#),
+                "async fn f() {}",
+            );
+            assert_eq!(e.len(), 1, "{e:?}");
+            assert!(e[0].starts_with("`permits` must be at most 1024"), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn read_and_write_modes() {
+        for (value, expected) in [("read", Mode::Shared), ("write", Mode::Exclusive)] {
+            let model = check(
+                &format!(r#"key = "k", mode = "{value}""#),
+                "async fn f() {}",
+            )
+            .unwrap_or_else(|e| panic!("{value}: {e}"));
+            assert_eq!(model.mode.value, expected);
+        }
+        for value in ["Read", "shared", "exclusive", ""] {
+            assert_eq!(
+                messages(
+                    &format!(r#"key = "k", mode = "{value}""#),
+                    "async fn f() {}"
+                ),
+                [format!(
+                    "unknown `mode` `{value}`: expected \"read\" (shared with other readers) \
+                     or \"write\" (exclusive, the plain lock)"
+                )]
+            );
+        }
+    }
+
+    #[test]
+    fn mode_errors_come_with_the_others() {
+        let e = messages(
+            r#"key = "{nope}", permits = 0, mode = "read", wait = "soon""#,
+            "async fn f() {}",
+        );
+        assert_eq!(e.len(), 4, "{e:#?}");
+        assert!(
+            e[0].starts_with("`mode` cannot be used with `permits`"),
+            "{e:#?}"
+        );
+        assert!(e[1].starts_with("placeholder `{nope}`"), "{e:#?}");
+        assert!(e[2].starts_with("invalid duration `soon`"), "{e:#?}");
+        assert!(e[3].starts_with("`permits` must be at least 1"), "{e:#?}");
     }
 }
