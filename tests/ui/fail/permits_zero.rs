@@ -1,0 +1,10 @@
+#![allow(dead_code)]
+
+use dlock_runtime::distributed_lock;
+
+#[distributed_lock(key = "k", permits = 0)]
+pub async fn f() -> Option<()> {
+    Some(())
+}
+
+fn main() {}
