@@ -42,6 +42,8 @@
 //! | `fencing` | `true` or `false` | `false`: the hold has no fencing token (`fencing_token()` is `None`); on Redis (`redis://`, `redis+cluster://`) the grant is then a plain `SET NX PX`, without the token's script; elsewhere the backend does the same work and the token is dropped | `true` |
 //! | `hold_at_least` | duration string | keep the lock at least this long after the body ends (as a lease that expires, never a sleep in the caller) | none |
 //! | `max_hold` | duration string, at least the `lease`; not with `watchdog = false` | a ceiling on the whole hold, counted from the grant: then the renewals stop and the loss signal fires (reason `MaxHold`), so the body is cancelled under `on_lost = "cancel"`; the lease then runs out on the server (the attribute's release frees it at once when the body is cancelled). A nested hold keeps the outer hold's ceiling | none |
+//! | `permits` | integer literal from 1 to 1024 | a semaphore: at most N holders of the key at once, each on its own slot `0..N` (`current().permit()`), with fencing tokens strictly increasing per (key, slot); `permits = 1` is the plain lock; not with `mode` | `1` |
+//! | `mode` | `"read"` or `"write"` | `"read"`: a reader, sharing the key with other readers and never beside a writer; `"write"`: exclusive, exactly the plain lock (a plain lock is the write mode of its key); not with `permits` | `"write"` |
 //! | `backend` | non-empty string | name of a registered backend | the default backend |
 //! | `crate` | string holding a path | path of the runtime crate, for renamed dependencies | `"::dlock_runtime"` |
 //!
@@ -49,6 +51,49 @@
 //! `<integer><unit>` groups, optionally separated by spaces — `"250ms"`, `"3s"`,
 //! `"1m 30s"`, `"1h30m"`. Units: `ns`, `us`/`µs`, `ms`, `s`/`sec`/`secs`/`second`/`seconds`,
 //! `m`/`min`/`mins`/`minute`/`minutes`, `h`/`hr`/`hrs`/`hour`/`hours`, `d`/`day`/`days`.
+//!
+//! # Semaphores and read-write locks
+//!
+//! `permits = N` lets at most N holders of the key run at once, across every
+//! process. Each holder takes a free slot `0..N`, which
+//! `dlock_runtime::current()` tells the body (`permit()` is `Some(slot)`); the
+//! fencing token increases strictly per (key, slot), so a store can fence each
+//! slot on its own:
+//!
+//! ```ignore
+//! // At most 3 replicas call the payment provider at once.
+//! #[distributed_lock(key = "provider:{provider}", permits = 3, wait = "10s")]
+//! async fn charge(provider: &str, amount: u64) -> Result<Receipt, AppError> {
+//!     let slot = dlock_runtime::current().and_then(|lock| lock.permit()); // Some(0..3)
+//!     // ...
+//! }
+//! ```
+//!
+//! Every holder of a key must ask for the same number of permits (a plain lock
+//! counts as 1): while the key has holders, another number is
+//! `LockError::Config` naming both; once every permit is free, any number is
+//! accepted.
+//!
+//! `mode = "read"` shares the key with other readers; a writer — `mode =
+//! "write"`, or a plain lock of the same key, which is the same thing —
+//! excludes readers and writers alike. Writers are preferred: once a writer
+//! waits, new readers wait behind it. Every grant, read or write, takes its
+//! fencing token from the key's one sequence:
+//!
+//! ```ignore
+//! #[distributed_lock(key = "doc:{id}", mode = "read")]
+//! async fn render(id: DocId) -> Result<Html, AppError> { /* many at once */ }
+//!
+//! #[distributed_lock(key = "doc:{id}", mode = "write")]
+//! async fn edit(id: DocId, change: Change) -> Result<(), AppError> { /* alone */ }
+//! ```
+//!
+//! In one call chain, a read inside a write or read hold of the same key enters
+//! at once; a write inside a read hold is `LockError::Config` at once (it could
+//! only wait for itself). Both options work with `keys = [..]` too. A backend
+//! that cannot keep a primitive's invariant refuses it with `LockError::Config`
+//! saying why (Redlock: `permits` above 1 and `mode = "read"`; MySQL's session
+//! mode: `mode = "read"`).
 //!
 //! # Return types
 //!
@@ -90,7 +135,9 @@
 //! 100 ms (zero included), an unknown policy, a malformed key template, a
 //! `{placeholder}` that names no parameter, an empty `backend`, a `crate` string that
 //! is not a path, a non-`async` or `const` function, and a return type the busy
-//! policy cannot express are all compile errors pointing at the offending token. All errors of one attribute are
+//! policy cannot express are all compile errors pointing at the offending token, and so
+//! are `permits` that is not an integer literal from 1 to 1024, a `mode` other than
+//! `"read"` or `"write"`, and `permits` together with `mode`. All errors of one attribute are
 //! reported together, and the function is still emitted unchanged next to them so
 //! that the rest of the crate (and your IDE) keeps working.
 //!
@@ -150,6 +197,7 @@
 //!         max_hold: ::core::option::Option::None,
 //!         key_template: "order:{order.id}",
 //!         backend: ::core::option::Option::None,
+//!         mode: ::dlock_runtime::__private::HoldMode::Exclusive, // `permits` / `mode`
 //!     };
 //!     let __dlock_key: ::dlock_runtime::__private::String =
 //!         ::dlock_runtime::__private::format!("order:{}", &order.id);
@@ -222,12 +270,24 @@ use proc_macro::TokenStream;
 /// async fn nightly_report() {
 ///     // runs on at most one machine; the others skip it
 /// }
+///
+/// #[distributed_lock(key = "provider:{provider}", permits = 3, wait = "10s")]
+/// async fn charge(provider: &str) -> Result<Receipt, AppError> {
+///     // at most 3 of these run at once; `current().permit()` is the slot
+/// }
+///
+/// #[distributed_lock(key = "doc:{id}", mode = "read")]
+/// async fn render(id: u64) -> Result<Html, AppError> {
+///     // with other readers, never beside a writer (`mode = "write"` or a plain lock)
+/// }
 /// ```
 ///
-/// Arguments: `key` (required template), `wait`, `lease`, `on_busy` (`"fail"` |
-/// `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`, `fencing`,
-/// `hold_at_least`, `max_hold`, `backend` and `crate`. See the [crate documentation](crate) for what each does, the
-/// supported return types, and the code this expands to.
+/// Arguments: `key` (required template) or `keys`, `wait`, `lease`, `on_busy`
+/// (`"fail"` | `"skip"`), `on_lost` (`"cancel"` | `"continue"`), `watchdog`,
+/// `fencing`, `hold_at_least`, `max_hold`, `permits` (1 to 1024), `mode`
+/// (`"read"` | `"write"`), `backend` and `crate`. See the [crate
+/// documentation](crate) for what each does, the supported return types, and the
+/// code this expands to.
 #[proc_macro_attribute]
 pub fn distributed_lock(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(attr.into(), item.into()).into()
