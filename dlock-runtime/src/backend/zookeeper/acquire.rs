@@ -14,7 +14,7 @@ use super::path::{self, Position};
 use super::release::{delete_by_guid, delete_node};
 use super::session::{Session, delete_until_gone};
 use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
-use crate::backend::{AcquireRequest, Attempt, Lease};
+use crate::backend::{AcquireRequest, Attempt, HoldMode, Lease};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -51,6 +51,8 @@ pub(super) struct Pending {
     /// The node's data: the owner and the holder's record.
     data: Vec<u8>,
     container: String,
+    /// A reader's acquisition (else a writer's: a plain lock).
+    reader: bool,
     guid: String,
     pub(super) notify: Arc<Notify>,
     state: Mutex<PendingState>,
@@ -128,6 +130,7 @@ impl Inner {
                 Arc::new(Pending {
                     data: super::admin::node_data(&request.owner, &request.holder),
                     guid: path::new_guid(),
+                    reader: request.mode == HoldMode::Shared,
                     container,
                     notify: Arc::new(Notify::new()),
                     state: Mutex::new(PendingState::default()),
@@ -216,7 +219,7 @@ impl Inner {
                 Ok(queue) => queue,
                 Err(err) => return unavailable("reading the lock's queue", err),
             };
-            match path::position(&queue, &node.name) {
+            match path::position(&queue, &node.name, pending.reader) {
                 // The listing sent with the create is read after it on the
                 // server, so it shows our node; should it not, read again
                 // rather than forget a node that exists.
@@ -235,7 +238,7 @@ impl Inner {
                         // Tried once: the wait loop abandons, deleting our node.
                         return Ok(Attempt::Busy { retry_in: None });
                     }
-                    let alone = path::ahead_of(&queue, &node.name) == 1;
+                    let alone = path::ahead_of(&queue, &node.name, pending.reader) == 1;
                     let ahead = format!("{}/{ahead}", pending.container);
                     match self.watch(&session, &pending, ahead, alone).await {
                         Ok(true) => {
@@ -286,7 +289,7 @@ impl Inner {
             st.maybe_created = false;
             return Ok((node, None));
         }
-        let prefix = path::child_prefix(&pending.container, &pending.guid);
+        let prefix = path::child_prefix(&pending.container, &pending.guid, pending.reader);
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
             // Sent when called: from here on the node may exist.

@@ -21,7 +21,7 @@ use zookeeper_client::{Error as ZkError, MultiReadResult, Stat};
 
 use super::session::Session;
 use super::{Inner, backend_error, path};
-use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::backend::{HeldEntry, HoldMode, HolderRecord, KeyEntry};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -67,6 +67,9 @@ impl Child {
         entry.granted_at = u64::try_from(self.stat.ctime)
             .ok()
             .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+        if path::is_reader(&self.name) {
+            entry.mode = HoldMode::Shared;
+        }
         entry
     }
 }
@@ -129,11 +132,13 @@ impl Inner {
             .children_of(session, container)
             .await
             .map_err(|e| backend_error("inspect", e))?;
-        let Some(first) = children.first() else {
+        let held = path::holders(&children, |c| c.name.as_str());
+        if held == 0 {
             return Ok(None);
-        };
-        let mut entry = KeyEntry::new(key, vec![first.held_entry()]);
-        entry.waiters = Some(children.len() - 1);
+        }
+        let holders = children[..held].iter().map(Child::held_entry).collect();
+        let mut entry = KeyEntry::new(key, holders);
+        entry.waiters = Some(children.len() - held);
         Ok(Some(entry))
     }
 
@@ -181,8 +186,8 @@ impl Inner {
         Ok(listed)
     }
 
-    /// Deletes the holder's child of the stored `key` (the one read, at the
-    /// version read).
+    /// Deletes the holders' children of the stored `key` (the writer, or
+    /// every reader granted; each at the version read).
     pub(super) async fn revoke_key(
         self: &Arc<Self>,
         key: &str,
@@ -193,19 +198,21 @@ impl Inner {
             .children_of(&session, &container)
             .await
             .map_err(|e| backend_error("revoke", e))?;
-        let Some(first) = children.first() else {
-            return Ok(Vec::new());
-        };
-        let node = format!("{container}/{}", first.name);
-        match session
-            .call(|c| c.delete(&node, Some(first.stat.version)))
-            .await
-        {
-            Ok(()) => Ok(vec![first.held_entry()]),
-            // Released (or revoked) meanwhile.
-            Err(ZkError::NoNode) => Ok(Vec::new()),
-            Err(err) => Err(backend_error("revoke", err)),
+        let held = path::holders(&children, |c| c.name.as_str());
+        let mut revoked = Vec::new();
+        for child in &children[..held] {
+            let node = format!("{container}/{}", child.name);
+            match session
+                .call(|c| c.delete(&node, Some(child.stat.version)))
+                .await
+            {
+                Ok(()) => revoked.push(child.held_entry()),
+                // Released (or revoked) meanwhile.
+                Err(ZkError::NoNode) => {}
+                Err(err) => return Err(backend_error("revoke", err)),
+            }
         }
+        Ok(revoked)
     }
 }
 

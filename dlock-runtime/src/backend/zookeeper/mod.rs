@@ -134,7 +134,7 @@ use futures_util::future::BoxFuture;
 use zookeeper_client::Error as ZkError;
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
@@ -313,6 +313,13 @@ impl LockBackend for ZooKeeperBackend {
             Ok(())
         } else {
             Err(format!("`{escaped}` is not a ZooKeeper node name"))
+        }
+    }
+
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        match mode {
+            HoldMode::Exclusive | HoldMode::Shared => Ok(()),
+            other => Err(format!("the zookeeper backend does not offer {other}")),
         }
     }
 
