@@ -19,6 +19,7 @@ use std::time::{Duration, SystemTime};
 
 use zookeeper_client::{Error as ZkError, MultiReadResult, Stat};
 
+use super::semaphore::{LeaseNode, lease_info};
 use super::session::Session;
 use super::{Inner, backend_error, path};
 use crate::backend::{HeldEntry, HoldMode, HolderRecord, KeyEntry};
@@ -134,7 +135,7 @@ impl Inner {
             .map_err(|e| backend_error("inspect", e))?;
         let held = path::holders(&children, |c| c.name.as_str());
         if held == 0 {
-            return Ok(None);
+            return self.permits_entry(session, key, container).await;
         }
         let holders = children[..held].iter().map(Child::held_entry).collect();
         let mut entry = KeyEntry::new(key, holders);
@@ -199,6 +200,9 @@ impl Inner {
             .await
             .map_err(|e| backend_error("revoke", e))?;
         let held = path::holders(&children, |c| c.name.as_str());
+        if held == 0 {
+            return self.revoke_permits(&session, &container).await;
+        }
         let mut revoked = Vec::new();
         for child in &children[..held] {
             let node = format!("{container}/{}", child.name);
@@ -214,6 +218,90 @@ impl Inner {
         }
         Ok(revoked)
     }
+}
+
+impl Inner {
+    /// The lease nodes of a semaphore key and how many of them hold: as
+    /// many as the permits a dlock lease names (every lease when none does).
+    async fn permit_holders(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+    ) -> Result<(Vec<LeaseNode>, usize), ZkError> {
+        let leases = self
+            .read_leases(session, &format!("{container}/{}", path::LEASES))
+            .await?;
+        let permits = leases
+            .iter()
+            .find_map(|l| lease_info(&l.data))
+            .map_or(leases.len(), |(permits, _, _)| permits as usize);
+        let held = permits.min(leases.len());
+        Ok((leases, held))
+    }
+
+    /// The entry of a semaphore key: its permit holders, its other leases
+    /// as waiters.
+    async fn permits_entry(
+        &self,
+        session: &Arc<Session>,
+        key: &str,
+        container: &str,
+    ) -> Result<Option<KeyEntry>, BackendError> {
+        let (leases, held) = self
+            .permit_holders(session, container)
+            .await
+            .map_err(|e| backend_error("inspect", e))?;
+        if held == 0 {
+            return Ok(None);
+        }
+        let mut entry = KeyEntry::new(key, leases[..held].iter().map(lease_entry).collect());
+        entry.waiters = Some(leases.len() - held);
+        Ok(Some(entry))
+    }
+
+    /// Deletes every permit holder's lease of a semaphore key.
+    async fn revoke_permits(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+    ) -> Result<Vec<HeldEntry>, BackendError> {
+        let (leases, held) = self
+            .permit_holders(session, container)
+            .await
+            .map_err(|e| backend_error("revoke", e))?;
+        let mut revoked = Vec::new();
+        for lease in &leases[..held] {
+            let node = format!("{container}/{}/{}", path::LEASES, lease.name);
+            match session
+                .call(|c| c.delete(&node, Some(lease.stat.version)))
+                .await
+            {
+                Ok(()) => revoked.push(lease_entry(lease)),
+                Err(ZkError::NoNode) => {}
+                Err(err) => return Err(backend_error("revoke", err)),
+            }
+        }
+        Ok(revoked)
+    }
+}
+
+/// A permit holder as an operator sees it: a dlock lease with its record,
+/// permits and slot; a Curator lease under its node's name.
+fn lease_entry(lease: &LeaseNode) -> HeldEntry {
+    let child = Child {
+        name: lease.name.clone(),
+        data: lease_info(&lease.data)
+            .map_or_else(|| lease.data.clone(), |(_, _, rest)| rest.to_vec()),
+        stat: lease.stat,
+    };
+    let mut entry = child.held_entry();
+    let (permits, slot) =
+        lease_info(&lease.data).map_or((None, None), |(p, s, _)| (Some(p), Some(s)));
+    entry.mode = HoldMode::Permit {
+        permits: permits.unwrap_or(2),
+    };
+    entry.slot = slot;
+    entry
 }
 
 #[cfg(test)]

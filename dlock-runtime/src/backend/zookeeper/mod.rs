@@ -121,6 +121,7 @@ mod path;
 mod queue;
 mod release;
 mod renew;
+mod semaphore;
 mod session;
 mod url;
 
@@ -317,17 +318,21 @@ impl LockBackend for ZooKeeperBackend {
     }
 
     fn offers(&self, mode: HoldMode) -> Result<(), String> {
-        match mode {
-            HoldMode::Exclusive | HoldMode::Shared => Ok(()),
-            other => Err(format!("the zookeeper backend does not offer {other}")),
-        }
+        // Plain locks and writers, readers, and permits: every mode.
+        let _ = mode;
+        Ok(())
     }
 
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
-        Box::pin(self.inner.attempt(request))
+        Box::pin(async move {
+            match request.mode {
+                HoldMode::Permit { permits } => self.inner.attempt_permit(request, permits).await,
+                _ => self.inner.attempt(request).await,
+            }
+        })
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
