@@ -159,7 +159,10 @@ async fn modes_and_permit_counts_that_disagree_are_refused_while_held() {
         locks.lock(&key).acquire().await,
         locks.lock(&key).read().acquire().await,
     ] {
-        assert!(matches!(attempt, Err(LockError::Config { .. })), "{attempt:?}");
+        assert!(
+            matches!(attempt, Err(LockError::Config { .. })),
+            "{attempt:?}"
+        );
     }
     let admin = admin(&url()).await;
     let container = zk.container_path(&format!("dlock:{key}"));
@@ -182,7 +185,10 @@ async fn modes_and_permit_counts_that_disagree_are_refused_while_held() {
         .await
         .expect("any mode once free");
     let refused = locks.lock(&key).permits(3).acquire().await;
-    assert!(matches!(refused, Err(LockError::Config { .. })), "{refused:?}");
+    assert!(
+        matches!(refused, Err(LockError::Config { .. })),
+        "{refused:?}"
+    );
     assert!(
         children(&admin, &format!("{container}/leases"))
             .await

@@ -310,7 +310,12 @@ impl Inner {
             st.maybe_created = false;
             return Ok((node, None));
         }
-        let prefix = path::child_prefix(&pending.container, &pending.guid, pending.reader);
+        let prefix = path::child_prefix(
+            &pending.container,
+            &pending.guid,
+            pending.reader,
+            self.target.writers == super::url::Writers::ReadWrite,
+        );
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
             // Sent when called: from here on the node may exist.

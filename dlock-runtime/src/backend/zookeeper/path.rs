@@ -107,9 +107,14 @@ pub(super) fn guid_for(owner: &str) -> String {
 
 /// The path the create of an acquisition is sent with; the server appends
 /// the sequence number. A reader's node is named as Curator's read lock
-/// names its own; a writer's (a plain lock) as Curator's `InterProcessMutex`.
-pub(super) fn child_prefix(container: &str, guid: &str, reader: bool) -> String {
-    let name = if reader { READ_NAME } else { LOCK_NAME };
+/// names its own; a writer's (a plain lock) as Curator's `InterProcessMutex`
+/// names its own, or (`rw_writers`) as Curator's write lock.
+pub(super) fn child_prefix(container: &str, guid: &str, reader: bool, rw_writers: bool) -> String {
+    let name = match (reader, rw_writers) {
+        (true, _) => READ_NAME,
+        (false, false) => LOCK_NAME,
+        (false, true) => WRITE_NAME,
+    };
     format!("{container}/{PROTECTED}{guid}-{name}")
 }
 
@@ -348,7 +353,7 @@ mod tests {
         assert_eq!(drawn.len(), 36);
         assert_ne!(drawn, new_guid());
         assert_eq!(
-            child_prefix("/k", &guid_for(owner), false),
+            child_prefix("/k", &guid_for(owner), false, false),
             "/k/_c_01234567-89ab-cdef-0123-456789abcdef-lock-"
         );
     }
