@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dlock_runtime::{HoldMode, LockBackend, LockError, Registry, ZooKeeperBackend};
-use dlock_tests::zk_support::{admin, children, url};
+use dlock_tests::zk_support::{admin, children, hosts, url};
 use dlock_tests::{servers_missing, unique_key};
 
 async fn backend() -> ZooKeeperBackend {
@@ -295,4 +295,61 @@ async fn inspect_shows_each_reader_and_permit_and_revoke_removes_them_all() {
             .is_none()
     );
     drop((p1, p2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_session_frees_only_its_own_permits_and_readers() {
+    let (gone, stays, next) = (backend().await, backend().await, backend().await);
+    for read in [false, true] {
+        let key = unique_key(if read {
+            "zk-session-reader"
+        } else {
+            "zk-session-permit"
+        });
+        let take = |zk: &ZooKeeperBackend| {
+            let builder = registry(zk).lock(&key).wait(Duration::from_secs(20));
+            if read {
+                builder.read()
+            } else {
+                builder.permits(2)
+            }
+        };
+        let lost = take(&gone).acquire().await.expect("first holder");
+        let kept = take(&stays).acquire().await.expect("second holder");
+        if !read {
+            let full = registry(&next).lock(&key).permits(2).acquire().await;
+            assert!(matches!(full, Err(LockError::Busy { .. })), "{full:?}");
+        }
+        // Another client takes over the first holder's session and closes it.
+        let stolen = gone.session_for_tests().expect("a session");
+        let thief = zookeeper_client::Client::connector()
+            .with_session(stolen)
+            .with_session_timeout(Duration::from_secs(4))
+            .connect(&hosts(&url()))
+            .await
+            .expect("the session taken over");
+        drop(thief);
+        tokio::time::timeout(Duration::from_secs(15), lost.lost())
+            .await
+            .expect("the first holder hears of the loss");
+        let after = take(&next).acquire().await.expect("the freed share");
+        if !read {
+            assert_eq!(after.permit(), lost.permit(), "the freed slot");
+        }
+        let entry = stays
+            .inspect(&format!("dlock:{key}"))
+            .await
+            .expect("inspect")
+            .expect("held");
+        assert_eq!(entry.holders.len(), 2, "{entry:?}");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), kept.lost())
+                .await
+                .is_err(),
+            "the other holder keeps its share"
+        );
+        drop(lost);
+        kept.release().await.expect("release");
+        after.release().await.expect("release");
+    }
 }
