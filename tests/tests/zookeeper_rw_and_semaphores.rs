@@ -322,12 +322,21 @@ async fn an_ended_session_frees_only_its_own_permits_and_readers() {
         }
         // Another client takes over the first holder's session and closes it.
         let stolen = gone.session_for_tests().expect("a session");
-        let thief = zookeeper_client::Client::connector()
-            .with_session(stolen)
-            .with_session_timeout(Duration::from_secs(4))
-            .connect(&hosts(&url()))
-            .await
-            .expect("the session taken over");
+        let mut attempts = 0;
+        let thief = loop {
+            attempts += 1;
+            match zookeeper_client::Client::connector()
+                .with_session(stolen.clone())
+                .with_session_timeout(Duration::from_secs(4))
+                .with_connection_timeout(Duration::from_secs(3))
+                .connect(&hosts(&url()))
+                .await
+            {
+                Ok(thief) => break thief,
+                Err(e) if attempts < 5 => eprintln!("taking the session over: {e}; again"),
+                Err(e) => panic!("take the session over: {e}"),
+            }
+        };
         drop(thief);
         tokio::time::timeout(Duration::from_secs(15), lost.lost())
             .await
