@@ -195,17 +195,6 @@ impl Inner {
                 },
             };
             let fresh = listed.is_some();
-            if let Some(children) = &listed
-                && children.iter().any(|c| c == path::LEASES)
-                && let Err(err) = self
-                    .refuse_beside_leases(&session, &pending, &node, request)
-                    .await
-            {
-                return match err {
-                    Refusal::Config(error) => Err(error),
-                    Refusal::Zk(err) => unavailable("reading the semaphore's leases", err),
-                };
-            }
             let children = match listed {
                 Some(children) => children,
                 None => match session.call(|c| c.list_children(&pending.container)).await {
@@ -217,6 +206,19 @@ impl Inner {
                     Err(err) => return unavailable("listing the lock's queue", err),
                 },
             };
+            // Read after our node was created: a semaphore's leases there
+            // (a rare, mixed key) make this a mismatch; a permit created
+            // later finds our node the same way.
+            if children.iter().any(|c| c == path::LEASES)
+                && let Err(err) = self
+                    .refuse_beside_leases(&session, &pending, &node, request)
+                    .await
+            {
+                return match err {
+                    Refusal::Config(error) => Err(error),
+                    Refusal::Zk(err) => unavailable("reading the semaphore's leases", err),
+                };
+            }
             // A create of ours that surfaced late, beside the node we use.
             let mine = path::guid_prefix(&pending.guid);
             let ghosts: Vec<String> = children
