@@ -64,9 +64,10 @@ pub async fn children(client: &Client, path: &str) -> Vec<String> {
 }
 
 /// The suite's server-side controls on the ZooKeeper backend: a key is held
-/// while its container has a child; revoking deletes its children (what an
-/// operator deleting the holder's node does). A client is opened per call:
-/// every `#[tokio::test]` has its own runtime.
+/// while its container has a lock child or its `leases` child a lease;
+/// revoking deletes them (what an operator deleting the holders' nodes
+/// does). A client is opened per call: every `#[tokio::test]` has its own
+/// runtime.
 pub struct ZkFaults {
     /// The backend under test (for where it keeps a key).
     pub backend: ZooKeeperBackend,
@@ -74,15 +75,36 @@ pub struct ZkFaults {
     pub url: String,
 }
 
+/// The holders' nodes of a key's container: its lock children and the
+/// leases under its `leases` child (a semaphore's; Curator's semaphore
+/// also has a `locks` child, the queue of its acquirers, not holders).
+async fn holder_nodes(client: &Client, container: &str) -> Vec<String> {
+    let mut nodes = Vec::new();
+    for child in children(client, container).await {
+        if child == "locks" {
+            continue;
+        }
+        if child == "leases" {
+            let leases = format!("{container}/leases");
+            for lease in children(client, &leases).await {
+                nodes.push(format!("{leases}/{lease}"));
+            }
+        } else {
+            nodes.push(format!("{container}/{child}"));
+        }
+    }
+    nodes
+}
+
 impl Faults for ZkFaults {
     fn revoke<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let client = admin(&self.url).await;
             let container = self.backend.container_path(stored_key);
-            for child in children(&client, &container).await {
-                match client.delete(&format!("{container}/{child}"), None).await {
+            for node in holder_nodes(&client, &container).await {
+                match client.delete(&node, None).await {
                     Ok(()) | Err(ZkError::NoNode) => {}
-                    Err(e) => panic!("revoking {container}/{child}: {e}"),
+                    Err(e) => panic!("revoking {node}: {e}"),
                 }
             }
         })
@@ -91,7 +113,7 @@ impl Faults for ZkFaults {
     fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
         Box::pin(async move {
             let client = admin(&self.url).await;
-            !children(&client, &self.backend.container_path(stored_key))
+            !holder_nodes(&client, &self.backend.container_path(stored_key))
                 .await
                 .is_empty()
         })

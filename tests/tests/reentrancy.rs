@@ -369,3 +369,168 @@ async fn siblings_in_separate_scopes_of_one_guard_take_turns() {
         "two siblings held the key's nested hold at the same time"
     );
 }
+
+/// A semaphore inside a hold of one of its permits, with the same number,
+/// enters at once and shares the outer permit.
+#[tokio::test]
+async fn a_permit_inside_a_permit_of_the_same_semaphore_enters() {
+    let (_mem, registry) = memory_registry();
+    let key = unique_key("nested-permit");
+    let outer = registry
+        .lock(&key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("outer");
+    let other = registry
+        .lock(&key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("other");
+    outer
+        .scope(async {
+            let inner = registry
+                .lock(&key)
+                .permits(2)
+                .acquire()
+                .await
+                .expect("a permit inside a permit of the same semaphore");
+            assert_eq!(inner.permit(), outer.permit(), "the outer permit is shared");
+            assert_eq!(inner.fencing_token(), outer.fencing_token());
+            inner.release().await.expect("release");
+        })
+        .await;
+    other.release().await.expect("release");
+    outer.release().await.expect("release");
+}
+
+/// Inside a hold of a key, any other mode than the outer one (except a read
+/// inside a write) is a `Config` error at once naming both, never a wait on
+/// the hold itself.
+#[tokio::test]
+async fn another_mode_inside_a_hold_is_a_config_error_at_once() {
+    let (_mem, registry) = memory_registry();
+    let key = unique_key("nested-mismatch");
+    let semaphore = registry
+        .lock(&key)
+        .permits(3)
+        .acquire()
+        .await
+        .expect("outer");
+    semaphore
+        .scope(async {
+            for (inner, names) in [
+                (registry.lock(&key).permits(4), ["3 permits", "4 permits"]),
+                (registry.lock(&key), ["3 permits", "a lock"]),
+                (registry.lock(&key).read(), ["3 permits", "a read lock"]),
+            ] {
+                let started = std::time::Instant::now();
+                let answer = inner.wait(Duration::from_secs(10)).acquire().await;
+                let Err(LockError::Config { message }) = &answer else {
+                    panic!("another mode inside a semaphore: {answer:?}");
+                };
+                assert!(
+                    names.iter().all(|n| message.contains(n)),
+                    "{message} names {names:?}"
+                );
+                assert!(started.elapsed() < Duration::from_secs(5), "not at once");
+            }
+        })
+        .await;
+    semaphore.release().await.expect("release");
+
+    let writer = registry.lock(&key).acquire().await.expect("outer");
+    writer
+        .scope(async {
+            let answer = registry
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await;
+            assert!(
+                matches!(&answer, Err(LockError::Config { message }) if message.contains("2 permits")),
+                "a semaphore inside a lock: {answer:?}"
+            );
+        })
+        .await;
+    writer.release().await.expect("release");
+}
+
+/// Several keys in read mode or as semaphores are taken one by one in that
+/// mode (never in the one-step path, which is for whole keys), and a read
+/// of all of them inside a write of all of them enters.
+#[tokio::test]
+async fn several_keys_are_taken_in_the_asked_mode() {
+    let (_mem, registry) = memory_registry();
+    let keys = [unique_key("modes-a"), unique_key("modes-b")];
+    let first = registry
+        .lock_all(&keys)
+        .read()
+        .acquire()
+        .await
+        .expect("read");
+    let second = registry
+        .lock_all(&keys)
+        .read()
+        .acquire()
+        .await
+        .expect("readers of several keys share them");
+    let writer = registry.lock_all(&keys).acquire().await;
+    assert!(
+        matches!(writer, Err(LockError::Busy { .. })),
+        "a writer beside readers: {writer:?}"
+    );
+    first.release().await.expect("release");
+    second.release().await.expect("release");
+
+    let permits: Vec<LockGuard> = vec![
+        registry
+            .lock_all(&keys)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("permit"),
+        registry
+            .lock_all(&keys)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("permit"),
+    ];
+    let third = registry.lock_all(&keys).permits(2).acquire().await;
+    assert!(
+        matches!(third, Err(LockError::Busy { .. })),
+        "a third holder of 2 permits: {third:?}"
+    );
+    for guard in permits {
+        guard.release().await.expect("release");
+    }
+
+    let writer = registry
+        .lock_all(&keys)
+        .write()
+        .acquire()
+        .await
+        .expect("write");
+    writer
+        .scope(async {
+            registry
+                .lock_all(&keys)
+                .read()
+                .acquire()
+                .await
+                .expect("a read of every key inside a write of every key")
+                .release()
+                .await
+                .expect("release");
+            let answer = registry.lock_all(&keys).permits(2).acquire().await;
+            assert!(
+                matches!(answer, Err(LockError::Config { .. })),
+                "a semaphore inside a write: {answer:?}"
+            );
+        })
+        .await;
+    writer.release().await.expect("release");
+}

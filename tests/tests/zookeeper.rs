@@ -32,6 +32,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A backend of its own (another process, as far as ZooKeeper can tell).
 async fn backend(query: &str) -> ZooKeeperBackend {

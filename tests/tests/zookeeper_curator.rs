@@ -1,7 +1,9 @@
-//! dlock and Apache Curator's `InterProcessMutex` (Debian's
-//! `libcurator-recipes-java`, run by `tests/java/CuratorLocker.java`) on one
-//! key of the test server: they exclude each other, and each takes over from
-//! the other's crashed holder once its session has expired.
+//! dlock and Apache Curator's `InterProcessMutex`, `InterProcessSemaphoreV2`
+//! and `InterProcessReadWriteLock` (Debian's `libcurator-recipes-java`, run
+//! by `tests/java/CuratorLocker.java`) on one key of the test server: they
+//! exclude each other, each takes over from the other's crashed holder once
+//! its session has expired, permit holders of both never exceed the permits,
+//! and readers and writers of both keep the read-write invariant.
 #![cfg(feature = "zookeeper")]
 
 use std::path::Path;
@@ -134,4 +136,198 @@ async fn a_crashed_dlock_holder_is_taken_over_by_curator_after_its_session_timeo
         "taken over {waited:?} after the crash, before the session could expire"
     );
     assert_eq!(taker.wait(Duration::from_secs(30)).await, Some(0));
+}
+
+/// One dlock holder's turn in `dir`, as `CuratorLocker.java`'s `inside`:
+/// `kind` is `p` (a permit of `permits`), `r` (a reader) or `w` (a writer).
+/// Returns whether it overlapped a holder it must exclude.
+async fn inside(dir: &Path, kind: &str, permits: usize, hold: Duration) -> bool {
+    let mine = dir.join(format!("in-{kind}-{:032x}", rand::random::<u128>()));
+    std::fs::File::create_new(&mine).expect("marker");
+    let others: Vec<String> = std::fs::read_dir(dir)
+        .expect("list")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("in-") && *n != mine.file_name().unwrap().to_string_lossy())
+        .collect();
+    let overlap = match kind {
+        "p" => others.iter().filter(|n| n.starts_with("in-p-")).count() + 1 > permits,
+        "r" => others.iter().any(|n| n.starts_with("in-w-")),
+        _ => !others.is_empty(),
+    };
+    let mut turns = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("turns"))
+        .expect("turns");
+    std::io::Write::write_all(&mut turns, b"d").expect("turn");
+    tokio::time::sleep(hold).await;
+    std::fs::remove_file(&mine).expect("marker gone");
+    overlap
+}
+
+fn turns(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("turns")).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_and_dlock_permit_holders_never_exceed_the_permits() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    let zk = backend("").await;
+    let locks = Registry::builder().default_backend(zk.clone()).build();
+    let key = unique_key("curator-permits");
+    let container = zk.container_path(&format!("dlock:{key}"));
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let dir_arg = dir.path().display().to_string();
+    let mut curators = Vec::new();
+    for _ in 0..2 {
+        let mut curator = programs.curator(
+            &hosts(&url()),
+            &container,
+            Duration::from_secs(10),
+            "permits",
+            &[&dir_arg, "12", "20", "2"],
+        );
+        assert_eq!(curator.line(Duration::from_secs(60)).await, "connected");
+        curators.push(curator);
+    }
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (locks, key, dir) = (locks.clone(), key.clone(), dir.path().to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut overlaps = 0;
+            for _ in 0..8 {
+                let guard = locks
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(60))
+                    .acquire()
+                    .await
+                    .expect("a permit");
+                overlaps += usize::from(inside(&dir, "p", 2, Duration::from_millis(20)).await);
+                guard.release().await.expect("release");
+            }
+            overlaps
+        }));
+    }
+    let mut overlaps = 0;
+    for task in tasks {
+        overlaps += task.await.expect("dlock holder");
+    }
+    for mut curator in curators {
+        assert_eq!(curator.line(Duration::from_secs(120)).await, "done");
+        assert_eq!(curator.wait(Duration::from_secs(30)).await, Some(0));
+    }
+    assert_eq!(overlaps, 0, "more than 2 permit holders at once");
+    let turns = turns(dir.path());
+    assert_eq!(turns.matches('c').count(), 24, "{turns}");
+    assert_eq!(turns.matches('d').count(), 24, "{turns}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curator_and_dlock_readers_and_writers_keep_the_read_write_invariant() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    // Writers named as Curator's write lock names its own.
+    let zk = backend("?writers=rw").await;
+    let locks = Registry::builder().default_backend(zk.clone()).build();
+    let key = unique_key("curator-rw");
+    let container = zk.container_path(&format!("dlock:{key}"));
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let dir_arg = dir.path().display().to_string();
+    let mut curators = Vec::new();
+    for role in ["read", "read", "write"] {
+        let mut curator = programs.curator(
+            &hosts(&url()),
+            &container,
+            Duration::from_secs(10),
+            "rw",
+            &[&dir_arg, "10", "20", role],
+        );
+        assert_eq!(curator.line(Duration::from_secs(60)).await, "connected");
+        curators.push(curator);
+    }
+    let mut tasks = Vec::new();
+    for kind in ["r", "r", "w"] {
+        let (locks, key, dir) = (locks.clone(), key.clone(), dir.path().to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut overlaps = 0;
+            for _ in 0..8 {
+                let builder = locks.lock(&key).wait(Duration::from_secs(60));
+                let builder = if kind == "r" {
+                    builder.read()
+                } else {
+                    builder.write()
+                };
+                let guard = builder.acquire().await.expect("the lock");
+                overlaps += usize::from(inside(&dir, kind, 0, Duration::from_millis(20)).await);
+                guard.release().await.expect("release");
+            }
+            overlaps
+        }));
+    }
+    let mut overlaps = 0;
+    for task in tasks {
+        overlaps += task.await.expect("dlock holder");
+    }
+    for mut curator in curators {
+        assert_eq!(curator.line(Duration::from_secs(120)).await, "done");
+        assert_eq!(curator.wait(Duration::from_secs(30)).await, Some(0));
+    }
+    assert_eq!(overlaps, 0, "a writer beside another holder");
+    let turns = turns(dir.path());
+    assert_eq!(turns.matches('c').count(), 30, "{turns}");
+    assert_eq!(turns.matches('d').count(), 24, "{turns}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlock_writers_wait_for_curator_readers_under_either_writer_name() {
+    let Some(programs) = java_programs(Path::new(env!("CARGO_TARGET_TMPDIR"))) else {
+        return;
+    };
+    for query in ["", "?writers=rw"] {
+        let zk = backend(query).await;
+        let locks = Registry::builder().default_backend(zk.clone()).build();
+        let key = unique_key("curator-reader-holds");
+        let container = zk.container_path(&format!("dlock:{key}"));
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let dir_arg = dir.path().display().to_string();
+        let mut reader = programs.curator(
+            &hosts(&url()),
+            &container,
+            Duration::from_secs(10),
+            "rw",
+            &[&dir_arg, "1", "1500", "read"],
+        );
+        assert_eq!(reader.line(Duration::from_secs(60)).await, "connected");
+        while !turns(dir.path()).contains('c') {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let busy = locks.lock(&key).acquire().await;
+        assert!(
+            matches!(busy, Err(LockError::Busy { .. })),
+            "{query}: {busy:?}"
+        );
+        let shared = locks
+            .lock(&key)
+            .read()
+            .acquire()
+            .await
+            .expect("readers share");
+        shared.release().await.expect("release");
+        let writer = locks
+            .lock(&key)
+            .wait(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("the writer after the Curator reader");
+        assert_eq!(
+            reader.line(Duration::from_secs(30)).await,
+            "done",
+            "{query}"
+        );
+        writer.release().await.expect("release");
+    }
 }

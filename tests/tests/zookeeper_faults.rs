@@ -421,3 +421,51 @@ async fn empty_containers_are_reaped() {
     let guard = locks.lock("order:0").acquire().await.expect("acquire");
     guard.release().await.expect("release");
 }
+
+/// Semaphore and read-lock keys leave nothing behind either: 10,000 names,
+/// each taken as a permit or a read lock and given back, are all reaped
+/// (the key's node and its `leases` child).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_and_read_lock_keys_are_reaped() {
+    let server = PrivateZk::start(&[
+        "znode.container.checkIntervalMs=100",
+        "znode.container.maxPerMinute=10000000",
+    ])
+    .await;
+    let zk = connect(&server.url("/reaped-shared")).await;
+    let locks = registry(&zk);
+    let mut tasks = Vec::new();
+    for worker in 0..8 {
+        let locks = locks.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (worker..10_000).step_by(8) {
+                let builder = locks.lock(format!("name:{i}"));
+                let builder = if i % 2 == 0 {
+                    builder.permits(3)
+                } else {
+                    builder.read()
+                };
+                let guard = builder.acquire().await.expect("acquire");
+                guard.release().await.expect("release");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("worker");
+    }
+    let admin = dlock_tests::zk_support::admin(&server.url("")).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = children(&admin, "/reaped-shared").await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} containers left, e.g. {:?}",
+            left.len(),
+            &left[..left.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -10,10 +10,34 @@
 //! [`revoke_on_renewal`](MemoryBackend::revoke_on_renewal) make the lost
 //! path testable without a server.
 //!
-//! State is bounded: a key's entry is removed when it is released, expired
-//! entries are collected as new keys come in, and waiter entries live only
-//! while someone waits. Tokens come from one counter for all keys, so they
-//! keep growing per key although per-key entries are forgotten.
+//! Every operation decides under one mutex, on this store's clock, in one
+//! step. A key's entry holds its holders, all in one
+//! [`HoldMode`]:
+//!
+//! - **Plain locks** (the write mode): one holder.
+//! - **Semaphores** (`permits(n)`): up to `n` holders, each on the lowest
+//!   free slot `0..n` and each with its own expiry, so a crashed holder frees
+//!   only its own permit after its lease. The number of permits is the mode
+//!   stored with the holders: another number, or another kind of lock, while
+//!   the key has holders is a [`HoldMode::mismatch`] error. A release wakes
+//!   one waiter (one slot came free).
+//! - **Read-write locks**: any number of readers, each with its own expiry,
+//!   never beside a writer. Writers are preferred with a *waiting-writer
+//!   mark*, as in madelson's writer-intent: a writer that finds readers
+//!   leaves a mark of its own (3 s, renewed by its attempts every second)
+//!   that makes new readers busy; the mark goes with its grant, its
+//!   [`abandon`](LockBackend::abandon) or its owner's release. A short mark
+//!   of its own, rather than the writer's lease, means a writer that vanished
+//!   while waiting holds readers back for seconds only. A release by a
+//!   writer or a reader wakes every waiter (readers enter together).
+//!
+//! Fencing tokens come from one counter for all keys and every mode, so they
+//! grow per key (readers and writers share one sequence) and per (key, slot),
+//! although per-key entries are forgotten.
+//!
+//! State is bounded: a key's entry is removed once it has neither holders
+//! nor writer marks, expired entries are collected as new keys come in, and
+//! waiter entries live only while someone waits.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -186,11 +210,13 @@ fn mismatched(held: HoldMode, asked: HoldMode) -> bool {
     }
 }
 
-/// How long a waiting writer's mark lasts: a little longer than the longest
-/// sleep of its wait loop between attempts (each attempt renews it).
-fn mark_ttl(lease: Duration) -> Duration {
-    lease.max(Duration::from_millis(100))
-}
+/// How long a waiting writer's mark holds new readers back unless the
+/// writer tries again: short, so that a writer that vanished while waiting
+/// delays readers by seconds, not by a lease.
+const WRITER_MARK: Duration = Duration::from_secs(3);
+
+/// How often a writer waiting behind readers tries again, renewing its mark.
+const WRITER_MARK_RENEWAL: Duration = Duration::from_secs(1);
 
 impl MemoryBackend {
     /// An empty store.
@@ -379,10 +405,10 @@ impl MemoryBackend {
                 if !entry.holders.is_empty() {
                     if entry.mode() == Some(HoldMode::Shared) {
                         // Writers are preferred: new readers wait behind this mark.
-                        let until = saturating_add(now, mark_ttl(request.lease));
+                        let until = saturating_add(now, WRITER_MARK);
                         entry.writers_waiting.retain(|(o, _)| *o != request.owner);
                         entry.writers_waiting.push((request.owner.clone(), until));
-                        let renew_mark = saturating_add(now, mark_ttl(request.lease) / 3);
+                        let renew_mark = saturating_add(now, WRITER_MARK_RENEWAL);
                         return busy(entry.earliest_expiry().map(|t| t.min(renew_mark)));
                     }
                     return busy(entry.earliest_expiry());

@@ -12,9 +12,10 @@ use zookeeper_client::{Acls, CreateMode, Error as ZkError, EventType};
 use super::connect::mkdir;
 use super::path::{self, Position};
 use super::release::{delete_by_guid, delete_node};
+use super::semaphore::Refusal;
 use super::session::{Session, delete_until_gone};
 use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
-use crate::backend::{AcquireRequest, Attempt, Lease};
+use crate::backend::{AcquireRequest, Attempt, HoldMode, Lease};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -49,26 +50,32 @@ impl Drop for Watch {
 /// abandonment or release: its queued node survives across attempts.
 pub(super) struct Pending {
     /// The node's data: the owner and the holder's record.
-    data: Vec<u8>,
-    container: String,
-    guid: String,
+    pub(super) data: Vec<u8>,
+    /// Where the node is created: the key's node, or its `leases` child
+    /// for a permit.
+    pub(super) container: String,
+    /// The key's node.
+    pub(super) key_container: String,
+    /// A reader's acquisition (else a writer's: a plain lock).
+    reader: bool,
+    pub(super) guid: String,
     pub(super) notify: Arc<Notify>,
     state: Mutex<PendingState>,
 }
 
 #[derive(Default)]
-struct PendingState {
+pub(super) struct PendingState {
     /// The session of the latest create.
-    session: Option<Arc<Session>>,
+    pub(super) session: Option<Arc<Session>>,
     /// Our node on that session, when known.
-    node: Option<OurNode>,
+    pub(super) node: Option<OurNode>,
     /// A create was sent on that session and its answer not seen.
-    maybe_created: bool,
+    pub(super) maybe_created: bool,
     watch: Option<Watch>,
 }
 
 impl Pending {
-    fn state(&self) -> MutexGuard<'_, PendingState> {
+    pub(super) fn state(&self) -> MutexGuard<'_, PendingState> {
         lock(&self.state)
     }
 
@@ -82,7 +89,7 @@ impl Pending {
         }
     }
 
-    fn forget_node(&self) {
+    pub(super) fn forget_node(&self) {
         let mut st = self.state();
         st.node = None;
         st.watch = None;
@@ -103,7 +110,7 @@ impl Pending {
 
     /// Busy without a round trip: our predecessor's watch has not fired, so
     /// it is still there, ahead of us.
-    fn still_behind(&self) -> Option<Attempt> {
+    pub(super) fn still_behind(&self) -> Option<Attempt> {
         let st = self.state();
         let watch = st.watch.as_ref()?;
         let session = st.session.as_ref()?;
@@ -124,11 +131,17 @@ impl Inner {
         lock(&self.pending)
             .entry(request.owner.clone())
             .or_insert_with(|| {
-                let container = format!("/{}", path::escape_key(&request.key));
+                let key_container = format!("/{}", path::escape_key(&request.key));
+                let container = match request.mode {
+                    HoldMode::Permit { .. } => format!("{key_container}/{}", path::LEASES),
+                    _ => key_container.clone(),
+                };
                 Arc::new(Pending {
                     data: super::admin::node_data(&request.owner, &request.holder),
                     guid: path::new_guid(),
+                    reader: request.mode == HoldMode::Shared,
                     container,
+                    key_container,
                     notify: Arc::new(Notify::new()),
                     state: Mutex::new(PendingState::default()),
                 })
@@ -193,6 +206,19 @@ impl Inner {
                     Err(err) => return unavailable("listing the lock's queue", err),
                 },
             };
+            // Read after our node was created: a semaphore's leases there
+            // (a rare, mixed key) make this a mismatch; a permit created
+            // later finds our node the same way.
+            if children.iter().any(|c| c == path::LEASES)
+                && let Err(err) = self
+                    .refuse_beside_leases(&session, &pending, &node, request)
+                    .await
+            {
+                return match err {
+                    Refusal::Config(error) => Err(error),
+                    Refusal::Zk(err) => unavailable("reading the semaphore's leases", err),
+                };
+            }
             // A create of ours that surfaced late, beside the node we use.
             let mine = path::guid_prefix(&pending.guid);
             let ghosts: Vec<String> = children
@@ -216,7 +242,7 @@ impl Inner {
                 Ok(queue) => queue,
                 Err(err) => return unavailable("reading the lock's queue", err),
             };
-            match path::position(&queue, &node.name) {
+            match path::position(&queue, &node.name, pending.reader) {
                 // The listing sent with the create is read after it on the
                 // server, so it shows our node; should it not, read again
                 // rather than forget a node that exists.
@@ -235,7 +261,7 @@ impl Inner {
                         // Tried once: the wait loop abandons, deleting our node.
                         return Ok(Attempt::Busy { retry_in: None });
                     }
-                    let alone = path::ahead_of(&queue, &node.name) == 1;
+                    let alone = path::ahead_of(&queue, &node.name, pending.reader) == 1;
                     let ahead = format!("{}/{ahead}", pending.container);
                     match self.watch(&session, &pending, ahead, alone).await {
                         Ok(true) => {
@@ -286,7 +312,12 @@ impl Inner {
             st.maybe_created = false;
             return Ok((node, None));
         }
-        let prefix = path::child_prefix(&pending.container, &pending.guid);
+        let prefix = path::child_prefix(
+            &pending.container,
+            &pending.guid,
+            pending.reader,
+            self.target.writers == super::url::Writers::ReadWrite,
+        );
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
             // Sent when called: from here on the node may exist.
@@ -381,7 +412,11 @@ impl Inner {
     }
 
     /// Creates the key's container (again, if the server reaped it).
-    async fn create_container(&self, session: &Session, container: &str) -> Result<(), ZkError> {
+    pub(super) async fn create_container(
+        &self,
+        session: &Session,
+        container: &str,
+    ) -> Result<(), ZkError> {
         let options = CreateMode::Container.with_acls(Acls::anyone_all());
         for _ in 0..2 {
             match session.call(|c| c.create(container, &[], &options)).await {
@@ -396,6 +431,55 @@ impl Inner {
             }
         }
         Err(ZkError::NoNode)
+    }
+
+    /// Keeps the watch a waiting permit sets on the key's leases (any change
+    /// to them wakes it).
+    pub(super) fn keep_watch(
+        &self,
+        pending: &Pending,
+        path: String,
+        watcher: zookeeper_client::OneshotWatcher,
+    ) {
+        self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
+        let (fired, deleted, stop) = self.spawn_watch(pending, watcher);
+        pending.state().watch = Some(Watch {
+            path,
+            alone: false,
+            fired,
+            deleted,
+            stop,
+            checked_at: Instant::now(),
+        });
+    }
+
+    fn spawn_watch(
+        &self,
+        pending: &Pending,
+        watcher: zookeeper_client::OneshotWatcher,
+    ) -> (Arc<AtomicBool>, Arc<AtomicBool>, CancellationToken) {
+        let fired = Arc::new(AtomicBool::new(false));
+        let deleted = Arc::new(AtomicBool::new(false));
+        let stop = CancellationToken::new();
+        let task = {
+            let (fired, deleted, stop) = (fired.clone(), deleted.clone(), stop.clone());
+            let (notify, counters) = (pending.notify.clone(), self.counters.clone());
+            async move {
+                tokio::select! {
+                    event = watcher.changed() => {
+                        deleted.store(event.event_type == EventType::NodeDeleted, Ordering::Release);
+                        fired.store(true, Ordering::Release);
+                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
+                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
+                        notify.notify_waiters();
+                    }
+                    // Dropping the watcher removes the watch.
+                    () = stop.cancelled() => {}
+                }
+            }
+        };
+        crate::driver::handle().spawn(task);
+        (fired, deleted, stop)
     }
 
     /// Watches our predecessor; false if it is already gone.
@@ -428,27 +512,7 @@ impl Inner {
             Err(err) => return Err(err),
         };
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let fired = Arc::new(AtomicBool::new(false));
-        let deleted = Arc::new(AtomicBool::new(false));
-        let stop = CancellationToken::new();
-        let task = {
-            let (fired, deleted, stop) = (fired.clone(), deleted.clone(), stop.clone());
-            let (notify, counters) = (pending.notify.clone(), self.counters.clone());
-            async move {
-                tokio::select! {
-                    event = watcher.changed() => {
-                        deleted.store(event.event_type == EventType::NodeDeleted, Ordering::Release);
-                        fired.store(true, Ordering::Release);
-                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
-                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
-                        notify.notify_waiters();
-                    }
-                    // Dropping the watcher removes the watch.
-                    () = stop.cancelled() => {}
-                }
-            }
-        };
-        crate::driver::handle().spawn(task);
+        let (fired, deleted, stop) = self.spawn_watch(pending, watcher);
         pending.state().watch = Some(Watch {
             path: ahead,
             alone,
@@ -461,7 +525,7 @@ impl Inner {
     }
 
     /// Our node holds the key: the lease, registered with its session.
-    fn grant(
+    pub(super) fn grant(
         &self,
         request: &AcquireRequest,
         pending: &Pending,

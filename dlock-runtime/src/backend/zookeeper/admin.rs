@@ -19,9 +19,10 @@ use std::time::{Duration, SystemTime};
 
 use zookeeper_client::{Error as ZkError, MultiReadResult, Stat};
 
+use super::semaphore::{LeaseNode, lease_info};
 use super::session::Session;
 use super::{Inner, backend_error, path};
-use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::backend::{HeldEntry, HoldMode, HolderRecord, KeyEntry};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -67,6 +68,9 @@ impl Child {
         entry.granted_at = u64::try_from(self.stat.ctime)
             .ok()
             .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+        if path::is_reader(&self.name) {
+            entry.mode = HoldMode::Shared;
+        }
         entry
     }
 }
@@ -129,11 +133,13 @@ impl Inner {
             .children_of(session, container)
             .await
             .map_err(|e| backend_error("inspect", e))?;
-        let Some(first) = children.first() else {
-            return Ok(None);
-        };
-        let mut entry = KeyEntry::new(key, vec![first.held_entry()]);
-        entry.waiters = Some(children.len() - 1);
+        let held = path::holders(&children, |c| c.name.as_str());
+        if held == 0 {
+            return self.permits_entry(session, key, container).await;
+        }
+        let holders = children[..held].iter().map(Child::held_entry).collect();
+        let mut entry = KeyEntry::new(key, holders);
+        entry.waiters = Some(children.len() - held);
         Ok(Some(entry))
     }
 
@@ -181,8 +187,8 @@ impl Inner {
         Ok(listed)
     }
 
-    /// Deletes the holder's child of the stored `key` (the one read, at the
-    /// version read).
+    /// Deletes the holders' children of the stored `key` (the writer, or
+    /// every reader granted; each at the version read).
     pub(super) async fn revoke_key(
         self: &Arc<Self>,
         key: &str,
@@ -193,20 +199,109 @@ impl Inner {
             .children_of(&session, &container)
             .await
             .map_err(|e| backend_error("revoke", e))?;
-        let Some(first) = children.first() else {
-            return Ok(Vec::new());
-        };
-        let node = format!("{container}/{}", first.name);
-        match session
-            .call(|c| c.delete(&node, Some(first.stat.version)))
-            .await
-        {
-            Ok(()) => Ok(vec![first.held_entry()]),
-            // Released (or revoked) meanwhile.
-            Err(ZkError::NoNode) => Ok(Vec::new()),
-            Err(err) => Err(backend_error("revoke", err)),
+        let held = path::holders(&children, |c| c.name.as_str());
+        if held == 0 {
+            return self.revoke_permits(&session, &container).await;
         }
+        let mut revoked = Vec::new();
+        for child in &children[..held] {
+            let node = format!("{container}/{}", child.name);
+            match session
+                .call(|c| c.delete(&node, Some(child.stat.version)))
+                .await
+            {
+                Ok(()) => revoked.push(child.held_entry()),
+                // Released (or revoked) meanwhile.
+                Err(ZkError::NoNode) => {}
+                Err(err) => return Err(backend_error("revoke", err)),
+            }
+        }
+        Ok(revoked)
     }
+}
+
+impl Inner {
+    /// The lease nodes of a semaphore key and how many of them hold: as
+    /// many as the permits a dlock lease names (every lease when none does).
+    async fn permit_holders(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+    ) -> Result<(Vec<LeaseNode>, usize), ZkError> {
+        let leases = self
+            .read_leases(session, &format!("{container}/{}", path::LEASES))
+            .await?;
+        let permits = leases
+            .iter()
+            .find_map(|l| lease_info(&l.data))
+            .map_or(leases.len(), |(permits, _, _)| permits as usize);
+        let held = permits.min(leases.len());
+        Ok((leases, held))
+    }
+
+    /// The entry of a semaphore key: its permit holders, its other leases
+    /// as waiters.
+    async fn permits_entry(
+        &self,
+        session: &Arc<Session>,
+        key: &str,
+        container: &str,
+    ) -> Result<Option<KeyEntry>, BackendError> {
+        let (leases, held) = self
+            .permit_holders(session, container)
+            .await
+            .map_err(|e| backend_error("inspect", e))?;
+        if held == 0 {
+            return Ok(None);
+        }
+        let mut entry = KeyEntry::new(key, leases[..held].iter().map(lease_entry).collect());
+        entry.waiters = Some(leases.len() - held);
+        Ok(Some(entry))
+    }
+
+    /// Deletes every permit holder's lease of a semaphore key.
+    async fn revoke_permits(
+        &self,
+        session: &Arc<Session>,
+        container: &str,
+    ) -> Result<Vec<HeldEntry>, BackendError> {
+        let (leases, held) = self
+            .permit_holders(session, container)
+            .await
+            .map_err(|e| backend_error("revoke", e))?;
+        let mut revoked = Vec::new();
+        for lease in &leases[..held] {
+            let node = format!("{container}/{}/{}", path::LEASES, lease.name);
+            match session
+                .call(|c| c.delete(&node, Some(lease.stat.version)))
+                .await
+            {
+                Ok(()) => revoked.push(lease_entry(lease)),
+                Err(ZkError::NoNode) => {}
+                Err(err) => return Err(backend_error("revoke", err)),
+            }
+        }
+        Ok(revoked)
+    }
+}
+
+/// A permit holder as an operator sees it: a dlock lease with its record,
+/// permits and slot; a Curator lease under its node's name.
+fn lease_entry(lease: &LeaseNode) -> HeldEntry {
+    let child = Child {
+        name: lease.name.clone(),
+        data: lease_info(&lease.data)
+            .map_or_else(|| lease.data.clone(), |(_, _, rest)| rest.to_vec()),
+        stat: lease.stat,
+    };
+    let mut entry = child.held_entry();
+    let (permits, slot) =
+        lease_info(&lease.data).map_or((None, None), |(p, s, _)| (Some(p), Some(s)));
+    entry.mode = HoldMode::Permit {
+        permits: permits.unwrap_or(2),
+    };
+    entry.slot = slot;
+    entry
 }
 
 #[cfg(test)]

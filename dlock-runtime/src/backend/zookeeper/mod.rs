@@ -5,7 +5,7 @@
 //! each acquisition creates an `EPHEMERAL_SEQUENTIAL` child
 //! `_c_{guid}-lock-{sequence}` holding the owner token, where the GUID is
 //! drawn at random when the acquisition starts (and again if it gives a
-//! grant back and tries again: see below). The earliest-created child
+//! grant back and tries again: see below). For a plain lock, the earliest-created child
 //! holds the key; every other one watches only the child just ahead
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
 //! served in arrival order. Uncontended, an acquisition is one round trip:
@@ -42,6 +42,54 @@
 //! other. A key locked by Curator too should not reach its counter's end
 //! (2³¹ − 1 acquisitions while its container is never empty long enough to
 //! be reaped).
+//!
+//! **Read-write locks** use Curator's `InterProcessReadWriteLock` names in
+//! the same queue: a reader's child is `_c_{guid}-__READ__{sequence}`, and a
+//! plain lock *is* the write mode (`LockBuilder::write` asks for the same
+//! thing). A writer holds the key when no child is ahead of it; a reader
+//! when no writer's child is ahead of it, so readers share, and a reader
+//! that queued after a waiting writer waits behind it: writers are
+//! preferred in the fairest way, first come first served, and the waiting
+//! writer's child is its mark (it leaves with the writer's grant,
+//! abandonment or session). Each waiter watches only the nearest child it
+//! waits for (a writer: the child just ahead; a reader: the nearest writer
+//! ahead), so a release wakes only the waiters it may let in. Every grant,
+//! read or write, has its child's `czxid` as token: one sequence per key.
+//! This was chosen over separate nodes per mode because one queue gives
+//! the order and the fairness for free, and it is the layout Curator reads.
+//!
+//! **Curator interop of writers.** Curator's own `InterProcessMutex`
+//! (`lock-`) and its read-write lock (`__READ__`/`__WRIT__`) do not see each
+//! other on one path: each sorts the other's children by their whole name,
+//! after all of its own. dlock counts all three names (`lock-`, `__WRIT__`:
+//! writers; `__READ__`: readers), so dlock clients exclude each other and
+//! wait for Curator's holders whichever names they use. Which Curator recipe
+//! sees dlock's writers depends on their name, set by the URL: with
+//! `writers=mutex` (the default) a plain lock is named `lock-`, as it
+//! always was, and excludes Curator's `InterProcessMutex` both ways, while
+//! Curator's read-write lock does not see it; with `writers=rw` it is named
+//! `__WRIT__`, and dlock's readers and writers keep the read-write
+//! invariant with Curator's readers and writers both ways, while Curator's
+//! `InterProcessMutex` does not see it. dlock's readers are seen by
+//! Curator's read-write lock, never by its `InterProcessMutex`. So on a key
+//! Curator also locks: use the default with Curator's mutex, `writers=rw`
+//! with Curator's read-write lock (on every dlock client of the key, all of
+//! a version that reads `__WRIT__`).
+//!
+//! **Semaphores** use Curator's `InterProcessSemaphoreV2` layout: one
+//! `EPHEMERAL_SEQUENTIAL` lease `_c_{guid}-lease-{sequence}` per holder
+//! under the key's `leases` child, holding the owner, the record, the
+//! number of permits and the slot (the lowest no live lease carries). A
+//! lease holds when at most `permits` leases exist after it was created and
+//! no earlier lease carries its slot; otherwise it is deleted before the
+//! attempt answers, and a waiter watches the leases' children (see
+//! `semaphore` for why dlock neither takes Curator's `locks` mutex nor keeps
+//! a lease while it waits — both so that Curator's and dlock's holders
+//! together never exceed the permits and never wait for each other
+//! forever). Token: the lease's `czxid` (per key, so per slot). A
+//! different number of permits among dlock's leases, lock children beside
+//! leases, or leases beside a plain lock or reader are refused as a
+//! mismatch while they exist.
 //!
 //! **Fencing token**: the child's `czxid`, the 64-bit id of the transaction
 //! that created it, from the create's reply. Transaction ids are totally
@@ -101,7 +149,7 @@
 //! (UTF-8 bytes), and the names `.`, `..` and `zookeeper` get their first
 //! character encoded. No key is refused and no two keys share a node.
 //!
-//! **URL**: `zk://[user:pass@]h1:p1,h2:p2[/chroot][?session_timeout=10s&loss=session|disconnect]`.
+//! **URL**: `zk://[user:pass@]h1:p1,h2:p2[/chroot][?session_timeout=10s&loss=session|disconnect&writers=mutex|rw]`.
 //! `user:pass` (percent-encoded) authenticates with the `digest` scheme.
 //! The chroot (default `/`) is created if missing. Nodes are created with the
 //! open ACL, as Curator does by default. Every request is bounded by half the
@@ -110,7 +158,8 @@
 //! **Files**: this one holds the backend, its counters and its
 //! [`LockBackend`] impl; `connect` opens a session, `session` keeps it and
 //! its leases (and declares them lost), `acquire` runs an acquisition's
-//! attempts (its node, its watch, the grant, its abandonment), `queue`
+//! attempts (its node, its watch, the grant, its abandonment), `semaphore`
+//! runs a permit's, `queue`
 //! orders a key's queue, `renew` and `release` do what they say, `path`
 //! names the nodes and `url` reads the URL.
 
@@ -121,6 +170,7 @@ mod path;
 mod queue;
 mod release;
 mod renew;
+mod semaphore;
 mod session;
 mod url;
 
@@ -134,7 +184,7 @@ use futures_util::future::BoxFuture;
 use zookeeper_client::Error as ZkError;
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
@@ -240,6 +290,7 @@ impl fmt::Debug for ZooKeeperBackend {
             .field("url", &self.inner.shown_url)
             .field("session_timeout", &self.inner.target.session_timeout)
             .field("loss", &self.inner.target.loss)
+            .field("writers", &self.inner.target.writers)
             .finish_non_exhaustive()
     }
 }
@@ -316,11 +367,22 @@ impl LockBackend for ZooKeeperBackend {
         }
     }
 
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        // Plain locks and writers, readers, and permits: every mode.
+        let _ = mode;
+        Ok(())
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
-        Box::pin(self.inner.attempt(request))
+        Box::pin(async move {
+            match request.mode {
+                HoldMode::Permit { permits } => self.inner.attempt_permit(request, permits).await,
+                _ => self.inner.attempt(request).await,
+            }
+        })
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {

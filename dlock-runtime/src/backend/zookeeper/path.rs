@@ -1,10 +1,24 @@
 //! Node names: keys escaped into node names, Curator's protected child
-//! names, and the order of sequence numbers (serial-number arithmetic).
+//! names (mutex, read-write lock, semaphore leases), the order of sequence
+//! numbers, and who a read-write queue grants.
 
 use std::fmt::Write as _;
 
-/// The lock name of Curator's `InterProcessMutex` children (`_c_{uuid}-lock-{seq}`).
+/// The lock name of Curator's `InterProcessMutex` children (`_c_{uuid}-lock-{seq}`):
+/// dlock's plain locks, which are the write mode of their key.
 const LOCK_NAME: &str = "lock-";
+
+/// The lock name of the readers of Curator's `InterProcessReadWriteLock`.
+const READ_NAME: &str = "__READ__";
+
+/// The lock name of the writers of Curator's `InterProcessReadWriteLock`.
+const WRITE_NAME: &str = "__WRIT__";
+
+/// The lock name of Curator's `InterProcessSemaphoreV2` leases.
+pub(super) const LEASE_NAME: &str = "lease-";
+
+/// The child of a key holding its semaphore leases (Curator's layout).
+pub(super) const LEASES: &str = "leases";
 
 /// The prefix of Curator's protected names.
 const PROTECTED: &str = "_c_";
@@ -92,9 +106,22 @@ pub(super) fn guid_for(owner: &str) -> String {
 }
 
 /// The path the create of an acquisition is sent with; the server appends
-/// the sequence number.
-pub(super) fn child_prefix(container: &str, guid: &str) -> String {
-    format!("{container}/{PROTECTED}{guid}-{LOCK_NAME}")
+/// the sequence number. A reader's node is named as Curator's read lock
+/// names its own; a writer's (a plain lock) as Curator's `InterProcessMutex`
+/// names its own, or (`rw_writers`) as Curator's write lock.
+pub(super) fn child_prefix(container: &str, guid: &str, reader: bool, rw_writers: bool) -> String {
+    let name = match (reader, rw_writers) {
+        (true, _) => READ_NAME,
+        (false, false) => LOCK_NAME,
+        (false, true) => WRITE_NAME,
+    };
+    format!("{container}/{PROTECTED}{guid}-{name}")
+}
+
+/// The path a semaphore lease's create is sent with (Curator's
+/// `InterProcessSemaphoreV2` names).
+pub(super) fn lease_prefix(leases: &str, guid: &str) -> String {
+    format!("{leases}/{PROTECTED}{guid}-{LEASE_NAME}")
 }
 
 /// The start of every child name an acquisition with this GUID creates.
@@ -103,12 +130,40 @@ pub(super) fn guid_prefix(guid: &str) -> String {
 }
 
 /// The sequence number of a lock child (`…lock-0000000042`,
-/// `…lock--2147483648` after the counter wrapped), or `None` for a child
-/// that is not a lock node. Like Curator, the number is what follows the
-/// last `lock-`.
+/// `…__READ__0000000042`, `…__WRIT__0000000042`, `…lock--2147483648` after
+/// the counter wrapped), or `None` for a child that is not a lock node.
+/// Like Curator, the number is what follows the lock name.
 pub(super) fn sequence_of(name: &str) -> Option<i32> {
-    let at = name.rfind(LOCK_NAME)?;
-    let digits = &name[at + LOCK_NAME.len()..];
+    let (at, len) = [LOCK_NAME, READ_NAME, WRITE_NAME]
+        .iter()
+        .filter_map(|marker| Some((name.rfind(marker)?, marker.len())))
+        .max_by_key(|(at, _)| *at)?;
+    digits_of(&name[at + len..])
+}
+
+/// The sequence number of a semaphore lease (`…lease-0000000042`).
+pub(super) fn lease_sequence_of(name: &str) -> Option<i32> {
+    let at = name.rfind(LEASE_NAME)?;
+    digits_of(&name[at + LEASE_NAME.len()..])
+}
+
+/// Whether a lock child is a reader's (Curator's read lock names it
+/// `__READ__`); every other lock child excludes readers: dlock's plain
+/// locks and writers (`lock-`) and Curator's writers (`__WRIT__`).
+pub(super) fn is_reader(name: &str) -> bool {
+    match (
+        name.rfind(READ_NAME),
+        name.rfind(WRITE_NAME),
+        name.rfind(LOCK_NAME),
+    ) {
+        (Some(read), write, lock) => {
+            write.is_none_or(|w| w < read) && lock.is_none_or(|l| l < read)
+        }
+        (None, _, _) => false,
+    }
+}
+
+fn digits_of(digits: &str) -> Option<i32> {
     let unsigned = digits.strip_prefix('-').unwrap_or(digits);
     if unsigned.is_empty() || !unsigned.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -144,30 +199,50 @@ pub(super) enum Position<'a> {
 
 /// Our position in `queue`: the key's lock children, each with its rank in
 /// creation order (its sequence number when [`in_sequence_order`], else its
-/// `czxid`; ranks are distinct).
-pub(super) fn position<'a>(queue: &'a [(String, i64)], ours: &str) -> Position<'a> {
+/// `czxid`; ranks are distinct). A writer (`reader == false`) waits for
+/// every node ahead of it, a reader only for the writers ahead of it — so a
+/// reader queued behind a waiting writer waits for it (writers preferred,
+/// first come first served); each watches the nearest node it waits for.
+pub(super) fn position<'a>(queue: &'a [(String, i64)], ours: &str, reader: bool) -> Position<'a> {
     let Some(our_rank) = rank_of(queue, ours) else {
         return Position::Missing;
     };
-    match queue
-        .iter()
-        .filter(|(_, rank)| *rank < our_rank)
-        .max_by_key(|(_, rank)| *rank)
-    {
+    match blockers(queue, our_rank, reader).max_by_key(|(_, rank)| *rank) {
         None => Position::Holder,
         Some((name, _)) => Position::Behind(name),
     }
+}
+
+fn blockers(
+    queue: &[(String, i64)],
+    our_rank: i64,
+    reader: bool,
+) -> impl Iterator<Item = &(String, i64)> {
+    queue
+        .iter()
+        .filter(move |(name, rank)| *rank < our_rank && !(reader && is_reader(name)))
 }
 
 fn rank_of(queue: &[(String, i64)], name: &str) -> Option<i64> {
     queue.iter().find(|(n, _)| n == name).map(|(_, rank)| *rank)
 }
 
-/// How many lock nodes of `queue` (as for [`position`]) are ahead of ours.
-pub(super) fn ahead_of(queue: &[(String, i64)], ours: &str) -> usize {
-    rank_of(queue, ours).map_or(0, |our_rank| {
-        queue.iter().filter(|(_, rank)| *rank < our_rank).count()
-    })
+/// How many lock nodes of `queue` (as for [`position`]) our node waits for.
+pub(super) fn ahead_of(queue: &[(String, i64)], ours: &str, reader: bool) -> usize {
+    rank_of(queue, ours).map_or(0, |our_rank| blockers(queue, our_rank, reader).count())
+}
+
+/// The holders among `queue`'s nodes in creation order: the first node if
+/// it is a writer's, else every reader's node ahead of the first writer's.
+pub(super) fn holders<T>(ordered: &[T], name: impl Fn(&T) -> &str) -> usize {
+    match ordered.first() {
+        None => 0,
+        Some(first) if !is_reader(name(first)) => 1,
+        Some(_) => ordered
+            .iter()
+            .take_while(|node| is_reader(name(node)))
+            .count(),
+    }
 }
 
 #[cfg(test)]
@@ -278,7 +353,7 @@ mod tests {
         assert_eq!(drawn.len(), 36);
         assert_ne!(drawn, new_guid());
         assert_eq!(
-            child_prefix("/k", &guid_for(owner)),
+            child_prefix("/k", &guid_for(owner), false, false),
             "/k/_c_01234567-89ab-cdef-0123-456789abcdef-lock-"
         );
     }
@@ -312,13 +387,13 @@ mod tests {
     #[test]
     fn positions_follow_the_ranks() {
         let q = queue(&[("c", 30), ("a", 10), ("d", 40), ("b", 20)]);
-        assert_eq!(position(&q, "a"), Position::Holder);
-        assert_eq!(position(&q, "b"), Position::Behind("a"));
-        assert_eq!(position(&q, "d"), Position::Behind("c"));
-        assert_eq!(position(&q, "z"), Position::Missing);
-        assert_eq!(ahead_of(&q, "a"), 0);
-        assert_eq!(ahead_of(&q, "c"), 2);
-        assert_eq!(ahead_of(&q, "z"), 0);
+        assert_eq!(position(&q, "a", false), Position::Holder);
+        assert_eq!(position(&q, "b", false), Position::Behind("a"));
+        assert_eq!(position(&q, "d", false), Position::Behind("c"));
+        assert_eq!(position(&q, "z", false), Position::Missing);
+        assert_eq!(ahead_of(&q, "a", false), 0);
+        assert_eq!(ahead_of(&q, "c", false), 2);
+        assert_eq!(ahead_of(&q, "z", false), 0);
     }
 
     #[test]
@@ -349,18 +424,63 @@ mod tests {
             .rev()
             .map(|(n, z)| ((*n).to_owned(), z))
             .collect();
-        assert_eq!(position(&q, names[0]), Position::Holder);
+        assert_eq!(position(&q, names[0], false), Position::Holder);
         for w in names.windows(2) {
-            assert_eq!(position(&q, w[1]), Position::Behind(w[0]));
+            assert_eq!(position(&q, w[1], false), Position::Behind(w[0]));
         }
         // The first holder gone, exactly one node holds.
         let rest: Vec<(String, i64)> = q.iter().filter(|(n, _)| n != names[0]).cloned().collect();
         let holders: Vec<&str> = names[1..]
             .iter()
-            .filter(|n| position(&rest, n) == Position::Holder)
+            .filter(|n| position(&rest, n, false) == Position::Holder)
             .copied()
             .collect();
         assert_eq!(holders, [names[1]]);
+    }
+
+    #[test]
+    fn readers_wait_only_for_writers_ahead_and_writers_for_everyone() {
+        let q = queue(&[
+            ("_c_a-__READ__0000000001", 1),
+            ("_c_b-lock-0000000002", 2),
+            ("_c_c-__READ__0000000003", 3),
+            ("_c_d-__WRIT__0000000004", 4),
+            ("_c_e-__READ__0000000005", 5),
+            ("_c_f-__READ__0000000006", 6),
+        ]);
+        assert!(is_reader(&q[0].0) && !is_reader(&q[1].0) && !is_reader(&q[3].0));
+        assert_eq!(sequence_of("_c_d-__WRIT__0000000004"), Some(4));
+        assert_eq!(sequence_of("_c_a-__READ__0000000001"), Some(1));
+        assert_eq!(position(&q, &q[0].0, true), Position::Holder);
+        // The writer waits for the reader ahead of it.
+        assert_eq!(position(&q, &q[1].0, false), Position::Behind(&q[0].0));
+        // A reader queued behind a waiting writer waits for that writer.
+        assert_eq!(position(&q, &q[2].0, true), Position::Behind(&q[1].0));
+        assert_eq!(ahead_of(&q, &q[2].0, true), 1);
+        assert_eq!(position(&q, &q[4].0, true), Position::Behind(&q[3].0));
+        assert_eq!(ahead_of(&q, &q[5].0, true), 2);
+        assert_eq!(ahead_of(&q, &q[5].0, false), 5);
+        assert_eq!(holders(&q, |(n, _)| n.as_str()), 1);
+        let readers_first = &q[2..];
+        assert_eq!(holders(&q[..1], |(n, _)| n.as_str()), 1);
+        assert_eq!(holders(readers_first, |(n, _)| n.as_str()), 1);
+        let two_readers = queue(&[
+            ("_c_e-__READ__5", 5),
+            ("_c_f-__READ__6", 6),
+            ("_c_g-lock-7", 7),
+        ]);
+        assert_eq!(holders(&two_readers, |(n, _)| n.as_str()), 2);
+        let writer = queue(&[("_c_g-lock-7", 7), ("_c_e-__READ__8", 8)]);
+        assert_eq!(holders(&writer, |(n, _)| n.as_str()), 1);
+        assert_eq!(holders::<(String, i64)>(&[], |(n, _)| n.as_str()), 0);
+    }
+
+    #[test]
+    fn leases_parse_like_curator() {
+        assert_eq!(lease_sequence_of("_c_x-lease-0000000042"), Some(42));
+        assert_eq!(lease_sequence_of("lease-7"), Some(7));
+        assert_eq!(lease_sequence_of("_c_x-lock-7"), None);
+        assert_eq!(lease_prefix("/k/leases", "g"), "/k/leases/_c_g-lease-");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `zk://[user:pass@]h1:p1,h2:p2/chroot?session_timeout=10s&loss=session|disconnect`
+//! `zk://[user:pass@]h1:p1,h2:p2/chroot?session_timeout=10s&loss=session|disconnect&writers=mutex|rw`
 
 use std::time::Duration;
 
@@ -21,6 +21,17 @@ pub(super) enum LossPolicy {
     Disconnect,
 }
 
+/// Whose names a plain lock (a writer) gives its node: Curator's
+/// `InterProcessMutex` (`lock-`) or the write lock of Curator's
+/// `InterProcessReadWriteLock` (`__WRIT__`). dlock treats both as writers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Writers {
+    /// `writers=mutex` (the default): `_c_{guid}-lock-{seq}`.
+    Mutex,
+    /// `writers=rw`: `_c_{guid}-__WRIT__{seq}`.
+    ReadWrite,
+}
+
 /// What a `zk://` URL says. Holds the credentials, so it has no `Debug`.
 pub(super) struct Target {
     /// `h1:p1,h2:p2`, for the client (which connects at the root).
@@ -31,6 +42,7 @@ pub(super) struct Target {
     pub(super) digest: Option<String>,
     pub(super) session_timeout: Duration,
     pub(super) loss: LossPolicy,
+    pub(super) writers: Writers,
 }
 
 fn percent_decode(s: &str) -> Option<String> {
@@ -118,6 +130,7 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
     }
     let mut session_timeout = DEFAULT_SESSION_TIMEOUT;
     let mut loss = LossPolicy::Session;
+    let mut writers = Writers::Mutex;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
             Some(("session_timeout", value)) => {
@@ -133,9 +146,14 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
             Some(("loss", value)) => {
                 return Err(bad(&format!("bad `loss={value}` (session or disconnect)")));
             }
+            Some(("writers", "mutex")) => writers = Writers::Mutex,
+            Some(("writers", "rw")) => writers = Writers::ReadWrite,
+            Some(("writers", value)) => {
+                return Err(bad(&format!("bad `writers={value}` (mutex or rw)")));
+            }
             _ => {
                 return Err(bad(&format!(
-                    "unknown option `{pair}` (known: session_timeout, loss)"
+                    "unknown option `{pair}` (known: session_timeout, loss, writers)"
                 )));
             }
         }
@@ -146,6 +164,7 @@ pub(super) fn parse(url: &str) -> Result<Target, LockError> {
         digest,
         session_timeout,
         loss,
+        writers,
     })
 }
 
@@ -156,7 +175,7 @@ mod tests {
     #[test]
     fn full_url() {
         let t = parse(
-            "zk://dlock:s%40cret@127.0.0.1:2181,zk2/locks/app/?session_timeout=4s&loss=disconnect",
+            "zk://dlock:s%40cret@127.0.0.1:2181,zk2/locks/app/?session_timeout=4s&loss=disconnect&writers=rw",
         )
         .unwrap();
         assert_eq!(t.hosts, "127.0.0.1:2181,zk2:2181");
@@ -164,6 +183,7 @@ mod tests {
         assert_eq!(t.digest.as_deref(), Some("dlock:s@cret"));
         assert_eq!(t.session_timeout, Duration::from_secs(4));
         assert_eq!(t.loss, LossPolicy::Disconnect);
+        assert_eq!(t.writers, Writers::ReadWrite);
     }
 
     #[test]
@@ -174,6 +194,7 @@ mod tests {
         assert!(t.digest.is_none());
         assert_eq!(t.session_timeout, DEFAULT_SESSION_TIMEOUT);
         assert_eq!(t.loss, LossPolicy::Session);
+        assert_eq!(t.writers, Writers::Mutex);
     }
 
     #[test]
@@ -184,6 +205,7 @@ mod tests {
             "zk://u:hunter2@,h:1/",
             "zk://u:hunter2@h:1/?session_timeout=soon",
             "zk://u:hunter2@h:1/?loss=never",
+            "zk://u:hunter2@h:1/?writers=all",
             "zk://u:hunter2@h:1/?timeout=1s",
             "zk://u:hunter2@h:1/zookeeper/x",
             "zk://u:hunter2@h:1/a/../b",

@@ -1,0 +1,484 @@
+//! Semaphores in Curator's `InterProcessSemaphoreV2` layout: one
+//! `EPHEMERAL_SEQUENTIAL` lease node per permit holder under the key's
+//! `leases` child, holding the owner, the holder's record, the number of
+//! permits and the slot.
+//!
+//! **Grant rule.** An attempt reads the leases, picks the lowest slot no
+//! dlock lease carries, creates its lease, and reads the leases again: it
+//! holds a permit if there are at most `permits` leases and no lease
+//! created before it (lower `czxid`) carries its slot. Otherwise it deletes
+//! its lease before answering (busy, or trying another slot at once). This
+//! is Curator's own rule (its acquirer holds once the leases number at most
+//! `maxLeases`, its lease counted), and it holds without Curator's `locks`
+//! mutex: of any set of holders, the one that read the leases last saw
+//! every other holder's lease, so they are at most `permits`. dlock does not
+//! take the `locks` mutex, and never keeps a lease while it waits: a lease
+//! kept by a waiter would be counted by a waiting Curator acquirer, which
+//! would then wait for it while it waits for Curator's (a deadlock). So
+//! waiters are not queued: every lease deleted wakes every dlock waiter of
+//! the key (a watch on the leases' children, as Curator's mutex holder
+//! sets), and whichever reads first takes the permit. Curator's waiter,
+//! which keeps its lease, is counted and so served before later dlock
+//! attempts.
+//!
+//! **Permits and modes.** Curator stores no `maxLeases`; dlock stores it in
+//! every lease it creates, and an attempt that finds a dlock lease with
+//! another number, or lock nodes on the key itself (a plain lock, a reader
+//! or a writer), deletes its lease and answers the mismatch. A plain lock
+//! or a reader that finds leases on its key does the same. Each side checks
+//! after its own create, so of two racing attempts at least one sees the
+//! other.
+//!
+//! **Token**: the lease's `czxid`, strictly increasing per key, so per
+//! (key, slot) too.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zookeeper_client::{Acls, CreateMode, Error as ZkError, MultiReadResult, Stat};
+
+use super::acquire::{OurNode, Pending};
+use super::path;
+use super::release::delete_by_guid;
+use super::session::{Session, delete_until_gone};
+use super::{Inner, MAX_STEPS, RETRY, backend_error};
+use crate::backend::{AcquireRequest, Attempt, HoldMode};
+use crate::error::BackendError;
+
+/// The start of the line dlock appends to a lease's data.
+const PERMIT_LINE: &str = "dlock-permit ";
+
+/// The data of a dlock lease: the lock node's data, then the permits and
+/// the slot on a line of their own.
+fn lease_data(node_data: &[u8], permits: u32, slot: u32) -> Vec<u8> {
+    let mut data = node_data.to_vec();
+    data.extend_from_slice(format!("\n{PERMIT_LINE}{permits} {slot}").as_bytes());
+    data
+}
+
+/// The permits and slot a dlock lease carries, and the data before them
+/// (the owner and the holder's record); `None` for a Curator lease.
+pub(super) fn lease_info(data: &[u8]) -> Option<(u32, u32, &[u8])> {
+    let at = data.iter().rposition(|b| *b == b'\n')?;
+    let line = std::str::from_utf8(&data[at + 1..]).ok()?;
+    let (permits, slot) = line.strip_prefix(PERMIT_LINE)?.split_once(' ')?;
+    Some((permits.parse().ok()?, slot.parse().ok()?, &data[..at]))
+}
+
+/// A lease node read.
+pub(super) struct LeaseNode {
+    pub(super) name: String,
+    pub(super) data: Vec<u8>,
+    pub(super) stat: Stat,
+}
+
+impl LeaseNode {
+    fn info(&self) -> Option<(u32, u32)> {
+        lease_info(&self.data).map(|(permits, slot, _)| (permits, slot))
+    }
+}
+
+/// Why an acquisition may not go on beside the key's other holders.
+pub(super) enum Refusal {
+    /// Holders of another kind: the caller's configuration error.
+    Config(BackendError),
+    /// The server could not be asked.
+    Zk(ZkError),
+}
+
+impl From<ZkError> for Refusal {
+    fn from(err: ZkError) -> Self {
+        Refusal::Zk(err)
+    }
+}
+
+/// The mode the leases `held` are held in (Curator's leases say nothing
+/// of their number: at least two, and at least as many as there are).
+fn held_as(held: &[LeaseNode]) -> HoldMode {
+    let permits = held
+        .iter()
+        .find_map(LeaseNode::info)
+        .map_or_else(|| (held.len() as u32).max(2), |(permits, _)| permits);
+    HoldMode::Permit { permits }
+}
+
+/// The lowest slot below `permits` that no lease of `leases` carries.
+fn free_slot(leases: &[LeaseNode], permits: u32) -> u32 {
+    (0..permits)
+        .find(|slot| {
+            !leases
+                .iter()
+                .any(|l| l.info().is_some_and(|(_, s)| s == *slot))
+        })
+        .unwrap_or(0)
+}
+
+impl Inner {
+    /// The lease nodes under `leases`, in creation order (`czxid`), read in
+    /// one multi-read; empty when it does not exist.
+    pub(super) async fn read_leases(
+        &self,
+        session: &Arc<Session>,
+        leases: &str,
+    ) -> Result<Vec<LeaseNode>, ZkError> {
+        let names = match session.call(|c| c.list_children(leases)).await {
+            Ok(names) => names,
+            Err(ZkError::NoNode) => return Ok(Vec::new()),
+            Err(err) => return Err(err),
+        };
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|n| path::lease_sequence_of(n).is_some())
+            .collect();
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut reader = session.client.new_multi_reader();
+        for name in &names {
+            reader.add_get_data(&format!("{leases}/{name}"))?;
+        }
+        let sent = Instant::now();
+        let request = reader.commit();
+        let results = session.finish(sent, request).await?;
+        let mut nodes = Vec::with_capacity(names.len());
+        for (name, result) in names.into_iter().zip(results) {
+            match result {
+                MultiReadResult::Data { data, stat } => nodes.push(LeaseNode { name, data, stat }),
+                MultiReadResult::Error {
+                    err: ZkError::NoNode,
+                } => {}
+                MultiReadResult::Error { err } => return Err(err),
+                other => {
+                    return Err(ZkError::UnexpectedError(format!(
+                        "unexpected multi-read answer {other:?}"
+                    )));
+                }
+            }
+        }
+        nodes.sort_by_key(|n| n.stat.czxid);
+        Ok(nodes)
+    }
+
+    /// A plain lock or a reader whose node is `node`, on a key whose node
+    /// has a `leases` child: refused (its node deleted) if a lease is there.
+    pub(super) async fn refuse_beside_leases(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+        node: &OurNode,
+        request: &AcquireRequest,
+    ) -> Result<(), Refusal> {
+        let leases = format!("{}/{}", pending.key_container, path::LEASES);
+        let held = self.read_leases(session, &leases).await?;
+        if held.is_empty() {
+            return Ok(());
+        }
+        let ours = format!("{}/{}", pending.container, node.name);
+        delete_until_gone(session, &ours, Some(Instant::now() + session.op_timeout)).await?;
+        pending.forget_node();
+        pending.state().maybe_created = false;
+        Err(Refusal::Config(BackendError::config(HoldMode::mismatch(
+            &request.key,
+            held_as(&held),
+            request.mode,
+        ))))
+    }
+
+    /// One attempt for a permit: see the module docs.
+    pub(super) async fn attempt_permit(
+        self: &Arc<Self>,
+        request: &AcquireRequest,
+        permits: u32,
+    ) -> Result<Attempt, BackendError> {
+        let started = Instant::now();
+        let pending = self.pending_for(request);
+        if let Some(busy) = pending.still_behind() {
+            return Ok(busy);
+        }
+        let session = match self.session().await {
+            Ok(session) => session,
+            Err(error) if error.is_retryable() => {
+                return Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: RETRY,
+                });
+            }
+            Err(error) => return Err(error),
+        };
+        let unavailable = |what: &str, err: ZkError| {
+            let error = backend_error(what, err);
+            if error.is_retryable() {
+                Ok(Attempt::Unavailable {
+                    error,
+                    retry_in: RETRY,
+                })
+            } else {
+                Err(error)
+            }
+        };
+        for _ in 0..MAX_STEPS {
+            match self.permit_step(&session, &pending, request, permits).await {
+                Ok(Step::Held(node, slot)) => {
+                    return Ok(Attempt::Held(
+                        self.grant(request, &pending, &session, &node, started)
+                            .with_slot(slot),
+                    ));
+                }
+                Ok(Step::Again) => {}
+                Ok(Step::Full) => {
+                    if request.wait.is_zero() {
+                        return Ok(Attempt::Busy { retry_in: None });
+                    }
+                    let sent = Instant::now();
+                    let watched = session.client.list_and_watch_children(&pending.container);
+                    match session.finish(sent, watched).await {
+                        Ok((names, watcher)) => {
+                            let leases = names
+                                .iter()
+                                .filter(|n| path::lease_sequence_of(n).is_some())
+                                .count();
+                            if leases >= permits as usize {
+                                self.keep_watch(&pending, pending.container.clone(), watcher);
+                                return Ok(Attempt::Busy {
+                                    retry_in: Some(session.timeout),
+                                });
+                            }
+                        }
+                        Err(ZkError::NoNode) => {}
+                        Err(err) => return unavailable("watching the semaphore's leases", err),
+                    }
+                }
+                Err(Refusal::Config(error)) => return Err(error),
+                Err(Refusal::Zk(err)) => return unavailable("taking a permit", err),
+            }
+        }
+        Ok(Attempt::Busy {
+            retry_in: Some(Duration::ZERO),
+        })
+    }
+
+    /// Reads, creates our lease, reads again; deletes it unless it holds.
+    async fn permit_step(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+        request: &AcquireRequest,
+        permits: u32,
+    ) -> Result<Step, Refusal> {
+        self.clear_leftover(session, pending).await?;
+        let asked = HoldMode::Permit { permits };
+        let mismatch = |held: HoldMode| {
+            Refusal::Config(BackendError::config(HoldMode::mismatch(
+                &request.key,
+                held,
+                asked,
+            )))
+        };
+        let before = self.read_leases(session, &pending.container).await?;
+        if let Some((other, _)) = before
+            .iter()
+            .filter_map(LeaseNode::info)
+            .find(|(n, _)| *n != permits)
+        {
+            return Err(mismatch(HoldMode::Permit { permits: other }));
+        }
+        if before.len() >= permits as usize {
+            return Ok(Step::Full);
+        }
+        let slot = free_slot(&before, permits);
+        let node = self.create_lease(session, pending, permits, slot).await?;
+        let ours = format!("{}/{}", pending.container, node.name);
+        let sent = Instant::now();
+        let locks = session.client.list_children(&pending.key_container);
+        let after = self.read_leases(session, &pending.container).await;
+        let locks = session.finish(sent, locks).await;
+        let outcome = (|| {
+            let after = after?;
+            let locks = match locks {
+                Ok(names) => names,
+                Err(ZkError::NoNode) => Vec::new(),
+                Err(err) => return Err(Refusal::Zk(err)),
+            };
+            let lock_nodes: Vec<&String> = locks
+                .iter()
+                .filter(|n| path::sequence_of(n).is_some())
+                .collect();
+            if !lock_nodes.is_empty() {
+                let held = if lock_nodes.iter().all(|n| path::is_reader(n)) {
+                    HoldMode::Shared
+                } else {
+                    HoldMode::Exclusive
+                };
+                return Err(mismatch(held));
+            }
+            let others: Vec<&LeaseNode> = after.iter().filter(|l| l.name != node.name).collect();
+            if let Some((other, _)) = others
+                .iter()
+                .filter_map(|l| l.info())
+                .find(|(n, _)| *n != permits)
+            {
+                return Err(mismatch(HoldMode::Permit { permits: other }));
+            }
+            if !after.iter().any(|l| l.name == node.name) {
+                return Ok(Step::Again);
+            }
+            let taken = others
+                .iter()
+                .any(|l| l.stat.czxid < node.czxid && l.info().is_some_and(|(_, s)| s == slot));
+            if taken {
+                return Ok(Step::Again);
+            }
+            if after.len() > permits as usize {
+                return Ok(Step::Full);
+            }
+            Ok(Step::Held(node.clone(), slot))
+        })();
+        if matches!(outcome, Ok(Step::Held(..))) {
+            return outcome;
+        }
+        delete_until_gone(session, &ours, Some(Instant::now() + session.op_timeout)).await?;
+        pending.forget_node();
+        outcome
+    }
+
+    /// Deletes what an earlier attempt of this acquisition may have left: a
+    /// lease whose create's answer was not seen, or one not deleted yet.
+    async fn clear_leftover(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+    ) -> Result<(), ZkError> {
+        let (node, maybe_created) = {
+            let st = pending.state();
+            match &st.session {
+                Some(s) if Arc::ptr_eq(s, session) => (st.node.clone(), st.maybe_created),
+                _ => (None, false),
+            }
+        };
+        if let Some(node) = node {
+            let path = format!("{}/{}", pending.container, node.name);
+            delete_until_gone(session, &path, Some(Instant::now() + session.op_timeout)).await?;
+            pending.forget_node();
+        }
+        if maybe_created {
+            delete_by_guid(
+                session.clone(),
+                pending.container.clone(),
+                pending.guid.clone(),
+            )
+            .await
+            .map_err(|e| ZkError::UnexpectedError(e.to_string()))?;
+            pending.state().maybe_created = false;
+        }
+        Ok(())
+    }
+
+    /// Creates our lease (and the key's node and its `leases` child, as
+    /// containers, when missing).
+    async fn create_lease(
+        &self,
+        session: &Arc<Session>,
+        pending: &Pending,
+        permits: u32,
+        slot: u32,
+    ) -> Result<OurNode, ZkError> {
+        let prefix = path::lease_prefix(&pending.container, &pending.guid);
+        let data = lease_data(&pending.data, permits, slot);
+        let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
+        for _ in 0..MAX_STEPS {
+            {
+                let mut st = pending.state();
+                st.session = Some(session.clone());
+                st.node = None;
+                st.maybe_created = true;
+            }
+            let sent = Instant::now();
+            let create = session.client.create(&prefix, &data, &options);
+            match session.finish(sent, create).await {
+                Ok((stat, sequence)) => {
+                    let node = OurNode {
+                        name: format!("{}{sequence}", &prefix[pending.container.len() + 1..]),
+                        czxid: stat.czxid,
+                    };
+                    self.counters
+                        .nodes_created
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let mut st = pending.state();
+                    st.node = Some(node.clone());
+                    st.maybe_created = false;
+                    return Ok(node);
+                }
+                Err(ZkError::NoNode) => {
+                    pending.state().maybe_created = false;
+                    self.create_container(session, &pending.key_container)
+                        .await?;
+                    self.create_container(session, &pending.container).await?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(ZkError::UnexpectedError(format!(
+            "the container {} kept disappearing",
+            pending.container
+        )))
+    }
+}
+
+/// What one step of a permit attempt found.
+enum Step {
+    /// Our lease holds this slot.
+    Held(OurNode, u32),
+    /// Every permit is taken (our lease, if created, is deleted).
+    Full,
+    /// Our slot was taken first, or our lease vanished: try again now.
+    Again,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_data_carries_permits_and_slot_after_the_record() {
+        let data = lease_data(b"owner\n1 42 host name", 5, 3);
+        assert_eq!(
+            lease_info(&data),
+            Some((5, 3, &b"owner\n1 42 host name"[..]))
+        );
+        assert_eq!(lease_info(b"127.0.0.1"), None);
+        assert_eq!(lease_info(b"a\nb"), None);
+    }
+
+    fn lease(name: &str, czxid: i64, data: Vec<u8>) -> LeaseNode {
+        LeaseNode {
+            name: name.to_owned(),
+            data,
+            stat: Stat {
+                czxid,
+                mzxid: czxid,
+                pzxid: czxid,
+                ctime: 0,
+                mtime: 0,
+                version: 0,
+                cversion: 0,
+                aversion: 0,
+                ephemeral_owner: 1,
+                data_length: 0,
+                num_children: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn the_lowest_free_slot_is_taken_and_curator_leases_carry_none() {
+        let leases = [
+            lease("a", 1, lease_data(b"x", 3, 0)),
+            lease("b", 2, b"127.0.0.1".to_vec()),
+            lease("c", 3, lease_data(b"y", 3, 2)),
+        ];
+        assert_eq!(free_slot(&leases, 3), 1);
+        assert_eq!(free_slot(&leases[1..2], 3), 0);
+        assert_eq!(held_as(&leases), HoldMode::Permit { permits: 3 });
+        assert_eq!(held_as(&leases[1..2]), HoldMode::Permit { permits: 2 });
+    }
+}
