@@ -119,11 +119,14 @@ async fn several_keys_take_the_one_step_path_only_as_whole_keys() {
     assert_eq!(backend.one_steps.load(Ordering::SeqCst), 1);
 }
 
+/// The `mode` and `slot` fields of one span.
+type ModeAndSlot = (Option<String>, Option<String>);
+
 /// The `mode` and `slot` fields of every `dlock.lock` span, by span id.
 #[derive(Clone, Default)]
-struct Fields(Arc<Mutex<HashMap<u64, (Option<String>, Option<String>)>>>);
+struct Fields(Arc<Mutex<HashMap<u64, ModeAndSlot>>>);
 
-struct Visitor<'a>(&'a mut (Option<String>, Option<String>));
+struct Visitor<'a>(&'a mut ModeAndSlot);
 
 impl Visit for Visitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
@@ -187,8 +190,7 @@ async fn the_lock_span_names_the_mode_and_the_slot() {
     second.release().await.expect("release");
     first.release().await.expect("release");
 
-    let mut seen: Vec<(Option<String>, Option<String>)> =
-        fields.0.lock().unwrap().values().cloned().collect();
+    let mut seen: Vec<ModeAndSlot> = fields.0.lock().unwrap().values().cloned().collect();
     seen.sort();
     let s = |v: &str| Some(v.to_owned());
     assert_eq!(
