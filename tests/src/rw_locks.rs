@@ -315,6 +315,62 @@ async fn a_lost_read_hold_reaches_its_holder(h: &Harness) {
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
 }
 
+/// Each reader has its own expiry: a reader that vanishes (no renewal, no
+/// release) drops out after its own lease while another reader keeps
+/// renewing, and a writer enters once the living reader leaves.
+async fn a_crashed_readers_share_ends_after_its_own_lease(h: &Harness) {
+    let key = unique_key("rw-crashed-reader");
+    let alive = lock(&key)
+        .read()
+        .lease(Duration::from_millis(900))
+        .acquire()
+        .await
+        .expect("read");
+    let crashed = lock(&key)
+        .read()
+        .lease(Duration::from_millis(600))
+        .watchdog(false)
+        .acquire()
+        .await
+        .expect("read");
+    std::mem::forget(crashed);
+    let until = Instant::now() + 10 * SECOND;
+    loop {
+        let info = h
+            .registry()
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .expect("the living reader holds the key");
+        if info.holders().len() == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the vanished reader is still shown while the other renews: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!alive.is_lost(), "the living reader kept its share");
+    alive.release().await.expect("release");
+    let (writer, took) = {
+        let started = Instant::now();
+        let writer = lock(&key)
+            .write()
+            .wait(10 * SECOND)
+            .lease(30 * SECOND)
+            .acquire()
+            .await;
+        (writer, started.elapsed())
+    };
+    writer
+        .expect("the writer once both readers are gone")
+        .release()
+        .await
+        .expect("release");
+    assert!(took < 2 * SECOND, "the writer waited {took:?}");
+}
+
 /// `inspect` shows each reader as a reader, and a writer as not one.
 async fn inspect_shows_readers_as_readers(h: &Harness) {
     let key = unique_key("rw-inspect");
@@ -361,5 +417,6 @@ crate::suite!(
     write_inside_read_is_a_config_error_at_once,
     a_cancelled_waiting_writer_leaves_no_mark,
     a_lost_read_hold_reaches_its_holder,
+    a_crashed_readers_share_ends_after_its_own_lease,
     inspect_shows_readers_as_readers,
 );

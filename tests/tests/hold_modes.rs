@@ -1,9 +1,12 @@
-//! The runtime's routing of hold modes: several keys are taken in one step
-//! only as whole keys; readers and semaphores go key by key through the
-//! wait loop, whose rules their modes need.
+//! The runtime's side of hold modes: several keys are taken in one step
+//! only as whole keys (readers and semaphores go key by key through the
+//! wait loop, whose rules their modes need), and the `dlock.lock` span
+//! names the mode and the slot.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_runtime::backend::{
@@ -12,6 +15,12 @@ use dlock_runtime::backend::{
 use dlock_runtime::{BackendError, LockBackend, LockError, MemoryBackend, Registry};
 use dlock_tests::unique_key;
 use futures_util::future::BoxFuture;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Level, Subscriber};
+use tracing_subscriber::Layer;
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::layer::{Context, SubscriberExt as _};
 
 /// A [`MemoryBackend`] that claims a one-step path for several keys and
 /// counts its use; the step itself answers an error.
@@ -108,4 +117,89 @@ async fn several_keys_take_the_one_step_path_only_as_whole_keys() {
         "whole keys take the one-step path: {whole:?}"
     );
     assert_eq!(backend.one_steps.load(Ordering::SeqCst), 1);
+}
+
+/// The `mode` and `slot` fields of one span.
+type ModeAndSlot = (Option<String>, Option<String>);
+
+/// The `mode` and `slot` fields of every `dlock.lock` span, by span id.
+#[derive(Clone, Default)]
+struct Fields(Arc<Mutex<HashMap<u64, ModeAndSlot>>>);
+
+struct Visitor<'a>(&'a mut ModeAndSlot);
+
+impl Visit for Visitor<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        match field.name() {
+            "mode" => self.0.0 = Some(format!("{value:?}").trim_matches('"').to_owned()),
+            "slot" => self.0.1 = Some(format!("{value:?}")),
+            _ => {}
+        }
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "mode" {
+            self.0.0 = Some(value.to_owned());
+        }
+    }
+}
+
+impl<S: Subscriber> Layer<S> for Fields {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
+        if attrs.metadata().name() == "dlock.lock" {
+            let mut fields = (None, None);
+            attrs.record(&mut Visitor(&mut fields));
+            self.0.lock().unwrap().insert(id.into_u64(), fields);
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
+        if let Some(fields) = self.0.lock().unwrap().get_mut(&id.into_u64()) {
+            values.record(&mut Visitor(fields));
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_lock_span_names_the_mode_and_the_slot() {
+    let fields = Fields::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(fields.clone())
+        .with(LevelFilter::from_level(Level::DEBUG));
+    let _default = tracing::subscriber::set_default(subscriber);
+    let registry = Registry::builder()
+        .default_backend(MemoryBackend::new())
+        .build();
+    let key = unique_key("span-fields");
+    let plain = registry.lock(&key).acquire().await.expect("plain");
+    plain.release().await.expect("release");
+    let reader = registry.lock(&key).read().acquire().await.expect("read");
+    reader.release().await.expect("release");
+    let first = registry
+        .lock(&key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let second = registry
+        .lock(&key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    second.release().await.expect("release");
+    first.release().await.expect("release");
+
+    let mut seen: Vec<ModeAndSlot> = fields.0.lock().unwrap().values().cloned().collect();
+    seen.sort();
+    let s = |v: &str| Some(v.to_owned());
+    assert_eq!(
+        seen,
+        vec![
+            (s("permit"), s("0")),
+            (s("permit"), s("1")),
+            (s("read"), None),
+            (s("write"), None),
+        ]
+    );
 }

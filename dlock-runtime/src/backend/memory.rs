@@ -650,3 +650,97 @@ impl LockBackend for MemoryBackend {
         Box::pin(std::future::ready(Ok(removed)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    fn request(key: &str, owner: &str, mode: HoldMode) -> AcquireRequest {
+        AcquireRequest::new(key, owner, LEASE).with_mode(mode)
+    }
+
+    async fn held(mem: &MemoryBackend, request: &AcquireRequest) -> Lease {
+        match mem.try_acquire(request).await.expect("no error") {
+            Attempt::Held(lease) => lease,
+            other => panic!("{} not granted: {other:?}", request.owner),
+        }
+    }
+
+    async fn is_busy(mem: &MemoryBackend, request: &AcquireRequest) -> bool {
+        matches!(
+            mem.try_acquire(request).await.expect("no error"),
+            Attempt::Busy { .. }
+        )
+    }
+
+    const THREE: HoldMode = HoldMode::Permit { permits: 3 };
+
+    #[tokio::test]
+    async fn permits_take_the_lowest_free_slot_and_a_slotless_release_frees_the_owners() {
+        let mem = MemoryBackend::new();
+        let a = held(&mem, &request("k", "a", THREE)).await;
+        let b = held(&mem, &request("k", "b", THREE)).await;
+        let c = held(&mem, &request("k", "c", THREE)).await;
+        assert_eq!((a.slot, b.slot, c.slot), (Some(0), Some(1), Some(2)));
+        assert!(is_busy(&mem, &request("k", "d", THREE)).await);
+        // The runtime's undo of an abandoned attempt carries no slot.
+        let mut undo = Lease::new(&request("k", "b", THREE), None);
+        undo.slot = None;
+        mem.release(&undo).await.expect("release");
+        let d = held(&mem, &request("k", "d", THREE)).await;
+        assert_eq!(d.slot, Some(1));
+        assert!(d.token > b.token, "slot 1's token went back");
+    }
+
+    #[tokio::test]
+    async fn another_mode_on_held_holders_is_a_config_error() {
+        let mem = MemoryBackend::new();
+        let a = held(&mem, &request("k", "a", THREE)).await;
+        for mode in [
+            HoldMode::Permit { permits: 4 },
+            HoldMode::Exclusive,
+            HoldMode::Shared,
+        ] {
+            let err = mem
+                .try_acquire(&request("k", "x", mode))
+                .await
+                .expect_err("a mismatch");
+            assert!(err.is_config(), "{err}");
+        }
+        mem.release(&a).await.expect("release");
+        held(&mem, &request("k", "x", HoldMode::Shared)).await;
+    }
+
+    #[tokio::test]
+    async fn a_writer_mark_holds_readers_back_until_it_expires_or_is_abandoned() {
+        let mem = MemoryBackend::new();
+        let reader = held(&mem, &request("k", "r1", HoldMode::Shared)).await;
+        let writer = request("k", "w", HoldMode::Exclusive);
+        assert!(is_busy(&mem, &writer).await);
+        assert!(is_busy(&mem, &request("k", "r2", HoldMode::Shared)).await);
+        // A writer that vanished while waiting: its mark ends on its own.
+        mem.advance(WRITER_MARK + Duration::from_millis(1));
+        held(&mem, &request("k", "r2", HoldMode::Shared)).await;
+
+        assert!(is_busy(&mem, &writer).await);
+        assert!(is_busy(&mem, &request("k", "r3", HoldMode::Shared)).await);
+        mem.abandon(&writer).await;
+        held(&mem, &request("k", "r3", HoldMode::Shared)).await;
+        let _ = reader;
+    }
+
+    #[tokio::test]
+    async fn readers_and_writers_leave_nothing_once_gone() {
+        let mem = MemoryBackend::new();
+        let r = held(&mem, &request("k", "r", HoldMode::Shared)).await;
+        let writer = request("k", "w", HoldMode::Exclusive);
+        assert!(is_busy(&mem, &writer).await);
+        mem.release(&r).await.expect("release");
+        let w = held(&mem, &writer).await;
+        assert!(w.token > r.token, "one sequence for readers and writers");
+        mem.release(&w).await.expect("release");
+        assert_eq!(mem.entries_under("k"), 0);
+    }
+}
