@@ -421,7 +421,12 @@ impl LockBackend for RedlockBackend {
         match mode {
             HoldMode::Exclusive => Ok(()),
             other => Err(format!(
-                "Redlock does not offer {other}: a majority of independent masters cannot keep                  its invariant (two majorities of permits or of readers overlap in one node, so                  a node that restarts or loses a key can hand out one permit or one write too                  many); use a single Redis, Redis Sentinel or Cluster for semaphores and                  read-write locks. Plain locks (the write mode) and several keys work here"
+                "Redlock does not offer {other}: each node counts holders on its own, so \
+                 grants taken on different majorities are never all counted on one node (3 \
+                 nodes, 2 permits: holders on nodes 1+2, 2+3 and 1+3 each see 2 per node, and \
+                 3 hold at once); readers and waiting writers' marks split the same way. Use a \
+                 single Redis, Redis Sentinel or Cluster for semaphores and read-write locks; \
+                 plain locks (the write mode) and several keys work here"
             )),
         }
     }
