@@ -36,6 +36,43 @@
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
 //!
+//! **Semaphores and read-write locks** (`permits(n)`, `read()`; a plain lock
+//! is the write mode). Readers and permits live in one hash at the lock key
+//! `{K}` itself, where a plain lock keeps its string: field `n` says `r`
+//! (readers) or the number of permits, and each holder is one field
+//! (`r:<owner>`, or its slot `0..n`) whose value is its own expiry on the
+//! server's clock followed by the plain value (owner, token, grant time,
+//! record). One script per operation (`acquire_held.lua`, `renew_held.lua`,
+//! `release_held.lua`), each purging expired holders first, so a crashed
+//! reader or permit holder frees only its own share after its lease (as
+//! madelson's ZSET-of-expiries semaphore does, with a slot per holder as
+//! Redisson's permit ids give). A grant takes the lowest free slot, and its
+//! token by the plain rule from the same counter (so tokens grow per key and
+//! per (key, slot), and readers and writers share one sequence); a full
+//! semaphore answers its earliest holder's expiry. The key's TTL is never
+//! shorter than its longest holder's and is recomputed on release, so the
+//! hash is gone once every holder is (nothing per name stays on the server).
+//! **Why one key**: the plain lock's scripts stay exactly as they were, and
+//! meet the hash for free: their `GET` (or `SET … NX GET`) answers
+//! `WRONGTYPE`, and only then the attempt goes to `acquire_held.lua`, which
+//! answers a mismatch (a semaphore; `LockError::Config`) or, for readers,
+//! busy after leaving the **waiting-writer mark** `{K}:writer` (the
+//! writer's owner, for its lease; its retries, at least every half lease,
+//! renew it; removed by its grant, or its owner-checked release or undo).
+//! New readers find the mark and wait behind it (writers are preferred;
+//! madelson's writer-waiting entry). A grant to a reader sends a release
+//! message too, so readers that waited behind a writer enter one after
+//! another. The plain renew and release scripts read the hash as not the
+//! owner's (`redis.pcall`), so a lost plain lease whose key now has readers
+//! answers lost. Renewals of every mode share the pipelined batch;
+//! `revoke` removes every holder and marks each owner revoked; `inspect`
+//! and `list` show one entry per reader or permit with its mode and slot
+//! (the mark is not a name of its own). `?replicas=N` acknowledges these
+//! grants as it does plain ones (an unacknowledged one is undone);
+//! unfenced holds (`fencing = false`) run the same script and drop the
+//! token (readers and permits have no script-free path). Redlock does not
+//! offer them (see `redlock`).
+//!
 //! Waiters are woken by the release message (`SSUBSCRIBE`d on Redis Cluster,
 //! on the key's shard; see `listener.rs`). A busy waiter subscribes to the
 //! key's channel and then tries again before it waits, so a release between its
@@ -193,10 +230,10 @@ pub struct RedisBackend {
     /// Whether the server takes `SET … NX GET` (Redis >= 7.0), which the
     /// unfenced grant is built on (else it falls back to the acquire script).
     set_nx_get: bool,
-    /// The owners of whole-key requests that met readers (and so may have
-    /// left a waiting-writer mark): their attempts and release go through
-    /// the scripts that know the mark, until their grant or release.
-    marked: Mutex<HashSet<String>>,
+    /// The whole-key requests (stored key and owner) that met readers, and
+    /// so may have left a waiting-writer mark: their attempts and release go
+    /// through the scripts that know the mark, until their grant or release.
+    marked: Mutex<HashSet<(String, String)>>,
 }
 
 /// A lock's names on the server, built once per attempt and kept with its lease.
@@ -347,7 +384,7 @@ impl RedisBackend {
     /// (undone first).
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let keys = Keys::new(&request.key);
-        if request.mode != HoldMode::Exclusive || self.is_marked(&request.owner) {
+        if request.mode != HoldMode::Exclusive || self.is_marked(&request.key, &request.owner) {
             return self.try_held(request, keys).await;
         }
         let fenced = self.fencing && request.fencing;
@@ -586,7 +623,7 @@ impl RedisBackend {
                 redis::Value::Int(slot),
             ] => {
                 if exclusive {
-                    self.unmark(&request.owner);
+                    self.unmark(&request.key, &request.owner);
                 }
                 let slot = u32::try_from(*slot).ok();
                 let field = held_field(request.mode, &request.owner, slot);
@@ -605,7 +642,7 @@ impl RedisBackend {
             }
             [redis::Value::Int(0), redis::Value::Int(ms)] => {
                 if exclusive {
-                    self.mark(&request.owner);
+                    self.mark(&request.key, &request.owner);
                 }
                 // -1: no expiry (never set by dlock), -2: gone since; look again soon.
                 Ok(Attempt::Busy {
@@ -664,20 +701,22 @@ impl RedisBackend {
         })
     }
 
-    fn is_marked(&self, owner: &str) -> bool {
+    /// Whether `owner`'s whole-key request of `key` may have left a mark
+    /// (no allocation while no request has).
+    fn is_marked(&self, key: &str, owner: &str) -> bool {
         let marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        !marked.is_empty() && marked.contains(owner)
+        !marked.is_empty() && marked.contains(&(key.to_owned(), owner.to_owned()))
     }
 
-    fn mark(&self, owner: &str) {
+    fn mark(&self, key: &str, owner: &str) {
         let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        marked.insert(owner.to_owned());
+        marked.insert((key.to_owned(), owner.to_owned()));
     }
 
-    /// Forgets `owner`'s mark; answers whether it had one.
-    fn unmark(&self, owner: &str) -> bool {
+    /// Forgets the mark of `owner` on `key`; answers whether it had one.
+    fn unmark(&self, key: &str, owner: &str) -> bool {
         let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        marked.remove(owner)
+        !marked.is_empty() && marked.remove(&(key.to_owned(), owner.to_owned()))
     }
 
     /// The renewal script for `lease`: the whole key's, or its reader's or
@@ -1016,7 +1055,7 @@ impl LockBackend for RedisBackend {
         Box::pin(async move {
             let keys = Keys::of(lease);
             let mut field = held_field(lease.mode, &lease.owner, lease.slot);
-            if field.is_none() && self.unmark(&lease.owner) {
+            if field.is_none() && self.unmark(&lease.key, &lease.owner) {
                 // A writer that waited behind readers: its mark goes too.
                 field = Some(String::new());
             }
