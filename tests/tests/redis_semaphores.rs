@@ -298,3 +298,186 @@ async fn nothing_of_a_free_semaphore_or_read_lock_stays_on_the_server() {
     backend.release(&writer).await.expect("release");
     assert_eq!(keys_containing(&url(), &prefix).await, Vec::<String>::new());
 }
+
+async fn registry() -> dlock_runtime::Registry {
+    dlock_runtime::Registry::builder()
+        .default_backend(connect(&url()).await)
+        .build()
+}
+
+/// Starts waiting for `key` in `mode` (`None`: a reader) on `registry`,
+/// answering the guard and when it came.
+fn wait_for(
+    registry: &dlock_runtime::Registry,
+    key: &str,
+    permits: Option<u32>,
+) -> tokio::task::JoinHandle<(dlock_runtime::LockGuard, std::time::Instant)> {
+    let builder = registry
+        .lock(key)
+        .lease(LEASE)
+        .wait(Duration::from_secs(20));
+    let builder = match permits {
+        Some(n) => builder.permits(n),
+        None => builder.read(),
+    };
+    tokio::spawn(async move {
+        let guard = builder.acquire().await.expect("granted while waiting");
+        (guard, std::time::Instant::now())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_permit_wakes_one_waiter_at_once() {
+    let (holder, waiter) = (registry().await, registry().await);
+    let key = unique_key("redis-semaphore-wake");
+    let first = holder
+        .lock(&key)
+        .permits(2)
+        .lease(LEASE)
+        .acquire()
+        .await
+        .expect("free");
+    let second = holder
+        .lock(&key)
+        .permits(2)
+        .lease(LEASE)
+        .acquire()
+        .await
+        .expect("free");
+    assert_eq!((first.permit(), second.permit()), (Some(0), Some(1)));
+    let waiters = [
+        wait_for(&waiter, &key, Some(2)),
+        wait_for(&waiter, &key, Some(2)),
+    ];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(waiters.iter().all(|w| !w.is_finished()));
+
+    let released = std::time::Instant::now();
+    second.release().await.expect("release");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let [a, b] = waiters;
+    let (done, pending) = match (a.is_finished(), b.is_finished()) {
+        (true, false) => (a, b),
+        (false, true) => (b, a),
+        both => panic!("one waiter, and only one, takes the freed permit: {both:?}"),
+    };
+    let (guard, at) = done.await.expect("task");
+    // The holders' leases were 30 s: only the release message explains this.
+    assert!(at - released < Duration::from_secs(2));
+    assert_eq!(guard.permit(), Some(1));
+    first.release().await.expect("release");
+    let (other, _) = tokio::time::timeout(Duration::from_secs(5), pending)
+        .await
+        .expect("woken by the second release")
+        .expect("task");
+    assert_eq!(other.permit(), Some(0));
+    guard.release().await.expect("release");
+    other.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_waiting_behind_a_writer_all_enter_when_it_releases() {
+    let (holder, waiter) = (registry().await, registry().await);
+    let key = unique_key("redis-rw-wake");
+    let writer = holder
+        .lock(&key)
+        .write()
+        .lease(LEASE)
+        .acquire()
+        .await
+        .expect("free");
+    let readers = [wait_for(&waiter, &key, None), wait_for(&waiter, &key, None)];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(readers.iter().all(|r| !r.is_finished()));
+    let writer_token = writer.fencing_token().expect("fenced");
+    writer.release().await.expect("release");
+    for reader in readers {
+        let (guard, _) = tokio::time::timeout(Duration::from_secs(5), reader)
+            .await
+            .expect("woken well before the writer's lease would have ended")
+            .expect("task");
+        assert!(guard.fencing_token().expect("fenced") > writer_token);
+        assert_eq!(guard.permit(), None);
+        guard.release().await.expect("release");
+    }
+}
+
+async fn list_and_several_keys_cases(backend: &RedisBackend, prefix: &str) {
+    // One hash slot for the several-key script on a cluster.
+    let (readers, semaphore, plain) = (
+        format!("{prefix}:{{t}}:a"),
+        format!("{prefix}:{{t}}:b"),
+        format!("{prefix}:{{t}}:c"),
+    );
+    let r1 = held(backend, &readers, "r1", HoldMode::Shared).await;
+    let r2 = held(backend, &readers, "r2", HoldMode::Shared).await;
+    let p = held(backend, &semaphore, "p", permits(2)).await;
+    // An unfenced writer meets the readers too, and leaves its mark.
+    let mut unfenced = request(&readers, "w", HoldMode::Exclusive);
+    unfenced.fencing = false;
+    assert!(matches!(
+        backend.try_acquire(&unfenced).await.expect("answer"),
+        Attempt::Busy { .. }
+    ));
+    let listed = backend.list(prefix, 10).await.expect("list");
+    let names: Vec<_> = listed
+        .iter()
+        .map(|e| (e.key.as_str(), e.holders.len()))
+        .collect();
+    assert_eq!(names, [(readers.as_str(), 2), (semaphore.as_str(), 1)]);
+    backend
+        .release(&undo(&readers, "w", HoldMode::Exclusive))
+        .await
+        .expect("undo");
+
+    let several = |keys: &[&String]| -> Vec<AcquireRequest> {
+        keys.iter()
+            .map(|k| request(k, "all", HoldMode::Exclusive))
+            .collect()
+    };
+    let step = backend
+        .try_acquire_all(&several(&[&plain, &readers]))
+        .expect("one step")
+        .await
+        .expect("an answer");
+    assert!(
+        matches!(step, AttemptAll::Busy { key: 1, .. }),
+        "the readers' key is the busy one: {step:?}"
+    );
+    // That busy step marked the readers' key: new readers wait.
+    busy(backend, &readers, "r3", HoldMode::Shared).await;
+    let error = backend
+        .try_acquire_all(&several(&[&semaphore, &plain]))
+        .expect("one step")
+        .await
+        .expect_err("a plain lock on a semaphore");
+    assert!(error.is_config(), "{error}");
+    assert!(backend.inspect(&plain).await.expect("inspect").is_none());
+
+    backend.release(&r1).await.expect("release");
+    backend.release(&r2).await.expect("release");
+    let AttemptAll::Held(leases) = backend
+        .try_acquire_all(&several(&[&plain, &readers]))
+        .expect("one step")
+        .await
+        .expect("an answer")
+    else {
+        panic!("both keys are free");
+    };
+    for lease in &leases {
+        backend.release(lease).await.expect("release");
+    }
+    // The mark went with the writer's release: readers enter.
+    let r3 = held(backend, &readers, "r3", HoldMode::Shared).await;
+    backend.release(&r3).await.expect("release");
+    backend.release(&p).await.expect("release");
+    assert!(backend.list(prefix, 10).await.expect("list").is_empty());
+}
+
+#[tokio::test]
+async fn list_shows_each_name_once_and_several_keys_meet_readers_and_permits() {
+    let backend = connect(&url()).await;
+    list_and_several_keys_cases(&backend, &unique_key("redis-held-list")).await;
+    let backend = connect(&cluster_url()).await;
+    list_and_several_keys_cases(&backend, &unique_key("cluster-held-list")).await;
+}
