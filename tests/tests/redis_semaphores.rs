@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use dlock_runtime::backend::{AcquireRequest, Attempt, HoldMode, Lease, LockBackend, Renewal};
+use dlock_runtime::backend::{
+    AcquireRequest, Attempt, AttemptAll, HoldMode, Lease, LockBackend, Renewal,
+};
 use dlock_runtime::{FencingToken, RedisBackend};
 use dlock_tests::{server_url, servers_missing, unique_key};
 
