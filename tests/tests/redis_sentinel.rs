@@ -126,6 +126,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A backend of its own: what another process would have.
 async fn other_process(url: &str) -> Registry {

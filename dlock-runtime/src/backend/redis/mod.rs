@@ -58,7 +58,8 @@
 //! answers a mismatch (a semaphore; `LockError::Config`) or, for readers,
 //! busy after leaving the **waiting-writer mark** `{K}:writer` (the
 //! writer's owner, for its lease; its retries, at least every half lease,
-//! renew it; removed by its grant, or its owner-checked release or undo).
+//! renew it; removed by its grant, its owner-checked release or undo, or
+//! `abandon` when its wait runs out).
 //! New readers find the mark and wait behind it (writers are preferred;
 //! madelson's writer-waiting entry). A grant to a reader sends a release
 //! message too, so readers that waited behind a writer enter one after
@@ -981,6 +982,16 @@ impl LockBackend for RedisBackend {
                     WakeSource::notify(subscription.notify.clone()).keep_alive(subscription)
                 }
                 None => WakeSource::none(),
+            }
+        })
+    }
+
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if request.mode == HoldMode::Exclusive && self.unmark(&request.key, &request.owner) {
+                // A writer that waited behind readers: its mark goes (owner-checked).
+                let keys = Keys::new(&request.key);
+                let _ = self.release_keys(&keys, &request.owner, Some("")).await;
             }
         })
     }
