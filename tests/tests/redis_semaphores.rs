@@ -483,3 +483,38 @@ async fn list_shows_each_name_once_and_several_keys_meet_readers_and_permits() {
     let backend = connect(&cluster_url()).await;
     list_and_several_keys_cases(&backend, &unique_key("cluster-held-list")).await;
 }
+
+fn primary_url(options: &str) -> String {
+    let url = server_url("DLOCK_TEST_REDIS_PRIMARY_URL", "redis://127.0.0.1:46384/");
+    format!("{url}?{options}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_acknowledgements_cover_permits_and_readers() {
+    let acknowledged = connect(&primary_url("replicas=1&timeout=2s")).await;
+    let key = unique_key("redis-semaphore-replicas");
+    let permit = held(&acknowledged, &key, "a", permits(2)).await;
+    assert_eq!(permit.slot, Some(0));
+    acknowledged.release(&permit).await.expect("release");
+    let reader = held(&acknowledged, &key, "r", HoldMode::Shared).await;
+    acknowledged.release(&reader).await.expect("release");
+
+    // More replicas than exist: each grant is undone.
+    let unacknowledged = connect(&primary_url("replicas=2&timeout=400ms")).await;
+    for mode in [permits(2), HoldMode::Shared] {
+        match attempt(&unacknowledged, &key, "b", mode).await {
+            Attempt::Unavailable { error, .. } => {
+                assert!(error.to_string().contains("of the 2 replicas"), "{error}");
+            }
+            other => panic!("one replica cannot acknowledge for two: {other:?}"),
+        }
+        assert!(
+            unacknowledged
+                .inspect(&key)
+                .await
+                .expect("inspect")
+                .is_none(),
+            "the {mode} grant is undone"
+        );
+    }
+}
