@@ -191,6 +191,7 @@ mod url;
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -235,6 +236,8 @@ pub struct RedisBackend {
     /// so may have left a waiting-writer mark: their attempts and release go
     /// through the scripts that know the mark, until their grant or release.
     marked: Mutex<HashSet<(String, String)>>,
+    /// How many entries `marked` has: the plain path reads this, not the lock.
+    marks: AtomicUsize,
 }
 
 /// A lock's names on the server, built once per attempt and kept with its lease.
@@ -346,6 +349,7 @@ impl RedisBackend {
             fencing: target.fencing,
             set_nx_get: true,
             marked: Mutex::new(HashSet::new()),
+            marks: AtomicUsize::new(0),
         };
         // One round trip now: a wrong password or a missing ACL permission is
         // an error of `connect`, not of the first lock.
@@ -705,19 +709,28 @@ impl RedisBackend {
     /// Whether `owner`'s whole-key request of `key` may have left a mark
     /// (no allocation while no request has).
     fn is_marked(&self, key: &str, owner: &str) -> bool {
+        if self.marks.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
         let marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        !marked.is_empty() && marked.contains(&(key.to_owned(), owner.to_owned()))
+        marked.contains(&(key.to_owned(), owner.to_owned()))
     }
 
     fn mark(&self, key: &str, owner: &str) {
         let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
         marked.insert((key.to_owned(), owner.to_owned()));
+        self.marks.store(marked.len(), Ordering::SeqCst);
     }
 
     /// Forgets the mark of `owner` on `key`; answers whether it had one.
     fn unmark(&self, key: &str, owner: &str) -> bool {
+        if self.marks.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
         let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
-        !marked.is_empty() && marked.remove(&(key.to_owned(), owner.to_owned()))
+        let had = marked.remove(&(key.to_owned(), owner.to_owned()));
+        self.marks.store(marked.len(), Ordering::SeqCst);
+        had
     }
 
     /// The renewal script for `lease`: the whole key's, or its reader's or
