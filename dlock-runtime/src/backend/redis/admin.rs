@@ -30,7 +30,7 @@ use crate::error::BackendError;
 use crate::token::FencingToken;
 
 /// `KEYS[1]` lock, `KEYS[2]` its revocation mark; `ARGV[1]` release channel.
-/// Answers `{value, remaining ms}`, or nil for a free key.
+/// Answers what it removed as [`READ`] reads it, or nil for a free key.
 static REVOKE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("revoke.lua")));
 
 /// [`REVOKE`] for Redis Cluster: `SPUBLISH` (see `RELEASE_SHARDED`).
