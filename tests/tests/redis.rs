@@ -37,6 +37,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A second backend on its own connections: what another process would have.
 async fn other_process() -> Registry {

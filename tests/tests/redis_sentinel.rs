@@ -126,6 +126,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A backend of its own: what another process would have.
 async fn other_process(url: &str) -> Registry {
@@ -409,5 +411,97 @@ async fn a_killed_primary_is_followed_while_keys_are_held_and_waited_for() {
     // Back as a replica of the new primary.
     drop(restart);
     assert_ne!(primary_port().await, old);
+    wait_healthy().await;
+}
+
+/// A semaphore through a `SENTINEL FAILOVER`: on the new primary, never
+/// more holders than permits, each holder that still believes it holds its
+/// permit is there with its slot and token, and a waiter gets a permit
+/// after a release with a larger token than that slot's before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_keeps_at_most_its_permits_across_a_failover() {
+    let _alone = exclusive().await;
+    wait_healthy().await;
+    let url = url();
+    let (holder, waiter) = (other_process(&url).await, other_process(&url).await);
+    let key = unique_key("sentinel-semaphore-failover");
+    let lease = Duration::from_secs(3);
+    let mut guards = Vec::new();
+    for _ in 0..2 {
+        let guard = holder
+            .lock(&key)
+            .permits(2)
+            .lease(lease)
+            .acquire()
+            .await
+            .expect("acquire before the failover");
+        guards.push(guard);
+    }
+    let before: Vec<_> = guards
+        .iter()
+        .map(|g| g.fencing_token().expect("token").get())
+        .collect();
+    let waited_key = key.clone();
+    let waiting = tokio::spawn(async move {
+        let answer = waiter
+            .lock(&waited_key)
+            .permits(2)
+            .lease(Duration::from_secs(10))
+            .wait(Duration::from_secs(45))
+            .acquire()
+            .await;
+        (answer, waiter)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let old = primary_port().await;
+    let sentinel = sentinel_ports()[0];
+    let answer = std::process::Command::new("redis-cli")
+        .args([
+            "-h",
+            HOST,
+            "-p",
+            &sentinel.to_string(),
+            "SENTINEL",
+            "FAILOVER",
+            NAME,
+        ])
+        .output()
+        .expect("redis-cli");
+    let said = String::from_utf8_lossy(&answer.stdout);
+    assert!(said.trim() == "OK", "SENTINEL FAILOVER: {said}");
+    let new = wait_moved_from(old).await;
+    eprintln!("semaphore: the sentinels moved the primary {old} -> {new}");
+    // Every holder has renewed on the new primary, or learnt it lost.
+    tokio::time::sleep(Duration::from_secs(1) + lease).await;
+
+    let shown = holder.inspect(&key).await.expect("inspect");
+    let on_new: Vec<_> = shown
+        .iter()
+        .flat_map(|info| info.holders().iter())
+        .map(|h| (h.slot(), h.token()))
+        .collect();
+    assert!(on_new.len() <= 2, "more holders than permits: {on_new:?}");
+    let kept: Vec<_> = guards.iter().filter(|g| !g.is_lost()).collect();
+    for guard in &kept {
+        assert!(
+            on_new.contains(&(guard.permit(), guard.fencing_token())),
+            "a holder believes it holds a permit the new primary lacks: {:?} not in {on_new:?}",
+            guard.permit()
+        );
+    }
+    eprintln!("semaphore: {} of 2 holders kept their permit", kept.len());
+
+    for guard in guards {
+        let _ = guard.release().await;
+    }
+    let (answer, _waiter) = waiting.await.expect("the waiter's task");
+    let granted = answer.expect("the waiter gets a permit after the releases");
+    let token = granted.fencing_token().expect("token").get();
+    assert!(
+        before.iter().all(|&t| token > t),
+        "{token} after {before:?}"
+    );
+    granted.release().await.expect("the waiter's release");
     wait_healthy().await;
 }

@@ -70,6 +70,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A registry on connections of its own (what another process would have),
 /// fenced or not by its URL.

@@ -8,6 +8,11 @@
 //! wrote them, `-` for each where no script ran (an unfenced grant is one
 //! `SET … NX PX GET`, so it has neither). Every owner check compares the text
 //! up to the first newline, and also takes a value that is the owner alone.
+//!
+//! Readers and permits are one hash at the lock key (see `acquire_held.lua`):
+//! field `n` says which (`r`, or the number of permits), and each holder's
+//! field holds `<expiry, server ms> ` followed by the value above. Each reads
+//! back as one [`HeldEntry`] with its mode (and slot), expired ones left out.
 
 use std::collections::BTreeSet;
 use std::sync::LazyLock;
@@ -20,17 +25,21 @@ use super::conn::Conn;
 use super::connections::call;
 use super::scripts::redis_error;
 use super::{Keys, RedisBackend};
-use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
+use crate::backend::{HeldEntry, HoldMode, HolderRecord, KeyEntry};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
 /// `KEYS[1]` lock, `KEYS[2]` its revocation mark; `ARGV[1]` release channel.
-/// Answers `{value, remaining ms}`, or nil for a free key.
+/// Answers what it removed as [`READ`] reads it, or nil for a free key.
 static REVOKE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("revoke.lua")));
 
 /// [`REVOKE`] for Redis Cluster: `SPUBLISH` (see `RELEASE_SHARDED`).
 static REVOKE_SHARDED: LazyLock<Script> =
     LazyLock::new(|| Script::new(&include_str!("revoke.lua").replace("'PUBLISH'", "'SPUBLISH'")));
+
+/// `KEYS[1]` lock. Answers `{'s', value, remaining ms}`, `{'h', server ms,
+/// field, value, …}` or nil (see `read.lua`).
+static READ: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("read.lua")));
 
 /// How many keys one `SCAN` step asks for.
 const SCAN_COUNT: usize = 1000;
@@ -72,6 +81,65 @@ pub(super) fn held_entry(value: &str, ttl: i64) -> HeldEntry {
     entry
 }
 
+/// Reads the read or revoke script's answer back as the key's holders: the
+/// whole key's one, or each live reader or permit (by slot, then owner).
+pub(super) fn holders(answer: Value) -> Result<Vec<HeldEntry>, BackendError> {
+    let items: Vec<Value> = match answer {
+        Value::Nil => return Ok(Vec::new()),
+        answer => redis::from_redis_value(answer).map_err(parse_error)?,
+    };
+    let mut items = items.into_iter();
+    let kind: String = match items.next() {
+        Some(kind) => redis::from_redis_value(kind).map_err(parse_error)?,
+        None => return Ok(Vec::new()),
+    };
+    let mut next_text = || -> Result<Option<String>, BackendError> {
+        items
+            .next()
+            .map(|v| redis::from_redis_value::<String>(v).map_err(parse_error))
+            .transpose()
+    };
+    if kind == "s" {
+        let (Some(value), Some(ttl)) = (next_text()?, next_text()?) else {
+            return Err(parse_error("a short answer"));
+        };
+        return Ok(vec![held_entry(&value, ttl.parse().unwrap_or(-1))]);
+    }
+    let now: i64 = next_text()?
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| parse_error("no server time"))?;
+    let mut mode = HoldMode::Shared;
+    let mut fields = Vec::new();
+    while let (Some(field), Some(value)) = (next_text()?, next_text()?) {
+        if field == "n" {
+            mode = match value.parse::<u32>() {
+                Ok(permits) => HoldMode::Permit { permits },
+                Err(_) => HoldMode::Shared,
+            };
+        } else {
+            fields.push((field, value));
+        }
+    }
+    let mut entries: Vec<HeldEntry> = fields
+        .into_iter()
+        .filter_map(|(field, value)| {
+            let (expiry, rest) = value.split_once(' ')?;
+            let left = expiry.parse::<i64>().ok()? - now;
+            if left <= 0 {
+                return None;
+            }
+            let mut entry = held_entry(rest, left);
+            entry.mode = mode;
+            if matches!(mode, HoldMode::Permit { .. }) {
+                entry.slot = field.parse().ok();
+            }
+            Some(entry)
+        })
+        .collect();
+    entries.sort_by(|a, b| (a.slot, &a.owner).cmp(&(b.slot, &b.owner)));
+    Ok(entries)
+}
+
 /// The stored key of a lock key `{K}`: `K`, or `None` for any other key.
 fn stored_key(lock: &str) -> Option<&str> {
     lock.strip_prefix('{')?.strip_suffix('}')
@@ -90,25 +158,31 @@ pub(super) fn glob_escape(text: &str) -> String {
 }
 
 impl RedisBackend {
-    /// `GET` and `PTTL` of `keys.lock`, in one pipeline routed by the key.
-    async fn read_lock(&self, lock: &str) -> Result<Option<(String, i64)>, BackendError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(lock).cmd("PTTL").arg(lock);
-        let pipe = &pipe;
-        let (value, ttl): (Option<String>, i64) = self
-            .conns
-            .send(|mut conn| async move { pipe.query_async(&mut conn).await })
-            .await?;
-        Ok(value.map(|v| (v, ttl)))
+    /// The read script's answer for `lock`.
+    async fn read_raw(&self, lock: &str) -> Result<Value, BackendError> {
+        let invocation = READ.key(lock);
+        self.conns.send(|conn| call(conn, &invocation)).await
     }
 
-    /// The holder of the stored `key`, read from the server.
+    /// The holders of `lock` (`{K}`): empty for a free key.
+    async fn read_lock(&self, lock: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        holders(self.read_raw(lock).await?)
+    }
+
+    /// Whether `lock` is held by readers or permits (the hash).
+    pub(super) async fn read_is_hash(&self, lock: &str) -> Result<bool, BackendError> {
+        let answer = self.read_raw(lock).await?;
+        Ok(match answer {
+            Value::Array(items) => matches!(items.first(), Some(Value::BulkString(k)) if k == b"h"),
+            _ => false,
+        })
+    }
+
+    /// The holders of the stored `key`, read from the server.
     pub(super) async fn inspect_key(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
         let keys = Keys::new(key);
-        Ok(self
-            .read_lock(&keys.lock)
-            .await?
-            .map(|(value, ttl)| KeyEntry::new(key, vec![held_entry(&value, ttl)])))
+        let entries = self.read_lock(&keys.lock).await?;
+        Ok((!entries.is_empty()).then(|| KeyEntry::new(key, entries)))
     }
 
     /// The held keys under `prefix`, in key order, at most `limit`.
@@ -134,8 +208,9 @@ impl RedisBackend {
         let mut listed = Vec::new();
         for key in found {
             let lock = Keys::new(&key).lock;
-            if let Some((value, ttl)) = self.read_lock(&lock).await? {
-                listed.push(KeyEntry::new(key, vec![held_entry(&value, ttl)]));
+            let entries = self.read_lock(&lock).await?;
+            if !entries.is_empty() {
+                listed.push(KeyEntry::new(key, entries));
                 if listed.len() == limit {
                     break;
                 }
@@ -201,8 +276,9 @@ impl RedisBackend {
         Ok(found)
     }
 
-    /// Takes the stored `key` from its holder (one script: delete, mark the
-    /// owner revoked, wake the waiters).
+    /// Takes the stored `key` from its holders: the whole key's, or every
+    /// reader or permit (one script: delete, mark each owner revoked, wake
+    /// the waiters).
     pub(super) async fn revoke_key(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
         let keys = Keys::new(key);
         let script = if self.conns.is_cluster() {
@@ -214,13 +290,11 @@ impl RedisBackend {
         invocation
             .key(revocation_mark(&keys.lock))
             .arg(&keys.channel);
-        let answer: Option<(String, i64)> = self
+        let answer: Value = self
             .conns
             .send_confirmed(|conn| call(conn, &invocation))
             .await?;
-        Ok(answer
-            .map(|(value, ttl)| vec![held_entry(&value, ttl)])
-            .unwrap_or_default())
+        holders(answer)
     }
 }
 

@@ -36,6 +36,44 @@
 //! - **renew**: compare-and-`PEXPIRE`. The watchdog's batches go out as one
 //!   pipeline per backend (one round trip for every lease due).
 //!
+//! **Semaphores and read-write locks** (`permits(n)`, `read()`; a plain lock
+//! is the write mode). Readers and permits live in one hash at the lock key
+//! `{K}` itself, where a plain lock keeps its string: field `n` says `r`
+//! (readers) or the number of permits, and each holder is one field
+//! (`r:<owner>`, or its slot `0..n`) whose value is its own expiry on the
+//! server's clock followed by the plain value (owner, token, grant time,
+//! record). One script per operation (`acquire_held.lua`, `renew_held.lua`,
+//! `release_held.lua`), each purging expired holders first, so a crashed
+//! reader or permit holder frees only its own share after its lease (as
+//! madelson's ZSET-of-expiries semaphore does, with a slot per holder as
+//! Redisson's permit ids give). A grant takes the lowest free slot, and its
+//! token by the plain rule from the same counter (so tokens grow per key and
+//! per (key, slot), and readers and writers share one sequence); a full
+//! semaphore answers its earliest holder's expiry. The key's TTL is never
+//! shorter than its longest holder's and is recomputed on release, so the
+//! hash is gone once every holder is (nothing per name stays on the server).
+//! **Why one key**: the plain lock's scripts stay exactly as they were, and
+//! meet the hash for free: their `GET` (or `SET … NX GET`) answers
+//! `WRONGTYPE`, and only then the attempt goes to `acquire_held.lua`, which
+//! answers a mismatch (a semaphore; `LockError::Config`) or, for readers,
+//! busy after leaving the **waiting-writer mark** `{K}:writer` (the
+//! writer's owner, for its lease; its retries, at least every half lease,
+//! renew it; removed by its grant, its owner-checked release or undo, or
+//! `abandon` when its wait runs out).
+//! New readers find the mark and wait behind it (writers are preferred;
+//! madelson's writer-waiting entry). A grant to a reader sends a release
+//! message too, so readers that waited behind a writer enter one after
+//! another. The plain renew and release scripts read the hash as not the
+//! owner's (`redis.pcall`), so a lost plain lease whose key now has readers
+//! answers lost. Renewals of every mode share the pipelined batch;
+//! `revoke` removes every holder and marks each owner revoked; `inspect`
+//! and `list` show one entry per reader or permit with its mode and slot
+//! (the mark is not a name of its own). `?replicas=N` acknowledges these
+//! grants as it does plain ones (an unacknowledged one is undone);
+//! unfenced holds (`fencing = false`) run the same script and drop the
+//! token (readers and permits have no script-free path). Redlock does not
+//! offer them (see `redlock`).
+//!
 //! Waiters are woken by the release message (`SSUBSCRIBE`d on Redis Cluster,
 //! on the key's shard; see `listener.rs`). A busy waiter subscribes to the
 //! key's channel and then tries again before it waits, so a release between its
@@ -151,8 +189,10 @@ pub(crate) mod slots;
 mod url;
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -162,12 +202,15 @@ use conn::{Conn, client, install_crypto_provider};
 use connections::{Connections, call};
 use listener::{Listener, Source};
 use replicas::ReplicaAcks;
-use scripts::{ACQUIRE, ACQUIRE_ALL, RELEASE, RELEASE_SHARDED, RENEW, millis, redis_error};
+use scripts::{
+    ACQUIRE, ACQUIRE_ALL, ACQUIRE_HELD, ACQUIRE_HELD_SHARDED, RELEASE, RELEASE_HELD,
+    RELEASE_HELD_SHARDED, RELEASE_SHARDED, RENEW, RENEW_HELD, is_wrong_type, millis, redis_error,
+};
 use url::{Topology, parse_url};
 
 use crate::backend::{
-    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
-    WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend,
+    Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use crate::token::FencingToken;
@@ -189,6 +232,12 @@ pub struct RedisBackend {
     /// Whether the server takes `SET … NX GET` (Redis >= 7.0), which the
     /// unfenced grant is built on (else it falls back to the acquire script).
     set_nx_get: bool,
+    /// The whole-key requests (stored key and owner) that met readers, and
+    /// so may have left a waiting-writer mark: their attempts and release go
+    /// through the scripts that know the mark, until their grant or release.
+    marked: Mutex<HashSet<(String, String)>>,
+    /// How many entries `marked` has: the plain path reads this, not the lock.
+    marks: AtomicUsize,
 }
 
 /// A lock's names on the server, built once per attempt and kept with its lease.
@@ -198,13 +247,20 @@ struct Keys {
     lock: String,
     /// `{K}:released`.
     channel: String,
+    /// `{K}:writer`: the waiting-writer mark.
+    mark: String,
 }
 
 impl Keys {
     fn new(stored: &str) -> Self {
         let lock = format!("{{{stored}}}");
         let channel = format!("{lock}:released");
-        Keys { lock, channel }
+        let mark = format!("{lock}:writer");
+        Keys {
+            lock,
+            channel,
+            mark,
+        }
     }
 
     /// The lease's names: kept with it at the grant, built again for a lease
@@ -292,6 +348,8 @@ impl RedisBackend {
             acks,
             fencing: target.fencing,
             set_nx_get: true,
+            marked: Mutex::new(HashSet::new()),
+            marks: AtomicUsize::new(0),
         };
         // One round trip now: a wrong password or a missing ACL permission is
         // an error of `connect`, not of the first lock.
@@ -331,6 +389,9 @@ impl RedisBackend {
     /// (undone first).
     async fn try_once(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         let keys = Keys::new(&request.key);
+        if request.mode != HoldMode::Exclusive || self.is_marked(&request.key, &request.owner) {
+            return self.try_held(request, keys).await;
+        }
         let fenced = self.fencing && request.fencing;
         if !fenced && self.set_nx_get {
             return self.try_unfenced(request, keys).await;
@@ -348,10 +409,11 @@ impl RedisBackend {
         };
         let (taken, value) = match answer {
             Ok(answer) => answer,
+            Err(error) if is_wrong_type(&error) => return self.try_held(request, keys).await,
             Err(error) => return unanswered(error),
         };
         if taken == 1 {
-            if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+            if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner, None).await {
                 return Ok(unacknowledged);
             }
             let token = fenced.then(|| FencingToken::new(value as u64));
@@ -397,6 +459,7 @@ impl RedisBackend {
         };
         let (holder, ttl) = match answer {
             Ok(answer) => answer,
+            Err(error) if is_wrong_type(&error) => return self.try_held(request, keys).await,
             Err(error) => return unanswered(error),
         };
         let taken = match holder {
@@ -426,7 +489,7 @@ impl RedisBackend {
                 retry_in: Some(Duration::from_millis(ttl.max(1) as u64)),
             });
         }
-        if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner).await {
+        if let Some(unacknowledged) = self.unacknowledged(&keys, &request.owner, None).await {
             return Ok(unacknowledged);
         }
         Ok(Attempt::Held(
@@ -461,6 +524,7 @@ impl RedisBackend {
         };
         let answer = match answer {
             Ok(answer) => answer,
+            Err(error) if is_wrong_type(&error) => return self.try_all_past_held(requests).await,
             Err(error) if error.is_retryable() => {
                 return Ok(AttemptAll::Unavailable {
                     error,
@@ -475,7 +539,7 @@ impl RedisBackend {
                     && let Err(error) = acks.acknowledged(&keys[0].lock).await
                 {
                     for k in &keys {
-                        let _ = self.release_keys(k, &first.owner).await;
+                        let _ = self.release_keys(k, &first.owner, None).await;
                     }
                     return Ok(AttemptAll::Unavailable {
                         error,
@@ -509,13 +573,187 @@ impl RedisBackend {
     /// enough replicas acknowledged it. Else the grant is undone (a failover
     /// now could lose it; owner-checked, and the waiters hear the key is free
     /// again) and the answer is the attempt's [`Attempt::Unavailable`].
-    async fn unacknowledged(&self, keys: &Keys, owner: &str) -> Option<Attempt> {
+    async fn unacknowledged(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        field: Option<&str>,
+    ) -> Option<Attempt> {
         let error = self.acks.as_ref()?.acknowledged(&keys.lock).await.err()?;
-        let _ = self.release_keys(keys, owner).await;
+        let _ = self.release_keys(keys, owner, field).await;
         Some(Attempt::Unavailable {
             error,
             retry_in: OUTAGE_RETRY,
         })
+    }
+
+    /// One attempt through the script that knows every mode
+    /// (`acquire_held.lua`): readers and permits, and a whole-key request
+    /// that met them (the plain scripts' `WRONGTYPE`) or left a
+    /// waiting-writer mark.
+    async fn try_held(
+        &self,
+        request: &AcquireRequest,
+        keys: Keys,
+    ) -> Result<Attempt, BackendError> {
+        let fenced = self.fencing && request.fencing;
+        let fence = fence_key(self.conns.is_cluster(), &keys.lock);
+        let script = if self.conns.is_cluster() {
+            &*ACQUIRE_HELD_SHARDED
+        } else {
+            &*ACQUIRE_HELD
+        };
+        let mut invocation = script.key(&keys.lock);
+        invocation
+            .key(fence.as_ref())
+            .key(&keys.mark)
+            .arg(&request.owner)
+            .arg(millis(request.lease))
+            .arg(request.holder.encode())
+            .arg(mode_arg(request.mode))
+            .arg(&keys.channel);
+        let answer: Result<Vec<redis::Value>, BackendError> = match &self.acks {
+            None => self.invoke(&invocation).await,
+            Some(acks) => acks.call(&invocation).await,
+        };
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) => return unanswered(error),
+        };
+        let exclusive = request.mode == HoldMode::Exclusive;
+        match answer.as_slice() {
+            [
+                redis::Value::Int(1),
+                redis::Value::Int(token),
+                redis::Value::Int(slot),
+            ] => {
+                if exclusive {
+                    self.unmark(&request.key, &request.owner);
+                }
+                let slot = u32::try_from(*slot).ok();
+                let field = held_field(request.mode, &request.owner, slot);
+                if let Some(unacknowledged) = self
+                    .unacknowledged(&keys, &request.owner, field.as_deref())
+                    .await
+                {
+                    return Ok(unacknowledged);
+                }
+                let token = fenced.then(|| FencingToken::new(*token as u64));
+                let mut lease = Lease::new(request, token).with_extra(Arc::new(keys));
+                if let Some(slot) = slot {
+                    lease = lease.with_slot(slot);
+                }
+                Ok(Attempt::Held(lease))
+            }
+            [redis::Value::Int(0), redis::Value::Int(ms)] => {
+                if exclusive {
+                    self.mark(&request.key, &request.owner);
+                }
+                // -1: no expiry (never set by dlock), -2: gone since; look again soon.
+                Ok(Attempt::Busy {
+                    retry_in: Some(Duration::from_millis((*ms).max(1) as u64)),
+                })
+            }
+            [redis::Value::Int(2), held] => {
+                let held: String = redis::from_redis_value(held.clone()).map_err(|e| {
+                    BackendError::permanent(format!("redis: unexpected answer: {e}"))
+                })?;
+                Err(BackendError::config(HoldMode::mismatch(
+                    &request.key,
+                    held_mode(&held),
+                    request.mode,
+                )))
+            }
+            _ => Err(BackendError::permanent(format!(
+                "redis: unexpected answer to the acquire script: {answer:?}"
+            ))),
+        }
+    }
+
+    /// The several-key script met readers or permits on one of the keys
+    /// (`WRONGTYPE`): that key's own attempt answers (busy and marked, or
+    /// the mismatch), as the waiting point of the whole set.
+    async fn try_all_past_held(
+        &self,
+        requests: &[AcquireRequest],
+    ) -> Result<AttemptAll, BackendError> {
+        for (index, request) in requests.iter().enumerate() {
+            let keys = Keys::new(&request.key);
+            if !self.read_is_hash(&keys.lock).await? {
+                continue;
+            }
+            return Ok(match self.try_held(request, keys).await? {
+                Attempt::Held(lease) => {
+                    // Its readers left meanwhile: give it back, take the set again.
+                    self.release(&lease).await?;
+                    AttemptAll::Busy {
+                        key: index,
+                        retry_in: Some(Duration::ZERO),
+                    }
+                }
+                Attempt::Busy { retry_in } => AttemptAll::Busy {
+                    key: index,
+                    retry_in,
+                },
+                Attempt::Unavailable { error, retry_in } => {
+                    AttemptAll::Unavailable { error, retry_in }
+                }
+            });
+        }
+        Ok(AttemptAll::Busy {
+            key: 0,
+            retry_in: Some(Duration::ZERO),
+        })
+    }
+
+    /// Whether `owner`'s whole-key request of `key` may have left a mark
+    /// (no allocation while no request has).
+    fn is_marked(&self, key: &str, owner: &str) -> bool {
+        if self.marks.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+        marked.contains(&(key.to_owned(), owner.to_owned()))
+    }
+
+    fn mark(&self, key: &str, owner: &str) {
+        let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+        marked.insert((key.to_owned(), owner.to_owned()));
+        self.marks.store(marked.len(), Ordering::SeqCst);
+    }
+
+    /// Forgets the mark of `owner` on `key`; answers whether it had one.
+    fn unmark(&self, key: &str, owner: &str) -> bool {
+        if self.marks.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let mut marked = self.marked.lock().unwrap_or_else(|e| e.into_inner());
+        let had = marked.remove(&(key.to_owned(), owner.to_owned()));
+        self.marks.store(marked.len(), Ordering::SeqCst);
+        had
+    }
+
+    /// The renewal script for `lease`: the whole key's, or its reader's or
+    /// permit's field.
+    fn renew_invocation(lease: &Lease, ttl: Duration) -> redis::ScriptInvocation<'static> {
+        let keys = Keys::of(lease);
+        let mark = admin::revocation_mark(&keys.lock);
+        match held_field(lease.mode, &lease.owner, lease.slot) {
+            None => {
+                let mut invocation = RENEW.key(&keys.lock);
+                invocation.key(mark).arg(&lease.owner).arg(millis(ttl));
+                invocation
+            }
+            Some(field) => {
+                let mut invocation = RENEW_HELD.key(&keys.lock);
+                invocation
+                    .key(mark)
+                    .arg(&lease.owner)
+                    .arg(millis(ttl))
+                    .arg(field);
+                invocation
+            }
+        }
     }
 
     /// Refuses a server older than 6.2: the acquire script reads and writes
@@ -582,8 +820,12 @@ impl RedisBackend {
     }
 
     async fn renew_one(&self, lease: &Lease, ttl: Duration) -> Result<Renewal, BackendError> {
-        self.renew_one_keys(&Keys::of(lease), &lease.owner, ttl)
-            .await
+        let invocation = Self::renew_invocation(lease, ttl);
+        let extended: i64 = self
+            .conns
+            .send_confirmed(|conn| call(conn, &invocation))
+            .await?;
+        Ok(renewal(extended))
     }
 
     async fn renew_one_keys(
@@ -604,21 +846,49 @@ impl RedisBackend {
         Ok(renewal(extended))
     }
 
-    /// The release script for `keys`: `SPUBLISH` on a cluster.
-    fn release_invocation(&self, keys: &Keys, owner: &str) -> redis::ScriptInvocation<'static> {
-        let script = if self.conns.is_cluster() {
-            &*RELEASE_SHARDED
+    /// The release script for `keys`: `SPUBLISH` on a cluster. `field`: the
+    /// reader's or permit's field (empty: whatever the owner holds, and its
+    /// waiting-writer mark), `None` for the whole key alone.
+    fn release_invocation(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        field: Option<&str>,
+    ) -> redis::ScriptInvocation<'static> {
+        let cluster = self.conns.is_cluster();
+        let Some(field) = field else {
+            let script = if cluster {
+                &*RELEASE_SHARDED
+            } else {
+                &*RELEASE
+            };
+            let mut invocation = script.key(&keys.lock);
+            invocation.arg(owner).arg(&keys.channel);
+            return invocation;
+        };
+        let script = if cluster {
+            &*RELEASE_HELD_SHARDED
         } else {
-            &*RELEASE
+            &*RELEASE_HELD
         };
         let mut invocation = script.key(&keys.lock);
-        invocation.arg(owner).arg(&keys.channel);
+        invocation
+            .key(&keys.mark)
+            .arg(owner)
+            .arg(&keys.channel)
+            .arg(field);
         invocation
     }
 
     /// Owner-checked release over the usual route.
-    async fn release_keys(&self, keys: &Keys, owner: &str) -> Result<i64, BackendError> {
-        self.invoke(&self.release_invocation(keys, owner)).await
+    async fn release_keys(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        field: Option<&str>,
+    ) -> Result<i64, BackendError> {
+        self.invoke(&self.release_invocation(keys, owner, field))
+            .await
     }
 }
 
@@ -635,6 +905,38 @@ fn unanswered(error: BackendError) -> Result<Attempt, BackendError> {
     }
 }
 
+/// The acquire script's name for `mode`: `x`, `r`, or the number of permits.
+fn mode_arg(mode: HoldMode) -> String {
+    match mode {
+        HoldMode::Exclusive => "x".to_owned(),
+        HoldMode::Shared => "r".to_owned(),
+        HoldMode::Permit { permits } => permits.to_string(),
+    }
+}
+
+/// The mode the acquire script names (see [`mode_arg`]).
+fn held_mode(held: &str) -> HoldMode {
+    match held {
+        "r" => HoldMode::Shared,
+        _ => match held.parse::<u32>() {
+            Ok(permits) if permits > 1 => HoldMode::Permit { permits },
+            _ => HoldMode::Exclusive,
+        },
+    }
+}
+
+/// The field of a reader's or permit's hold in its key's hash
+/// (`acquire_held.lua`), `None` for the whole key; a permit without a slot
+/// (the undo of an abandoned attempt) is the empty field: whatever the
+/// owner holds.
+fn held_field(mode: HoldMode, owner: &str, slot: Option<u32>) -> Option<String> {
+    match mode {
+        HoldMode::Exclusive => None,
+        HoldMode::Shared => Some(format!("r:{owner}")),
+        HoldMode::Permit { .. } => Some(slot.map(|s| s.to_string()).unwrap_or_default()),
+    }
+}
+
 fn renewal(extended: i64) -> Renewal {
     match extended {
         1 => Renewal::Renewed,
@@ -646,6 +948,11 @@ fn renewal(extended: i64) -> Renewal {
 impl LockBackend for RedisBackend {
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    fn offers(&self, _mode: HoldMode) -> Result<(), String> {
+        // Every mode, on one server, Sentinel and Cluster (see the module docs).
+        Ok(())
     }
 
     fn check_key(&self, key: &str) -> Result<(), String> {
@@ -692,6 +999,16 @@ impl LockBackend for RedisBackend {
         })
     }
 
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if request.mode == HoldMode::Exclusive && self.unmark(&request.key, &request.owner) {
+                // A writer that waited behind readers: its mark goes (owner-checked).
+                let keys = Keys::new(&request.key);
+                let _ = self.release_keys(&keys, &request.owner, Some("")).await;
+            }
+        })
+    }
+
     fn renew<'a>(
         &'a self,
         lease: &'a Lease,
@@ -715,15 +1032,14 @@ impl LockBackend for RedisBackend {
             }
             let mut pipe = redis::pipe();
             pipe.load_script(&RENEW).ignore();
+            if batch
+                .iter()
+                .any(|(lease, _)| lease.mode != HoldMode::Exclusive)
+            {
+                pipe.load_script(&RENEW_HELD).ignore();
+            }
             for (lease, ttl) in batch {
-                let lock = &Keys::of(lease).lock;
-                pipe.invoke_script(
-                    RENEW
-                        .key(lock)
-                        .key(admin::revocation_mark(lock))
-                        .arg(&lease.owner)
-                        .arg(millis(*ttl)),
-                );
+                pipe.invoke_script(&Self::renew_invocation(lease, *ttl));
             }
             let pipe = &pipe;
             let answer = self
@@ -762,7 +1078,12 @@ impl LockBackend for RedisBackend {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let keys = Keys::of(lease);
-            let invocation = self.release_invocation(&keys, &lease.owner);
+            let mut field = held_field(lease.mode, &lease.owner, lease.slot);
+            if field.is_none() && self.unmark(&lease.key, &lease.owner) {
+                // A writer that waited behind readers: its mark goes too.
+                field = Some(String::new());
+            }
+            let invocation = self.release_invocation(&keys, &lease.owner, field.as_deref());
             let routed: Result<i64, BackendError> = self.invoke(&invocation).await;
             if lease.extra.is_some() && !lease.after_unanswered {
                 routed?;

@@ -4,7 +4,11 @@
 -- by the holder's record.
 -- On Redis Cluster the backend runs it with SPUBLISH in place of PUBLISH, so
 -- the message reaches only the key's shard (the channel is in the key's slot).
-local held = redis.call('GET', KEYS[1])
+-- A hash of readers or permits there (WRONGTYPE) is not the owner's.
+local held = redis.pcall('GET', KEYS[1])
+if type(held) ~= 'string' then
+  held = false
+end
 if held == ARGV[1] or (held and string.sub(held, 1, #ARGV[1] + 1) == ARGV[1] .. '\n') then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2], '1')

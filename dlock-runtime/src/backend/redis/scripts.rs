@@ -43,6 +43,42 @@ pub(super) static RELEASE: LazyLock<Script> =
 pub(super) static RELEASE_SHARDED: LazyLock<Script> =
     LazyLock::new(|| Script::new(&include_str!("release.lua").replace("'PUBLISH'", "'SPUBLISH'")));
 
+/// Any mode (see `acquire_held.lua`): `KEYS[1]` lock, `KEYS[2]` fence
+/// counter, `KEYS[3]` waiting-writer mark; `ARGV[1]` owner, `ARGV[2]` lease
+/// (ms), `ARGV[3]` the holder's record, `ARGV[4]` the mode (`x`, `r`, or the
+/// number of permits), `ARGV[5]` release channel. Answers `{1, token, slot or
+/// -1}`, `{0, retry ms}` or `{2, what holds the key}`.
+pub(super) static ACQUIRE_HELD: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("acquire_held.lua")));
+
+/// [`ACQUIRE_HELD`] for Redis Cluster: `SPUBLISH` (see [`RELEASE_SHARDED`]).
+pub(super) static ACQUIRE_HELD_SHARDED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&include_str!("acquire_held.lua").replace("'PUBLISH'", "'SPUBLISH'"))
+});
+
+/// A reader's or a permit's renewal: `KEYS[1]` lock, `KEYS[2]` its
+/// revocation mark; `ARGV[1]` owner, `ARGV[2]` ttl (ms), `ARGV[3]` the
+/// holder's field. Answers as [`RENEW`].
+pub(super) static RENEW_HELD: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("renew_held.lua")));
+
+/// Release in any mode: `KEYS[1]` lock, `KEYS[2]` waiting-writer mark;
+/// `ARGV[1]` owner, `ARGV[2]` release channel, `ARGV[3]` the holder's field
+/// (empty: whatever the owner holds). Answers 1 if anything was removed.
+pub(super) static RELEASE_HELD: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("release_held.lua")));
+
+/// [`RELEASE_HELD`] for Redis Cluster: `SPUBLISH`.
+pub(super) static RELEASE_HELD_SHARDED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&include_str!("release_held.lua").replace("'PUBLISH'", "'SPUBLISH'"))
+});
+
+/// Whether `error` is the server's `WRONGTYPE`: a plain lock's script met
+/// the hash of readers or permits (see `acquire_held.lua`).
+pub(super) fn is_wrong_type(error: &BackendError) -> bool {
+    error.to_string().contains("WRONGTYPE")
+}
+
 pub(crate) fn redis_error(err: RedisError) -> BackendError {
     if err.is_timeout()
         || err.is_connection_dropped()
@@ -83,6 +119,18 @@ mod tests {
         assert!(script.contains(include_str!("acquire.lua")));
         assert!(!script.contains("--ACQUIRE--"));
         assert!(script.contains("acquire_one({KEYS[i], KEYS[#KEYS]}, ARGV)"));
+    }
+
+    #[test]
+    fn the_cluster_scripts_publish_to_the_shard() {
+        for script in [
+            include_str!("acquire_held.lua"),
+            include_str!("release_held.lua"),
+        ] {
+            let sharded = script.replace("'PUBLISH'", "'SPUBLISH'");
+            assert!(sharded.contains("redis.call('SPUBLISH', ARGV["));
+            assert!(!sharded.contains("redis.call('PUBLISH'"));
+        }
     }
 
     #[test]
