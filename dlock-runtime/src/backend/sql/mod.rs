@@ -81,6 +81,8 @@ mod pool;
 pub mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod session;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod shared;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod upkeep;

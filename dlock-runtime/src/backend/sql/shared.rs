@@ -1,0 +1,740 @@
+//! Semaphores and read-write locks on the lease table of the server
+//! databases, written once for every [dialect](super::engine::Dialect).
+//!
+//! **Rows.** A reader's share and a permit are *holder rows* in
+//! `<table>_holders`, primary key `(key, slot)`: the slot (`0..permits` for
+//! a permit, the lowest free number for a reader), the semaphore's `permits`
+//! (0 for a reader), the owner, the expiry on the database's clock, the
+//! fencing token, the holder record. The key's row in the lease table stays
+//! the one place every grant of the key is decided: it is the writer (a
+//! plain lock), and it carries `shared_until` (the latest expiry of the
+//! key's holder rows) and the waiting-writer mark (`wwait_owner`,
+//! `wwait_until`, and `wwait_token`: the key's token when it was marked, so
+//! any grant since voids it).
+//!
+//! **Why this layout.** The plain lock's statements stay what they were
+//! plus one predicate on the row they already lock (`shared_until` passed),
+//! so plain locks keep their one-statement hot path and exclude readers and
+//! permits. A reader or a permit is decided in one short transaction at
+//! READ COMMITTED that first locks the key's lease-table row (`FOR UPDATE`):
+//! every decision of a key is ordered by that row lock, and each later
+//! statement of the transaction reads what the previous holder of the lock
+//! committed — one statement could not see it (its snapshot predates the
+//! lock wait), so the check of `N`, of the mode and of the free slots would
+//! race.
+//!
+//! **Semaphore.** Under the row lock: the key's live holder rows (an owner,
+//! an unexpired lease); another `permits`, or readers, or a live plain
+//! holder ⇒ [`HoldMode::mismatch`]; else the lowest slot not live (the
+//! owner's own on a retry), busy when it is `≥ permits` (with the earliest
+//! holder expiry). The slot row's token is the hybrid `max(token + 1, clock
+//! µs)`, per (key, slot), kept in the row (rows are kept when freed and
+//! collected after the retention like the lease table's).
+//!
+//! **Read-write.** A reader is busy while the plain lock is held or while
+//! another owner's live writer mark stands; its token is the key's one
+//! sequence (the lease-table row's hybrid token, bumped), so readers and
+//! writers share it. A writer (a plain lock) that finds live readers leaves
+//! the mark (refreshed by each of its attempts, for [`MARK_TTL_MIN`] or
+//! three polls) and waits: writers are preferred. Its grant bumps the token
+//! and so voids its mark; `abandon` and its owner-checked clean-up release
+//! remove it.
+//!
+//! **Expiry, renewal, release.** Each holder row has its own expiry;
+//! `shared_until` only grows while holders are granted or renewed, and is
+//! recomputed from the live rows when one is released or revoked, so a
+//! crashed reader or permit holder holds back writers only until its own
+//! lease ends. A watchdog batch of shares is renewed in one transaction (the
+//! keys' rows locked in key order). Releases wake this process's waiters
+//! at once, and the others as a plain release does (PostgreSQL's `NOTIFY`
+//! when the key is wanted; MySQL's polling).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Connection as _;
+
+use super::engine::{Dialect, SqlBackend, holder_text};
+use super::upkeep::millis;
+use crate::backend::{AcquireRequest, Attempt, HeldEntry, HoldMode, Lease, Renewal};
+use crate::error::BackendError;
+use crate::token::FencingToken;
+
+/// How often a release or a renewal of shares is tried again after a
+/// transient failure (a deadlock the database broke, a lock wait timeout).
+const DEADLOCK_RETRIES: usize = 3;
+
+/// The shortest life of a waiting-writer mark (refreshed by each attempt).
+pub(super) const MARK_TTL_MIN: Duration = Duration::from_secs(1);
+
+/// An argument of a [`Stmt`].
+#[derive(Debug, Clone)]
+pub enum Arg {
+    /// Text (a key, an owner, a holder record).
+    Text(String),
+    /// An integer.
+    Int(i64),
+}
+
+/// The type of a column a [`Stmt`] returns.
+#[derive(Debug, Clone, Copy)]
+pub enum Col {
+    /// An integer (or NULL).
+    Int,
+    /// Text (or NULL).
+    Text,
+}
+
+/// A value of a returned column.
+#[derive(Debug, Clone)]
+pub enum Val {
+    /// NULL.
+    Null,
+    /// An integer.
+    Int(i64),
+    /// Text.
+    Text(String),
+}
+
+impl Val {
+    fn int(&self) -> Option<i64> {
+        match self {
+            Val::Int(n) => Some(*n),
+            _ => None,
+        }
+    }
+
+    fn text(&self) -> Option<String> {
+        match self {
+            Val::Text(t) => Some(t.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// One statement of a dialect, with the engine's arguments it binds, in
+/// the order of its placeholders (`$n` may be bound once each; `?` as often
+/// as it appears).
+#[derive(Debug, Clone)]
+pub struct Stmt {
+    /// The SQL text.
+    pub sql: Arc<str>,
+    /// For each placeholder, the index of the engine's argument.
+    pub order: Vec<usize>,
+}
+
+impl Stmt {
+    /// A statement whose placeholders take the engine's arguments in `order`.
+    pub fn new(sql: String, order: &[usize]) -> Self {
+        Stmt {
+            sql: sql.into(),
+            order: order.to_vec(),
+        }
+    }
+
+    /// The arguments in the order of the placeholders.
+    pub fn bound(&self, args: &[Arg]) -> Vec<Arg> {
+        self.order.iter().map(|i| args[*i].clone()).collect()
+    }
+}
+
+/// A dialect's statements for semaphores and read-write locks. Arguments
+/// are named in each field's doc, in the engine's order; `T` is the lease
+/// table, `H` the holder rows.
+#[derive(Debug, Clone)]
+pub struct SharedSql {
+    /// (key): `T`'s row of the key, inserted free if missing.
+    pub ensure: Stmt,
+    /// (key, owner) → [ms left of a live plain holder, ms left of another
+    /// owner's live writer mark], locking `T`'s row.
+    pub lock: Stmt,
+    /// (key) → [slot, permits, owner, ms left] of the live holder rows, by slot.
+    pub holders: Stmt,
+    /// (key, slot, permits, owner, lease ms, holder, token or -1 for the
+    /// slot's hybrid token): takes the slot row.
+    pub take: Stmt,
+    /// (key, slot) → [token] of the slot row.
+    pub slot_token: Stmt,
+    /// (key, lease ms, 1 to bump the key's token): `shared_until` raised.
+    pub share: Stmt,
+    /// (key) → [token] of `T`'s row.
+    pub key_token: Stmt,
+    /// (key): marks the key as wanted, where releases notify.
+    pub wanted: Option<Stmt>,
+    /// (key, owner, ttl ms): the waiting-writer mark, unless another
+    /// owner's live one stands.
+    pub mark_writer: Stmt,
+    /// (key, owner): removes `owner`'s writer mark.
+    pub unmark_writer: Stmt,
+    /// (key, slot or -1, owner, ttl ms): renews the owner's holder row.
+    pub renew_holder: Stmt,
+    /// (key, slot or -1, owner): frees the owner's holder row.
+    pub free_holder: Stmt,
+    /// (key, owner): `shared_until` recomputed from the live rows, the
+    /// owner's writer mark removed.
+    pub reshare: Stmt,
+    /// (key): wakes the waiters of other processes, where the database
+    /// pushes (only if the key is wanted).
+    pub notify: Option<Stmt>,
+    /// (key, slot or -1, owner) → a row if the owner's holder row was revoked.
+    pub was_revoked: Stmt,
+    /// (key) → [key, owner, holder, token, granted, ms left, slot, permits]
+    /// of the live holder rows, by slot.
+    pub inspect: Stmt,
+    /// (from, to) → the same of the keys in `from..=to`, by key and slot.
+    pub inspect_range: Stmt,
+    /// (from, to, limit) → [key] of the keys in `from..to` with live shares.
+    pub list: Stmt,
+    /// (from, limit) → [key] of the keys from `from` with live shares.
+    pub list_to_end: Stmt,
+    /// (key): revokes every live holder row of the key.
+    pub revoke: Stmt,
+}
+
+/// What an attempt found, decided inside its transaction.
+enum Found {
+    Held { token: i64, slot: Option<u32> },
+    Busy(Option<Duration>),
+    Mismatch(HoldMode),
+}
+
+/// The held mode a live holder row stands for.
+fn row_mode(permits: i64) -> HoldMode {
+    match u32::try_from(permits) {
+        Ok(0) | Err(_) => HoldMode::Shared,
+        Ok(permits) => HoldMode::Permit { permits },
+    }
+}
+
+fn ms(n: i64) -> Duration {
+    Duration::from_millis(n.max(0) as u64)
+}
+
+/// A live holder row: slot, permits, owner, ms left.
+type Live = (i64, i64, String, i64);
+
+fn live_rows(rows: Vec<Vec<Val>>) -> Vec<Live> {
+    rows.into_iter()
+        .map(|r| {
+            (
+                r[0].int().unwrap_or(0),
+                r[1].int().unwrap_or(0),
+                r[2].text().unwrap_or_default(),
+                r[3].int().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// The slot argument of a lease: its permit's slot, or -1 (any of the owner's).
+fn slot_arg(lease: &Lease) -> i64 {
+    lease.slot.map_or(-1, i64::from)
+}
+
+impl<D: Dialect> SqlBackend<D> {
+    /// How long a waiting-writer mark stands unless its writer tries again.
+    fn mark_ttl(&self) -> Duration {
+        (self.poll * 3).max(MARK_TTL_MIN)
+    }
+
+    /// One attempt at a reader's share or a permit (see the module docs).
+    pub(super) async fn try_shared(
+        &self,
+        request: &AcquireRequest,
+    ) -> Result<Attempt, BackendError> {
+        let sql = self.shared.clone();
+        let asked = request.mode;
+        let lease_ms = millis(request.lease);
+        let holder = holder_text(&request.holder, D::HOLDER_MAX);
+        let found = self
+            .db
+            .call_for(&request.owner, "acquire", |c| {
+                let sql = sql.clone();
+                let key = Arg::Text(request.key.clone());
+                let owner = request.owner.clone();
+                let holder = holder.clone();
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let lock_args = vec![key.clone(), Arg::Text(owner.clone())];
+                    let mut state =
+                        D::rows(&mut tx, &sql.lock, lock_args.clone(), &[Col::Int, Col::Int])
+                            .await?;
+                    if state.is_empty() {
+                        D::exec(&mut tx, &sql.ensure, vec![key.clone()]).await?;
+                        state =
+                            D::rows(&mut tx, &sql.lock, lock_args, &[Col::Int, Col::Int]).await?;
+                    }
+                    let (plain_ms, mark_ms) = state
+                        .first()
+                        .map(|r| (r[0].int(), r[1].int()))
+                        .unwrap_or((None, None));
+                    if let Some(left) = plain_ms {
+                        if asked != HoldMode::Shared {
+                            return Ok(Found::Mismatch(HoldMode::Exclusive));
+                        }
+                        if let Some(w) = &sql.wanted {
+                            D::exec(&mut tx, w, vec![key.clone()]).await?;
+                        }
+                        tx.commit().await?;
+                        return Ok(Found::Busy(Some(ms(left))));
+                    }
+                    let live = live_rows(
+                        D::rows(
+                            &mut tx,
+                            &sql.holders,
+                            vec![key.clone()],
+                            &[Col::Int, Col::Int, Col::Text, Col::Int],
+                        )
+                        .await?,
+                    );
+                    if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
+                        return Ok(Found::Mismatch(row_mode(*permits)));
+                    }
+                    let busy = |left: Option<i64>| Found::Busy(left.map(ms));
+                    if asked == HoldMode::Shared
+                        && let Some(left) = mark_ms
+                        && !live.iter().any(|l| l.2 == owner)
+                    {
+                        if let Some(w) = &sql.wanted {
+                            D::exec(&mut tx, w, vec![key.clone()]).await?;
+                        }
+                        tx.commit().await?;
+                        return Ok(busy(Some(left)));
+                    }
+                    let slot = match live.iter().find(|l| l.2 == owner) {
+                        Some(own) => own.0,
+                        None => {
+                            let taken: BTreeSet<i64> = live.iter().map(|l| l.0).collect();
+                            (0..).find(|s| !taken.contains(s)).unwrap_or(0)
+                        }
+                    };
+                    let permits = match asked {
+                        HoldMode::Permit { permits } => i64::from(permits),
+                        _ => 0,
+                    };
+                    if permits > 0 && slot >= permits {
+                        if let Some(w) = &sql.wanted {
+                            D::exec(&mut tx, w, vec![key.clone()]).await?;
+                        }
+                        tx.commit().await?;
+                        return Ok(busy(live.iter().map(|l| l.3).min()));
+                    }
+                    let reader = permits == 0;
+                    D::exec(
+                        &mut tx,
+                        &sql.share,
+                        vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
+                    )
+                    .await?;
+                    let key_token = if reader {
+                        let t = D::rows(&mut tx, &sql.key_token, vec![key.clone()], &[Col::Int])
+                            .await?;
+                        t.first().and_then(|r| r[0].int()).unwrap_or(-1)
+                    } else {
+                        -1
+                    };
+                    D::exec(
+                        &mut tx,
+                        &sql.take,
+                        vec![
+                            key.clone(),
+                            Arg::Int(slot),
+                            Arg::Int(permits),
+                            Arg::Text(owner.clone()),
+                            Arg::Int(lease_ms),
+                            Arg::Text(holder.clone()),
+                            Arg::Int(key_token),
+                        ],
+                    )
+                    .await?;
+                    let token = if reader {
+                        key_token
+                    } else {
+                        let t = D::rows(
+                            &mut tx,
+                            &sql.slot_token,
+                            vec![key.clone(), Arg::Int(slot)],
+                            &[Col::Int],
+                        )
+                        .await?;
+                        t.first().and_then(|r| r[0].int()).unwrap_or(0)
+                    };
+                    tx.commit().await?;
+                    Ok(Found::Held {
+                        token,
+                        slot: (!reader).then_some(slot as u32),
+                    })
+                })
+            })
+            .await?;
+        match found {
+            Found::Held { token, slot } => {
+                let lease = Lease::new(request, Some(FencingToken::new(token as u64)));
+                Ok(Attempt::Held(match slot {
+                    Some(slot) => lease.with_slot(slot),
+                    None => lease,
+                }))
+            }
+            Found::Busy(left) => Ok(Attempt::Busy {
+                retry_in: Some(left.unwrap_or(self.poll).min(self.poll)),
+            }),
+            Found::Mismatch(held) => Err(BackendError::config(HoldMode::mismatch(
+                &request.key,
+                held,
+                asked,
+            ))),
+        }
+    }
+
+    /// A plain lock (the write mode) found busy: when readers hold the key,
+    /// the waiting-writer mark (for a waiting request) and an answer no
+    /// later than their earliest expiry; permits there are a mismatch.
+    pub(super) async fn exclusive_busy(
+        &self,
+        request: &AcquireRequest,
+        busy: Attempt,
+    ) -> Result<Attempt, BackendError> {
+        let Attempt::Busy { retry_in } = busy else {
+            return Ok(busy);
+        };
+        let sql = self.shared.clone();
+        let live = live_rows(
+            self.db
+                .call("holders", |c| {
+                    let sql = sql.clone();
+                    let key = Arg::Text(request.key.clone());
+                    Box::pin(async move {
+                        D::rows(
+                            c,
+                            &sql.holders,
+                            vec![key],
+                            &[Col::Int, Col::Int, Col::Text, Col::Int],
+                        )
+                        .await
+                    })
+                })
+                .await?,
+        );
+        let Some(first) = live.first() else {
+            return Ok(Attempt::Busy { retry_in });
+        };
+        let held = row_mode(first.1);
+        if held != HoldMode::Shared {
+            return Err(BackendError::config(HoldMode::mismatch(
+                &request.key,
+                held,
+                HoldMode::Exclusive,
+            )));
+        }
+        let ttl = self.mark_ttl();
+        if !request.wait.is_zero() {
+            self.db
+                .call_for(&request.owner, "mark", |c| {
+                    let sql = sql.clone();
+                    let args = vec![
+                        Arg::Text(request.key.clone()),
+                        Arg::Text(request.owner.clone()),
+                        Arg::Int(millis(ttl)),
+                    ];
+                    Box::pin(async move { D::exec(c, &sql.mark_writer, args).await })
+                })
+                .await?;
+        }
+        let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
+        let cap = earliest.min(ttl / 3);
+        Ok(Attempt::Busy {
+            retry_in: Some(retry_in.map_or(cap, |r| r.min(cap))),
+        })
+    }
+
+    /// Removes `owner`'s waiting-writer mark from `key`.
+    pub(super) async fn unmark_writer(&self, key: &str, owner: &str) -> Result<(), BackendError> {
+        let sql = self.shared.clone();
+        self.db
+            .call_for(owner, "unmark", |c| {
+                let sql = sql.clone();
+                let args = vec![Arg::Text(key.to_owned()), Arg::Text(owner.to_owned())];
+                Box::pin(async move { D::exec(c, &sql.unmark_writer, args).await })
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Renews a batch of shares in one transaction, the keys' rows locked
+    /// in key order; the lost ones told revoked where they were.
+    pub(super) async fn renew_shared(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let mut tries = 0;
+        loop {
+            match self.renew_shared_once(batch).await {
+                Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
+                done => return done,
+            }
+        }
+    }
+
+    async fn renew_shared_once(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        let sql = self.shared.clone();
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by(|a, b| batch[*a].0.key.cmp(&batch[*b].0.key));
+        let entries: Vec<(String, String, i64, i64)> = order
+            .iter()
+            .map(|i| {
+                let (lease, ttl) = batch[*i];
+                (
+                    lease.key.clone(),
+                    lease.owner.clone(),
+                    slot_arg(lease),
+                    millis(ttl),
+                )
+            })
+            .collect();
+        let sorted: Vec<Renewal> = self
+            .db
+            .call("renew", |c| {
+                let (sql, entries) = (sql.clone(), entries.clone());
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let mut answers = Vec::with_capacity(entries.len());
+                    for (key, owner, slot, ttl) in entries {
+                        let key = Arg::Text(key);
+                        let owner = Arg::Text(owner);
+                        D::rows(
+                            &mut tx,
+                            &sql.lock,
+                            vec![key.clone(), owner.clone()],
+                            &[Col::Int, Col::Int],
+                        )
+                        .await?;
+                        let renewed = D::exec(
+                            &mut tx,
+                            &sql.renew_holder,
+                            vec![key.clone(), Arg::Int(slot), owner.clone(), Arg::Int(ttl)],
+                        )
+                        .await?;
+                        if renewed == 0 {
+                            let revoked = D::rows(
+                                &mut tx,
+                                &sql.was_revoked,
+                                vec![key, Arg::Int(slot), owner],
+                                &[Col::Int],
+                            )
+                            .await?;
+                            answers.push(if revoked.is_empty() {
+                                Renewal::Lost
+                            } else {
+                                Renewal::Revoked
+                            });
+                            continue;
+                        }
+                        D::exec(&mut tx, &sql.share, vec![key, Arg::Int(ttl), Arg::Int(0)]).await?;
+                        answers.push(Renewal::Renewed);
+                    }
+                    tx.commit().await?;
+                    Ok(answers)
+                })
+            })
+            .await?;
+        let mut answers = vec![Renewal::Lost; batch.len()];
+        for (i, answer) in order.into_iter().zip(sorted) {
+            answers[i] = answer;
+        }
+        Ok(answers)
+    }
+
+    /// Frees the owner's share (its slot, or any of the owner's with no
+    /// slot), recomputes `shared_until`, removes the owner's writer mark,
+    /// and wakes the other processes' waiters where the database pushes.
+    pub(super) async fn release_shared(&self, lease: &Lease) -> Result<(), BackendError> {
+        let mut tries = 0;
+        loop {
+            match self.release_shared_once(lease).await {
+                Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
+                done => return done,
+            }
+        }
+    }
+
+    async fn release_shared_once(&self, lease: &Lease) -> Result<(), BackendError> {
+        let sql = self.shared.clone();
+        self.db
+            .call_for(&lease.owner, "release", |c| {
+                let sql = sql.clone();
+                let key = Arg::Text(lease.key.clone());
+                let owner = Arg::Text(lease.owner.clone());
+                let slot = Arg::Int(slot_arg(lease));
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let locked = D::rows(
+                        &mut tx,
+                        &sql.lock,
+                        vec![key.clone(), owner.clone()],
+                        &[Col::Int, Col::Int],
+                    )
+                    .await?;
+                    if locked.is_empty() {
+                        return Ok(());
+                    }
+                    D::exec(
+                        &mut tx,
+                        &sql.free_holder,
+                        vec![key.clone(), slot, owner.clone()],
+                    )
+                    .await?;
+                    D::exec(&mut tx, &sql.reshare, vec![key.clone(), owner]).await?;
+                    if let Some(notify) = &sql.notify {
+                        D::exec(&mut tx, notify, vec![key]).await?;
+                    }
+                    tx.commit().await
+                })
+            })
+            .await
+    }
+
+    /// The live holder rows of `key`, as holder entries.
+    pub(super) async fn shared_entries(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        let sql = self.shared.clone();
+        let rows = self
+            .db
+            .call("inspect", |c| {
+                let sql = sql.clone();
+                let key = Arg::Text(key.to_owned());
+                Box::pin(async move { D::rows(c, &sql.inspect, vec![key], &ENTRY_COLS).await })
+            })
+            .await?;
+        Ok(rows.iter().map(|r| entry::<D>(r).1).collect())
+    }
+
+    /// The keys in `from..to` (no end: `None`) with live shares, at most
+    /// `limit`, each with its holder entries.
+    pub(super) async fn shared_keys(
+        &self,
+        from: &str,
+        to: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<(String, Vec<HeldEntry>)>, BackendError> {
+        let sql = self.shared.clone();
+        let keys = self
+            .db
+            .call("list", |c| {
+                let sql = sql.clone();
+                let (stmt, args) = match to {
+                    Some(to) => (
+                        sql.list.clone(),
+                        vec![
+                            Arg::Text(from.to_owned()),
+                            Arg::Text(to.to_owned()),
+                            Arg::Int(limit),
+                        ],
+                    ),
+                    None => (
+                        sql.list_to_end.clone(),
+                        vec![Arg::Text(from.to_owned()), Arg::Int(limit)],
+                    ),
+                };
+                Box::pin(async move { D::rows(c, &stmt, args, &[Col::Text]).await })
+            })
+            .await?;
+        let keys: Vec<String> = keys.iter().filter_map(|r| r[0].text()).collect();
+        let (Some(first), Some(last)) = (keys.first(), keys.last()) else {
+            return Ok(Vec::new());
+        };
+        let rows = self
+            .db
+            .call("list", |c| {
+                let sql = sql.clone();
+                let args = vec![Arg::Text(first.clone()), Arg::Text(last.clone())];
+                Box::pin(async move { D::rows(c, &sql.inspect_range, args, &ENTRY_COLS).await })
+            })
+            .await?;
+        let mut out: Vec<(String, Vec<HeldEntry>)> =
+            keys.iter().map(|k| (k.clone(), Vec::new())).collect();
+        for row in &rows {
+            let (key, entry) = entry::<D>(row);
+            if let Some((_, entries)) = out.iter_mut().find(|(k, _)| *k == key) {
+                entries.push(entry);
+            }
+        }
+        out.retain(|(_, entries)| !entries.is_empty());
+        Ok(out)
+    }
+
+    /// Revokes every share of `key`: the entries it removed.
+    pub(super) async fn revoke_shared(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
+        let sql = self.shared.clone();
+        let rows = self
+            .db
+            .call("revoke", |c| {
+                let sql = sql.clone();
+                let key = Arg::Text(key.to_owned());
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let locked = D::rows(
+                        &mut tx,
+                        &sql.lock,
+                        vec![key.clone(), Arg::Text(String::new())],
+                        &[Col::Int, Col::Int],
+                    )
+                    .await?;
+                    if locked.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let rows =
+                        D::rows(&mut tx, &sql.inspect, vec![key.clone()], &ENTRY_COLS).await?;
+                    if rows.is_empty() {
+                        return Ok(rows);
+                    }
+                    D::exec(&mut tx, &sql.revoke, vec![key.clone()]).await?;
+                    D::exec(
+                        &mut tx,
+                        &sql.reshare,
+                        vec![key.clone(), Arg::Text(String::new())],
+                    )
+                    .await?;
+                    if let Some(notify) = &sql.notify {
+                        D::exec(&mut tx, notify, vec![key]).await?;
+                    }
+                    tx.commit().await?;
+                    Ok(rows)
+                })
+            })
+            .await?;
+        Ok(rows.iter().map(|r| entry::<D>(r).1).collect())
+    }
+}
+
+/// The columns of an inspected holder row.
+const ENTRY_COLS: [Col; 8] = [
+    Col::Text,
+    Col::Text,
+    Col::Text,
+    Col::Int,
+    Col::Int,
+    Col::Int,
+    Col::Int,
+    Col::Int,
+];
+
+/// An inspected holder row as its key and holder entry.
+fn entry<D: Dialect>(r: &[Val]) -> (String, HeldEntry) {
+    let row = super::admin::Row {
+        key: r[0].text().unwrap_or_default(),
+        owner: r[1].text().unwrap_or_default(),
+        holder: r[2].text(),
+        token: r[3].int().unwrap_or(0),
+        granted_at: r[4].int(),
+        expires_in_ms: r[5].int().unwrap_or(0),
+    };
+    let mut entry = row.entry(D::GRANTED_UNIT);
+    entry.mode = row_mode(r[7].int().unwrap_or(0));
+    if entry.mode != HoldMode::Shared {
+        entry.slot = r[6].int().and_then(|s| u32::try_from(s).ok());
+    }
+    (row.key, entry)
+}
