@@ -30,7 +30,8 @@ use futures_util::future::BoxFuture;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
 use super::pool::{Pooled, batch_failed, timed_out};
 use super::session::{SessionDb, Sessions};
-use super::shared::{Arg, Col, SharedSql, Stmt, Val};
+pub(super) use super::shared::holder_text;
+use super::shared::{SharedSql, SharedStore};
 use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
 use super::url::{Mode, UrlOptions};
 use crate::backend::wait::Waiters;
@@ -208,16 +209,16 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// Runs `stmt` with `args`: its rows, each column read as `cols` says.
     fn rows<'c>(
         conn: &'c mut Conn<Self>,
-        stmt: &Stmt,
-        args: Vec<Arg>,
-        cols: &'static [Col],
-    ) -> BoxFuture<'c, Result<Vec<Vec<Val>>, sqlx::Error>>;
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+        cols: &'static [super::shared::Col],
+    ) -> BoxFuture<'c, Result<Vec<Vec<super::shared::Val>>, sqlx::Error>>;
 
     /// Runs `stmt` with `args`: the rows it matched.
     fn exec<'c>(
         conn: &'c mut Conn<Self>,
-        stmt: &Stmt,
-        args: Vec<Arg>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
 
     /// Whether a failed column addition means the column is there already
@@ -264,19 +265,6 @@ pub enum Pick {
     },
 }
 
-/// `holder`'s one-line form, cut to `max` bytes at a character boundary.
-pub(super) fn holder_text(holder: &crate::backend::HolderRecord, max: usize) -> String {
-    let mut text = holder.encode();
-    if text.len() > max {
-        let mut end = max;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
-    text
-}
-
 /// The [`Dialect::fetch_i64`] of a database whose connections run
 /// `sqlx::query_scalar` (all of them: the generic form would need bounds on
 /// every use of the engine).
@@ -298,80 +286,6 @@ macro_rules! fetch_i64_by_query_scalar {
     };
 }
 pub(super) use fetch_i64_by_query_scalar;
-
-/// The [`Dialect::rows`] and [`Dialect::exec`] of a database whose text
-/// columns read as `$text` (`String`, or `Vec<u8>` for binary keys).
-macro_rules! rows_and_exec {
-    ($text:ty) => {
-        fn rows<'c>(
-            conn: &'c mut $crate::backend::sql::engine::Conn<Self>,
-            stmt: &$crate::backend::sql::shared::Stmt,
-            args: Vec<$crate::backend::sql::shared::Arg>,
-            cols: &'static [$crate::backend::sql::shared::Col],
-        ) -> futures_util::future::BoxFuture<
-            'c,
-            Result<Vec<Vec<$crate::backend::sql::shared::Val>>, sqlx::Error>,
-        > {
-            use sqlx::Row as _;
-            use $crate::backend::sql::shared::{Arg, Col, Val};
-            let sql = stmt.sql.clone();
-            let args = stmt.bound(&args);
-            Box::pin(async move {
-                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-                for arg in args {
-                    query = match arg {
-                        Arg::Text(t) => query.bind(t),
-                        Arg::Int(n) => query.bind(n),
-                    };
-                }
-                let rows = query.fetch_all(conn).await?;
-                rows.iter()
-                    .map(|row| {
-                        cols.iter()
-                            .enumerate()
-                            .map(|(i, col)| {
-                                Ok(match col {
-                                    Col::Int => row
-                                        .try_get::<Option<i64>, _>(i)?
-                                        .map_or(Val::Null, Val::Int),
-                                    Col::Text => {
-                                        row.try_get::<Option<$text>, _>(i)?.map_or(Val::Null, |t| {
-                                            Val::Text(
-                                                String::from_utf8_lossy(AsRef::<[u8]>::as_ref(&t))
-                                                    .into_owned(),
-                                            )
-                                        })
-                                    }
-                                })
-                            })
-                            .collect()
-                    })
-                    .collect()
-            })
-        }
-
-        fn exec<'c>(
-            conn: &'c mut $crate::backend::sql::engine::Conn<Self>,
-            stmt: &$crate::backend::sql::shared::Stmt,
-            args: Vec<$crate::backend::sql::shared::Arg>,
-        ) -> futures_util::future::BoxFuture<'c, Result<u64, sqlx::Error>> {
-            use $crate::backend::sql::shared::Arg;
-            let sql = stmt.sql.clone();
-            let args = stmt.bound(&args);
-            Box::pin(async move {
-                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-                for arg in args {
-                    query = match arg {
-                        Arg::Text(t) => query.bind(t),
-                        Arg::Int(n) => query.bind(n),
-                    };
-                }
-                Ok(query.execute(conn).await?.rows_affected())
-            })
-        }
-    };
-}
-pub(super) use rows_and_exec;
 
 /// What a URL says: the options every server database takes, and the
 /// dialect's own.
@@ -631,10 +545,12 @@ impl<D: Dialect> SqlBackend<D> {
     async fn try_lease_in_mode(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
         match request.mode {
             HoldMode::Exclusive => match D::try_lease(self, request).await? {
-                busy @ Attempt::Busy { .. } => self.exclusive_busy(request, busy).await,
+                busy @ Attempt::Busy { .. } => {
+                    super::shared::exclusive_busy(self, request, busy).await
+                }
                 attempt => Ok(attempt),
             },
-            _ => self.try_shared(request).await,
+            _ => super::shared::try_shared(self, request).await,
         }
     }
 
@@ -646,11 +562,11 @@ impl<D: Dialect> SqlBackend<D> {
             HoldMode::Exclusive => {
                 D::release_lease(self, lease).await?;
                 if lease.token.is_none() {
-                    self.unmark_writer(&lease.key, &lease.owner).await?;
+                    super::shared::unmark_writer(self, &lease.key, &lease.owner).await?;
                 }
                 Ok(())
             }
-            _ => self.release_shared(lease).await,
+            _ => super::shared::release_shared(self, lease).await,
         }
     }
 
@@ -675,7 +591,10 @@ impl<D: Dialect> SqlBackend<D> {
             }
         }
         let sub: Vec<(&Lease, Duration)> = shared.iter().map(|(_, e)| **e).collect();
-        for ((i, _), answer) in shared.iter().zip(self.renew_shared(&sub).await?) {
+        for ((i, _), answer) in shared
+            .iter()
+            .zip(super::shared::renew_shared(self, &sub).await?)
+        {
             answers[*i] = answer;
         }
         Ok(answers)
@@ -702,7 +621,7 @@ impl<D: Dialect> SqlBackend<D> {
         let (rows, shares) = self
             .near(|this| async move {
                 let rows = D::held_rows(&this, pick).await?;
-                let shares = this.shared_entries(&shared_key).await?;
+                let shares = super::shared::shared_entries(&this, &shared_key).await?;
                 Ok((rows, shares))
             })
             .await?;
@@ -728,7 +647,7 @@ impl<D: Dialect> SqlBackend<D> {
         let (rows, shares) = self
             .near(|this| async move {
                 let rows = D::held_rows(&this, pick).await?;
-                let shares = this.shared_keys(&from, to.as_deref(), max).await?;
+                let shares = super::shared::shared_keys(&this, &from, to.as_deref(), max).await?;
                 Ok((rows, shares))
             })
             .await?;
@@ -752,7 +671,7 @@ impl<D: Dialect> SqlBackend<D> {
     async fn revoke_lease(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
         let key = key.to_owned();
         self.near(|this| async move {
-            let shares = this.revoke_shared(&key).await?;
+            let shares = super::shared::revoke_shared(&this, &key).await?;
             if !shares.is_empty() {
                 this.waiters.wake(&key);
             }
@@ -1063,7 +982,9 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
                 None if request.mode == HoldMode::Exclusive => {
                     let (key, owner) = (request.key.clone(), request.owner.clone());
                     let unmarked = self
-                        .near(|this| async move { this.unmark_writer(&key, &owner).await })
+                        .near(|this| async move {
+                            super::shared::unmark_writer(&this, &key, &owner).await
+                        })
                         .await;
                     if let Err(err) = unmarked {
                         tracing::debug!(backend = D::KIND, error = %err, "dlock: removing a writer mark failed; it expires");
@@ -1205,5 +1126,53 @@ pub(super) fn busy_at(index: usize, busy: Attempt) -> Result<AttemptAll, Backend
         }),
         Attempt::Unavailable { error, retry_in } => Ok(AttemptAll::Unavailable { error, retry_in }),
         Attempt::Held(_) => Err(BackendError::permanent("a busy key's answer was a grant")),
+    }
+}
+
+impl<D: Dialect> SharedStore for SqlBackend<D> {
+    type Db = D::Db;
+    const GRANTED_UNIT: Duration = D::GRANTED_UNIT;
+    const HOLDER_MAX: usize = D::HOLDER_MAX;
+    const BEGIN: &'static str = "BEGIN";
+
+    fn sql(&self) -> Arc<SharedSql> {
+        self.shared.clone()
+    }
+
+    fn poll(&self) -> Duration {
+        self.poll
+    }
+
+    async fn call<T, F>(
+        &self,
+        owner: Option<&str>,
+        what: &str,
+        statement: F,
+    ) -> Result<T, BackendError>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut Conn<D>) -> BoxFuture<'c, Result<T, sqlx::Error>> + Send,
+    {
+        match owner {
+            Some(owner) => self.db.call_for(owner, what, statement).await,
+            None => self.db.call(what, statement).await,
+        }
+    }
+
+    fn rows<'c>(
+        conn: &'c mut Conn<D>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+        cols: &'static [super::shared::Col],
+    ) -> BoxFuture<'c, Result<Vec<Vec<super::shared::Val>>, sqlx::Error>> {
+        D::rows(conn, stmt, args, cols)
+    }
+
+    fn exec<'c>(
+        conn: &'c mut Conn<D>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        D::exec(conn, stmt, args)
     }
 }

@@ -81,7 +81,6 @@ mod pool;
 pub mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod session;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod shared;
 #[cfg(feature = "sqlite")]
 mod sqlite;

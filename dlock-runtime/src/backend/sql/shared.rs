@@ -53,11 +53,13 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::future::Future;
+
+use futures_util::future::BoxFuture;
 use sqlx::Connection as _;
 
-use super::engine::{Dialect, SqlBackend, holder_text};
 use super::upkeep::millis;
-use crate::backend::{AcquireRequest, Attempt, HeldEntry, HoldMode, Lease, Renewal};
+use crate::backend::{AcquireRequest, Attempt, HeldEntry, HoldMode, HolderRecord, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -192,6 +194,143 @@ pub struct SharedSql {
     pub revoke: Stmt,
 }
 
+/// The `rows` and `exec` of a database whose connection is `$conn` and
+/// whose text columns read as `$text` (`String`, or `Vec<u8>` for binary
+/// keys).
+macro_rules! rows_and_exec {
+    ($text:ty, $conn:ty) => {
+        fn rows<'c>(
+            conn: &'c mut $conn,
+            stmt: &$crate::backend::sql::shared::Stmt,
+            args: Vec<$crate::backend::sql::shared::Arg>,
+            cols: &'static [$crate::backend::sql::shared::Col],
+        ) -> futures_util::future::BoxFuture<
+            'c,
+            Result<Vec<Vec<$crate::backend::sql::shared::Val>>, sqlx::Error>,
+        > {
+            use sqlx::Row as _;
+            use $crate::backend::sql::shared::{Arg, Col, Val};
+            let sql = stmt.sql.clone();
+            let args = stmt.bound(&args);
+            Box::pin(async move {
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                for arg in args {
+                    query = match arg {
+                        Arg::Text(t) => query.bind(t),
+                        Arg::Int(n) => query.bind(n),
+                    };
+                }
+                let rows = query.fetch_all(conn).await?;
+                rows.iter()
+                    .map(|row| {
+                        cols.iter()
+                            .enumerate()
+                            .map(|(i, col)| {
+                                Ok(match col {
+                                    Col::Int => row
+                                        .try_get::<Option<i64>, _>(i)?
+                                        .map_or(Val::Null, Val::Int),
+                                    Col::Text => {
+                                        row.try_get::<Option<$text>, _>(i)?.map_or(Val::Null, |t| {
+                                            Val::Text(
+                                                String::from_utf8_lossy(AsRef::<[u8]>::as_ref(&t))
+                                                    .into_owned(),
+                                            )
+                                        })
+                                    }
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+        }
+
+        fn exec<'c>(
+            conn: &'c mut $conn,
+            stmt: &$crate::backend::sql::shared::Stmt,
+            args: Vec<$crate::backend::sql::shared::Arg>,
+        ) -> futures_util::future::BoxFuture<'c, Result<u64, sqlx::Error>> {
+            use $crate::backend::sql::shared::Arg;
+            let sql = stmt.sql.clone();
+            let args = stmt.bound(&args);
+            Box::pin(async move {
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                for arg in args {
+                    query = match arg {
+                        Arg::Text(t) => query.bind(t),
+                        Arg::Int(n) => query.bind(n),
+                    };
+                }
+                Ok(query.execute(conn).await?.rows_affected())
+            })
+        }
+    };
+}
+pub(super) use rows_and_exec;
+
+/// The connection of a [`SharedStore`]'s database.
+pub(super) type StoreConn<B> = <<B as SharedStore>::Db as sqlx::Database>::Connection;
+
+/// A lease table that holds shares and permits: the engine's backends and
+/// SQLite's. The algorithm is written once, over this.
+pub(super) trait SharedStore: Send + Sync + 'static {
+    /// The `sqlx` database.
+    type Db: sqlx::Database;
+    /// The length of one unit of the `granted_at` columns.
+    const GRANTED_UNIT: Duration;
+    /// The longest holder record stored, in bytes.
+    const HOLDER_MAX: usize;
+    /// The statement that begins a transaction that will write.
+    const BEGIN: &'static str;
+
+    /// The statements.
+    fn sql(&self) -> Arc<SharedSql>;
+
+    /// How often waiters look again.
+    fn poll(&self) -> Duration;
+
+    /// Runs `statement` on a connection, bounded like every call; one of
+    /// `owner`'s (an attempt, a release) after its unanswered ones.
+    fn call<T, F>(
+        &self,
+        owner: Option<&str>,
+        what: &str,
+        statement: F,
+    ) -> impl Future<Output = Result<T, BackendError>> + Send
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut StoreConn<Self>) -> BoxFuture<'c, Result<T, sqlx::Error>> + Send;
+
+    /// Runs `stmt` with `args`: its rows, each column read as `cols` says.
+    fn rows<'c>(
+        conn: &'c mut StoreConn<Self>,
+        stmt: &Stmt,
+        args: Vec<Arg>,
+        cols: &'static [Col],
+    ) -> BoxFuture<'c, Result<Vec<Vec<Val>>, sqlx::Error>>;
+
+    /// Runs `stmt` with `args`: the rows it matched.
+    fn exec<'c>(
+        conn: &'c mut StoreConn<Self>,
+        stmt: &Stmt,
+        args: Vec<Arg>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+}
+
+/// `holder`'s one-line form, cut to `max` bytes at a character boundary.
+pub(super) fn holder_text(holder: &HolderRecord, max: usize) -> String {
+    let mut text = holder.encode();
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
 /// What an attempt found, decided inside its transaction.
 enum Found {
     Held { token: i64, slot: Option<u32> },
@@ -232,481 +371,479 @@ fn slot_arg(lease: &Lease) -> i64 {
     lease.slot.map_or(-1, i64::from)
 }
 
-impl<D: Dialect> SqlBackend<D> {
-    /// How long a waiting-writer mark stands unless its writer tries again.
-    fn mark_ttl(&self) -> Duration {
-        (self.poll * 3).max(MARK_TTL_MIN)
-    }
+/// How long a waiting-writer mark stands unless its writer tries again.
+fn mark_ttl<B: SharedStore>(b: &B) -> Duration {
+    (b.poll() * 3).max(MARK_TTL_MIN)
+}
 
-    /// One attempt at a reader's share or a permit (see the module docs).
-    pub(super) async fn try_shared(
-        &self,
-        request: &AcquireRequest,
-    ) -> Result<Attempt, BackendError> {
-        let sql = self.shared.clone();
-        let asked = request.mode;
-        let lease_ms = millis(request.lease);
-        let holder = holder_text(&request.holder, D::HOLDER_MAX);
-        let found = self
-            .db
-            .call_for(&request.owner, "acquire", |c| {
-                let sql = sql.clone();
-                let key = Arg::Text(request.key.clone());
-                let owner = request.owner.clone();
-                let holder = holder.clone();
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let lock_args = vec![key.clone(), Arg::Text(owner.clone())];
-                    let mut state =
-                        D::rows(&mut tx, &sql.lock, lock_args.clone(), &[Col::Int, Col::Int])
-                            .await?;
-                    if state.is_empty() {
-                        D::exec(&mut tx, &sql.ensure, vec![key.clone()]).await?;
-                        state =
-                            D::rows(&mut tx, &sql.lock, lock_args, &[Col::Int, Col::Int]).await?;
+/// One attempt at a reader's share or a permit (see the module docs).
+pub(super) async fn try_shared<B: SharedStore>(
+    b: &B,
+    request: &AcquireRequest,
+) -> Result<Attempt, BackendError> {
+    let sql = b.sql();
+    let asked = request.mode;
+    let lease_ms = millis(request.lease);
+    let holder = holder_text(&request.holder, B::HOLDER_MAX);
+    let found = b
+        .call(Some(&request.owner), "acquire", |c| {
+            let sql = sql.clone();
+            let key = Arg::Text(request.key.clone());
+            let owner = request.owner.clone();
+            let holder = holder.clone();
+            Box::pin(async move {
+                let mut tx = c.begin_with(B::BEGIN).await?;
+                let lock_args = vec![key.clone(), Arg::Text(owner.clone())];
+                let mut state =
+                    B::rows(&mut tx, &sql.lock, lock_args.clone(), &[Col::Int, Col::Int]).await?;
+                if state.is_empty() {
+                    B::exec(&mut tx, &sql.ensure, vec![key.clone()]).await?;
+                    state = B::rows(&mut tx, &sql.lock, lock_args, &[Col::Int, Col::Int]).await?;
+                }
+                let (plain_ms, mark_ms) = state
+                    .first()
+                    .map(|r| (r[0].int(), r[1].int()))
+                    .unwrap_or((None, None));
+                if let Some(left) = plain_ms {
+                    if asked != HoldMode::Shared {
+                        return Ok(Found::Mismatch(HoldMode::Exclusive));
                     }
-                    let (plain_ms, mark_ms) = state
-                        .first()
-                        .map(|r| (r[0].int(), r[1].int()))
-                        .unwrap_or((None, None));
-                    if let Some(left) = plain_ms {
-                        if asked != HoldMode::Shared {
-                            return Ok(Found::Mismatch(HoldMode::Exclusive));
-                        }
-                        if let Some(w) = &sql.wanted {
-                            D::exec(&mut tx, w, vec![key.clone()]).await?;
-                        }
-                        tx.commit().await?;
-                        return Ok(Found::Busy(Some(ms(left))));
+                    if let Some(w) = &sql.wanted {
+                        B::exec(&mut tx, w, vec![key.clone()]).await?;
                     }
-                    let live = live_rows(
-                        D::rows(
-                            &mut tx,
-                            &sql.holders,
-                            vec![key.clone()],
-                            &[Col::Int, Col::Int, Col::Text, Col::Int],
-                        )
-                        .await?,
-                    );
-                    if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
-                        return Ok(Found::Mismatch(row_mode(*permits)));
-                    }
-                    let busy = |left: Option<i64>| Found::Busy(left.map(ms));
-                    if asked == HoldMode::Shared
-                        && let Some(left) = mark_ms
-                        && !live.iter().any(|l| l.2 == owner)
-                    {
-                        if let Some(w) = &sql.wanted {
-                            D::exec(&mut tx, w, vec![key.clone()]).await?;
-                        }
-                        tx.commit().await?;
-                        return Ok(busy(Some(left)));
-                    }
-                    let slot = match live.iter().find(|l| l.2 == owner) {
-                        Some(own) => own.0,
-                        None => {
-                            let taken: BTreeSet<i64> = live.iter().map(|l| l.0).collect();
-                            (0..).find(|s| !taken.contains(s)).unwrap_or(0)
-                        }
-                    };
-                    let permits = match asked {
-                        HoldMode::Permit { permits } => i64::from(permits),
-                        _ => 0,
-                    };
-                    if permits > 0 && slot >= permits {
-                        if let Some(w) = &sql.wanted {
-                            D::exec(&mut tx, w, vec![key.clone()]).await?;
-                        }
-                        tx.commit().await?;
-                        return Ok(busy(live.iter().map(|l| l.3).min()));
-                    }
-                    let reader = permits == 0;
-                    D::exec(
-                        &mut tx,
-                        &sql.share,
-                        vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
-                    )
-                    .await?;
-                    let key_token = if reader {
-                        let t = D::rows(&mut tx, &sql.key_token, vec![key.clone()], &[Col::Int])
-                            .await?;
-                        t.first().and_then(|r| r[0].int()).unwrap_or(-1)
-                    } else {
-                        -1
-                    };
-                    D::exec(
-                        &mut tx,
-                        &sql.take,
-                        vec![
-                            key.clone(),
-                            Arg::Int(slot),
-                            Arg::Int(permits),
-                            Arg::Text(owner.clone()),
-                            Arg::Int(lease_ms),
-                            Arg::Text(holder.clone()),
-                            Arg::Int(key_token),
-                        ],
-                    )
-                    .await?;
-                    let token = if reader {
-                        key_token
-                    } else {
-                        let t = D::rows(
-                            &mut tx,
-                            &sql.slot_token,
-                            vec![key.clone(), Arg::Int(slot)],
-                            &[Col::Int],
-                        )
-                        .await?;
-                        t.first().and_then(|r| r[0].int()).unwrap_or(0)
-                    };
                     tx.commit().await?;
-                    Ok(Found::Held {
-                        token,
-                        slot: (!reader).then_some(slot as u32),
-                    })
-                })
-            })
-            .await?;
-        match found {
-            Found::Held { token, slot } => {
-                let lease = Lease::new(request, Some(FencingToken::new(token as u64)));
-                Ok(Attempt::Held(match slot {
-                    Some(slot) => lease.with_slot(slot),
-                    None => lease,
-                }))
-            }
-            Found::Busy(left) => Ok(Attempt::Busy {
-                retry_in: Some(left.unwrap_or(self.poll).min(self.poll)),
-            }),
-            Found::Mismatch(held) => Err(BackendError::config(HoldMode::mismatch(
-                &request.key,
-                held,
-                asked,
-            ))),
-        }
-    }
-
-    /// A plain lock (the write mode) found busy: when readers hold the key,
-    /// the waiting-writer mark (for a waiting request) and an answer no
-    /// later than their earliest expiry; permits there are a mismatch.
-    pub(super) async fn exclusive_busy(
-        &self,
-        request: &AcquireRequest,
-        busy: Attempt,
-    ) -> Result<Attempt, BackendError> {
-        let Attempt::Busy { retry_in } = busy else {
-            return Ok(busy);
-        };
-        let sql = self.shared.clone();
-        let live = live_rows(
-            self.db
-                .call("holders", |c| {
-                    let sql = sql.clone();
-                    let key = Arg::Text(request.key.clone());
-                    Box::pin(async move {
-                        D::rows(
-                            c,
-                            &sql.holders,
-                            vec![key],
-                            &[Col::Int, Col::Int, Col::Text, Col::Int],
-                        )
-                        .await
-                    })
-                })
-                .await?,
-        );
-        let Some(first) = live.first() else {
-            return Ok(Attempt::Busy { retry_in });
-        };
-        let held = row_mode(first.1);
-        if held != HoldMode::Shared {
-            return Err(BackendError::config(HoldMode::mismatch(
-                &request.key,
-                held,
-                HoldMode::Exclusive,
-            )));
-        }
-        let ttl = self.mark_ttl();
-        if !request.wait.is_zero() {
-            self.db
-                .call_for(&request.owner, "mark", |c| {
-                    let sql = sql.clone();
-                    let args = vec![
-                        Arg::Text(request.key.clone()),
-                        Arg::Text(request.owner.clone()),
-                        Arg::Int(millis(ttl)),
-                    ];
-                    Box::pin(async move { D::exec(c, &sql.mark_writer, args).await })
-                })
-                .await?;
-        }
-        let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
-        let cap = earliest.min(ttl / 3);
-        Ok(Attempt::Busy {
-            retry_in: Some(retry_in.map_or(cap, |r| r.min(cap))),
-        })
-    }
-
-    /// Removes `owner`'s waiting-writer mark from `key`.
-    pub(super) async fn unmark_writer(&self, key: &str, owner: &str) -> Result<(), BackendError> {
-        let sql = self.shared.clone();
-        self.db
-            .call_for(owner, "unmark", |c| {
-                let sql = sql.clone();
-                let args = vec![Arg::Text(key.to_owned()), Arg::Text(owner.to_owned())];
-                Box::pin(async move { D::exec(c, &sql.unmark_writer, args).await })
-            })
-            .await
-            .map(|_| ())
-    }
-
-    /// Renews a batch of shares in one transaction, the keys' rows locked
-    /// in key order; the lost ones told revoked where they were.
-    pub(super) async fn renew_shared(
-        &self,
-        batch: &[(&Lease, Duration)],
-    ) -> Result<Vec<Renewal>, BackendError> {
-        let mut tries = 0;
-        loop {
-            match self.renew_shared_once(batch).await {
-                Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
-                done => return done,
-            }
-        }
-    }
-
-    async fn renew_shared_once(
-        &self,
-        batch: &[(&Lease, Duration)],
-    ) -> Result<Vec<Renewal>, BackendError> {
-        let sql = self.shared.clone();
-        let mut order: Vec<usize> = (0..batch.len()).collect();
-        order.sort_by(|a, b| batch[*a].0.key.cmp(&batch[*b].0.key));
-        let entries: Vec<(String, String, i64, i64)> = order
-            .iter()
-            .map(|i| {
-                let (lease, ttl) = batch[*i];
-                (
-                    lease.key.clone(),
-                    lease.owner.clone(),
-                    slot_arg(lease),
-                    millis(ttl),
+                    return Ok(Found::Busy(Some(ms(left))));
+                }
+                let live = live_rows(
+                    B::rows(
+                        &mut tx,
+                        &sql.holders,
+                        vec![key.clone()],
+                        &[Col::Int, Col::Int, Col::Text, Col::Int],
+                    )
+                    .await?,
+                );
+                if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
+                    return Ok(Found::Mismatch(row_mode(*permits)));
+                }
+                let busy = |left: Option<i64>| Found::Busy(left.map(ms));
+                if asked == HoldMode::Shared
+                    && let Some(left) = mark_ms
+                    && !live.iter().any(|l| l.2 == owner)
+                {
+                    if let Some(w) = &sql.wanted {
+                        B::exec(&mut tx, w, vec![key.clone()]).await?;
+                    }
+                    tx.commit().await?;
+                    return Ok(busy(Some(left)));
+                }
+                let slot = match live.iter().find(|l| l.2 == owner) {
+                    Some(own) => own.0,
+                    None => {
+                        let taken: BTreeSet<i64> = live.iter().map(|l| l.0).collect();
+                        (0..).find(|s| !taken.contains(s)).unwrap_or(0)
+                    }
+                };
+                let permits = match asked {
+                    HoldMode::Permit { permits } => i64::from(permits),
+                    _ => 0,
+                };
+                if permits > 0 && slot >= permits {
+                    if let Some(w) = &sql.wanted {
+                        B::exec(&mut tx, w, vec![key.clone()]).await?;
+                    }
+                    tx.commit().await?;
+                    return Ok(busy(live.iter().map(|l| l.3).min()));
+                }
+                let reader = permits == 0;
+                B::exec(
+                    &mut tx,
+                    &sql.share,
+                    vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
                 )
-            })
-            .collect();
-        let sorted: Vec<Renewal> = self
-            .db
-            .call("renew", |c| {
-                let (sql, entries) = (sql.clone(), entries.clone());
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let mut answers = Vec::with_capacity(entries.len());
-                    for (key, owner, slot, ttl) in entries {
-                        let key = Arg::Text(key);
-                        let owner = Arg::Text(owner);
-                        D::rows(
-                            &mut tx,
-                            &sql.lock,
-                            vec![key.clone(), owner.clone()],
-                            &[Col::Int, Col::Int],
-                        )
-                        .await?;
-                        let renewed = D::exec(
-                            &mut tx,
-                            &sql.renew_holder,
-                            vec![key.clone(), Arg::Int(slot), owner.clone(), Arg::Int(ttl)],
-                        )
-                        .await?;
-                        if renewed == 0 {
-                            let revoked = D::rows(
-                                &mut tx,
-                                &sql.was_revoked,
-                                vec![key, Arg::Int(slot), owner],
-                                &[Col::Int],
-                            )
-                            .await?;
-                            answers.push(if revoked.is_empty() {
-                                Renewal::Lost
-                            } else {
-                                Renewal::Revoked
-                            });
-                            continue;
-                        }
-                        D::exec(&mut tx, &sql.share, vec![key, Arg::Int(ttl), Arg::Int(0)]).await?;
-                        answers.push(Renewal::Renewed);
-                    }
-                    tx.commit().await?;
-                    Ok(answers)
+                .await?;
+                let key_token = if reader {
+                    let t =
+                        B::rows(&mut tx, &sql.key_token, vec![key.clone()], &[Col::Int]).await?;
+                    t.first().and_then(|r| r[0].int()).unwrap_or(-1)
+                } else {
+                    -1
+                };
+                B::exec(
+                    &mut tx,
+                    &sql.take,
+                    vec![
+                        key.clone(),
+                        Arg::Int(slot),
+                        Arg::Int(permits),
+                        Arg::Text(owner.clone()),
+                        Arg::Int(lease_ms),
+                        Arg::Text(holder.clone()),
+                        Arg::Int(key_token),
+                    ],
+                )
+                .await?;
+                let token = if reader {
+                    key_token
+                } else {
+                    let t = B::rows(
+                        &mut tx,
+                        &sql.slot_token,
+                        vec![key.clone(), Arg::Int(slot)],
+                        &[Col::Int],
+                    )
+                    .await?;
+                    t.first().and_then(|r| r[0].int()).unwrap_or(0)
+                };
+                tx.commit().await?;
+                Ok(Found::Held {
+                    token,
+                    slot: (!reader).then_some(slot as u32),
                 })
             })
-            .await?;
-        let mut answers = vec![Renewal::Lost; batch.len()];
-        for (i, answer) in order.into_iter().zip(sorted) {
-            answers[i] = answer;
+        })
+        .await?;
+    match found {
+        Found::Held { token, slot } => {
+            let lease = Lease::new(request, Some(FencingToken::new(token as u64)));
+            Ok(Attempt::Held(match slot {
+                Some(slot) => lease.with_slot(slot),
+                None => lease,
+            }))
         }
-        Ok(answers)
+        Found::Busy(left) => Ok(Attempt::Busy {
+            retry_in: Some(left.unwrap_or(b.poll()).min(b.poll())),
+        }),
+        Found::Mismatch(held) => Err(BackendError::config(HoldMode::mismatch(
+            &request.key,
+            held,
+            asked,
+        ))),
     }
+}
 
-    /// Frees the owner's share (its slot, or any of the owner's with no
-    /// slot), recomputes `shared_until`, removes the owner's writer mark,
-    /// and wakes the other processes' waiters where the database pushes.
-    pub(super) async fn release_shared(&self, lease: &Lease) -> Result<(), BackendError> {
-        let mut tries = 0;
-        loop {
-            match self.release_shared_once(lease).await {
-                Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
-                done => return done,
-            }
+/// A plain lock (the write mode) found busy: when readers hold the key,
+/// the waiting-writer mark (for a waiting request) and an answer no
+/// later than their earliest expiry; permits there are a mismatch.
+pub(super) async fn exclusive_busy<B: SharedStore>(
+    b: &B,
+    request: &AcquireRequest,
+    busy: Attempt,
+) -> Result<Attempt, BackendError> {
+    let Attempt::Busy { retry_in } = busy else {
+        return Ok(busy);
+    };
+    let sql = b.sql();
+    let live = live_rows(
+        b.call(None, "holders", |c| {
+            let sql = sql.clone();
+            let key = Arg::Text(request.key.clone());
+            Box::pin(async move {
+                B::rows(
+                    c,
+                    &sql.holders,
+                    vec![key],
+                    &[Col::Int, Col::Int, Col::Text, Col::Int],
+                )
+                .await
+            })
+        })
+        .await?,
+    );
+    let Some(first) = live.first() else {
+        return Ok(Attempt::Busy { retry_in });
+    };
+    let held = row_mode(first.1);
+    if held != HoldMode::Shared {
+        return Err(BackendError::config(HoldMode::mismatch(
+            &request.key,
+            held,
+            HoldMode::Exclusive,
+        )));
+    }
+    let ttl = mark_ttl(b);
+    if !request.wait.is_zero() {
+        b.call(Some(&request.owner), "mark", |c| {
+            let sql = sql.clone();
+            let args = vec![
+                Arg::Text(request.key.clone()),
+                Arg::Text(request.owner.clone()),
+                Arg::Int(millis(ttl)),
+            ];
+            Box::pin(async move { B::exec(c, &sql.mark_writer, args).await })
+        })
+        .await?;
+    }
+    let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
+    let cap = earliest.min(ttl / 3);
+    Ok(Attempt::Busy {
+        retry_in: Some(retry_in.map_or(cap, |r| r.min(cap))),
+    })
+}
+
+/// Removes `owner`'s waiting-writer mark from `key`.
+pub(super) async fn unmark_writer<B: SharedStore>(
+    b: &B,
+    key: &str,
+    owner: &str,
+) -> Result<(), BackendError> {
+    let sql = b.sql();
+    b.call(Some(owner), "unmark", |c| {
+        let sql = sql.clone();
+        let args = vec![Arg::Text(key.to_owned()), Arg::Text(owner.to_owned())];
+        Box::pin(async move { B::exec(c, &sql.unmark_writer, args).await })
+    })
+    .await
+    .map(|_| ())
+}
+
+/// Renews a batch of shares in one transaction, the keys' rows locked
+/// in key order; the lost ones told revoked where they were.
+pub(super) async fn renew_shared<B: SharedStore>(
+    b: &B,
+    batch: &[(&Lease, Duration)],
+) -> Result<Vec<Renewal>, BackendError> {
+    let mut tries = 0;
+    loop {
+        match renew_shared_once(b, batch).await {
+            Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
+            done => return done,
         }
     }
+}
 
-    async fn release_shared_once(&self, lease: &Lease) -> Result<(), BackendError> {
-        let sql = self.shared.clone();
-        self.db
-            .call_for(&lease.owner, "release", |c| {
-                let sql = sql.clone();
-                let key = Arg::Text(lease.key.clone());
-                let owner = Arg::Text(lease.owner.clone());
-                let slot = Arg::Int(slot_arg(lease));
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let locked = D::rows(
+async fn renew_shared_once<B: SharedStore>(
+    b: &B,
+    batch: &[(&Lease, Duration)],
+) -> Result<Vec<Renewal>, BackendError> {
+    let sql = b.sql();
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by(|a, b| batch[*a].0.key.cmp(&batch[*b].0.key));
+    let entries: Vec<(String, String, i64, i64)> = order
+        .iter()
+        .map(|i| {
+            let (lease, ttl) = batch[*i];
+            (
+                lease.key.clone(),
+                lease.owner.clone(),
+                slot_arg(lease),
+                millis(ttl),
+            )
+        })
+        .collect();
+    let sorted: Vec<Renewal> = b
+        .call(None, "renew", |c| {
+            let (sql, entries) = (sql.clone(), entries.clone());
+            Box::pin(async move {
+                let mut tx = c.begin_with(B::BEGIN).await?;
+                let mut answers = Vec::with_capacity(entries.len());
+                for (key, owner, slot, ttl) in entries {
+                    let key = Arg::Text(key);
+                    let owner = Arg::Text(owner);
+                    B::rows(
                         &mut tx,
                         &sql.lock,
                         vec![key.clone(), owner.clone()],
                         &[Col::Int, Col::Int],
                     )
                     .await?;
-                    if locked.is_empty() {
-                        return Ok(());
-                    }
-                    D::exec(
+                    let renewed = B::exec(
                         &mut tx,
-                        &sql.free_holder,
-                        vec![key.clone(), slot, owner.clone()],
+                        &sql.renew_holder,
+                        vec![key.clone(), Arg::Int(slot), owner.clone(), Arg::Int(ttl)],
                     )
                     .await?;
-                    D::exec(&mut tx, &sql.reshare, vec![key.clone(), owner]).await?;
-                    if let Some(notify) = &sql.notify {
-                        D::exec(&mut tx, notify, vec![key]).await?;
+                    if renewed == 0 {
+                        let revoked = B::rows(
+                            &mut tx,
+                            &sql.was_revoked,
+                            vec![key, Arg::Int(slot), owner],
+                            &[Col::Int],
+                        )
+                        .await?;
+                        answers.push(if revoked.is_empty() {
+                            Renewal::Lost
+                        } else {
+                            Renewal::Revoked
+                        });
+                        continue;
                     }
-                    tx.commit().await
-                })
+                    B::exec(&mut tx, &sql.share, vec![key, Arg::Int(ttl), Arg::Int(0)]).await?;
+                    answers.push(Renewal::Renewed);
+                }
+                tx.commit().await?;
+                Ok(answers)
             })
-            .await
+        })
+        .await?;
+    let mut answers = vec![Renewal::Lost; batch.len()];
+    for (i, answer) in order.into_iter().zip(sorted) {
+        answers[i] = answer;
     }
+    Ok(answers)
+}
 
-    /// The live holder rows of `key`, as holder entries.
-    pub(super) async fn shared_entries(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
-        let sql = self.shared.clone();
-        let rows = self
-            .db
-            .call("inspect", |c| {
-                let sql = sql.clone();
-                let key = Arg::Text(key.to_owned());
-                Box::pin(async move { D::rows(c, &sql.inspect, vec![key], &ENTRY_COLS).await })
-            })
-            .await?;
-        Ok(rows.iter().map(|r| entry::<D>(r).1).collect())
-    }
-
-    /// The keys in `from..to` (no end: `None`) with live shares, at most
-    /// `limit`, each with its holder entries.
-    pub(super) async fn shared_keys(
-        &self,
-        from: &str,
-        to: Option<&str>,
-        limit: i64,
-    ) -> Result<Vec<(String, Vec<HeldEntry>)>, BackendError> {
-        let sql = self.shared.clone();
-        let keys = self
-            .db
-            .call("list", |c| {
-                let sql = sql.clone();
-                let (stmt, args) = match to {
-                    Some(to) => (
-                        sql.list.clone(),
-                        vec![
-                            Arg::Text(from.to_owned()),
-                            Arg::Text(to.to_owned()),
-                            Arg::Int(limit),
-                        ],
-                    ),
-                    None => (
-                        sql.list_to_end.clone(),
-                        vec![Arg::Text(from.to_owned()), Arg::Int(limit)],
-                    ),
-                };
-                Box::pin(async move { D::rows(c, &stmt, args, &[Col::Text]).await })
-            })
-            .await?;
-        let keys: Vec<String> = keys.iter().filter_map(|r| r[0].text()).collect();
-        let (Some(first), Some(last)) = (keys.first(), keys.last()) else {
-            return Ok(Vec::new());
-        };
-        let rows = self
-            .db
-            .call("list", |c| {
-                let sql = sql.clone();
-                let args = vec![Arg::Text(first.clone()), Arg::Text(last.clone())];
-                Box::pin(async move { D::rows(c, &sql.inspect_range, args, &ENTRY_COLS).await })
-            })
-            .await?;
-        let mut out: Vec<(String, Vec<HeldEntry>)> =
-            keys.iter().map(|k| (k.clone(), Vec::new())).collect();
-        for row in &rows {
-            let (key, entry) = entry::<D>(row);
-            if let Some((_, entries)) = out.iter_mut().find(|(k, _)| *k == key) {
-                entries.push(entry);
-            }
+/// Frees the owner's share (its slot, or any of the owner's with no
+/// slot), recomputes `shared_until`, removes the owner's writer mark,
+/// and wakes the other processes' waiters where the database pushes.
+pub(super) async fn release_shared<B: SharedStore>(
+    b: &B,
+    lease: &Lease,
+) -> Result<(), BackendError> {
+    let mut tries = 0;
+    loop {
+        match release_shared_once(b, lease).await {
+            Err(err) if err.is_retryable() && tries < DEADLOCK_RETRIES => tries += 1,
+            done => return done,
         }
-        out.retain(|(_, entries)| !entries.is_empty());
-        Ok(out)
     }
+}
 
-    /// Revokes every share of `key`: the entries it removed.
-    pub(super) async fn revoke_shared(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
-        let sql = self.shared.clone();
-        let rows = self
-            .db
-            .call("revoke", |c| {
-                let sql = sql.clone();
-                let key = Arg::Text(key.to_owned());
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let locked = D::rows(
-                        &mut tx,
-                        &sql.lock,
-                        vec![key.clone(), Arg::Text(String::new())],
-                        &[Col::Int, Col::Int],
-                    )
-                    .await?;
-                    if locked.is_empty() {
-                        return Ok(Vec::new());
-                    }
-                    let rows =
-                        D::rows(&mut tx, &sql.inspect, vec![key.clone()], &ENTRY_COLS).await?;
-                    if rows.is_empty() {
-                        return Ok(rows);
-                    }
-                    D::exec(&mut tx, &sql.revoke, vec![key.clone()]).await?;
-                    D::exec(
-                        &mut tx,
-                        &sql.reshare,
-                        vec![key.clone(), Arg::Text(String::new())],
-                    )
-                    .await?;
-                    if let Some(notify) = &sql.notify {
-                        D::exec(&mut tx, notify, vec![key]).await?;
-                    }
-                    tx.commit().await?;
-                    Ok(rows)
-                })
-            })
+async fn release_shared_once<B: SharedStore>(b: &B, lease: &Lease) -> Result<(), BackendError> {
+    let sql = b.sql();
+    b.call(Some(&lease.owner), "release", |c| {
+        let sql = sql.clone();
+        let key = Arg::Text(lease.key.clone());
+        let owner = Arg::Text(lease.owner.clone());
+        let slot = Arg::Int(slot_arg(lease));
+        Box::pin(async move {
+            let mut tx = c.begin_with(B::BEGIN).await?;
+            let locked = B::rows(
+                &mut tx,
+                &sql.lock,
+                vec![key.clone(), owner.clone()],
+                &[Col::Int, Col::Int],
+            )
             .await?;
-        Ok(rows.iter().map(|r| entry::<D>(r).1).collect())
+            if locked.is_empty() {
+                return Ok(());
+            }
+            B::exec(
+                &mut tx,
+                &sql.free_holder,
+                vec![key.clone(), slot, owner.clone()],
+            )
+            .await?;
+            B::exec(&mut tx, &sql.reshare, vec![key.clone(), owner]).await?;
+            if let Some(notify) = &sql.notify {
+                B::exec(&mut tx, notify, vec![key]).await?;
+            }
+            tx.commit().await
+        })
+    })
+    .await
+}
+
+/// The live holder rows of `key`, as holder entries.
+pub(super) async fn shared_entries<B: SharedStore>(
+    b: &B,
+    key: &str,
+) -> Result<Vec<HeldEntry>, BackendError> {
+    let sql = b.sql();
+    let rows = b
+        .call(None, "inspect", |c| {
+            let sql = sql.clone();
+            let key = Arg::Text(key.to_owned());
+            Box::pin(async move { B::rows(c, &sql.inspect, vec![key], &ENTRY_COLS).await })
+        })
+        .await?;
+    Ok(rows.iter().map(|r| entry(r, B::GRANTED_UNIT).1).collect())
+}
+
+/// The keys in `from..to` (no end: `None`) with live shares, at most
+/// `limit`, each with its holder entries.
+pub(super) async fn shared_keys<B: SharedStore>(
+    b: &B,
+    from: &str,
+    to: Option<&str>,
+    limit: i64,
+) -> Result<Vec<(String, Vec<HeldEntry>)>, BackendError> {
+    let sql = b.sql();
+    let keys = b
+        .call(None, "list", |c| {
+            let sql = sql.clone();
+            let (stmt, args) = match to {
+                Some(to) => (
+                    sql.list.clone(),
+                    vec![
+                        Arg::Text(from.to_owned()),
+                        Arg::Text(to.to_owned()),
+                        Arg::Int(limit),
+                    ],
+                ),
+                None => (
+                    sql.list_to_end.clone(),
+                    vec![Arg::Text(from.to_owned()), Arg::Int(limit)],
+                ),
+            };
+            Box::pin(async move { B::rows(c, &stmt, args, &[Col::Text]).await })
+        })
+        .await?;
+    let keys: Vec<String> = keys.iter().filter_map(|r| r[0].text()).collect();
+    let (Some(first), Some(last)) = (keys.first(), keys.last()) else {
+        return Ok(Vec::new());
+    };
+    let rows = b
+        .call(None, "list", |c| {
+            let sql = sql.clone();
+            let args = vec![Arg::Text(first.clone()), Arg::Text(last.clone())];
+            Box::pin(async move { B::rows(c, &sql.inspect_range, args, &ENTRY_COLS).await })
+        })
+        .await?;
+    let mut out: Vec<(String, Vec<HeldEntry>)> =
+        keys.iter().map(|k| (k.clone(), Vec::new())).collect();
+    for row in &rows {
+        let (key, entry) = entry(row, B::GRANTED_UNIT);
+        if let Some((_, entries)) = out.iter_mut().find(|(k, _)| *k == key) {
+            entries.push(entry);
+        }
     }
+    out.retain(|(_, entries)| !entries.is_empty());
+    Ok(out)
+}
+
+/// Revokes every share of `key`: the entries it removed.
+pub(super) async fn revoke_shared<B: SharedStore>(
+    b: &B,
+    key: &str,
+) -> Result<Vec<HeldEntry>, BackendError> {
+    let sql = b.sql();
+    let rows = b
+        .call(None, "revoke", |c| {
+            let sql = sql.clone();
+            let key = Arg::Text(key.to_owned());
+            Box::pin(async move {
+                let mut tx = c.begin_with(B::BEGIN).await?;
+                let locked = B::rows(
+                    &mut tx,
+                    &sql.lock,
+                    vec![key.clone(), Arg::Text(String::new())],
+                    &[Col::Int, Col::Int],
+                )
+                .await?;
+                if locked.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let rows = B::rows(&mut tx, &sql.inspect, vec![key.clone()], &ENTRY_COLS).await?;
+                if rows.is_empty() {
+                    return Ok(rows);
+                }
+                B::exec(&mut tx, &sql.revoke, vec![key.clone()]).await?;
+                B::exec(
+                    &mut tx,
+                    &sql.reshare,
+                    vec![key.clone(), Arg::Text(String::new())],
+                )
+                .await?;
+                if let Some(notify) = &sql.notify {
+                    B::exec(&mut tx, notify, vec![key]).await?;
+                }
+                tx.commit().await?;
+                Ok(rows)
+            })
+        })
+        .await?;
+    Ok(rows.iter().map(|r| entry(r, B::GRANTED_UNIT).1).collect())
 }
 
 /// The columns of an inspected holder row.
@@ -722,7 +859,7 @@ const ENTRY_COLS: [Col; 8] = [
 ];
 
 /// An inspected holder row as its key and holder entry.
-fn entry<D: Dialect>(r: &[Val]) -> (String, HeldEntry) {
+fn entry(r: &[Val], granted_unit: Duration) -> (String, HeldEntry) {
     let row = super::admin::Row {
         key: r[0].text().unwrap_or_default(),
         owner: r[1].text().unwrap_or_default(),
@@ -731,7 +868,7 @@ fn entry<D: Dialect>(r: &[Val]) -> (String, HeldEntry) {
         granted_at: r[4].int(),
         expires_in_ms: r[5].int().unwrap_or(0),
     };
-    let mut entry = row.entry(D::GRANTED_UNIT);
+    let mut entry = row.entry(granted_unit);
     entry.mode = row_mode(r[7].int().unwrap_or(0));
     if entry.mode != HoldMode::Shared {
         entry.slot = r[6].int().and_then(|s| u32::try_from(s).ok());

@@ -71,10 +71,10 @@ use self::session::MySessions;
 use super::admin::Row;
 use super::engine::{
     Dialect, Pick, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
-    holder_text, rows_and_exec,
+    holder_text,
 };
 use super::pool::is_connection_error;
-use super::shared::{SharedSql, Stmt};
+use super::shared::{SharedSql, Stmt, rows_and_exec};
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
 use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
@@ -484,7 +484,7 @@ impl Dialect for Mysql {
     }
 
     fetch_i64_by_query_scalar!();
-    rows_and_exec!(Vec<u8>);
+    rows_and_exec!(Vec<u8>, sqlx::MySqlConnection);
 
     const SHARED_COLUMNS: &'static str = "shared_us, wwait_owner, wwait_us, wwait_token";
 

@@ -87,10 +87,10 @@ use self::session::PgSessions;
 use super::admin::Row;
 use super::engine::{
     Dialect, Pick, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
-    holder_text, rows_and_exec,
+    holder_text,
 };
 use super::pool::is_connection_error;
-use super::shared::{SharedSql, Stmt};
+use super::shared::{SharedSql, Stmt, rows_and_exec};
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
 use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
@@ -662,7 +662,7 @@ impl Dialect for Postgres {
     }
 
     fetch_i64_by_query_scalar!();
-    rows_and_exec!(String);
+    rows_and_exec!(String, sqlx::PgConnection);
 
     const SHARED_COLUMNS: &'static str = "shared_until, wwait_owner, wwait_until, wwait_token";
 
