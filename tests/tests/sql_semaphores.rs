@@ -2,7 +2,7 @@
 //! MySQL/MariaDB: slots, per-slot tokens, mismatched modes, writer
 //! preference, renewal and release by slot, admin views, concurrency across
 //! processes, old tables altered, `?create=false`, collection of holder rows.
-#![cfg(any(feature = "postgres", feature = "mysql"))]
+#![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,89 +10,173 @@ use std::time::Duration;
 
 use dlock_runtime::backend::{AcquireRequest, Attempt, Lease, Renewal};
 use dlock_runtime::{HoldMode, LockBackend, LockError, Registry};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use dlock_tests::sql_db::SqlDb;
 use dlock_tests::unique_key;
 
 const LEASE: Duration = Duration::from_secs(10);
 
-fn dbs() -> Vec<SqlDb> {
+/// A database under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Db {
+    #[cfg(feature = "postgres")]
+    Postgres,
+    #[cfg(feature = "mysql")]
+    Mysql,
+    #[cfg(feature = "sqlite")]
+    Sqlite,
+}
+
+fn dbs() -> Vec<Db> {
     vec![
         #[cfg(feature = "postgres")]
-        SqlDb::Postgres,
+        Db::Postgres,
         #[cfg(feature = "mysql")]
-        SqlDb::Mysql,
+        Db::Mysql,
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite,
     ]
 }
 
-/// A backend of `db` on a table of the test's own, and that table's name.
-async fn own_table(db: SqlDb, name: &str, options: &str) -> (Arc<dyn LockBackend>, String) {
-    let table = format!("sem_{name}_{:08x}", rand::random::<u32>());
-    let url = format!("{}?table={table}{options}", db.url());
-    (backend_at(db, &url).await.unwrap(), table)
+impl Db {
+    /// The URL of `table` (a database file of that name on SQLite), with
+    /// `options` (`&a=b…`).
+    fn url(self, table: &str, options: &str) -> String {
+        match self {
+            #[cfg(feature = "postgres")]
+            Db::Postgres => format!("{}?table={table}{options}", SqlDb::Postgres.url()),
+            #[cfg(feature = "mysql")]
+            Db::Mysql => format!("{}?table={table}{options}", SqlDb::Mysql.url()),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite => format!(
+                "sqlite://{}?{}",
+                sqlite_path(table).display(),
+                options.trim_start_matches('&')
+            ),
+        }
+    }
+
+    fn names_tables(self) -> bool {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite => false,
+            #[allow(unreachable_patterns)]
+            _ => true,
+        }
+    }
 }
 
-async fn backend_at(db: SqlDb, url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+#[cfg(feature = "sqlite")]
+fn sqlite_path(table: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("dlock-{table}.db"))
+}
+
+/// A backend of `db` on a table of the test's own, and that table's name.
+async fn own_table(db: Db, name: &str, options: &str) -> (Arc<dyn LockBackend>, String) {
+    let table = format!("sem_{name}_{:08x}", rand::random::<u32>());
+    (
+        backend_at(db, &db.url(&table, options)).await.unwrap(),
+        table,
+    )
+}
+
+async fn backend_at(db: Db, url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     Ok(match db {
         #[cfg(feature = "postgres")]
-        SqlDb::Postgres => Arc::new(dlock_runtime::PostgresBackend::connect(url).await?),
+        Db::Postgres => Arc::new(dlock_runtime::PostgresBackend::connect(url).await?),
         #[cfg(feature = "mysql")]
-        SqlDb::Mysql => Arc::new(dlock_runtime::MysqlBackend::connect(url).await?),
-        #[allow(unreachable_patterns)]
-        _ => unreachable!(),
+        Db::Mysql => Arc::new(dlock_runtime::MysqlBackend::connect(url).await?),
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite => Arc::new(dlock_runtime::SqliteBackend::connect(url).await?),
     })
 }
 
-/// Runs `sql` on `db` directly.
-async fn run_sql(db: SqlDb, sql: &str) {
+/// Runs `sql` on `db` directly (`table`'s file on SQLite).
+async fn run_sql(db: Db, table: &str, sql: &str) {
     match db {
         #[cfg(feature = "postgres")]
-        SqlDb::Postgres => {
-            let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+        Db::Postgres => {
+            let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
                 .execute(&pool)
                 .await
                 .unwrap();
         }
         #[cfg(feature = "mysql")]
-        SqlDb::Mysql => {
-            let pool = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+        Db::Mysql => {
+            let pool = sqlx::MySqlPool::connect(&SqlDb::Mysql.url()).await.unwrap();
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
                 .execute(&pool)
                 .await
                 .unwrap();
         }
-        #[allow(unreachable_patterns)]
-        _ => unreachable!(),
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite => {
+            let url = format!("sqlite://{}", sqlite_path(table).display());
+            let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
     }
+    let _ = table;
 }
 
 /// Counts `sql`'s rows on `db`.
-async fn count(db: SqlDb, sql: &str) -> i64 {
+async fn count(db: Db, table: &str, sql: &str) -> i64 {
+    let _ = table;
     match db {
         #[cfg(feature = "postgres")]
-        SqlDb::Postgres => {
-            let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+        Db::Postgres => {
+            let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
             sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
                 .fetch_one(&pool)
                 .await
                 .unwrap()
         }
         #[cfg(feature = "mysql")]
-        SqlDb::Mysql => {
-            let pool = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+        Db::Mysql => {
+            let pool = sqlx::MySqlPool::connect(&SqlDb::Mysql.url()).await.unwrap();
             sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
                 .fetch_one(&pool)
                 .await
                 .unwrap()
         }
-        #[allow(unreachable_patterns)]
-        _ => unreachable!(),
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite => {
+            let url = format!("sqlite://{}", sqlite_path(table).display());
+            let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
     }
 }
 
-async fn drop_tables(db: SqlDb, table: &str) {
+/// The lease table's name in SQL (always `dlock_leases` on SQLite).
+fn sql_name(db: Db, table: &str) -> String {
+    if db.names_tables() {
+        table.to_owned()
+    } else {
+        "dlock_leases".to_owned()
+    }
+}
+
+async fn drop_tables(db: Db, table: &str) {
+    if !db.names_tables() {
+        #[cfg(feature = "sqlite")]
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = sqlite_path(table).into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+        return;
+    }
     run_sql(
         db,
+        table,
         &format!("DROP TABLE IF EXISTS {table}; DROP TABLE IF EXISTS {table}_holders"),
     )
     .await;
@@ -298,8 +382,7 @@ async fn four_processes_of_six_tasks_never_exceed_the_permits() {
         let most = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
         for _ in 0..4 {
-            let url = format!("{}?table={table}", db.url());
-            let backend = backend_at(db, &url).await.unwrap();
+            let backend = backend_at(db, &db.url(&table, "")).await.unwrap();
             let registry = Registry::builder().default_backend(backend).build();
             for _ in 0..6 {
                 let (registry, key) = (registry.clone(), key.clone());
@@ -333,17 +416,17 @@ async fn four_processes_of_six_tasks_never_exceed_the_permits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_lease_table_gains_the_new_columns_at_connect() {
-    for db in dbs() {
+    for db in dbs().into_iter().filter(|db| db.names_tables()) {
         let table = format!("sem_old_{:08x}", rand::random::<u32>());
         let old = match db {
             #[cfg(feature = "postgres")]
-            SqlDb::Postgres => format!(
+            Db::Postgres => format!(
                 "CREATE TABLE {table} (key text COLLATE \"C\" PRIMARY KEY, owner text, \
                  token bigint NOT NULL, expires_at timestamptz NOT NULL, \
                  wanted boolean NOT NULL DEFAULT false)"
             ),
             #[cfg(feature = "mysql")]
-            SqlDb::Mysql => format!(
+            Db::Mysql => format!(
                 "CREATE TABLE {table} (k VARBINARY(1024) NOT NULL PRIMARY KEY, \
                  owner VARBINARY(255), token BIGINT UNSIGNED NOT NULL, \
                  expires_us BIGINT NOT NULL) ENGINE = InnoDB"
@@ -351,10 +434,8 @@ async fn an_old_lease_table_gains_the_new_columns_at_connect() {
             #[allow(unreachable_patterns)]
             _ => unreachable!(),
         };
-        run_sql(db, &old).await;
-        let b = backend_at(db, &format!("{}?table={table}", db.url()))
-            .await
-            .unwrap();
+        run_sql(db, &table, &old).await;
+        let b = backend_at(db, &db.url(&table, "")).await.unwrap();
         let key = unique_key("sem-old-table");
         let plain = held(&b, &key, "p", HoldMode::Exclusive).await;
         b.release(&plain).await.unwrap();
@@ -370,11 +451,11 @@ async fn an_old_lease_table_gains_the_new_columns_at_connect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_create_a_missing_holder_table_names_the_ddl() {
-    for db in dbs() {
+    for db in dbs().into_iter().filter(|db| db.names_tables()) {
         let (b, table) = own_table(db, "nocreate", "").await;
         drop(b);
-        run_sql(db, &format!("DROP TABLE {table}_holders")).await;
-        let url = format!("{}?table={table}&create=false", db.url());
+        run_sql(db, &table, &format!("DROP TABLE {table}_holders")).await;
+        let url = db.url(&table, "&create=false");
         let Err(err) = backend_at(db, &url).await else {
             panic!("{db:?}: connected without the holder table");
         };
@@ -406,9 +487,10 @@ async fn holder_rows_of_freed_names_are_collected_after_the_retention() {
         b.release(&last).await.unwrap();
         let mut left = (i64::MAX, i64::MAX);
         for _ in 0..100 {
+            let name = sql_name(db, &table);
             left = (
-                count(db, &format!("SELECT COUNT(*) FROM {table}_holders")).await,
-                count(db, &format!("SELECT COUNT(*) FROM {table}")).await,
+                count(db, &table, &format!("SELECT COUNT(*) FROM {name}_holders")).await,
+                count(db, &table, &format!("SELECT COUNT(*) FROM {name}")).await,
             );
             if left.0 <= 1 && left.1 <= 1 {
                 break;

@@ -49,6 +49,13 @@
 //! at once, and the others as a plain release does (PostgreSQL's `NOTIFY`
 //! when the key is wanted; MySQL's polling).
 
+// Public in the engine's `Dialect` (named by the public backends' docs);
+// only SQLite's otherwise.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unreachable_pub)
+)]
+
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
