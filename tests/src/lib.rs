@@ -12,7 +12,9 @@
 //! also shows that a registry keeps working across runtimes. The SQL
 //! databases' test files also run the lease-table suite
 //! (`dlock_tests::sql_lease_table_suite!(target)`) or the session suite
-//! (`dlock_tests::sql_session_suite!(target)`). Each suite's cases are
+//! (`dlock_tests::sql_session_suite!(target)`). A backend that offers
+//! semaphores runs `dlock_tests::semaphore_suite!(harness)`, one that offers
+//! read-write locks `dlock_tests::rw_suite!(harness)`, with the same harness. Each suite's cases are
 //! ordinary functions of its module, listed once at its end (see `suite!`);
 //! a case left off the list fails the build.
 //!
@@ -69,7 +71,9 @@ pub mod conformance;
 pub mod doorbell_support;
 pub mod handoff;
 pub mod memory_support;
+pub mod rw_locks;
 pub mod scenarios;
+pub mod semaphores;
 #[cfg(feature = "redis")]
 pub mod sentinel_support;
 
@@ -87,6 +91,15 @@ pub trait Faults: Send + Sync + 'static {
 
     /// Whether `stored_key` is held (unexpired, with an owner) on the server now.
     fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool>;
+
+    /// How many entries (keys, rows, nodes, counters) the server keeps for
+    /// stored keys starting with `stored_prefix`, once the backend's
+    /// retention for free keys has passed (an implementation may run the
+    /// backend's collection first); `None` where it cannot tell.
+    fn leftover<'a>(&'a self, stored_prefix: &'a str) -> BoxFuture<'a, Option<usize>> {
+        let _ = stored_prefix;
+        Box::pin(std::future::ready(None))
+    }
 }
 
 /// What the suite needs: the backend under test installed as the default
@@ -124,6 +137,10 @@ impl Faults for MemoryFaults {
 
     fn is_held<'a>(&'a self, stored_key: &'a str) -> BoxFuture<'a, bool> {
         Box::pin(async move { self.0.held_keys().iter().any(|k| k == stored_key) })
+    }
+
+    fn leftover<'a>(&'a self, stored_prefix: &'a str) -> BoxFuture<'a, Option<usize>> {
+        Box::pin(async move { Some(self.0.entries_under(stored_prefix)) })
     }
 }
 

@@ -31,6 +31,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 #[tokio::test]
 async fn second_init_is_an_error() {

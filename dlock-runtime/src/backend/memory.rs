@@ -25,8 +25,8 @@ use tokio::sync::watch;
 
 use super::wait::Waiters;
 use super::{
-    AcquireRequest, Attempt, HeldEntry, HolderRecord, KeyEntry, Lease, LockBackend, Renewal,
-    WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, HolderRecord, KeyEntry, Lease, LockBackend,
+    Renewal, WakeSource,
 };
 use crate::error::BackendError;
 use crate::time::saturating_add;
@@ -87,24 +87,109 @@ struct Keys {
     inserts: usize,
 }
 
-#[derive(Debug)]
+/// Everything kept of one key: its holders (one writer, readers, or the
+/// permit holders of a semaphore, all in one mode) and the marks of writers
+/// waiting behind readers.
+#[derive(Debug, Default)]
 struct Entry {
+    holders: Vec<Holder>,
+    /// Writers waiting behind readers `(owner, mark's end)`: while one is
+    /// unexpired, new readers are busy.
+    writers_waiting: Vec<(String, Instant)>,
+}
+
+/// One holder of a key.
+#[derive(Debug)]
+struct Holder {
     owner: String,
     expires_at: Instant,
     holder: Arc<HolderRecord>,
     token: u64,
     granted_at: SystemTime,
+    mode: HoldMode,
+    slot: Option<u32>,
 }
 
-impl Entry {
+impl Holder {
     fn held_entry(&self, now: Instant) -> HeldEntry {
         let mut held = HeldEntry::new(self.owner.clone());
         held.holder = Some((*self.holder).clone());
         held.token = Some(FencingToken::new(self.token));
         held.granted_at = Some(self.granted_at);
         held.expires_in = Some(self.expires_at.saturating_duration_since(now));
+        held.mode = self.mode;
+        held.slot = self.slot;
         held
     }
+}
+
+impl Entry {
+    /// Forgets holders and marks whose time is over.
+    fn prune(&mut self, now: Instant) {
+        self.holders.retain(|h| h.expires_at > now);
+        self.writers_waiting.retain(|(_, until)| *until > now);
+    }
+
+    /// Whether nothing of the key is left to keep.
+    fn is_empty(&self) -> bool {
+        self.holders.is_empty() && self.writers_waiting.is_empty()
+    }
+
+    /// The mode of the key's holders, if it has any.
+    fn mode(&self) -> Option<HoldMode> {
+        self.holders.first().map(|h| h.mode)
+    }
+
+    /// The earliest end among the key's holders.
+    fn earliest_expiry(&self) -> Option<Instant> {
+        self.holders.iter().map(|h| h.expires_at).min()
+    }
+
+    /// The unexpired holders' entries, as `inspect` shows them.
+    fn held_entries(&self, now: Instant) -> Vec<HeldEntry> {
+        let mut live: Vec<&Holder> = self.holders.iter().filter(|h| h.expires_at > now).collect();
+        live.sort_by_key(|h| (h.slot, h.token));
+        live.iter().map(|h| h.held_entry(now)).collect()
+    }
+
+    /// Whether the key has an unexpired holder.
+    fn is_held(&self, now: Instant) -> bool {
+        self.holders.iter().any(|h| h.expires_at > now)
+    }
+
+    /// Removes what `owner` holds of the key (only `slot`'s permit if
+    /// given) and its waiting-writer mark; what was removed.
+    fn remove_owner(&mut self, owner: &str, slot: Option<u32>) -> Vec<Holder> {
+        self.writers_waiting.retain(|(o, _)| o != owner);
+        let mut removed = Vec::new();
+        let mut i = 0;
+        while i < self.holders.len() {
+            let h = &self.holders[i];
+            if h.owner == owner && (slot.is_none() || h.slot == slot) {
+                removed.push(self.holders.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        removed
+    }
+}
+
+/// Whether holders of `held` and a request for `asked` are told apart by a
+/// mismatch (different kinds of lock, or semaphores of different sizes),
+/// rather than by being busy.
+fn mismatched(held: HoldMode, asked: HoldMode) -> bool {
+    match (held, asked) {
+        (HoldMode::Exclusive | HoldMode::Shared, HoldMode::Exclusive | HoldMode::Shared) => false,
+        (HoldMode::Permit { permits: m }, HoldMode::Permit { permits: n }) => m != n,
+        _ => true,
+    }
+}
+
+/// How long a waiting writer's mark lasts: a little longer than the longest
+/// sleep of its wait loop between attempts (each attempt renews it).
+fn mark_ttl(lease: Duration) -> Duration {
+    lease.max(Duration::from_millis(100))
 }
 
 impl MemoryBackend {
@@ -125,7 +210,8 @@ impl MemoryBackend {
     /// `dlock:` by default) as if it had expired or an operator had deleted it.
     /// Returns whether it was held. The holder learns at its next renewal.
     pub fn expire_now(&self, key: &str) -> bool {
-        let was_held = self.keys().held.remove(key).is_some();
+        let now = self.now();
+        let was_held = self.keys().held.remove(key).is_some_and(|e| e.is_held(now));
         self.inner.waiters.wake(key);
         was_held
     }
@@ -164,7 +250,7 @@ impl MemoryBackend {
         self.keys()
             .held
             .iter()
-            .filter(|(_, e)| e.expires_at > now)
+            .filter(|(_, e)| e.is_held(now))
             .map(|(k, _)| k.clone())
             .collect()
     }
@@ -174,6 +260,18 @@ impl MemoryBackend {
     /// not by every key ever locked.
     pub fn entries(&self) -> usize {
         self.keys().held.len() + self.inner.waiters.len()
+    }
+
+    /// Entries the store keeps right now for stored keys starting with
+    /// `prefix`: keys with holders or waiting writers (expired ones not yet
+    /// collected included), and keys with waiters.
+    pub fn entries_under(&self, prefix: &str) -> usize {
+        self.keys()
+            .held
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .count()
+            + self.inner.waiters.count_under(prefix)
     }
 
     /// Renewals received so far (successful or not).
@@ -193,7 +291,10 @@ impl MemoryBackend {
         keys.inserts += 1;
         if keys.inserts >= 1024 || keys.held.len() > 2 * keys.inserts.max(1024) {
             keys.inserts = 0;
-            keys.held.retain(|_, e| e.expires_at > now);
+            keys.held.retain(|_, e| {
+                e.prune(now);
+                !e.is_empty()
+            });
         }
     }
 
@@ -231,16 +332,21 @@ impl MemoryBackend {
             let now = self.now();
             let mut keys = self.keys();
             if let Some(entry) = keys.held.get_mut(&lease.key)
-                && entry.owner == lease.owner
-                && entry.expires_at > now
+                && let Some(holder) = entry
+                    .holders
+                    .iter_mut()
+                    .find(|h| h.owner == lease.owner && h.slot == lease.slot && h.expires_at > now)
             {
                 if self.inner.revoke_on_renewal.load(Ordering::SeqCst) {
-                    keys.held.remove(&lease.key);
+                    entry.remove_owner(&lease.owner, lease.slot);
+                    if entry.is_empty() {
+                        keys.held.remove(&lease.key);
+                    }
                     drop(keys);
                     self.inner.waiters.wake(&lease.key);
                     return Ok(Renewal::Revoked);
                 }
-                entry.expires_at = saturating_add(now, ttl);
+                holder.expires_at = saturating_add(now, ttl);
                 return Ok(Renewal::Renewed);
             }
             let revoked = keys
@@ -256,9 +362,109 @@ impl MemoryBackend {
     }
 }
 
+impl MemoryBackend {
+    /// One attempt at `request` on the key's `entry` (pruned of what expired).
+    fn attempt(&self, entry: &mut Entry, request: &AcquireRequest, now: Instant) -> Attempt {
+        let busy = |until: Option<Instant>| Attempt::Busy {
+            retry_in: until.map(|t| t.saturating_duration_since(now)),
+        };
+        // The same owner again (a retried attempt): still its first grant.
+        let again = entry
+            .holders
+            .iter()
+            .position(|h| h.owner == request.owner && h.mode == request.mode);
+        let slot = match request.mode {
+            _ if again.is_some() => again.and_then(|i| entry.holders[i].slot),
+            HoldMode::Exclusive => {
+                if !entry.holders.is_empty() {
+                    if entry.mode() == Some(HoldMode::Shared) {
+                        // Writers are preferred: new readers wait behind this mark.
+                        let until = saturating_add(now, mark_ttl(request.lease));
+                        entry.writers_waiting.retain(|(o, _)| *o != request.owner);
+                        entry.writers_waiting.push((request.owner.clone(), until));
+                        let renew_mark = saturating_add(now, mark_ttl(request.lease) / 3);
+                        return busy(entry.earliest_expiry().map(|t| t.min(renew_mark)));
+                    }
+                    return busy(entry.earliest_expiry());
+                }
+                None
+            }
+            HoldMode::Shared => {
+                if !entry.holders.is_empty() && entry.mode() != Some(HoldMode::Shared) {
+                    return busy(entry.earliest_expiry());
+                }
+                if let Some(until) = entry
+                    .writers_waiting
+                    .iter()
+                    .filter(|(o, _)| *o != request.owner)
+                    .map(|(_, until)| *until)
+                    .min()
+                {
+                    return busy(Some(until));
+                }
+                None
+            }
+            HoldMode::Permit { permits } => {
+                let taken: Vec<u32> = entry.holders.iter().filter_map(|h| h.slot).collect();
+                match (0..permits).find(|slot| !taken.contains(slot)) {
+                    Some(slot) => Some(slot),
+                    None => return busy(entry.earliest_expiry()),
+                }
+            }
+        };
+        let token = self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1;
+        let expires_at = saturating_add(now, request.lease);
+        match again {
+            Some(i) => {
+                let holder = &mut entry.holders[i];
+                holder.token = token;
+                holder.expires_at = expires_at;
+            }
+            None => entry.holders.push(Holder {
+                owner: request.owner.clone(),
+                expires_at,
+                holder: request.holder.clone(),
+                token,
+                granted_at: SystemTime::now(),
+                mode: request.mode,
+                slot,
+            }),
+        }
+        entry.writers_waiting.retain(|(o, _)| *o != request.owner);
+        let lease = Lease::new(request, Some(FencingToken::new(token)));
+        Attempt::Held(match slot {
+            Some(slot) => lease.with_slot(slot),
+            None => lease,
+        })
+    }
+
+    /// Wakes the waiters a release of `freed` lets in: one for a permit
+    /// (one slot came free), every one otherwise (readers enter together).
+    fn wake_after(&self, key: &str, freed: &[Holder]) {
+        if freed.is_empty() {
+            return;
+        }
+        if freed
+            .iter()
+            .all(|h| matches!(h.mode, HoldMode::Permit { .. }))
+        {
+            for _ in freed {
+                self.inner.waiters.wake_one(key);
+            }
+        } else {
+            self.inner.waiters.wake(key);
+        }
+    }
+}
+
 impl LockBackend for MemoryBackend {
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        let _ = mode;
+        Ok(())
     }
 
     fn try_acquire<'a>(
@@ -268,43 +474,49 @@ impl LockBackend for MemoryBackend {
         Box::pin(async move {
             let now = self.now();
             let mut keys = self.keys();
-            if let Some(entry) = keys.held.get(&request.key)
-                && entry.expires_at > now
-                && entry.owner != request.owner
+            let fresh = !keys.held.contains_key(&request.key);
+            let entry = keys.held.entry(request.key.clone()).or_default();
+            entry.prune(now);
+            if let Some(held) = entry.mode()
+                && mismatched(held, request.mode)
             {
-                return Ok(Attempt::Busy {
-                    retry_in: Some(entry.expires_at - now),
-                });
-            }
-            let token = self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1;
-            let granted_at = match keys.held.get(&request.key) {
-                // The same owner again (a retried attempt): still the first grant.
-                Some(entry) if entry.owner == request.owner && entry.expires_at > now => {
-                    entry.granted_at
+                if entry.is_empty() {
+                    keys.held.remove(&request.key);
                 }
-                _ => SystemTime::now(),
-            };
-            let fresh = keys
-                .held
-                .insert(
-                    request.key.clone(),
-                    Entry {
-                        owner: request.owner.clone(),
-                        expires_at: saturating_add(now, request.lease),
-                        holder: request.holder.clone(),
-                        token,
-                        granted_at,
-                    },
-                )
-                .is_none();
-            if fresh {
+                return Err(BackendError::config(HoldMode::mismatch(
+                    &request.key,
+                    held,
+                    request.mode,
+                )));
+            }
+            let answer = self.attempt(entry, request, now);
+            if entry.is_empty() {
+                keys.held.remove(&request.key);
+            } else if fresh {
                 Self::collect_expired(&mut keys, now);
             }
-            Ok(Attempt::Held(Lease::new(
-                request,
-                Some(FencingToken::new(token)),
-            )))
+            Ok(answer)
         })
+    }
+
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        let mut keys = self.keys();
+        if let Some(entry) = keys.held.get_mut(&request.key) {
+            let before = entry.writers_waiting.len();
+            entry
+                .writers_waiting
+                .retain(|(owner, _)| *owner != request.owner);
+            let unmarked = entry.writers_waiting.len() != before;
+            if entry.is_empty() {
+                keys.held.remove(&request.key);
+            }
+            drop(keys);
+            if unmarked {
+                // Readers held back by the mark may enter now.
+                self.inner.waiters.wake(&request.key);
+            }
+        }
+        Box::pin(std::future::ready(()))
     }
 
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
@@ -323,25 +535,29 @@ impl LockBackend for MemoryBackend {
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            let freed = {
+            let (freed, unmarked) = {
                 let mut keys = self.keys();
-                let ours = keys
-                    .held
-                    .get(&lease.key)
-                    .is_some_and(|e| e.owner == lease.owner);
-                if ours {
-                    keys.held.remove(&lease.key);
+                let mut freed = Vec::new();
+                let mut unmarked = false;
+                if let Some(entry) = keys.held.get_mut(&lease.key) {
+                    let marks = entry.writers_waiting.len();
+                    freed = entry.remove_owner(&lease.owner, lease.slot);
+                    unmarked = entry.writers_waiting.len() != marks;
+                    if entry.is_empty() {
+                        keys.held.remove(&lease.key);
+                    }
                 }
                 if keys.released.len() >= RELEASES_REMEMBERED {
                     keys.released.pop_front();
                 }
                 keys.released
                     .push_back((lease.key.clone(), lease.owner.clone()));
-                ours
+                (freed, unmarked)
             };
-            if freed {
+            if unmarked && freed.is_empty() {
                 self.inner.waiters.wake(&lease.key);
             }
+            self.wake_after(&lease.key, &freed);
             Ok(())
         })
     }
@@ -356,8 +572,8 @@ impl LockBackend for MemoryBackend {
     ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
         let now = self.now();
         let keys = self.keys();
-        let entry = keys.held.get(key).filter(|e| e.expires_at > now).map(|e| {
-            let mut entry = KeyEntry::new(key, vec![e.held_entry(now)]);
+        let entry = keys.held.get(key).filter(|e| e.is_held(now)).map(|e| {
+            let mut entry = KeyEntry::new(key, e.held_entries(now));
             entry.waiters = Some(self.inner.waiters.waiting(key));
             entry
         });
@@ -374,9 +590,9 @@ impl LockBackend for MemoryBackend {
         let mut held: Vec<KeyEntry> = keys
             .held
             .iter()
-            .filter(|(k, e)| k.starts_with(prefix) && e.expires_at > now)
+            .filter(|(k, e)| k.starts_with(prefix) && e.is_held(now))
             .map(|(k, e)| {
-                let mut entry = KeyEntry::new(k.clone(), vec![e.held_entry(now)]);
+                let mut entry = KeyEntry::new(k.clone(), e.held_entries(now));
                 entry.waiters = Some(self.inner.waiters.waiting(k));
                 entry
             })
@@ -390,8 +606,12 @@ impl LockBackend for MemoryBackend {
         let now = self.now();
         let removed = {
             let mut keys = self.keys();
-            let removed = keys.held.remove(key).filter(|e| e.expires_at > now);
-            if let Some(entry) = &removed {
+            let removed = keys
+                .held
+                .remove(key)
+                .map(|e| e.held_entries(now))
+                .unwrap_or_default();
+            for entry in &removed {
                 if keys.revoked.len() >= RELEASES_REMEMBERED {
                     keys.revoked.pop_front();
                 }
@@ -401,8 +621,6 @@ impl LockBackend for MemoryBackend {
             removed
         };
         self.inner.waiters.wake(key);
-        Box::pin(std::future::ready(Ok(removed
-            .map(|e| vec![e.held_entry(now)])
-            .unwrap_or_default())))
+        Box::pin(std::future::ready(Ok(removed)))
     }
 }

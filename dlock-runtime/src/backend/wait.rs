@@ -430,6 +430,14 @@ impl Waiters {
         }
     }
 
+    /// Wakes one waiter of `key` in this process (one permit came free); a
+    /// waiter not yet asleep finds the wake-up when it looks.
+    pub(crate) fn wake_one(&self, key: &str) {
+        if let Some((notify, _)) = self.map().get(key) {
+            notify.notify_one();
+        }
+    }
+
     /// Wakes every waiter of every key (the clock moved).
     pub(crate) fn wake_all(&self) {
         for (notify, _) in self.map().values() {
@@ -440,6 +448,11 @@ impl Waiters {
     /// Acquisitions waiting for `key` in this process right now.
     pub(crate) fn waiting(&self, key: &str) -> usize {
         self.map().get(key).map_or(0, |(_, n)| *n)
+    }
+
+    /// Keys starting with `prefix` with waiters right now.
+    pub(crate) fn count_under(&self, prefix: &str) -> usize {
+        self.map().keys().filter(|k| k.starts_with(prefix)).count()
     }
 
     /// Keys with waiters right now.

@@ -325,6 +325,15 @@ fn owner_token() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
+/// The `mode` field of the `dlock.lock` span.
+fn mode_label(mode: HoldMode) -> &'static str {
+    match mode {
+        HoldMode::Shared => "read",
+        HoldMode::Permit { .. } => "permit",
+        _ => "write",
+    }
+}
+
 /// The backend a lock is taken on, once the options and the registry allow it.
 fn checked_backend(registry: &Registry, options: &LockOptions) -> Result<BackendEntry, LockError> {
     if options.lease < MIN_LEASE {
@@ -513,6 +522,8 @@ async fn new_leases(
                 key = %key,
                 backend = %entry.name,
                 kind = entry.backend.kind(),
+                mode = mode_label(options.mode),
+                slot = tracing::field::Empty,
                 waited_ms = tracing::field::Empty,
                 held_ms = tracing::field::Empty,
                 token = tracing::field::Empty,
@@ -598,6 +609,9 @@ async fn new_leases(
         if let Some(token) = lease.token {
             span.record("token", token.get());
         }
+        if let Some(slot) = lease.slot {
+            span.record("slot", slot);
+        }
         tracing::debug!(parent: &span, token = lease.token.map(FencingToken::get), "dlock acquired");
         let lease = HeldLease::new(NewLease {
             id: NEXT_LEASE_ID.fetch_add(1, Ordering::Relaxed),
@@ -641,12 +655,29 @@ fn unfenced_outer(key: &str) -> LockError {
     ))
 }
 
+/// Whether a nested call asking for `asked` may share an outer hold of the
+/// same key in `held`: the same mode, or a read inside a write. A write
+/// inside a read would wait for itself; any other pair is a mismatch.
+fn nested_mode(key: &str, held: HoldMode, asked: HoldMode) -> Result<(), LockError> {
+    match (held, asked) {
+        _ if held == asked => Ok(()),
+        (HoldMode::Exclusive, HoldMode::Shared) => Ok(()),
+        (HoldMode::Shared, HoldMode::Exclusive) => Err(LockError::config(format!(
+            "`{key}` is held for reading in this call chain, and this call asks to write it: \
+             a write inside a read of the same key would wait for itself; take the outer \
+             hold in write mode (a read inside a write enters)"
+        ))),
+        _ => Err(LockError::config(HoldMode::mismatch(key, held, asked))),
+    }
+}
+
 async fn enter_nested(
     frame: Found,
     options: &LockOptions,
     key: String,
 ) -> Result<LockGuard, LockError> {
     let held = frame.lease;
+    nested_mode(&key, held.lease.mode, options.mode)?;
     if held.is_lost() {
         return Err(LockError::Lost { key });
     }
@@ -752,7 +783,9 @@ pub(crate) async fn acquire_all(
         .zip(&backend_lost)
         .map(|(k, own)| new_request(registry, options, k.clone(), owner.clone(), own.clone()))
         .collect();
-    if entry.backend.try_acquire_all(&requests).is_some() {
+    // Semaphores and readers take their keys one by one, through the wait
+    // loop each mode's waiting rules live in.
+    if options.mode == HoldMode::Exclusive && entry.backend.try_acquire_all(&requests).is_some() {
         let leases = new_leases(registry, &entry, options, keys, requests, lost.clone()).await?;
         return complete_hold(registry, leases, lost, joined_loss).await;
     }
@@ -907,6 +940,9 @@ async fn enter_nested_all(
             key: keys[i].clone(),
         }
     };
+    for (f, key) in found.iter().zip(&keys) {
+        nested_mode(key, f.lease.lease.mode, options.mode)?;
+    }
     if found.iter().any(|f| f.lease.is_lost()) {
         return Err(lost_key(&found, &keys));
     }
