@@ -39,6 +39,26 @@
 //! back at the first busy one (a deadlock the server still reports is
 //! tried again). Session mode takes them one by one.
 //!
+//! **Semaphores and read-write locks** (lease mode; session mode offers
+//! plain locks only for now). A reader's share and each permit are rows of
+//! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
+//! record), each with its own expiry on the database's clock; the key's
+//! lease-table row stays the writer (a plain lock is the write mode) and
+//! carries `shared_until` (the latest expiry of its holder rows, which the
+//! plain acquire's `WHERE` also requires to have passed) and the
+//! waiting-writer mark. A reader or a permit is decided in one short
+//! transaction at READ COMMITTED (MySQL has no `RETURNING`, so several statements) that first locks the key's lease-table row
+//! (`SELECT … FOR UPDATE`): one statement could not do it, since its
+//! snapshot predates its wait for the row lock and it would not see the
+//! holder rows the previous transaction committed. The semaphore takes the
+//! lowest free slot below `permits` with the slot row's hybrid token
+//! (per key and slot); `permits` is stored with the rows and another count,
+//! a reader or a plain lock while they live is a `Config` error. A reader
+//! takes the key's one token sequence (the lease row's hybrid token) and is
+//! busy while the plain lock is held or another writer's mark stands; a
+//! writer that finds readers marks the key (writers are preferred) and its
+//! grant voids the mark. Waiters poll as for plain locks; renewals of shares go in one transaction per batch.
+//!
 //! **Wake-ups.** There is no `NOTIFY`: waiters in the releasing process are
 //! woken at once; waiters elsewhere poll a lock-free read with back-off —
 //! 5 ms doubling up to `poll` (50 ms), and never later than the holder's

@@ -30,6 +30,14 @@
 //! operator, or by the collection of free rows older than `retention`, 10
 //! minutes by default: `sqlite://path?retention=1m`).
 //!
+//! Semaphores and read-write locks use the same layout and algorithm as
+//! the server databases (see `sql::shared`): holder rows in
+//! `dlock_leases_holders` with their own expiry, the key's lease row as the
+//! writer with `shared_until` and the waiting-writer mark, each share or
+//! permit decided in one `BEGIN IMMEDIATE` transaction (SQLite's single
+//! writer orders every decision), the release ringing the key's doorbell.
+//! A table created by an earlier version gets the new columns added at open.
+//!
 //! Each grant stores its holder record (`holder`, and `granted_at` in
 //! milliseconds on the database's clock); a revocation frees the row as a
 //! release does, keeps the revoked owner in `revoked`, and rings the key's
@@ -793,18 +801,6 @@ fn json_array<'a>(keys: impl Iterator<Item = &'a str>) -> String {
     out
 }
 
-#[cfg(test)]
-mod json_tests {
-    use super::json_array;
-
-    #[test]
-    fn keys_are_escaped_as_json_strings() {
-        assert_eq!(json_array(["a", "b"].into_iter()), r#"["a","b"]"#);
-        assert_eq!(json_array([r#"q"u\o"#].into_iter()), r#"["q\"u\\o"]"#);
-        assert_eq!(json_array(["\u{1}"].into_iter()), r#"["\u0001"]"#);
-    }
-}
-
 /// The clock in milliseconds, in SQL.
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
@@ -980,4 +976,16 @@ impl SharedStore for SqliteBackend {
     }
 
     rows_and_exec!(String, sqlx::SqliteConnection);
+}
+
+#[cfg(test)]
+mod json_tests {
+    use super::json_array;
+
+    #[test]
+    fn keys_are_escaped_as_json_strings() {
+        assert_eq!(json_array(["a", "b"].into_iter()), r#"["a","b"]"#);
+        assert_eq!(json_array([r#"q"u\o"#].into_iter()), r#"["q\"u\\o"]"#);
+        assert_eq!(json_array(["\u{1}"].into_iter()), r#"["\u0001"]"#);
+    }
 }
