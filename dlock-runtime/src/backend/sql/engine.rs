@@ -31,7 +31,7 @@ use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
 use super::pool::{Pooled, batch_failed, timed_out};
 use super::session::{SessionDb, Sessions};
 pub(super) use super::shared::holder_text;
-use super::shared::{SharedSql, SharedStore};
+use super::shared::{Marks, SharedSql, SharedStore};
 use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
 use super::url::{Mode, UrlOptions};
 use crate::backend::wait::Waiters;
@@ -350,6 +350,8 @@ pub struct SqlBackend<D: Dialect> {
     collect_holders_sql: Option<Arc<str>>,
     /// See [`Dialect::shared_sql`].
     pub(super) shared: Arc<SharedSql>,
+    /// The owners whose waiting-writer marks may stand.
+    marks: Arc<Marks>,
     sessions: Option<Arc<Sessions<D::Sessions>>>,
     pub(super) dialect: Arc<D>,
 }
@@ -368,6 +370,7 @@ impl<D: Dialect> Clone for SqlBackend<D> {
             collect_sql: self.collect_sql.clone(),
             collect_holders_sql: self.collect_holders_sql.clone(),
             shared: self.shared.clone(),
+            marks: self.marks.clone(),
             sessions: self.sessions.clone(),
             dialect: self.dialect.clone(),
         }
@@ -485,6 +488,7 @@ impl<D: Dialect> SqlBackend<D> {
             collect_holders_sql: (target.mode == Mode::Lease)
                 .then(|| D::collect_holders_sql(&target.table).into()),
             shared: Arc::new(dialect.shared_sql(&target.table)),
+            marks: Arc::default(),
             shown_url,
             table: target.table,
             mode: target.mode,
@@ -548,23 +552,24 @@ impl<D: Dialect> SqlBackend<D> {
                 busy @ Attempt::Busy { .. } => {
                     super::shared::exclusive_busy(self, request, busy).await
                 }
-                attempt => Ok(attempt),
+                attempt => {
+                    // A grant voids the attempt's mark.
+                    self.marks.forget(&request.owner);
+                    Ok(attempt)
+                }
             },
             _ => super::shared::try_shared(self, request).await,
         }
     }
 
     /// Releases a lease of any mode on the lease table. The runtime's undo
-    /// of an abandoned plain attempt (no token) also removes the attempt's
-    /// waiting-writer mark.
+    /// of an abandoned plain attempt also removes the attempt's
+    /// waiting-writer mark, if it left one.
     async fn release_in_mode(&self, lease: &Lease) -> Result<(), BackendError> {
         match lease.mode {
             HoldMode::Exclusive => {
                 D::release_lease(self, lease).await?;
-                if lease.token.is_none() {
-                    super::shared::unmark_writer(self, &lease.key, &lease.owner).await?;
-                }
-                Ok(())
+                super::shared::unmark_writer(self, &lease.key, &lease.owner).await
             }
             _ => super::shared::release_shared(self, lease).await,
         }
@@ -1141,6 +1146,10 @@ impl<D: Dialect> SharedStore for SqlBackend<D> {
 
     fn poll(&self) -> Duration {
         self.poll
+    }
+
+    fn marks(&self) -> &Marks {
+        &self.marks
     }
 
     async fn call<T, F>(

@@ -276,6 +276,29 @@ macro_rules! rows_and_exec {
 }
 pub(super) use rows_and_exec;
 
+/// The owners of a process whose waiting-writer marks may stand: a
+/// release or a give-up removes a mark only for them, and a grant (which
+/// voids the mark) forgets them, so plain locks that never met readers
+/// cost no statement.
+#[derive(Debug, Default)]
+pub(super) struct Marks(std::sync::Mutex<std::collections::HashSet<String>>);
+
+impl Marks {
+    fn set(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `owner` marked a key.
+    fn marked(&self, owner: &str) {
+        self.set().insert(owner.to_owned());
+    }
+
+    /// Forgets `owner`: whether it had marked a key.
+    pub(super) fn forget(&self, owner: &str) -> bool {
+        self.set().remove(owner)
+    }
+}
+
 /// The connection of a [`SharedStore`]'s database.
 pub(super) type StoreConn<B> = <<B as SharedStore>::Db as sqlx::Database>::Connection;
 
@@ -296,6 +319,9 @@ pub(super) trait SharedStore: Send + Sync + 'static {
 
     /// How often waiters look again.
     fn poll(&self) -> Duration;
+
+    /// The owners of this process whose waiting-writer marks may stand.
+    fn marks(&self) -> &Marks;
 
     /// Runs `statement` on a connection, bounded like every call; one of
     /// `owner`'s (an attempt, a release) after its unanswered ones.
@@ -580,6 +606,7 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
             Box::pin(async move { B::exec(c, &sql.mark_writer, args).await })
         })
         .await?;
+        b.marks().marked(&request.owner);
     }
     let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
     let cap = earliest.min(ttl / 3);
@@ -588,12 +615,15 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
     })
 }
 
-/// Removes `owner`'s waiting-writer mark from `key`.
+/// Removes `owner`'s waiting-writer mark from `key`, if it left one.
 pub(super) async fn unmark_writer<B: SharedStore>(
     b: &B,
     key: &str,
     owner: &str,
 ) -> Result<(), BackendError> {
+    if !b.marks().forget(owner) {
+        return Ok(());
+    }
     let sql = b.sql();
     b.call(Some(owner), "unmark", |c| {
         let sql = sql.clone();

@@ -58,7 +58,7 @@ use sqlx::sqlite::{
 
 use self::doorbell::Doorbells;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
-use super::shared::{self, SharedSql, SharedStore, Stmt, rows_and_exec};
+use super::shared::{self, Marks, SharedSql, SharedStore, Stmt, rows_and_exec};
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
@@ -248,6 +248,8 @@ pub struct SqliteBackend {
     collector: Arc<Collector>,
     /// The statements of semaphores and read-write locks.
     shared: Arc<SharedSql>,
+    /// The owners whose waiting-writer marks may stand.
+    marks: Arc<Marks>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -351,6 +353,7 @@ impl SqliteBackend {
             doorbells: Arc::new(Doorbells::new(&path)),
             collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
             shared: Arc::new(shared_sql()),
+            marks: Arc::default(),
             path,
         })
     }
@@ -529,10 +532,16 @@ impl LockBackend for SqliteBackend {
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(async move {
             match request.mode {
-                HoldMode::Exclusive => {
-                    let busy = self.try_plain(request).await?;
-                    shared::exclusive_busy(self, request, busy).await
-                }
+                HoldMode::Exclusive => match self.try_plain(request).await? {
+                    busy @ Attempt::Busy { .. } => {
+                        shared::exclusive_busy(self, request, busy).await
+                    }
+                    held => {
+                        // A grant voids the attempt's mark.
+                        self.marks.forget(&request.owner);
+                        Ok(held)
+                    }
+                },
                 _ => shared::try_shared(self, request).await,
             }
         })
@@ -677,9 +686,7 @@ impl LockBackend for SqliteBackend {
                         .execute(&self.pool)
                         .await
                         .map_err(sql_error)?;
-                    if lease.token.is_none() {
-                        shared::unmark_writer(self, &lease.key, &lease.owner).await?;
-                    }
+                    shared::unmark_writer(self, &lease.key, &lease.owner).await?;
                     done.rows_affected() > 0
                 }
                 _ => {
@@ -958,6 +965,10 @@ impl SharedStore for SqliteBackend {
 
     fn poll(&self) -> Duration {
         self.poll
+    }
+
+    fn marks(&self) -> &Marks {
+        &self.marks
     }
 
     async fn call<T, F>(
