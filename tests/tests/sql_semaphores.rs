@@ -501,3 +501,35 @@ async fn holder_rows_of_freed_names_are_collected_after_the_retention() {
         drop_tables(db, &table).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_mode_offers_plain_locks_only_and_names_lease_mode() {
+    for db in dbs().into_iter().filter(|db| db.names_tables()) {
+        let table = format!("sem_session_{:08x}", rand::random::<u32>());
+        let b = backend_at(db, &db.url(&table, "&mode=session"))
+            .await
+            .unwrap();
+        assert!(b.offers(HoldMode::Exclusive).is_ok(), "{db:?}");
+        for mode in [HoldMode::Shared, permits(3)] {
+            let Err(why) = b.offers(mode) else {
+                panic!("{db:?}: session mode offered {mode:?}");
+            };
+            assert!(
+                why.contains("session mode") && why.contains("lease mode"),
+                "{why}"
+            );
+        }
+        let lease = backend_at(db, &db.url(&table, "")).await.unwrap();
+        assert!(lease.offers(HoldMode::Shared).is_ok(), "{db:?}");
+        assert!(lease.offers(permits(3)).is_ok(), "{db:?}");
+        run_sql(
+            db,
+            &table,
+            &format!(
+                "DROP TABLE IF EXISTS {table}_fence; DROP TABLE IF EXISTS {table}; \
+                 DROP TABLE IF EXISTS {table}_holders"
+            ),
+        )
+        .await;
+    }
+}
