@@ -520,19 +520,27 @@ impl SqliteFaults {
 impl Faults for SqliteFaults {
     fn revoke<'a>(&'a self, stored_key: &'a str) -> futures_util::future::BoxFuture<'a, ()> {
         Box::pin(async move {
-            sqlx::query("DELETE FROM dlock_leases WHERE key = ?1")
-                .bind(stored_key)
-                .execute(&mut Self::connect_to(&self.path).await)
-                .await
-                .expect("delete the row");
+            let mut conn = Self::connect_to(&self.path).await;
+            // Readers and permits are rows of the holder table.
+            for sql in [
+                "DELETE FROM dlock_leases_holders WHERE key = ?1",
+                "DELETE FROM dlock_leases WHERE key = ?1",
+            ] {
+                sqlx::query(sql)
+                    .bind(stored_key)
+                    .execute(&mut conn)
+                    .await
+                    .expect("delete the rows");
+            }
         })
     }
 
     fn is_held<'a>(&'a self, stored_key: &'a str) -> futures_util::future::BoxFuture<'a, bool> {
         Box::pin(async move {
             let held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL \
-                 AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+                "SELECT count(*) FROM dlock_leases WHERE key = ?1 \
+                 AND MAX(CASE WHEN owner IS NULL THEN 0 ELSE expires_at END, shared_until) \
+                     > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
             )
             .bind(stored_key)
             .fetch_one(&mut Self::connect_to(&self.path).await)

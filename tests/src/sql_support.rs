@@ -83,11 +83,17 @@ impl Faults for PgFaults {
         Box::pin(async move {
             match self.mode {
                 SqlMode::Lease => {
-                    sqlx::query("DELETE FROM dlock_leases WHERE key = $1")
+                    let mut conn = self.connect().await;
+                    // Readers and permits are rows of the holder table.
+                    for table in ["dlock_leases_holders", "dlock_leases"] {
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "DELETE FROM {table} WHERE key = $1"
+                        )))
                         .bind(stored_key)
-                        .execute(&mut self.connect().await)
+                        .execute(&mut conn)
                         .await
-                        .expect("delete the row");
+                        .expect("delete the rows");
+                    }
                 }
                 SqlMode::Session => {
                     let holders = self.session_holders(stored_key).await;
@@ -103,7 +109,8 @@ impl Faults for PgFaults {
             match self.mode {
                 SqlMode::Lease => sqlx::query_scalar(
                     "SELECT count(*) > 0 FROM dlock_leases WHERE key = $1 \
-                     AND owner IS NOT NULL AND expires_at > clock_timestamp()",
+                     AND (owner IS NOT NULL AND expires_at > clock_timestamp() \
+                          OR shared_until > clock_timestamp())",
                 )
                 .bind(stored_key)
                 .fetch_one(&mut self.connect().await)
@@ -233,11 +240,17 @@ impl Faults for MyFaults {
         Box::pin(async move {
             match self.mode {
                 SqlMode::Lease => {
-                    sqlx::query("DELETE FROM dlock_leases WHERE k = ?")
+                    let mut conn = self.connect().await;
+                    // Readers and permits are rows of the holder table.
+                    for table in ["dlock_leases_holders", "dlock_leases"] {
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "DELETE FROM {table} WHERE k = ?"
+                        )))
                         .bind(stored_key)
-                        .execute(&mut self.connect().await)
+                        .execute(&mut conn)
                         .await
-                        .expect("delete the row");
+                        .expect("delete the rows");
+                    }
                 }
                 SqlMode::Session => {
                     let holder = self.session_holder(stored_key).await;
@@ -252,8 +265,9 @@ impl Faults for MyFaults {
             match self.mode {
                 SqlMode::Lease => {
                     let held: i64 = sqlx::query_scalar(
-                        "SELECT COUNT(*) FROM dlock_leases WHERE k = ? AND owner IS NOT NULL \
-                         AND expires_us > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', \
+                        "SELECT COUNT(*) FROM dlock_leases WHERE k = ? \
+                         AND GREATEST(IF(owner IS NULL, 0, expires_us), shared_us) \
+                             > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', \
                          UTC_TIMESTAMP(6))",
                     )
                     .bind(stored_key)

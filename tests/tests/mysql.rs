@@ -21,6 +21,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 dlock_tests::sql_lease_table_suite!(target);
 dlock_tests::sql_server_lease_table_suite!(target);
 

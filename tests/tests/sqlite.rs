@@ -33,6 +33,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// What a child process of this test binary does, chosen by `DLOCK_CHILD`.
 /// Runs only as a child (the variable is unset in a normal test run).

@@ -30,12 +30,14 @@ use futures_util::future::BoxFuture;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
 use super::pool::{Pooled, batch_failed, timed_out};
 use super::session::{SessionDb, Sessions};
+pub(super) use super::shared::holder_text;
+use super::shared::{Marks, SharedSql, SharedStore};
 use super::upkeep::{Collector, Contenders, DEFAULT_RETENTION};
 use super::url::{Mode, UrlOptions};
 use crate::backend::wait::Waiters;
 use crate::backend::{
-    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
-    WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend,
+    Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 
@@ -70,10 +72,14 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     const SCHEMES: &'static [&'static str];
     /// How often a waiter looks again by default (`?poll=`).
     const DEFAULT_POLL: Duration;
-    /// The lease table and the session counters' table, in this order.
+    /// The lease table, the session counters' table and the holder rows'
+    /// table (`<table>_holders`), in this order.
     const DDL: &'static str;
     /// The lease table's columns, as the schema check selects them.
     const LEASE_COLUMNS: &'static str;
+    /// The holder rows' columns (`<table>_holders`), as the schema check
+    /// selects them.
+    const HOLDERS_COLUMNS: &'static str;
 
     /// The backend error for a failed statement: transient or not.
     fn classify(err: sqlx::Error) -> BackendError;
@@ -184,6 +190,37 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// `<table>_fence`, one per column.
     fn add_fence_columns(table: &str) -> Vec<String>;
 
+    /// The lease-table columns of semaphores and read-write locks (see
+    /// `shared`), as the check selects them.
+    const SHARED_COLUMNS: &'static str;
+
+    /// The statements that add [`SHARED_COLUMNS`](Self::SHARED_COLUMNS) to
+    /// `table`, one per column.
+    fn add_shared_columns(table: &str) -> Vec<String>;
+
+    /// The statements of semaphores and read-write locks on `table` and
+    /// `<table>_holders` (see `shared`).
+    fn shared_sql(&self, table: &str) -> SharedSql;
+
+    /// The statement that deletes old free holder rows; it takes the
+    /// retention as [`retention`](Self::retention).
+    fn collect_holders_sql(table: &str) -> String;
+
+    /// Runs `stmt` with `args`: its rows, each column read as `cols` says.
+    fn rows<'c>(
+        conn: &'c mut Conn<Self>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+        cols: &'static [super::shared::Col],
+    ) -> BoxFuture<'c, Result<Vec<Vec<super::shared::Val>>, sqlx::Error>>;
+
+    /// Runs `stmt` with `args`: the rows it matched.
+    fn exec<'c>(
+        conn: &'c mut Conn<Self>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
     /// Whether a failed column addition means the column is there already
     /// (another process added it meanwhile).
     fn column_exists(err: &sqlx::Error) -> bool;
@@ -226,19 +263,6 @@ pub enum Pick {
         /// How many rows at most.
         limit: i64,
     },
-}
-
-/// `holder`'s one-line form, cut to `max` bytes at a character boundary.
-pub(super) fn holder_text(holder: &crate::backend::HolderRecord, max: usize) -> String {
-    let mut text = holder.encode();
-    if text.len() > max {
-        let mut end = max;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
-    text
 }
 
 /// The [`Dialect::fetch_i64`] of a database whose connections run
@@ -322,6 +346,12 @@ pub struct SqlBackend<D: Dialect> {
     collector: Arc<Collector>,
     /// See [`Dialect::collect_sql`].
     collect_sql: Arc<str>,
+    /// See [`Dialect::collect_holders_sql`] (lease mode).
+    collect_holders_sql: Option<Arc<str>>,
+    /// See [`Dialect::shared_sql`].
+    pub(super) shared: Arc<SharedSql>,
+    /// The owners whose waiting-writer marks may stand.
+    marks: Arc<Marks>,
     sessions: Option<Arc<Sessions<D::Sessions>>>,
     pub(super) dialect: Arc<D>,
 }
@@ -338,6 +368,9 @@ impl<D: Dialect> Clone for SqlBackend<D> {
             contenders: self.contenders.clone(),
             collector: self.collector.clone(),
             collect_sql: self.collect_sql.clone(),
+            collect_holders_sql: self.collect_holders_sql.clone(),
+            shared: self.shared.clone(),
+            marks: self.marks.clone(),
             sessions: self.sessions.clone(),
             dialect: self.dialect.clone(),
         }
@@ -406,12 +439,35 @@ impl<D: Dialect> SqlBackend<D> {
                 match mode {
                     Mode::Lease => {
                         let statements = D::add_holder_columns(&table);
-                        ensure_columns::<D>(pool, &table, D::HOLDER_COLUMNS, &statements).await?;
+                        ensure_columns::<D>(
+                            pool.clone(),
+                            &table,
+                            D::HOLDER_COLUMNS,
+                            &statements,
+                            "holder-record",
+                        )
+                        .await?;
+                        let statements = D::add_shared_columns(&table);
+                        ensure_columns::<D>(
+                            pool,
+                            &table,
+                            D::SHARED_COLUMNS,
+                            &statements,
+                            "semaphore and read-write",
+                        )
+                        .await?;
                     }
                     Mode::Session => {
                         let statements = D::add_fence_columns(&table);
                         let fence = format!("{table}_fence");
-                        ensure_columns::<D>(pool, &fence, D::FENCE_COLUMNS, &statements).await?;
+                        ensure_columns::<D>(
+                            pool,
+                            &fence,
+                            D::FENCE_COLUMNS,
+                            &statements,
+                            "holder-record",
+                        )
+                        .await?;
                     }
                 }
                 Ok::<_, LockError>(())
@@ -429,6 +485,10 @@ impl<D: Dialect> SqlBackend<D> {
         .await?;
         Ok(SqlBackend {
             collect_sql: D::collect_sql(&target.table, target.mode).into(),
+            collect_holders_sql: (target.mode == Mode::Lease)
+                .then(|| D::collect_holders_sql(&target.table).into()),
+            shared: Arc::new(dialect.shared_sql(&target.table)),
+            marks: Arc::default(),
             shown_url,
             table: target.table,
             mode: target.mode,
@@ -468,7 +528,7 @@ impl<D: Dialect> SqlBackend<D> {
         batch: &[(&Lease, Duration)],
     ) -> Result<Vec<Renewal>, BackendError> {
         if self.db.is_near() {
-            return D::renew_leases(self, batch).await;
+            return self.renew_in_modes(batch).await;
         }
         let this = self.clone();
         let batch: Vec<(Lease, Duration)> = batch
@@ -478,9 +538,71 @@ impl<D: Dialect> SqlBackend<D> {
         crate::driver::run(async move {
             let batch: Vec<(&Lease, Duration)> =
                 batch.iter().map(|(lease, ttl)| (lease, *ttl)).collect();
-            D::renew_leases(&this, &batch).await
+            this.renew_in_modes(&batch).await
         })
         .await
+    }
+
+    /// One attempt on the lease table in the request's mode: a plain lock
+    /// by the dialect's statement (then, when busy, what readers or permits
+    /// on the key make of it), a share or a permit by `shared`.
+    async fn try_lease_in_mode(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
+        match request.mode {
+            HoldMode::Exclusive => match D::try_lease(self, request).await? {
+                busy @ Attempt::Busy { .. } => {
+                    super::shared::exclusive_busy(self, request, busy).await
+                }
+                attempt => {
+                    // A grant voids the attempt's mark.
+                    self.marks.forget(&request.owner);
+                    Ok(attempt)
+                }
+            },
+            _ => super::shared::try_shared(self, request).await,
+        }
+    }
+
+    /// Releases a lease of any mode on the lease table. The runtime's undo
+    /// of an abandoned plain attempt also removes the attempt's
+    /// waiting-writer mark, if it left one.
+    async fn release_in_mode(&self, lease: &Lease) -> Result<(), BackendError> {
+        match lease.mode {
+            HoldMode::Exclusive => {
+                D::release_lease(self, lease).await?;
+                super::shared::unmark_writer(self, &lease.key, &lease.owner).await
+            }
+            _ => super::shared::release_shared(self, lease).await,
+        }
+    }
+
+    /// Renews a batch of any modes: plain leases by the dialect's batch,
+    /// shares and permits by `shared`'s; the answers in the batch's order.
+    async fn renew_in_modes(
+        &self,
+        batch: &[(&Lease, Duration)],
+    ) -> Result<Vec<Renewal>, BackendError> {
+        if batch.iter().all(|(l, _)| l.mode == HoldMode::Exclusive) {
+            return D::renew_leases(self, batch).await;
+        }
+        let (plain, shared): (Vec<_>, Vec<_>) = batch
+            .iter()
+            .enumerate()
+            .partition(|(_, (l, _))| l.mode == HoldMode::Exclusive);
+        let mut answers = vec![Renewal::Lost; batch.len()];
+        if !plain.is_empty() {
+            let sub: Vec<(&Lease, Duration)> = plain.iter().map(|(_, e)| **e).collect();
+            for ((i, _), answer) in plain.iter().zip(D::renew_leases(self, &sub).await?) {
+                answers[*i] = answer;
+            }
+        }
+        let sub: Vec<(&Lease, Duration)> = shared.iter().map(|(_, e)| **e).collect();
+        for ((i, _), answer) in shared
+            .iter()
+            .zip(super::shared::renew_shared(self, &sub).await?)
+        {
+            answers[*i] = answer;
+        }
+        Ok(answers)
     }
 
     /// Runs `call` on a pool near this thread: here, or on dlock's I/O runtime.
@@ -500,14 +622,22 @@ impl<D: Dialect> SqlBackend<D> {
     /// The lease table's holder of `key`.
     async fn inspect_lease(&self, key: &str) -> Result<Option<KeyEntry>, BackendError> {
         let pick = Pick::Key(key.to_owned());
-        let rows = self
-            .near(|this| async move { D::held_rows(&this, pick).await })
+        let shared_key = key.to_owned();
+        let (rows, shares) = self
+            .near(|this| async move {
+                let rows = D::held_rows(&this, pick).await?;
+                let shares = super::shared::shared_entries(&this, &shared_key).await?;
+                Ok((rows, shares))
+            })
             .await?;
         // Waiters in other processes are not known: none are counted.
-        Ok(rows
+        let mut holders: Vec<HeldEntry> = rows
             .into_iter()
-            .next()
-            .map(|row| KeyEntry::new(key, vec![row.entry(D::GRANTED_UNIT)])))
+            .take(1)
+            .map(|row| row.entry(D::GRANTED_UNIT))
+            .collect();
+        holders.extend(shares);
+        Ok((!holders.is_empty()).then(|| KeyEntry::new(key, holders)))
     }
 
     /// The lease table's held keys under `prefix`.
@@ -517,13 +647,28 @@ impl<D: Dialect> SqlBackend<D> {
             to: prefix_successor(prefix),
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
         };
-        let rows = self
-            .near(|this| async move { D::held_rows(&this, pick).await })
+        let (from, to) = (prefix.to_owned(), prefix_successor(prefix));
+        let max = i64::try_from(limit).unwrap_or(i64::MAX);
+        let (rows, shares) = self
+            .near(|this| async move {
+                let rows = D::held_rows(&this, pick).await?;
+                let shares = super::shared::shared_keys(&this, &from, to.as_deref(), max).await?;
+                Ok((rows, shares))
+            })
             .await?;
-        Ok(rows
+        let mut keys: Vec<KeyEntry> = rows
             .into_iter()
             .map(|row| KeyEntry::new(row.key.clone(), vec![row.entry(D::GRANTED_UNIT)]))
-            .collect())
+            .collect();
+        for (key, entries) in shares {
+            match keys.iter_mut().find(|k| k.key == key) {
+                Some(held) => held.holders.extend(entries),
+                None => keys.push(KeyEntry::new(key, entries)),
+            }
+        }
+        keys.sort_by(|a, b| a.key.cmp(&b.key));
+        keys.truncate(limit);
+        Ok(keys)
     }
 
     /// Revokes `key`'s lease: read its holder, free the row if the same
@@ -531,14 +676,20 @@ impl<D: Dialect> SqlBackend<D> {
     async fn revoke_lease(&self, key: &str) -> Result<Vec<HeldEntry>, BackendError> {
         let key = key.to_owned();
         self.near(|this| async move {
+            let shares = super::shared::revoke_shared(&this, &key).await?;
+            if !shares.is_empty() {
+                this.waiters.wake(&key);
+            }
             for _ in 0..REVOKE_ATTEMPTS {
                 let rows = D::held_rows(&this, Pick::Key(key.clone())).await?;
                 let Some(row) = rows.into_iter().next() else {
-                    return Ok(Vec::new());
+                    return Ok(shares);
                 };
                 if D::revoke_row(&this, &key, &row.owner).await? {
                     this.waiters.wake(&key);
-                    return Ok(vec![row.entry(D::GRANTED_UNIT)]);
+                    let mut removed = vec![row.entry(D::GRANTED_UNIT)];
+                    removed.extend(shares);
+                    return Ok(removed);
                 }
             }
             Err(BackendError::transient(format!(
@@ -600,9 +751,13 @@ impl<D: Dialect> SqlBackend<D> {
         let pool = self.db.pool.clone();
         let retention = D::retention(self.collector.retention);
         let sql = self.collect_sql.clone();
+        let holders = self.collect_holders_sql.clone();
         crate::driver::handle().spawn(async move {
             let collected = async {
                 let mut conn = pool.acquire().await?;
+                if let Some(holders) = holders {
+                    D::fetch_i64(&mut conn, holders, Some(retention)).await?;
+                }
                 D::fetch_i64(&mut conn, sql, Some(retention)).await
             };
             if let Err(err) = collected.await {
@@ -622,26 +777,49 @@ async fn check<D: Dialect>(pool: &sqlx::Pool<D::Db>, sql: &Arc<str>) -> Result<(
     D::fetch_i64(&mut conn, sql.clone(), None).await.map(|_| ())
 }
 
-/// Creates the table the mode uses (unless `create` is false) and checks that
-/// it has the columns dlock uses.
+/// Creates the tables the mode uses (unless `create` is false) and checks
+/// that they have the columns dlock uses: the lease table and its holder
+/// rows (`<table>_holders`), or session mode's counters.
 async fn ensure_schema<D: Dialect>(
     pool: sqlx::Pool<D::Db>,
     table: &str,
     create: bool,
     mode: Mode,
 ) -> Result<(), LockError> {
-    let sql: Arc<str> = match mode {
-        Mode::Lease => format!("SELECT {} FROM {table} LIMIT 0", D::LEASE_COLUMNS),
-        Mode::Session => format!("SELECT k, token FROM {table}_fence LIMIT 0"),
+    match mode {
+        Mode::Lease => {
+            let lease = format!("SELECT {} FROM {table} LIMIT 0", D::LEASE_COLUMNS);
+            ensure_table::<D>(pool.clone(), table, table, create, &lease, 0).await?;
+            let holders = format!("{table}_holders");
+            let check = format!("SELECT {} FROM {holders} LIMIT 0", D::HOLDERS_COLUMNS);
+            ensure_table::<D>(pool, table, &holders, create, &check, 2).await
+        }
+        Mode::Session => {
+            let fence = format!("{table}_fence");
+            let check = format!("SELECT k, token FROM {fence} LIMIT 0");
+            ensure_table::<D>(pool, table, &fence, create, &check, 1).await
+        }
     }
-    .into();
+}
+
+/// Creates `name` (unless `create` is false) from the statement `nth` of
+/// [`Dialect::DDL`], and checks it with `check`.
+async fn ensure_table<D: Dialect>(
+    pool: sqlx::Pool<D::Db>,
+    table: &str,
+    name: &str,
+    create: bool,
+    check_sql: &str,
+    nth: usize,
+) -> Result<(), LockError> {
+    let sql: Arc<str> = check_sql.into();
     let missing = match check::<D>(&pool, &sql).await {
         Ok(()) => return Ok(()),
         Err(e) if D::schema_missing(&e) == Some(true) && create => e,
         Err(e) => {
             return Err(if D::schema_missing(&e).is_some() {
                 LockError::config(format!(
-                    "the lock table `{table}` is missing or lacks dlock's columns ({e}); \
+                    "the lock table `{name}` is missing or lacks dlock's columns ({e}); \
                      create it (see {}::DDL, with your table name) or connect with \
                      `?create=true`",
                     D::NAME
@@ -651,20 +829,20 @@ async fn ensure_schema<D: Dialect>(
             });
         }
     };
-    tracing::debug!(backend = D::KIND, table, error = %missing, "dlock: creating the lock table");
+    tracing::debug!(backend = D::KIND, table = name, error = %missing, "dlock: creating the lock table");
     let ddl = D::DDL
         .replace("dlock_leases_fence", &format!("{table}_fence"))
+        .replace("dlock_leases_holders", &format!("{table}_holders"))
         .replace("dlock_leases ", &format!("{table} "));
-    let ddl = match mode {
-        Mode::Lease => ddl.split_inclusive(';').next(),
-        Mode::Session => ddl.split_inclusive(';').nth(1),
-    }
-    .unwrap_or_default()
-    .to_owned();
+    let ddl = ddl
+        .split_inclusive(';')
+        .nth(nth)
+        .unwrap_or_default()
+        .to_owned();
     match D::create_table(pool.clone(), ddl).await {
         Err(e) if !D::created_meanwhile(&e) => {
             return Err(failed::<D>(
-                format!("cannot create the lock table `{table}`: {e}"),
+                format!("cannot create the lock table `{name}`: {e}"),
                 e,
             ));
         }
@@ -682,6 +860,7 @@ async fn ensure_columns<D: Dialect>(
     table: &str,
     columns: &str,
     statements: &[String],
+    what: &str,
 ) -> Result<(), LockError> {
     let sql: Arc<str> = format!("SELECT {columns} FROM {table} LIMIT 0").into();
     match check::<D>(&pool, &sql).await {
@@ -694,7 +873,7 @@ async fn ensure_columns<D: Dialect>(
         match D::fetch_i64(&mut conn, add.as_str().into(), None).await {
             Err(e) if !D::column_exists(&e) => {
                 return Err(LockError::config(format!(
-                    "the lock table `{table}` lacks the holder-record columns and they cannot \
+                    "the lock table `{table}` lacks the {what} columns and they cannot \
                      be added ({e}); run `{}` (see {}::DDL)",
                     statements.join("; "),
                     D::NAME
@@ -715,6 +894,17 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         D::KIND
     }
 
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        match (mode, self.mode) {
+            (HoldMode::Exclusive, _) | (_, Mode::Lease) => Ok(()),
+            (other, Mode::Session) => Err(format!(
+                "{}'s session mode (`?mode=session`) does not offer {other} yet; \
+                 lease mode (the default) does",
+                D::KIND
+            )),
+        }
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
@@ -722,14 +912,13 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
         Box::pin(async move {
             let attempt = match &self.sessions {
                 Some(sessions) => sessions.try_acquire(request).await,
-                None if self.db.is_near() => D::try_lease(self, request).await,
+                None if self.db.is_near() => self.try_lease_in_mode(request).await,
                 None => {
                     let (this, copy) = (self.clone(), copy_request(request));
                     self.db
-                        .at_home_for(
-                            &request.owner,
-                            async move { D::try_lease(&this, &copy).await },
-                        )
+                        .at_home_for(&request.owner, async move {
+                            this.try_lease_in_mode(&copy).await
+                        })
                         .await
                 }
             };
@@ -792,8 +981,21 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
 
     fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Some(sessions) = &self.sessions {
-                sessions.release(&request.owner).await;
+            match &self.sessions {
+                Some(sessions) => sessions.release(&request.owner).await,
+                // A writer that gave up leaves no mark behind.
+                None if request.mode == HoldMode::Exclusive => {
+                    let (key, owner) = (request.key.clone(), request.owner.clone());
+                    let unmarked = self
+                        .near(|this| async move {
+                            super::shared::unmark_writer(&this, &key, &owner).await
+                        })
+                        .await;
+                    if let Err(err) = unmarked {
+                        tracing::debug!(backend = D::KIND, error = %err, "dlock: removing a writer mark failed; it expires");
+                    }
+                }
+                None => {}
             }
         })
     }
@@ -831,13 +1033,13 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
             match &self.sessions {
                 Some(sessions) => sessions.release(&lease.owner).await,
                 None if self.db.is_near() => {
-                    D::release_lease(self, lease).await?;
+                    self.release_in_mode(lease).await?;
                     self.waiters.wake(&lease.key);
                 }
                 None => {
                     let (this, lease) = (self.clone(), copy_lease(lease));
                     crate::driver::run(async move {
-                        D::release_lease(&this, &lease).await?;
+                        this.release_in_mode(&lease).await?;
                         this.waiters.wake(&lease.key);
                         Ok::<_, BackendError>(())
                     })
@@ -929,5 +1131,57 @@ pub(super) fn busy_at(index: usize, busy: Attempt) -> Result<AttemptAll, Backend
         }),
         Attempt::Unavailable { error, retry_in } => Ok(AttemptAll::Unavailable { error, retry_in }),
         Attempt::Held(_) => Err(BackendError::permanent("a busy key's answer was a grant")),
+    }
+}
+
+impl<D: Dialect> SharedStore for SqlBackend<D> {
+    type Db = D::Db;
+    const GRANTED_UNIT: Duration = D::GRANTED_UNIT;
+    const HOLDER_MAX: usize = D::HOLDER_MAX;
+    const BEGIN: &'static str = "BEGIN";
+
+    fn sql(&self) -> Arc<SharedSql> {
+        self.shared.clone()
+    }
+
+    fn poll(&self) -> Duration {
+        self.poll
+    }
+
+    fn marks(&self) -> &Marks {
+        &self.marks
+    }
+
+    async fn call<T, F>(
+        &self,
+        owner: Option<&str>,
+        what: &str,
+        statement: F,
+    ) -> Result<T, BackendError>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut Conn<D>) -> BoxFuture<'c, Result<T, sqlx::Error>> + Send,
+    {
+        match owner {
+            Some(owner) => self.db.call_for(owner, what, statement).await,
+            None => self.db.call(what, statement).await,
+        }
+    }
+
+    fn rows<'c>(
+        conn: &'c mut Conn<D>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+        cols: &'static [super::shared::Col],
+    ) -> BoxFuture<'c, Result<Vec<Vec<super::shared::Val>>, sqlx::Error>> {
+        D::rows(conn, stmt, args, cols)
+    }
+
+    fn exec<'c>(
+        conn: &'c mut Conn<D>,
+        stmt: &super::shared::Stmt,
+        args: Vec<super::shared::Arg>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        D::exec(conn, stmt, args)
     }
 }

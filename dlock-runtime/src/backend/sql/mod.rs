@@ -81,6 +81,7 @@ mod pool;
 pub mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod session;
+mod shared;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod upkeep;

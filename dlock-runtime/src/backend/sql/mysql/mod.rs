@@ -39,6 +39,26 @@
 //! back at the first busy one (a deadlock the server still reports is
 //! tried again). Session mode takes them one by one.
 //!
+//! **Semaphores and read-write locks** (lease mode; session mode offers
+//! plain locks only for now). A reader's share and each permit are rows of
+//! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
+//! record), each with its own expiry on the database's clock; the key's
+//! lease-table row stays the writer (a plain lock is the write mode) and
+//! carries `shared_until` (the latest expiry of its holder rows, which the
+//! plain acquire's `WHERE` also requires to have passed) and the
+//! waiting-writer mark. A reader or a permit is decided in one short
+//! transaction at READ COMMITTED (MySQL has no `RETURNING`, so several statements) that first locks the key's lease-table row
+//! (`SELECT … FOR UPDATE`): one statement could not do it, since its
+//! snapshot predates its wait for the row lock and it would not see the
+//! holder rows the previous transaction committed. The semaphore takes the
+//! lowest free slot below `permits` with the slot row's hybrid token
+//! (per key and slot); `permits` is stored with the rows and another count,
+//! a reader or a plain lock while they live is a `Config` error. A reader
+//! takes the key's one token sequence (the lease row's hybrid token) and is
+//! busy while the plain lock is held or another writer's mark stands; a
+//! writer that finds readers marks the key (writers are preferred) and its
+//! grant voids the mark. Waiters poll as for plain locks; renewals of shares go in one transaction per batch.
+//!
 //! **Wake-ups.** There is no `NOTIFY`: waiters in the releasing process are
 //! woken at once; waiters elsewhere poll a lock-free read with back-off —
 //! 5 ms doubling up to `poll` (50 ms), and never later than the holder's
@@ -74,6 +94,7 @@ use super::engine::{
     holder_text,
 };
 use super::pool::is_connection_error;
+use super::shared::{SharedSql, Stmt, rows_and_exec};
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
 use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
@@ -112,7 +133,7 @@ struct Statements {
 impl Statements {
     fn new(table: &str) -> Self {
         let s = |sql: String| Arc::<str>::from(sql);
-        let free = format!("(expires_us <= {N} OR owner = ?)");
+        let free = format!("((expires_us <= {N} OR owner = ?) AND shared_us <= {N})");
         let sizes = (0..).map(|p| 1usize << p).take_while(|n| *n <= MAX_BATCH);
         // `k IN (…)` lets the server use the primary key: MariaDB does not
         // for the row constructor alone (a full scan of a big table).
@@ -131,7 +152,7 @@ impl Statements {
                  VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?, ?, {N}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
-                            token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, 0), {}) + 1)), \
+                            token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, shared_us - {N}, 0), {}) + 1)), \
                  holder = IF({free}, ?, holder), \
                  granted_us = IF({free}, IF(owner <=> ?, granted_us, {N}), granted_us), \
                  owner = IF({free}, ?, owner), \
@@ -139,7 +160,8 @@ impl Statements {
                 BUSY_MAX - 1
             )),
             peek: s(format!(
-                "SELECT IF(owner IS NULL, 0, GREATEST(expires_us - {N}, 0)) FROM {table} WHERE k = ?"
+                "SELECT GREATEST(IF(owner IS NULL, 0, expires_us - {N}), shared_us - {N}, 0) \
+                 FROM {table} WHERE k = ?"
             )),
             renew: sizes
                 .clone()
@@ -254,13 +276,28 @@ impl MysqlBackend {
         expires_us BIGINT          NOT NULL,\n    \
         holder     VARBINARY(1024),\n    \
         granted_us BIGINT,\n    \
-        revoked    VARBINARY(255)\n) ENGINE = InnoDB;\n\
+        revoked    VARBINARY(255),\n    \
+        shared_us  BIGINT          NOT NULL DEFAULT 0,\n    \
+        wwait_owner VARBINARY(255),\n    \
+        wwait_us   BIGINT          NOT NULL DEFAULT 0,\n    \
+        wwait_token BIGINT UNSIGNED NOT NULL DEFAULT 0\n) ENGINE = InnoDB;\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
         k          BIGINT          NOT NULL PRIMARY KEY,\n    \
         token      BIGINT UNSIGNED NOT NULL,\n    \
         name       VARBINARY(1024),\n    \
         holder     VARBINARY(1024),\n    \
-        granted_us BIGINT\n) ENGINE = InnoDB;";
+        granted_us BIGINT\n) ENGINE = InnoDB;\n\
+        CREATE TABLE IF NOT EXISTS dlock_leases_holders (\n    \
+        k          VARBINARY(1024) NOT NULL,\n    \
+        slot       BIGINT          NOT NULL,\n    \
+        permits    BIGINT          NOT NULL,\n    \
+        owner      VARBINARY(255),\n    \
+        token      BIGINT          NOT NULL,\n    \
+        expires_us BIGINT          NOT NULL,\n    \
+        holder     VARBINARY(1024),\n    \
+        granted_us BIGINT,\n    \
+        revoked    VARBINARY(255),\n    \
+        PRIMARY KEY (k, slot)\n) ENGINE = InnoDB;";
 
     /// Connects to the database a `mysql://` URL names, creating (or
     /// checking) the table. See the [module docs](self) for the options.
@@ -376,6 +413,8 @@ impl Dialect for Mysql {
     const DEFAULT_POLL: Duration = DEFAULT_POLL;
     const DDL: &'static str = MysqlBackend::DDL;
     const LEASE_COLUMNS: &'static str = "k, owner, token, expires_us";
+    const HOLDERS_COLUMNS: &'static str =
+        "k, slot, permits, owner, token, expires_us, holder, granted_us, revoked";
 
     fn classify(err: sqlx::Error) -> BackendError {
         my_error(err)
@@ -465,6 +504,163 @@ impl Dialect for Mysql {
     }
 
     fetch_i64_by_query_scalar!();
+    rows_and_exec!(Vec<u8>, sqlx::MySqlConnection);
+
+    const SHARED_COLUMNS: &'static str = "shared_us, wwait_owner, wwait_us, wwait_token";
+
+    fn add_shared_columns(table: &str) -> Vec<String> {
+        [
+            "shared_us BIGINT NOT NULL DEFAULT 0",
+            "wwait_owner VARBINARY(255)",
+            "wwait_us BIGINT NOT NULL DEFAULT 0",
+            "wwait_token BIGINT UNSIGNED NOT NULL DEFAULT 0",
+        ]
+        .iter()
+        .map(|column| format!("ALTER TABLE {table} ADD COLUMN {column}"))
+        .collect()
+    }
+
+    fn collect_holders_sql(table: &str) -> String {
+        format!("DELETE FROM {table}_holders WHERE expires_us < {N} - ? LIMIT 10000")
+    }
+
+    fn shared_sql(&self, table: &str) -> SharedSql {
+        let h = format!("{table}_holders");
+        let left = |at: &str| format!("CAST(CEIL(GREATEST({at} - {N}, 0) / 1000) AS SIGNED)");
+        let live = format!("owner IS NOT NULL AND expires_us > {N}");
+        let entry = format!(
+            "SELECT k, owner, holder, token, granted_us, {}, slot, permits FROM {h}",
+            left("expires_us")
+        );
+        SharedSql {
+            ensure: Stmt::new(
+                format!(
+                    "INSERT INTO {table} (k, owner, token, expires_us) \
+                     VALUES (?, NULL, 0, {N}) ON DUPLICATE KEY UPDATE token = token"
+                ),
+                &[0],
+            ),
+            lock: Stmt::new(
+                format!(
+                    "SELECT CASE WHEN owner IS NOT NULL AND expires_us > {N} THEN {} END, \
+                            CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> ? \
+                                      AND wwait_us > {N} AND wwait_token = token THEN {} END \
+                     FROM {table} WHERE k = ? FOR UPDATE",
+                    left("expires_us"),
+                    left("wwait_us")
+                ),
+                &[1, 0],
+            ),
+            holders: Stmt::new(
+                format!(
+                    "SELECT slot, permits, owner, {} FROM {h} WHERE k = ? AND {live} ORDER BY slot",
+                    left("expires_us")
+                ),
+                &[0],
+            ),
+            // `granted_us` before `owner`: assignments run left to right.
+            take: Stmt::new(
+                format!(
+                    "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
+                     VALUES (?, ?, ?, ?, IF(? >= 0, ?, {N}), {N} + ? * 1000, ?, {N}) \
+                     ON DUPLICATE KEY UPDATE \
+                     token = IF(? >= 0, ?, GREATEST(token + 1, {N})), \
+                     granted_us = IF(owner <=> ?, granted_us, {N}), \
+                     permits = VALUES(permits), owner = VALUES(owner), \
+                     expires_us = VALUES(expires_us), holder = VALUES(holder)"
+                ),
+                &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
+            ),
+            slot_token: Stmt::new(
+                format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
+                &[0, 1],
+            ),
+            share: Stmt::new(
+                format!(
+                    "UPDATE {table} SET shared_us = GREATEST(shared_us, {N} + ? * 1000), \
+                     token = IF(? = 1, GREATEST(token + 1, {N}), token) WHERE k = ?"
+                ),
+                &[1, 2, 0],
+            ),
+            key_token: Stmt::new(
+                format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
+                &[0],
+            ),
+            wanted: None,
+            mark_writer: Stmt::new(
+                format!(
+                    "UPDATE {table} SET wwait_token = token, wwait_us = {N} + ? * 1000, \
+                     wwait_owner = ? \
+                     WHERE k = ? AND (wwait_owner IS NULL OR wwait_owner = ? \
+                        OR wwait_us <= {N} OR wwait_token <> token)"
+                ),
+                &[2, 1, 0, 1],
+            ),
+            unmark_writer: Stmt::new(
+                format!("UPDATE {table} SET wwait_owner = NULL WHERE k = ? AND wwait_owner = ?"),
+                &[0, 1],
+            ),
+            renew_holder: Stmt::new(
+                format!(
+                    "UPDATE {h} SET expires_us = {N} + ? * 1000 \
+                     WHERE k = ? AND owner = ? AND (? < 0 OR slot = ?) AND expires_us > {N}"
+                ),
+                &[3, 0, 2, 1, 1],
+            ),
+            free_holder: Stmt::new(
+                format!(
+                    "UPDATE {h} SET owner = NULL, expires_us = {N} \
+                     WHERE k = ? AND owner = ? AND (? < 0 OR slot = ?)"
+                ),
+                &[0, 2, 1, 1],
+            ),
+            reshare: Stmt::new(
+                format!(
+                    "UPDATE {table} SET shared_us = COALESCE((SELECT MAX(h.expires_us) FROM {h} h \
+                       WHERE h.k = ? AND h.owner IS NOT NULL AND h.expires_us > {N}), 0), \
+                     wwait_owner = IF(wwait_owner <=> ?, NULL, wwait_owner) WHERE k = ?"
+                ),
+                &[0, 1, 0],
+            ),
+            notify: None,
+            was_revoked: Stmt::new(
+                format!(
+                    "SELECT CAST(1 AS SIGNED) FROM {h} WHERE k = ? AND (? < 0 OR slot = ?) \
+                     AND revoked = ?"
+                ),
+                &[0, 1, 1, 2],
+            ),
+            inspect: Stmt::new(
+                format!("{entry} WHERE k = ? AND {live} ORDER BY slot"),
+                &[0],
+            ),
+            inspect_range: Stmt::new(
+                format!("{entry} WHERE k >= ? AND k <= ? AND {live} ORDER BY k, slot"),
+                &[0, 1],
+            ),
+            list: Stmt::new(
+                format!(
+                    "SELECT k FROM {table} WHERE k >= ? AND k < ? AND shared_us > {N} \
+                     ORDER BY k LIMIT ?"
+                ),
+                &[0, 1, 2],
+            ),
+            list_to_end: Stmt::new(
+                format!(
+                    "SELECT k FROM {table} WHERE k >= ? AND shared_us > {N} ORDER BY k LIMIT ?"
+                ),
+                &[0, 1],
+            ),
+            // `revoked` first: assignments run left to right.
+            revoke: Stmt::new(
+                format!(
+                    "UPDATE {h} SET revoked = owner, owner = NULL, expires_us = {N} \
+                     WHERE k = ? AND {live}"
+                ),
+                &[0],
+            ),
+        }
+    }
 
     async fn try_lease(
         backend: &MysqlBackend,
@@ -628,7 +824,9 @@ impl Dialect for Mysql {
 
     fn collect_sql(table: &str, mode: Mode) -> String {
         match mode {
-            Mode::Lease => format!("DELETE FROM {table} WHERE expires_us < {N} - ? LIMIT 10000"),
+            Mode::Lease => format!(
+                "DELETE FROM {table} WHERE GREATEST(expires_us, shared_us) < {N} - ? LIMIT 10000"
+            ),
             Mode::Session => {
                 format!("DELETE FROM {table}_fence WHERE token < {N} - ? LIMIT 10000")
             }

@@ -35,6 +35,27 @@
 //! reads which key is held, and the waiter marks it and waits on it as for a
 //! single key. Session mode takes the keys one by one.
 //!
+//! **Semaphores and read-write locks** (lease mode; session mode offers
+//! plain locks only for now). A reader's share and each permit are rows of
+//! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
+//! record), each with its own expiry on the database's clock; the key's
+//! lease-table row stays the writer (a plain lock is the write mode) and
+//! carries `shared_until` (the latest expiry of its holder rows, which the
+//! plain acquire's `WHERE` also requires to have passed) and the
+//! waiting-writer mark. A reader or a permit is decided in one short
+//! transaction at READ COMMITTED that first locks the key's lease-table row
+//! (`SELECT … FOR UPDATE`): one statement could not do it, since its
+//! snapshot predates its wait for the row lock and it would not see the
+//! holder rows the previous transaction committed. The semaphore takes the
+//! lowest free slot below `permits` with the slot row's hybrid token
+//! (per key and slot); `permits` is stored with the rows and another count,
+//! a reader or a plain lock while they live is a `Config` error. A reader
+//! takes the key's one token sequence (the lease row's hybrid token) and is
+//! busy while the plain lock is held or another writer's mark stands; a
+//! writer that finds readers marks the key (writers are preferred) and its
+//! grant voids the mark. Releases notify as a plain release does (when the
+//! key is wanted); renewals of shares go in one transaction per batch.
+//!
 //! **Wake-ups.** `NOTIFY` takes a cluster-wide lock at commit, so a release
 //! notifies only when a waiter marked the key as `wanted`. A waiter marks it
 //! (once per wait, and only when unmarked) after its first busy answer; the
@@ -90,6 +111,7 @@ use super::engine::{
     holder_text,
 };
 use super::pool::is_connection_error;
+use super::shared::{SharedSql, Stmt, rows_and_exec};
 use super::upkeep::millis;
 use super::url::{Mode, UrlOptions, check_table_name};
 use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
@@ -152,8 +174,9 @@ impl Statements {
                      holder = excluded.holder, \
                      granted_at = CASE WHEN l.owner = excluded.owner THEN l.granted_at \
                                        ELSE excluded.granted_at END \
-                 WHERE l.owner IS NULL OR l.owner = excluded.owner \
-                    OR l.expires_at <= clock_timestamp()";
+                 WHERE (l.owner IS NULL OR l.owner = excluded.owner \
+                    OR l.expires_at <= clock_timestamp()) \
+                   AND (l.shared_until IS NULL OR l.shared_until <= clock_timestamp())";
         Statements {
             acquire: s(format!(
                 "INSERT INTO {table} AS l (key, owner, token, expires_at, holder, granted_at) \
@@ -181,7 +204,8 @@ impl Statements {
             // The first key of $1 held by another owner.
             busy_of: s(format!(
                 "SELECT key FROM {table} WHERE key = ANY($1::text[]) \
-                 AND owner IS NOT NULL AND owner <> $2 AND expires_at > clock_timestamp() \
+                 AND (owner IS NOT NULL AND owner <> $2 AND expires_at > clock_timestamp() \
+                      OR shared_until > clock_timestamp()) \
                  ORDER BY key LIMIT 1"
             )),
             // Marks the key as wanted (a write only when it was not marked
@@ -190,13 +214,16 @@ impl Statements {
             // holder's lease runs.
             mark: s(format!(
                 "WITH m AS (UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted \
-                            RETURNING owner, expires_at), \
-                      r AS (SELECT owner, expires_at FROM m \
+                            RETURNING owner, expires_at, shared_until), \
+                      r AS (SELECT owner, expires_at, shared_until FROM m \
                             UNION ALL \
-                            SELECT owner, expires_at FROM {table} \
+                            SELECT owner, expires_at, shared_until FROM {table} \
                             WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM m)) \
-                 SELECT owner IS NULL OR expires_at <= clock_timestamp(), \
-                        GREATEST(0, ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000))::bigint \
+                 SELECT (owner IS NULL OR expires_at <= clock_timestamp()) \
+                        AND (shared_until IS NULL OR shared_until <= clock_timestamp()), \
+                        GREATEST(0, ceil(extract(epoch FROM \
+                            GREATEST(CASE WHEN owner IS NULL THEN NULL ELSE expires_at END, shared_until) \
+                            - clock_timestamp()) * 1000))::bigint \
                  FROM r"
             )),
             renew: s(format!(
@@ -316,13 +343,28 @@ impl PostgresBackend {
         wanted     boolean     NOT NULL DEFAULT false,\n    \
         holder     text,\n    \
         granted_at timestamptz,\n    \
-        revoked    text\n) WITH (fillfactor = 80);\n\
+        revoked    text,\n    \
+        shared_until timestamptz,\n    \
+        wwait_owner  text,\n    \
+        wwait_until  timestamptz,\n    \
+        wwait_token  bigint\n) WITH (fillfactor = 80);\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_fence (\n    \
         k          bigint PRIMARY KEY,\n    \
         token      bigint NOT NULL,\n    \
         name       text COLLATE \"C\",\n    \
         holder     text,\n    \
-        granted_at timestamptz\n);";
+        granted_at timestamptz\n);\n\
+        CREATE TABLE IF NOT EXISTS dlock_leases_holders (\n    \
+        key        text COLLATE \"C\" NOT NULL,\n    \
+        slot       bigint      NOT NULL,\n    \
+        permits    bigint      NOT NULL,\n    \
+        owner      text,\n    \
+        token      bigint      NOT NULL,\n    \
+        expires_at timestamptz NOT NULL,\n    \
+        holder     text,\n    \
+        granted_at timestamptz,\n    \
+        revoked    text,\n    \
+        PRIMARY KEY (key, slot)\n);";
 
     /// Connects to the database a `postgres://` URL names, creating (or
     /// checking) the table. See the [module docs](self) for the options.
@@ -399,6 +441,8 @@ impl Dialect for Postgres {
     const DEFAULT_POLL: Duration = DEFAULT_POLL;
     const DDL: &'static str = PostgresBackend::DDL;
     const LEASE_COLUMNS: &'static str = "key, owner, token, expires_at, wanted";
+    const HOLDERS_COLUMNS: &'static str =
+        "key, slot, permits, owner, token, expires_at, holder, granted_at, revoked";
 
     fn classify(err: sqlx::Error) -> BackendError {
         pg_error(err)
@@ -639,6 +683,192 @@ impl Dialect for Postgres {
     }
 
     fetch_i64_by_query_scalar!();
+    rows_and_exec!(String, sqlx::PgConnection);
+
+    const SHARED_COLUMNS: &'static str = "shared_until, wwait_owner, wwait_until, wwait_token";
+
+    fn add_shared_columns(table: &str) -> Vec<String> {
+        [
+            "shared_until timestamptz",
+            "wwait_owner text",
+            "wwait_until timestamptz",
+            "wwait_token bigint",
+        ]
+        .iter()
+        .map(|column| format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column}"))
+        .collect()
+    }
+
+    fn collect_holders_sql(table: &str) -> String {
+        format!(
+            "DELETE FROM {table}_holders \
+             WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond'"
+        )
+    }
+
+    fn shared_sql(&self, table: &str) -> SharedSql {
+        let h = format!("{table}_holders");
+        let left = |at: &str| {
+            format!(
+                "GREATEST(0, ceil(extract(epoch FROM {at} - clock_timestamp()) * 1000))::bigint"
+            )
+        };
+        let live = "owner IS NOT NULL AND expires_at > clock_timestamp()";
+        let entry = format!(
+            "SELECT key, owner, holder, token, (extract(epoch FROM granted_at) * 1000)::bigint, \
+             {}, slot, permits FROM {h}",
+            left("expires_at")
+        );
+        let until = |arg: &str| format!("clock_timestamp() + {arg} * interval '1 millisecond'");
+        SharedSql {
+            ensure: Stmt::new(
+                format!(
+                    "INSERT INTO {table} (key, owner, token, expires_at) \
+                     VALUES ($1, NULL, 0, clock_timestamp()) ON CONFLICT (key) DO NOTHING"
+                ),
+                &[0],
+            ),
+            lock: Stmt::new(
+                format!(
+                    "SELECT CASE WHEN owner IS NOT NULL AND expires_at > clock_timestamp() \
+                                 THEN {} END, \
+                            CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> $2 \
+                                      AND wwait_until > clock_timestamp() AND wwait_token = token \
+                                 THEN {} END \
+                     FROM {table} WHERE key = $1 FOR UPDATE",
+                    left("expires_at"),
+                    left("wwait_until")
+                ),
+                &[0, 1],
+            ),
+            holders: Stmt::new(
+                format!(
+                    "SELECT slot, permits, owner, {} FROM {h} WHERE key = $1 AND {live} \
+                     ORDER BY slot",
+                    left("expires_at")
+                ),
+                &[0],
+            ),
+            take: Stmt::new(
+                format!(
+                    "INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                     VALUES ($1, $2, $3, $4, CASE WHEN $7 >= 0 THEN $7 ELSE {NOW_US} END, {}, $6, \
+                             clock_timestamp()) \
+                     ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
+                         owner = excluded.owner, \
+                         token = CASE WHEN $7 >= 0 THEN $7 ELSE GREATEST(h.token + 1, excluded.token) END, \
+                         expires_at = excluded.expires_at, holder = excluded.holder, \
+                         granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
+                                           ELSE excluded.granted_at END",
+                    until("$5")
+                ),
+                &[0, 1, 2, 3, 4, 5, 6],
+            ),
+            slot_token: Stmt::new(
+                format!("SELECT token FROM {h} WHERE key = $1 AND slot = $2"),
+                &[0, 1],
+            ),
+            share: Stmt::new(
+                format!(
+                    "UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
+                     token = CASE WHEN $3 = 1 THEN GREATEST(token + 1, {NOW_US}) ELSE token END \
+                     WHERE key = $1",
+                    until("$2")
+                ),
+                &[0, 1, 2],
+            ),
+            key_token: Stmt::new(format!("SELECT token FROM {table} WHERE key = $1"), &[0]),
+            wanted: Some(Stmt::new(
+                format!("UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted"),
+                &[0],
+            )),
+            mark_writer: Stmt::new(
+                format!(
+                    "UPDATE {table} SET wwait_owner = $2, wwait_until = {}, \
+                     wwait_token = token, wanted = true \
+                     WHERE key = $1 AND (wwait_owner IS NULL OR wwait_owner = $2 \
+                        OR wwait_until <= clock_timestamp() OR wwait_token IS DISTINCT FROM token)",
+                    until("$3")
+                ),
+                &[0, 1, 2],
+            ),
+            unmark_writer: Stmt::new(
+                format!(
+                    "UPDATE {table} SET wwait_owner = NULL WHERE key = $1 AND wwait_owner = $2"
+                ),
+                &[0, 1],
+            ),
+            renew_holder: Stmt::new(
+                format!(
+                    "UPDATE {h} SET expires_at = {} \
+                     WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2) \
+                       AND expires_at > clock_timestamp()",
+                    until("$4")
+                ),
+                &[0, 1, 2, 3],
+            ),
+            free_holder: Stmt::new(
+                format!(
+                    "UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                     WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2)"
+                ),
+                &[0, 1, 2],
+            ),
+            reshare: Stmt::new(
+                format!(
+                    "UPDATE {table} SET shared_until = \
+                       (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                        AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp()), \
+                     wwait_owner = NULLIF(wwait_owner, $2) \
+                     WHERE key = $1"
+                ),
+                &[0, 1],
+            ),
+            notify: Some(Stmt::new(
+                format!(
+                    "SELECT pg_notify('{}', key)::text FROM {table} WHERE key = $1 AND wanted",
+                    self.channel
+                ),
+                &[0],
+            )),
+            was_revoked: Stmt::new(
+                format!(
+                    "SELECT 1::bigint FROM {h} WHERE key = $1 AND ($2 < 0 OR slot = $2) \
+                     AND revoked = $3"
+                ),
+                &[0, 1, 2],
+            ),
+            inspect: Stmt::new(
+                format!("{entry} WHERE key = $1 AND {live} ORDER BY slot"),
+                &[0],
+            ),
+            inspect_range: Stmt::new(
+                format!("{entry} WHERE key >= $1 AND key <= $2 AND {live} ORDER BY key, slot"),
+                &[0, 1],
+            ),
+            list: Stmt::new(
+                format!(
+                    "SELECT key FROM {table} WHERE key >= $1 AND key < $2 \
+                     AND shared_until > clock_timestamp() ORDER BY key LIMIT $3"
+                ),
+                &[0, 1, 2],
+            ),
+            list_to_end: Stmt::new(
+                format!(
+                    "SELECT key FROM {table} WHERE key >= $1 \
+                     AND shared_until > clock_timestamp() ORDER BY key LIMIT $2"
+                ),
+                &[0, 1],
+            ),
+            revoke: Stmt::new(
+                format!(
+                    "UPDATE {h} SET revoked = owner, owner = NULL, expires_at = clock_timestamp() \
+                     WHERE key = $1 AND {live}"
+                ),
+                &[0],
+            ),
+        }
+    }
 
     async fn try_lease(
         backend: &PostgresBackend,
@@ -821,7 +1051,9 @@ impl Dialect for Postgres {
         match mode {
             Mode::Lease => format!(
                 "DELETE FROM {table} \
-                 WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond'"
+                 WHERE expires_at < clock_timestamp() - $1 * interval '1 millisecond' \
+                   AND (shared_until IS NULL \
+                        OR shared_until < clock_timestamp() - $1 * interval '1 millisecond')"
             ),
             // A fence row's token is at least the clock (µs) of its last
             // grant: rows untouched for the retention go.

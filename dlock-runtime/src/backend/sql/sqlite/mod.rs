@@ -30,6 +30,14 @@
 //! operator, or by the collection of free rows older than `retention`, 10
 //! minutes by default: `sqlite://path?retention=1m`).
 //!
+//! Semaphores and read-write locks use the same layout and algorithm as
+//! the server databases (see `sql::shared`): holder rows in
+//! `dlock_leases_holders` with their own expiry, the key's lease row as the
+//! writer with `shared_until` and the waiting-writer mark, each share or
+//! permit decided in one `BEGIN IMMEDIATE` transaction (SQLite's single
+//! writer orders every decision), the release ringing the key's doorbell.
+//! A table created by an earlier version gets the new columns added at open.
+//!
 //! Each grant stores its holder record (`holder`, and `granted_at` in
 //! milliseconds on the database's clock); a revocation frees the row as a
 //! release does, keeps the revoked owner in `revoked`, and rings the key's
@@ -50,12 +58,13 @@ use sqlx::sqlite::{
 
 use self::doorbell::Doorbells;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
+use super::shared::{self, Marks, SharedSql, SharedStore, Stmt, rows_and_exec};
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
 use crate::backend::wait::Waiters;
 use crate::backend::{
-    AcquireRequest, Attempt, AttemptAll, HeldEntry, KeyEntry, Lease, LockBackend, Renewal,
-    WakeSource,
+    AcquireRequest, Attempt, AttemptAll, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend,
+    Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
@@ -69,15 +78,37 @@ const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
     expires_at INTEGER NOT NULL,
     holder     TEXT,
     granted_at INTEGER,
-    revoked    TEXT
+    revoked    TEXT,
+    shared_until INTEGER NOT NULL DEFAULT 0,
+    wwait_owner  TEXT,
+    wwait_until  INTEGER NOT NULL DEFAULT 0,
+    wwait_token  INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID";
+
+/// The holder rows of semaphores and read-write locks (see `sql::shared`).
+const CREATE_HOLDERS: &str = "CREATE TABLE IF NOT EXISTS dlock_leases_holders (
+    key        TEXT    NOT NULL,
+    slot       INTEGER NOT NULL,
+    permits    INTEGER NOT NULL,
+    owner      TEXT,
+    token      INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    holder     TEXT,
+    granted_at INTEGER,
+    revoked    TEXT,
+    PRIMARY KEY (key, slot)
 ) WITHOUT ROWID";
 
 /// The holder-record columns, added to a table created without them (see
 /// `sql::admin`).
-const HOLDER_COLUMNS: [(&str, &str); 3] = [
+const HOLDER_COLUMNS: [(&str, &str); 7] = [
     ("holder", "TEXT"),
     ("granted_at", "INTEGER"),
     ("revoked", "TEXT"),
+    ("shared_until", "INTEGER NOT NULL DEFAULT 0"),
+    ("wwait_owner", "TEXT"),
+    ("wwait_until", "INTEGER NOT NULL DEFAULT 0"),
+    ("wwait_token", "INTEGER NOT NULL DEFAULT 0"),
 ];
 
 // How a row is taken: the acquire's, and each row's of the acquire of
@@ -91,9 +122,10 @@ macro_rules! take_row {
         token = MAX(dlock_leases.token + 1, excluded.token),
         expires_at = excluded.expires_at,
         holder = excluded.holder
-    WHERE dlock_leases.owner IS NULL
+    WHERE (dlock_leases.owner IS NULL
        OR dlock_leases.owner = excluded.owner
-       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+       OR dlock_leases.expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER))
+      AND dlock_leases.shared_until <= CAST(unixepoch('subsec') * 1000 AS INTEGER)"
     };
 }
 
@@ -102,8 +134,10 @@ macro_rules! take_row {
 macro_rules! held_elsewhere {
     () => {
         "SELECT key FROM dlock_leases
-    WHERE key IN (SELECT value FROM json_each(?1)) AND owner IS NOT NULL AND owner <> ?2
-      AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    WHERE key IN (SELECT value FROM json_each(?1))
+      AND (owner IS NOT NULL AND owner <> ?2
+           AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)
+           OR shared_until > CAST(unixepoch('subsec') * 1000 AS INTEGER))"
     };
 }
 
@@ -139,8 +173,10 @@ const ACQUIRE_ALL: &str = concat!(
 
 const BUSY_OF: &str = concat!(held_elsewhere!(), " ORDER BY key LIMIT 1");
 
-const REMAINING: &str = "SELECT expires_at - CAST(unixepoch('subsec') * 1000 AS INTEGER)
-    FROM dlock_leases WHERE key = ?1 AND owner IS NOT NULL";
+const REMAINING: &str =
+    "SELECT MAX(CASE WHEN owner IS NULL THEN 0 ELSE expires_at END, shared_until)
+        - CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    FROM dlock_leases WHERE key = ?1";
 
 const RENEW: &str = "UPDATE dlock_leases
     SET expires_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) + ?3
@@ -178,6 +214,10 @@ const WAS_REVOKED: &str = "SELECT 1 FROM dlock_leases WHERE key = ?1 AND revoked
 // Rows free (or expired) for longer than the retention (?1 ms). Safe with
 // hybrid tokens: a key locked again later gets a token above every old one.
 const COLLECT: &str = "DELETE FROM dlock_leases
+    WHERE expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1
+      AND shared_until < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1";
+
+const COLLECT_HOLDERS: &str = "DELETE FROM dlock_leases_holders
     WHERE expires_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1";
 
 /// `granted_at` is in milliseconds.
@@ -206,6 +246,10 @@ pub struct SqliteBackend {
     doorbells: Arc<Doorbells>,
     /// When and which free rows are collected.
     collector: Arc<Collector>,
+    /// The statements of semaphores and read-write locks.
+    shared: Arc<SharedSql>,
+    /// The owners whose waiting-writer marks may stand.
+    marks: Arc<Marks>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -293,6 +337,7 @@ impl SqliteBackend {
                 .connect_with(options)
                 .await?;
             sqlx::query(CREATE_TABLE).execute(&pool).await?;
+            sqlx::query(CREATE_HOLDERS).execute(&pool).await?;
             add_holder_columns(&pool).await?;
             Ok::<_, sqlx::Error>(pool)
         })
@@ -307,6 +352,8 @@ impl SqliteBackend {
             local_waiters: Arc::default(),
             doorbells: Arc::new(Doorbells::new(&path)),
             collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
+            shared: Arc::new(shared_sql()),
+            marks: Arc::default(),
             path,
         })
     }
@@ -343,11 +390,18 @@ impl SqliteBackend {
         if !self.collector.due() {
             return;
         }
-        if let Err(err) = sqlx::query(COLLECT)
-            .bind(millis(self.collector.retention))
-            .execute(&self.pool)
-            .await
-        {
+        let retention = millis(self.collector.retention);
+        let collected = async {
+            sqlx::query(COLLECT_HOLDERS)
+                .bind(retention)
+                .execute(&self.pool)
+                .await?;
+            sqlx::query(COLLECT)
+                .bind(retention)
+                .execute(&self.pool)
+                .await
+        };
+        if let Err(err) = collected.await {
             tracing::debug!(error = %err, "dlock sqlite: collecting free rows failed; next time");
         }
     }
@@ -406,6 +460,52 @@ impl SqliteBackend {
         Ok(Duration::from_millis(remaining.unwrap_or(0).max(0) as u64))
     }
 
+    /// One attempt at a plain lock.
+    async fn try_plain(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
+        let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
+            .bind(&request.key)
+            .bind(&request.owner)
+            .bind(millis(request.lease))
+            .bind(request.holder.encode())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        if let Some(token) = token {
+            return Ok(Attempt::Held(Lease::new(
+                request,
+                Some(FencingToken::new(token as u64)),
+            )));
+        }
+        Ok(Attempt::Busy {
+            retry_in: Some(self.remaining(&request.key).await?),
+        })
+    }
+
+    /// Renews one plain lease.
+    async fn renew_plain(&self, lease: &Lease, ttl: Duration) -> Result<Renewal, BackendError> {
+        let done = sqlx::query(RENEW)
+            .bind(&lease.key)
+            .bind(&lease.owner)
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        if done.rows_affected() == 1 {
+            return Ok(Renewal::Renewed);
+        }
+        let revoked: Option<i64> = sqlx::query_scalar(WAS_REVOKED)
+            .bind(&lease.key)
+            .bind(&lease.owner)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sql_error)?;
+        Ok(if revoked.is_some() {
+            Renewal::Revoked
+        } else {
+            Renewal::Lost
+        })
+    }
+
     /// The held row of `key`, if any.
     async fn held(&self, key: &str) -> Result<Option<Row>, BackendError> {
         let row: Option<HeldRow> = sqlx::query_as(INSPECT)
@@ -422,28 +522,38 @@ impl LockBackend for SqliteBackend {
         "sqlite"
     }
 
+    fn offers(&self, _mode: HoldMode) -> Result<(), String> {
+        Ok(())
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
     ) -> BoxFuture<'a, Result<Attempt, BackendError>> {
         Box::pin(async move {
-            let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
-                .bind(&request.key)
-                .bind(&request.owner)
-                .bind(millis(request.lease))
-                .bind(request.holder.encode())
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql_error)?;
-            if let Some(token) = token {
-                return Ok(Attempt::Held(Lease::new(
-                    request,
-                    Some(FencingToken::new(token as u64)),
-                )));
+            match request.mode {
+                HoldMode::Exclusive => match self.try_plain(request).await? {
+                    busy @ Attempt::Busy { .. } => {
+                        shared::exclusive_busy(self, request, busy).await
+                    }
+                    held => {
+                        // A grant voids the attempt's mark.
+                        self.marks.forget(&request.owner);
+                        Ok(held)
+                    }
+                },
+                _ => shared::try_shared(self, request).await,
             }
-            Ok(Attempt::Busy {
-                retry_in: Some(self.remaining(&request.key).await?),
-            })
+        })
+    }
+
+    fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            if request.mode == HoldMode::Exclusive
+                && let Err(err) = shared::unmark_writer(self, &request.key, &request.owner).await
+            {
+                tracing::debug!(error = %err, "dlock sqlite: removing a writer mark failed; it expires");
+            }
         })
     }
 
@@ -512,55 +622,80 @@ impl LockBackend for SqliteBackend {
         Box::pin(std::future::ready(source))
     }
 
-    fn renew<'a>(
-        &'a self,
-        lease: &'a Lease,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Renewal, BackendError>> {
-        Box::pin(async move {
-            let done = sqlx::query(RENEW)
-                .bind(&lease.key)
-                .bind(&lease.owner)
-                .bind(millis(ttl))
-                .execute(&self.pool)
-                .await
-                .map_err(sql_error)?;
-            if done.rows_affected() == 1 {
-                return Ok(Renewal::Renewed);
-            }
-            let revoked: Option<i64> = sqlx::query_scalar(WAS_REVOKED)
-                .bind(&lease.key)
-                .bind(&lease.owner)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(sql_error)?;
-            Ok(if revoked.is_some() {
-                Renewal::Revoked
-            } else {
-                Renewal::Lost
-            })
-        })
-    }
-
     fn renew_all<'a>(
         &'a self,
         batch: &'a [(&'a Lease, Duration)],
     ) -> BoxFuture<'a, Vec<Result<Renewal, BackendError>>> {
-        Box::pin(futures_util::future::join_all(
-            batch.iter().map(|(lease, ttl)| self.renew(lease, *ttl)),
-        ))
+        Box::pin(async move {
+            let shares: Vec<(&Lease, Duration)> = batch
+                .iter()
+                .filter(|(l, _)| l.mode != HoldMode::Exclusive)
+                .copied()
+                .collect();
+            let mut shared_answers = if shares.is_empty() {
+                Vec::new()
+            } else {
+                match shared::renew_shared(self, &shares).await {
+                    Ok(answers) => answers.into_iter().map(Ok).collect(),
+                    Err(err) => {
+                        let text = err.to_string();
+                        let retryable = err.is_retryable();
+                        shares
+                            .iter()
+                            .map(|_| {
+                                Err(if retryable {
+                                    BackendError::transient(text.clone())
+                                } else {
+                                    BackendError::permanent(text.clone())
+                                })
+                            })
+                            .collect()
+                    }
+                }
+            }
+            .into_iter();
+            let plain = futures_util::future::join_all(
+                batch
+                    .iter()
+                    .filter(|(l, _)| l.mode == HoldMode::Exclusive)
+                    .map(|(lease, ttl)| self.renew_plain(lease, *ttl)),
+            )
+            .await;
+            let mut plain = plain.into_iter();
+            batch
+                .iter()
+                .map(|(l, _)| {
+                    let next = if l.mode == HoldMode::Exclusive {
+                        plain.next()
+                    } else {
+                        shared_answers.next()
+                    };
+                    next.unwrap_or_else(|| Err(BackendError::permanent("sqlite: no answer")))
+                })
+                .collect()
+        })
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
-            let done = sqlx::query(RELEASE)
-                .bind(&lease.key)
-                .bind(&lease.owner)
-                .execute(&self.pool)
-                .await
-                .map_err(sql_error)?;
+            let freed = match lease.mode {
+                HoldMode::Exclusive => {
+                    let done = sqlx::query(RELEASE)
+                        .bind(&lease.key)
+                        .bind(&lease.owner)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(sql_error)?;
+                    shared::unmark_writer(self, &lease.key, &lease.owner).await?;
+                    done.rows_affected() > 0
+                }
+                _ => {
+                    shared::release_shared(self, lease).await?;
+                    true
+                }
+            };
             self.local_waiters.wake(&lease.key);
-            if done.rows_affected() > 0 {
+            if freed {
                 // Committed: waiters elsewhere may look now.
                 self.doorbells.ring(&lease.key);
             }
@@ -575,10 +710,14 @@ impl LockBackend for SqliteBackend {
     ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
         Box::pin(async move {
             // Waiters in other processes are not known: none are counted.
-            Ok(self
+            let mut holders: Vec<HeldEntry> = self
                 .held(key)
                 .await?
-                .map(|row| KeyEntry::new(key, vec![row.entry(GRANTED_UNIT)])))
+                .map(|row| row.entry(GRANTED_UNIT))
+                .into_iter()
+                .collect();
+            holders.extend(shared::shared_entries(self, key).await?);
+            Ok((!holders.is_empty()).then(|| KeyEntry::new(key, holders)))
         })
     }
 
@@ -595,19 +734,35 @@ impl LockBackend for SqliteBackend {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(sql_error)?;
-            Ok(rows
+            let mut keys: Vec<KeyEntry> = rows
                 .into_iter()
                 .map(held_row)
                 .map(|row| KeyEntry::new(row.key.clone(), vec![row.entry(GRANTED_UNIT)]))
-                .collect())
+                .collect();
+            let max = i64::try_from(limit).unwrap_or(i64::MAX);
+            let to = prefix_successor(prefix);
+            for (key, entries) in shared::shared_keys(self, prefix, to.as_deref(), max).await? {
+                match keys.iter_mut().find(|k| k.key == key) {
+                    Some(held) => held.holders.extend(entries),
+                    None => keys.push(KeyEntry::new(key, entries)),
+                }
+            }
+            keys.sort_by(|a, b| a.key.cmp(&b.key));
+            keys.truncate(limit);
+            Ok(keys)
         })
     }
 
     fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
         Box::pin(async move {
+            let shares = shared::revoke_shared(self, key).await?;
+            if !shares.is_empty() {
+                self.local_waiters.wake(key);
+                self.doorbells.ring(key);
+            }
             for _ in 0..REVOKE_ATTEMPTS {
                 let Some(row) = self.held(key).await? else {
-                    return Ok(Vec::new());
+                    return Ok(shares);
                 };
                 let done = sqlx::query(REVOKE)
                     .bind(key)
@@ -619,7 +774,9 @@ impl LockBackend for SqliteBackend {
                     // Woken as by a release.
                     self.local_waiters.wake(key);
                     self.doorbells.ring(key);
-                    return Ok(vec![row.entry(GRANTED_UNIT)]);
+                    let mut removed = vec![row.entry(GRANTED_UNIT)];
+                    removed.extend(shares);
+                    return Ok(removed);
                 }
             }
             Err(BackendError::transient(format!(
@@ -649,6 +806,187 @@ fn json_array<'a>(keys: impl Iterator<Item = &'a str>) -> String {
     }
     out.push(']');
     out
+}
+
+/// The clock in milliseconds, in SQL.
+const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+/// The statements of semaphores and read-write locks (see `sql::shared`).
+/// One writer at a time (`BEGIN IMMEDIATE`) orders every decision.
+fn shared_sql() -> SharedSql {
+    let h = "dlock_leases_holders";
+    let live = format!("owner IS NOT NULL AND expires_at > {NOW}");
+    let entry = format!(
+        "SELECT key, owner, holder, token, granted_at, expires_at - {NOW}, slot, permits FROM {h}"
+    );
+    let now_us = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+    let ids = |n: usize| (0..n).collect::<Vec<_>>();
+    SharedSql {
+        ensure: Stmt::new(
+            format!(
+                "INSERT INTO dlock_leases (key, owner, token, expires_at) \
+                 VALUES (?1, NULL, 0, {NOW}) ON CONFLICT (key) DO NOTHING"
+            ),
+            &ids(1),
+        ),
+        lock: Stmt::new(
+            format!(
+                "SELECT CASE WHEN owner IS NOT NULL AND expires_at > {NOW} \
+                             THEN expires_at - {NOW} END, \
+                        CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> ?2 \
+                                  AND wwait_until > {NOW} AND wwait_token = token \
+                             THEN wwait_until - {NOW} END \
+                 FROM dlock_leases WHERE key = ?1"
+            ),
+            &ids(2),
+        ),
+        holders: Stmt::new(
+            format!(
+                "SELECT slot, permits, owner, expires_at - {NOW} FROM {h} \
+                 WHERE key = ?1 AND {live} ORDER BY slot"
+            ),
+            &ids(1),
+        ),
+        take: Stmt::new(
+            format!(
+                "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 VALUES (?1, ?2, ?3, ?4, CASE WHEN ?7 >= 0 THEN ?7 ELSE {now_us} END, \
+                         {NOW} + ?5, ?6, {NOW}) \
+                 ON CONFLICT (key, slot) DO UPDATE SET \
+                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                                       ELSE excluded.granted_at END, \
+                     permits = excluded.permits, owner = excluded.owner, \
+                     token = CASE WHEN ?7 >= 0 THEN ?7 ELSE MAX({h}.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder"
+            ),
+            &ids(7),
+        ),
+        slot_token: Stmt::new(
+            format!("SELECT token FROM {h} WHERE key = ?1 AND slot = ?2"),
+            &ids(2),
+        ),
+        share: Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?2), \
+                 token = CASE WHEN ?3 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+                 WHERE key = ?1"
+            ),
+            &ids(3),
+        ),
+        key_token: Stmt::new(
+            "SELECT token FROM dlock_leases WHERE key = ?1".into(),
+            &ids(1),
+        ),
+        wanted: None,
+        mark_writer: Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET wwait_owner = ?2, wwait_until = {NOW} + ?3, \
+                 wwait_token = token \
+                 WHERE key = ?1 AND (wwait_owner IS NULL OR wwait_owner = ?2 \
+                    OR wwait_until <= {NOW} OR wwait_token <> token)"
+            ),
+            &ids(3),
+        ),
+        unmark_writer: Stmt::new(
+            "UPDATE dlock_leases SET wwait_owner = NULL WHERE key = ?1 AND wwait_owner = ?2".into(),
+            &ids(2),
+        ),
+        renew_holder: Stmt::new(
+            format!(
+                "UPDATE {h} SET expires_at = {NOW} + ?4 \
+                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2) AND expires_at > {NOW}"
+            ),
+            &ids(4),
+        ),
+        free_holder: Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_at = {NOW} \
+                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2)"
+            ),
+            &ids(3),
+        ),
+        reshare: Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+                   AND h.expires_at > {NOW}), 0), \
+                 wwait_owner = NULLIF(wwait_owner, ?2) WHERE key = ?1"
+            ),
+            &ids(2),
+        ),
+        notify: None,
+        was_revoked: Stmt::new(
+            format!("SELECT 1 FROM {h} WHERE key = ?1 AND (?2 < 0 OR slot = ?2) AND revoked = ?3"),
+            &ids(3),
+        ),
+        inspect: Stmt::new(
+            format!("{entry} WHERE key = ?1 AND {live} ORDER BY slot"),
+            &ids(1),
+        ),
+        inspect_range: Stmt::new(
+            format!("{entry} WHERE key >= ?1 AND key <= ?2 AND {live} ORDER BY key, slot"),
+            &ids(2),
+        ),
+        list: Stmt::new(
+            format!(
+                "SELECT key FROM dlock_leases WHERE key >= ?1 AND key < ?2 \
+                 AND shared_until > {NOW} ORDER BY key LIMIT ?3"
+            ),
+            &ids(3),
+        ),
+        list_to_end: Stmt::new(
+            format!(
+                "SELECT key FROM dlock_leases WHERE key >= ?1 \
+                 AND shared_until > {NOW} ORDER BY key LIMIT ?2"
+            ),
+            &ids(2),
+        ),
+        revoke: Stmt::new(
+            format!(
+                "UPDATE {h} SET revoked = owner, owner = NULL, expires_at = {NOW} \
+                 WHERE key = ?1 AND {live}"
+            ),
+            &ids(1),
+        ),
+    }
+}
+
+impl SharedStore for SqliteBackend {
+    type Db = sqlx::Sqlite;
+    const GRANTED_UNIT: Duration = GRANTED_UNIT;
+    const HOLDER_MAX: usize = usize::MAX;
+    // One writer at a time from the start: a deferred transaction that
+    // reads and then writes could not take the write lock.
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+
+    fn sql(&self) -> Arc<SharedSql> {
+        self.shared.clone()
+    }
+
+    fn poll(&self) -> Duration {
+        self.poll
+    }
+
+    fn marks(&self) -> &Marks {
+        &self.marks
+    }
+
+    async fn call<T, F>(
+        &self,
+        _owner: Option<&str>,
+        _what: &str,
+        mut statement: F,
+    ) -> Result<T, BackendError>
+    where
+        T: Send,
+        F: for<'c> FnMut(&'c mut sqlx::SqliteConnection) -> BoxFuture<'c, Result<T, sqlx::Error>>
+            + Send,
+    {
+        let mut conn = self.pool.acquire().await.map_err(sql_error)?;
+        statement(&mut conn).await.map_err(sql_error)
+    }
+
+    rows_and_exec!(String, sqlx::SqliteConnection);
 }
 
 #[cfg(test)]
