@@ -177,6 +177,78 @@ async fn the_builders_holder_name_is_stored_with_the_grant() {
     }
 }
 
+/// A name longer than a PostgreSQL connection's `application_name` holds,
+/// and one outside ASCII, are shown whole in every mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_or_non_ascii_holder_name_is_shown_whole() {
+    let long = format!("payments {}", "x".repeat(80));
+    for name in [long.as_str(), "entrepôt nord"] {
+        for url in urls() {
+            let registry = Registry::builder()
+                .default_backend(dlock_runtime::connect(&url).await.expect("connect"))
+                .holder_name(name)
+                .build();
+            let key = unique_key("admin-long-name");
+            let guard = registry.lock(&key).acquire().await.expect("acquire");
+            let info = registry
+                .inspect(&key)
+                .await
+                .expect("inspect")
+                .unwrap_or_else(|| panic!("{url}: the held key is shown"));
+            let holder = &info.holders()[0];
+            assert_eq!(holder.name(), Some(name), "{url}: {holder:?}");
+            assert_eq!(holder.pid(), Some(std::process::id()), "{url}");
+            guard.release().await.expect("release");
+        }
+    }
+}
+
+/// PostgreSQL session mode: the holder's connection carries the record in
+/// its `application_name` (`dlock h1 <pid> …`) unless the URL names the
+/// application, which is then kept, the record still shown.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_session_connection_names_carry_the_record_unless_the_url_names_one() {
+    let db = SqlDb::Postgres;
+    let pid = std::process::id();
+    // The sessions holding an advisory lock whose connection's name is like
+    // `pattern`.
+    let holding = |pattern: &str| {
+        format!(
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_locks l \
+               ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted \
+             WHERE a.application_name LIKE '{pattern}'"
+        )
+    };
+    for (query, shown) in [
+        ("", format!("dlock h1 {pid} % replica 3")),
+        ("&application_name=billing", "billing".to_owned()),
+    ] {
+        let url = format!("{}?mode=session{query}", db.url());
+        let registry = Registry::builder()
+            .default_backend(dlock_runtime::connect(&url).await.expect("connect"))
+            .holder_name("replica 3")
+            .build();
+        let key = unique_key("admin-app-name");
+        let guard = registry.lock(&key).acquire().await.expect("acquire");
+        let named = db.fetch_count(&holding(&shown)).await;
+        assert_eq!(
+            named, 1,
+            "{url}: the holder's connection is named like `{shown}`"
+        );
+        let info = registry
+            .inspect(&key)
+            .await
+            .expect("inspect")
+            .unwrap_or_else(|| panic!("{url}: the held key is shown"));
+        let holder = &info.holders()[0];
+        assert_eq!(holder.name(), Some("replica 3"), "{url}: {holder:?}");
+        assert_eq!(holder.pid(), Some(pid), "{url}");
+        assert!(holder.granted_at().is_some(), "{url}: {holder:?}");
+        guard.release().await.expect("release");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_process_grant_is_shown_with_its_pid_and_revoked() {
     for url in urls() {
@@ -251,7 +323,12 @@ async fn postgres_session_revoke_without_the_right_says_what_is_needed() {
         .inspect(&key)
         .await
         .expect("inspect as the other role");
-    assert!(info.is_some(), "the other role sees the holder");
+    let holders = info.map(|info| info.holders().to_vec()).unwrap_or_default();
+    assert_eq!(
+        holders.first().and_then(|h| h.pid()),
+        Some(std::process::id()),
+        "the other role sees the holder and its record: {holders:?}"
+    );
     let answer = denied.revoke(&key).await;
     let Err(err @ LockError::Backend { .. }) = &answer else {
         panic!("revoked without the right: {answer:?}")

@@ -79,7 +79,9 @@ pub trait SessionDb: Send + Sync + 'static {
 
     /// Locks `key` within `wait` (zero: try once), and on success bumps its
     /// fencing counter, stores the key and its `holder` record (text) in the
-    /// counter's row, and sets the server's idle limit to `ttl`.
+    /// counter's row (or the record where the server shows it with the
+    /// connection, for [`inspect`](Self::inspect) to join), and sets the
+    /// server's idle limit to `ttl`.
     fn lock<'a>(
         &'a self,
         conn: &'a mut Self::Conn,

@@ -60,6 +60,9 @@ pub struct PgSessions {
     mark_kind_sql: Arc<str>,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
+    /// Whether the connections' `application_name` is dlock's own (the
+    /// URL names none), so that it may carry the holder record.
+    record_in_name: bool,
     /// Clean connections kept for reuse, oldest first, with when each was
     /// given back.
     idle: Mutex<Vec<(PgSession, std::time::Instant)>>,
@@ -75,6 +78,24 @@ pub struct PgSessions {
 pub struct PgSession {
     listener: PgListener,
     pid: i32,
+    /// The holder record its `application_name` carries, once set.
+    record: Option<String>,
+}
+
+/// The prefix of a session connection's `application_name` that carries a
+/// holder record: `dlock ` then the record's text.
+const RECORD_NAME_PREFIX: &str = "dlock ";
+
+/// The longest `application_name` the server keeps (`NAMEDATALEN - 1`).
+const APPLICATION_NAME_MAX: usize = 63;
+
+/// The `application_name` that carries `holder`, if the server keeps it
+/// unchanged: short enough, and printable ASCII only (the server replaces
+/// any other byte).
+fn record_name(holder: &str) -> Option<String> {
+    let name = format!("{RECORD_NAME_PREFIX}{holder}");
+    (name.len() <= APPLICATION_NAME_MAX && name.bytes().all(|b| (b' '..=b'~').contains(&b)))
+        .then_some(name)
 }
 
 impl PgSessions {
@@ -86,6 +107,7 @@ impl PgSessions {
         table: &str,
         timeout: Duration,
     ) -> Result<Self, sqlx::Error> {
+        let record_in_name = options.get_application_name() == Some("dlock");
         let session_options = session_settings(options, version);
         let pool = PgPoolOptions::new()
             .max_connections(MAX_SESSIONS)
@@ -123,6 +145,7 @@ impl PgSessions {
             mark_sql: PgSessions::mark_sql(&format!("{table}_fence")),
             mark_kind_sql: format!("SELECT holder FROM {table}_fence WHERE k = $1").into(),
             idle_limit: version >= 140_000,
+            record_in_name,
             idle: Mutex::default(),
             control,
         })
@@ -167,7 +190,8 @@ impl PgSessions {
 
     /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
     /// as text), `$3` how long to wait (ms as text; `0`: try once), `$4` the
-    /// stored key and `$5` the holder record, kept in the counter's row. The wait's
+    /// stored key and `$5` the holder record (`NULL` when the connection's
+    /// `application_name` carries it), kept in the counter's row. The wait's
     /// limit is local to the statement's transaction; the idle limit is set
     /// for the session only when the lock is ours.
     fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
@@ -270,11 +294,18 @@ impl PgSessions {
     /// The held advisory locks of this database (`pg_locks`: granted, on a
     /// bigint key, whose two halves are `classid` and `objid`) joined with
     /// the counter rows `filter` picks: the server process holding each,
-    /// the row's key, holder record, token and grant time (ms), and how many
-    /// sessions wait for the same lock.
+    /// the row's key, holder record (the row's, else the one the holding
+    /// connection's `application_name` carries), token and grant time (ms),
+    /// and how many sessions wait for the same lock.
     fn held_sql(fence: &str, filter: &str) -> String {
+        let prefix = RECORD_NAME_PREFIX;
+        let (len, from) = (prefix.len(), prefix.len() + 1);
         format!(
-            "SELECT l.pid, f.name, f.holder, f.token, \
+            "SELECT l.pid, f.name, \
+                    COALESCE(f.holder, \
+                             (SELECT substr(a.application_name, {from}) FROM pg_stat_activity a \
+                              WHERE a.pid = l.pid AND left(a.application_name, {len}) = '{prefix}')), \
+                    f.token, \
                     (extract(epoch FROM f.granted_at) * 1000)::bigint, \
                     (SELECT count(*) FROM pg_locks w \
                      WHERE w.locktype = 'advisory' AND NOT w.granted \
@@ -344,7 +375,11 @@ impl SessionDb for PgSessions {
             let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
                 .fetch_one(&mut listener)
                 .await?;
-            Ok(PgSession { listener, pid })
+            Ok(PgSession {
+                listener,
+                pid,
+                record: None,
+            })
         })
     }
 
@@ -368,12 +403,29 @@ impl SessionDb for PgSessions {
             } else {
                 millis(wait).to_string()
             };
+            // The holder record is the process's, not the grant's: where it
+            // fits, the connection's `application_name` carries it, set once
+            // per connection (and again only for another record), and the
+            // counter's row stores none.
+            let carried = self.record_in_name
+                && (conn.record.as_deref() == Some(holder)
+                    || match record_name(holder) {
+                        Some(name) => {
+                            sqlx::query("SELECT set_config('application_name', $1, false)")
+                                .bind(name)
+                                .execute(&mut conn.listener)
+                                .await?;
+                            conn.record = Some(holder.to_owned());
+                            true
+                        }
+                        None => false,
+                    });
             let token: Option<i64> = match sqlx::query_scalar(AssertSqlSafe(self.lock_sql.clone()))
                 .bind(session_hash(key))
                 .bind(idle_limit(ttl))
                 .bind(wait)
                 .bind(key)
-                .bind(holder)
+                .bind((!carried).then_some(holder))
                 .fetch_optional(&mut conn.listener)
                 .await
             {
