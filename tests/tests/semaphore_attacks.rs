@@ -1,0 +1,314 @@
+//! Attacks on semaphores (`permits(n)`): many tasks on several ZooKeeper
+//! sessions, acquisitions dropped at every moment, mode races on fresh
+//! keys, the operator's view, and the memory backend's expiry.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, MemoryBackend, Registry};
+use dlock_tests::unique_key;
+
+/// A permit holder that is not renewed frees its own slot after its lease,
+/// and only that slot: the other holder keeps its permit and its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unrenewed_permit_holder_frees_only_its_slot_after_its_lease() {
+    let memory = MemoryBackend::new();
+    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let key = unique_key("mem-unrenewed-permit");
+    let short = locks
+        .lock(&key)
+        .permits(2)
+        .watchdog(false)
+        .lease(Duration::from_millis(300))
+        .acquire()
+        .await
+        .expect("the short holder");
+    let long = locks
+        .lock(&key)
+        .permits(2)
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("the long holder");
+    let busy = locks.lock(&key).permits(2).acquire().await;
+    assert!(matches!(busy, Err(LockError::Busy { .. })), "{busy:?}");
+    let short_slot = short.permit().expect("slot");
+    let started = Instant::now();
+    let next = locks
+        .lock(&key)
+        .permits(2)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("the expired slot is granted again");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(next.permit(), Some(short_slot));
+    assert!(next.fencing_token() > short.fencing_token());
+    let third = locks.lock(&key).permits(2).acquire().await;
+    assert!(matches!(third, Err(LockError::Busy { .. })), "{third:?}");
+    assert!(!long.is_lost(), "the renewed holder keeps its permit");
+    next.release().await.expect("release");
+    long.release().await.expect("release");
+}
+
+#[cfg(feature = "zookeeper")]
+mod zookeeper {
+    use super::*;
+    use dlock_runtime::ZooKeeperBackend;
+    use dlock_tests::servers_missing;
+    use dlock_tests::zk_support::{admin, children, hosts, url};
+
+    async fn backend() -> ZooKeeperBackend {
+        let url = url();
+        ZooKeeperBackend::connect(&url)
+            .await
+            .unwrap_or_else(|e| servers_missing(&url, e))
+    }
+
+    fn registry(backend: &ZooKeeperBackend) -> Registry {
+        Registry::builder().default_backend(backend.clone()).build()
+    }
+
+    /// Ends `zk`'s session from outside, as when its process dies: another
+    /// client takes the session over and closes it.
+    async fn end_session(zk: &ZooKeeperBackend) {
+        let stolen = zk.session_for_tests().expect("a session");
+        let mut attempts = 0;
+        let thief = loop {
+            attempts += 1;
+            match zookeeper_client::Client::connector()
+                .with_session(stolen.clone())
+                .with_session_timeout(Duration::from_secs(4))
+                .with_connection_timeout(Duration::from_secs(3))
+                .connect(&hosts(&url()))
+                .await
+            {
+                Ok(thief) => break thief,
+                Err(e) if attempts < 5 => eprintln!("taking the session over: {e}; again"),
+                Err(e) => panic!("take the session over: {e}"),
+            }
+        };
+        drop(thief);
+    }
+
+    /// The lease nodes under the key's `leases` child.
+    async fn leases(zk: &ZooKeeperBackend, key: &str) -> Vec<String> {
+        let admin = admin(&url()).await;
+        let container = zk.container_path(&format!("dlock:{key}"));
+        children(&admin, &format!("{container}/leases")).await
+    }
+
+    /// Sixteen tasks on two sessions competing for two permits, several
+    /// rounds each: never more than two inside, never two on one slot, and
+    /// everyone gets their turns well within their waits (the contenders for
+    /// the last free permit must not keep refusing one another).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn permit_contenders_on_two_sessions_all_get_their_turns_promptly() {
+        let sessions = [backend().await, backend().await];
+        let key = unique_key("zk-sem-herd");
+        let inside = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
+        let most = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let locks = registry(&sessions[i % 2]);
+                let (key, inside, most) = (key.clone(), inside.clone(), most.clone());
+                tokio::spawn(async move {
+                    for _ in 0..3 {
+                        let guard = locks
+                            .lock(&key)
+                            .permits(2)
+                            .wait(Duration::from_secs(60))
+                            .acquire()
+                            .await
+                            .expect("a permit within the wait");
+                        let slot = guard.permit().expect("slot");
+                        {
+                            let mut now = inside.lock().unwrap();
+                            assert!(!now.contains(&slot), "slot {slot} twice: {now:?}");
+                            now.push(slot);
+                            most.fetch_max(now.len(), Ordering::SeqCst);
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        inside.lock().unwrap().retain(|s| *s != slot);
+                        guard.release().await.expect("release");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("task");
+        }
+        let took = started.elapsed();
+        assert!(most.load(Ordering::SeqCst) <= 2);
+        // 48 holds of 10 ms, two at a time: a quarter of a second of holding.
+        assert!(took < Duration::from_secs(15), "48 holds took {took:?}");
+        assert!(leases(&sessions[0], &key).await.is_empty());
+    }
+
+    /// Acquisitions of a full semaphore dropped 0–50 ms after they start
+    /// (while waiting, and as a permit comes free) leave no lease node, and
+    /// the permits are granted at once once the holders leave.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_permit_acquisition_dropped_at_any_moment_leaves_no_lease() {
+        let (holding_zk, waiting_zk) = (backend().await, backend().await);
+        let (holding, waiting) = (registry(&holding_zk), registry(&waiting_zk));
+        let key = unique_key("zk-sem-dropped");
+        let mut holders = Vec::new();
+        for _ in 0..2 {
+            holders.push(
+                holding
+                    .lock(&key)
+                    .permits(2)
+                    .acquire()
+                    .await
+                    .expect("holder"),
+            );
+        }
+        for step in 0..26u64 {
+            let delay = Duration::from_millis(step * 2);
+            let attempt = waiting
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(10))
+                .acquire();
+            // Every fourth step, a permit comes free right as the drop comes.
+            if step % 4 == 3 {
+                let freed = holders.pop().expect("a holder");
+                let release = async move {
+                    tokio::time::sleep(delay).await;
+                    freed.release().await.expect("release");
+                };
+                let (_, granted) = tokio::join!(release, tokio::time::timeout(delay, attempt));
+                drop(granted);
+                holders.push(
+                    holding
+                        .lock(&key)
+                        .permits(2)
+                        .wait(Duration::from_secs(10))
+                        .acquire()
+                        .await
+                        .expect("the freed permit back"),
+                );
+            } else {
+                let out = tokio::time::timeout(delay, attempt).await;
+                assert!(!matches!(out, Ok(Ok(_))), "granted beside two holders");
+            }
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let now = leases(&holding_zk, &key).await;
+            if now.len() == 2 {
+                break;
+            }
+            assert!(Instant::now() < until, "leases left behind: {now:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for holder in holders {
+            holder.release().await.expect("release");
+        }
+        let started = Instant::now();
+        let a = waiting.lock(&key).permits(2).acquire().await.expect("a");
+        let b = waiting.lock(&key).permits(2).acquire().await.expect("b");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        a.release().await.expect("release");
+        b.release().await.expect("release");
+    }
+
+    /// A reader and a permit racing on a fresh key from two sessions are
+    /// never both granted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_and_a_permit_racing_on_a_fresh_key_never_both_hold() {
+        let (one, two) = (backend().await, backend().await);
+        let (one, two) = (registry(&one), registry(&two));
+        for round in 0..30 {
+            let key = unique_key(&format!("zk-sem-read-race-{round}"));
+            let (read, permit) = tokio::join!(
+                one.lock(&key).read().acquire(),
+                two.lock(&key).permits(3).acquire()
+            );
+            assert!(
+                !(read.is_ok() && permit.is_ok()),
+                "round {round}: a reader and a permit held together"
+            );
+            for err in [read.as_ref().err(), permit.as_ref().err()]
+                .into_iter()
+                .flatten()
+            {
+                assert!(
+                    matches!(err, LockError::Config { .. } | LockError::Busy { .. }),
+                    "{err:?}"
+                );
+            }
+            if let Ok(g) = read {
+                g.release().await.expect("release");
+            }
+            if let Ok(g) = permit {
+                g.release().await.expect("release");
+            }
+        }
+    }
+
+    /// The operator's list shows a semaphore's holders under its own name,
+    /// each with its slot, never its `leases` child as a key of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn list_shows_a_semaphore_under_its_name_with_every_slot() {
+        let zk = backend().await;
+        let locks = registry(&zk);
+        let prefix = unique_key("zk-sem-list");
+        let key = format!("{prefix}/sem");
+        let a = locks.lock(&key).permits(3).acquire().await.expect("a");
+        let b = locks.lock(&key).permits(3).acquire().await.expect("b");
+        let admin = locks.admin(None).expect("admin");
+        let listed = admin.list(&prefix, 100).await.expect("list");
+        let names: Vec<&str> = listed.iter().map(|i| i.key()).collect();
+        assert!(names.iter().all(|n| *n == key), "{names:?}");
+        let mut slots: Vec<Option<u32>> = listed
+            .iter()
+            .flat_map(|i| i.holders().iter().map(|h| h.slot()))
+            .collect();
+        slots.sort();
+        assert_eq!(slots, vec![Some(0), Some(1)], "{listed:?}");
+        a.release().await.expect("release");
+        b.release().await.expect("release");
+        let after = admin.list(&prefix, 100).await.expect("list");
+        assert!(after.is_empty(), "{after:?}");
+    }
+
+    /// A permit holder whose session ended (its process gone, not released)
+    /// no longer keeps another permit count out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_permit_count_is_accepted_once_a_holders_session_ended() {
+        let key = unique_key("zk-sem-crashed-mismatch");
+        let crashed = backend().await;
+        let guard = registry(&crashed)
+            .lock(&key)
+            .permits(3)
+            .acquire()
+            .await
+            .expect("holder");
+        let other = backend().await;
+        let others = registry(&other);
+        let refused = others.lock(&key).permits(5).acquire().await;
+        assert!(
+            matches!(refused, Err(LockError::Config { .. })),
+            "{refused:?}"
+        );
+        end_session(&crashed).await;
+        tokio::time::timeout(Duration::from_secs(15), guard.lost())
+            .await
+            .expect("the holder hears of the loss");
+        let until = Instant::now() + Duration::from_secs(20);
+        let accepted = loop {
+            match others.lock(&key).permits(5).acquire().await {
+                Ok(g) => break g,
+                Err(LockError::Config { .. }) if Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(err) => panic!("{err:?}"),
+            }
+        };
+        accepted.release().await.expect("release");
+    }
+}
