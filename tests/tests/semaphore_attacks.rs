@@ -52,12 +52,163 @@ async fn an_unrenewed_permit_holder_frees_only_its_slot_after_its_lease() {
     long.release().await.expect("release");
 }
 
+/// Inside a permit hold, the same permit count on the same key enters at
+/// once as the same hold (same slot and token) without taking a second
+/// slot; another count, a reader or a plain lock there is a `Config` error
+/// at once, never a wait for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_acquisitions_inside_a_permit_hold_share_it_or_are_refused_at_once() {
+    let memory = MemoryBackend::new();
+    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let key = unique_key("mem-nested-permit");
+    let outer = locks.lock(&key).permits(2).acquire().await.expect("outer");
+    outer
+        .scope(async {
+            let inner = locks
+                .lock(&key)
+                .permits(2)
+                .acquire()
+                .await
+                .expect("the same semaphore inside its hold");
+            assert_eq!(inner.permit(), outer.permit());
+            assert_eq!(inner.fencing_token(), outer.fencing_token());
+            let other = {
+                let (locks, key) = (locks.clone(), key.clone());
+                tokio::spawn(async move { locks.lock(&key).permits(2).acquire().await })
+                    .await
+                    .expect("task")
+            };
+            let other = other.expect("the second slot is still free");
+            other.release().await.expect("release");
+            inner.release().await.expect("release");
+            for asked in ["permits(3)", "read", "write"] {
+                let builder = locks.lock(&key).wait(Duration::from_secs(10));
+                let builder = match asked {
+                    "permits(3)" => builder.permits(3),
+                    "read" => builder.read(),
+                    _ => builder.write(),
+                };
+                let started = Instant::now();
+                let answer = builder.acquire().await;
+                assert!(
+                    matches!(answer, Err(LockError::Config { .. })),
+                    "{asked} inside a permit: {answer:?}"
+                );
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "{asked} inside a permit was not refused at once"
+                );
+            }
+        })
+        .await;
+    outer.release().await.expect("release");
+}
+
+/// Sibling futures inside one permit hold take turns at it: never two of
+/// them inside at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn siblings_inside_a_permit_hold_take_turns() {
+    let memory = MemoryBackend::new();
+    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let key = unique_key("mem-sibling-permits");
+    let outer = locks.lock(&key).permits(3).acquire().await.expect("outer");
+    let inside = AtomicUsize::new(0);
+    let most = AtomicUsize::new(0);
+    let sibling = || async {
+        let g = locks
+            .lock(&key)
+            .permits(3)
+            .wait(Duration::from_secs(10))
+            .acquire()
+            .await
+            .expect("a sibling");
+        let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+        most.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        inside.fetch_sub(1, Ordering::SeqCst);
+        g.release().await.expect("release");
+    };
+    outer
+        .scope(async {
+            tokio::join!(sibling(), sibling(), sibling());
+        })
+        .await;
+    assert_eq!(most.load(Ordering::SeqCst), 1);
+    outer.release().await.expect("release");
+}
+
+/// A permit request that waits, on a key held in another mode, is refused
+/// at once (a `Config` error), not after its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_mismatched_request_is_refused_at_once() {
+    let memory = MemoryBackend::new();
+    let locks = Registry::builder().default_backend(memory.clone()).build();
+    mismatched_requests_are_refused_at_once(&locks, &locks).await;
+}
+
+/// Holds `key` in each mode in turn from `holding` and asks it in every
+/// other mode from `asking`, with a long wait: a `Config` error at once.
+async fn mismatched_requests_are_refused_at_once(holding: &Registry, asking: &Registry) {
+    let modes = ["permits(2)", "permits(3)", "read", "write"];
+    let builder = |locks: &Registry, key: &str, mode: &str| {
+        let b = locks.lock(key);
+        match mode {
+            "permits(2)" => b.permits(2),
+            "permits(3)" => b.permits(3),
+            "read" => b.read(),
+            _ => b.write(),
+        }
+    };
+    for held in modes {
+        let key = unique_key("mismatch-at-once");
+        let guard = builder(holding, &key, held)
+            .acquire()
+            .await
+            .expect("the holder");
+        for asked in modes {
+            // Readers and writers are one kind: busy, not refused.
+            let read_write = !held.starts_with('p') && !asked.starts_with('p');
+            if held == asked || read_write {
+                continue;
+            }
+            let started = Instant::now();
+            let answer = builder(asking, &key, asked)
+                .wait(Duration::from_secs(10))
+                .acquire()
+                .await;
+            assert!(
+                matches!(answer, Err(LockError::Config { .. })),
+                "{asked} on a key held as {held}: {answer:?}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{asked} on a key held as {held}: not refused at once"
+            );
+        }
+        guard.release().await.expect("release");
+        let again = builder(
+            asking,
+            &key,
+            if held == "permits(2)" {
+                "permits(3)"
+            } else {
+                "permits(2)"
+            },
+        )
+        .acquire()
+        .await
+        .expect("another mode once the key is free");
+        again.release().await.expect("release");
+    }
+}
+
 #[cfg(feature = "zookeeper")]
 mod zookeeper {
     use super::*;
     use dlock_runtime::ZooKeeperBackend;
+    use dlock_testkit::proxy::Fault;
     use dlock_tests::servers_missing;
-    use dlock_tests::zk_support::{admin, children, hosts, url};
+    use dlock_tests::zk_support::{ZkProxy, admin, children, hosts, port, url};
 
     async fn backend() -> ZooKeeperBackend {
         let url = url();
@@ -310,5 +461,88 @@ mod zookeeper {
             }
         };
         accepted.release().await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_a_waiting_mismatched_request_is_refused_at_once() {
+        let (a, b) = (backend().await, backend().await);
+        mismatched_requests_are_refused_at_once(&registry(&a), &registry(&b)).await;
+    }
+
+    /// A permit holder cut off from the server (its connection black-holed)
+    /// hears of its loss before its slot is granted to anyone else, and the
+    /// next holder of that slot has the larger token.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_partitioned_permit_holder_hears_of_its_loss_before_its_slot_is_granted_again() {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let cut_url = format!(
+            "zk://127.0.0.1:{}/dlock-test?session_timeout=4s",
+            proxy.port()
+        );
+        let cut_zk = ZooKeeperBackend::connect(&cut_url)
+            .await
+            .unwrap_or_else(|e| servers_missing(&cut_url, e));
+        let (stays_zk, next_zk) = (backend().await, backend().await);
+        let key = unique_key("zk-sem-partitioned");
+        let cut = registry(&cut_zk)
+            .lock(&key)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("the holder cut off");
+        let stays = registry(&stays_zk)
+            .lock(&key)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("the holder that stays");
+        proxy.set(Fault::Hold);
+        let next = registry(&next_zk)
+            .lock(&key)
+            .permits(2)
+            .wait(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("the freed slot");
+        assert!(
+            cut.is_lost(),
+            "granted while the cut-off holder still believes it holds"
+        );
+        assert!(!stays.is_lost());
+        assert_eq!(next.permit(), cut.permit());
+        assert!(next.fencing_token() > cut.fencing_token());
+        proxy.set(Fault::Pass);
+        next.release().await.expect("release");
+        stays.release().await.expect("release");
+        drop(cut);
+    }
+
+    /// A plain lock right after a semaphore's last holder released (its
+    /// `leases` child may still be there) is granted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plain_lock_is_granted_right_after_a_semaphore_emptied() {
+        let (a, b) = (backend().await, backend().await);
+        let key = unique_key("zk-sem-then-plain");
+        let p = registry(&a)
+            .lock(&key)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("permit");
+        p.release().await.expect("release");
+        let plain = registry(&b).lock(&key).acquire().await.expect("plain lock");
+        let reader_busy = registry(&a).lock(&key).read().acquire().await;
+        assert!(
+            matches!(reader_busy, Err(LockError::Busy { .. })),
+            "{reader_busy:?}"
+        );
+        plain.release().await.expect("release");
+        let p = registry(&a)
+            .lock(&key)
+            .permits(3)
+            .acquire()
+            .await
+            .expect("a permit of another count afterwards");
+        p.release().await.expect("release");
     }
 }
