@@ -289,4 +289,57 @@ mod zookeeper {
         w.release().await.expect("release");
         drop((r1, r2));
     }
+
+    /// Writers and readers dropped 0–50 ms after they start waiting (a
+    /// writer behind readers, a reader behind a writer) leave no node on
+    /// the key: once the holders leave, the other side enters at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiters_dropped_at_any_moment_leave_no_node() {
+        let (holding_zk, waiting_zk) = (backend().await, backend().await);
+        let (holding, waiting) = (registry(&holding_zk), registry(&waiting_zk));
+        for readers_hold in [true, false] {
+            let key = unique_key("zk-rw-dropped");
+            let holder = if readers_hold {
+                holding.lock(&key).read().acquire().await
+            } else {
+                holding.lock(&key).acquire().await
+            }
+            .expect("holder");
+            for step in 0..26u64 {
+                let builder = waiting.lock(&key).wait(Duration::from_secs(10));
+                let builder = if readers_hold {
+                    builder
+                } else {
+                    builder.read()
+                };
+                let out =
+                    tokio::time::timeout(Duration::from_millis(step * 2), builder.acquire()).await;
+                assert!(!matches!(out, Ok(Ok(_))), "granted beside the holder");
+            }
+            let until = Instant::now() + Duration::from_secs(5);
+            loop {
+                let now = nodes(&holding_zk, &key).await;
+                if now.len() == 1 {
+                    break;
+                }
+                assert!(Instant::now() < until, "nodes left behind: {now:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if readers_hold {
+                let more = waiting.lock(&key).read().acquire().await;
+                assert!(more.is_ok(), "a reader beside the reader: {more:?}");
+                more.expect("reader").release().await.expect("release");
+            }
+            holder.release().await.expect("release");
+            let started = Instant::now();
+            let next = if readers_hold {
+                waiting.lock(&key).acquire().await
+            } else {
+                waiting.lock(&key).read().acquire().await
+            }
+            .expect("the other side at once");
+            assert!(started.elapsed() < Duration::from_secs(2));
+            next.release().await.expect("release");
+        }
+    }
 }
