@@ -115,6 +115,144 @@ async fn memory_a_writer_that_gave_up_no_longer_holds_readers_back() {
     a_writer_that_gave_up_no_longer_holds_readers_back(locks.clone(), locks).await;
 }
 
+/// Several keys in read mode and as permits: readers of the same keys share
+/// them, a third permit is busy, and a several-key read that finds one key
+/// written leaves no reader on the others.
+async fn several_keys_in_shared_modes(one: Registry, two: Registry) {
+    let (a, b) = (unique_key("rw-several-a"), unique_key("rw-several-b"));
+    let r1 = one
+        .lock_all([a.clone(), b.clone()])
+        .read()
+        .acquire()
+        .await
+        .expect("readers of both keys");
+    let r2 = two
+        .lock_all([b.clone(), a.clone()])
+        .read()
+        .acquire()
+        .await
+        .expect("other readers of both keys");
+    let w = two.lock(&a).acquire().await;
+    assert!(w.is_err(), "a writer beside readers: {w:?}");
+    r1.release().await.expect("release");
+    r2.release().await.expect("release");
+
+    let writer = one.lock(&b).acquire().await.expect("a writer of b");
+    let refused = two.lock_all([a.clone(), b.clone()]).read().acquire().await;
+    assert!(refused.is_err(), "read beside a writer: {refused:?}");
+    let started = Instant::now();
+    let on_a = one
+        .lock(&a)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("nothing of the refused reader is left on the other key");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    on_a.release().await.expect("release");
+    writer.release().await.expect("release");
+
+    let (c, d) = (unique_key("sem-several-c"), unique_key("sem-several-d"));
+    let p1 = one
+        .lock_all([c.clone(), d.clone()])
+        .permits(2)
+        .acquire()
+        .await
+        .expect("p1");
+    let p2 = two
+        .lock_all([d.clone(), c.clone()])
+        .permits(2)
+        .acquire()
+        .await
+        .expect("p2");
+    let p3 = one.lock(&c).permits(2).acquire().await;
+    assert!(p3.is_err(), "a third permit: {p3:?}");
+    let p3 = two
+        .lock_all([c.clone(), d.clone()])
+        .permits(2)
+        .acquire()
+        .await;
+    assert!(p3.is_err(), "a third permit: {p3:?}");
+    p1.release().await.expect("release");
+    let p4 = one
+        .lock(&d)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("the freed permit of d");
+    p4.release().await.expect("release");
+    p2.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_several_keys_in_shared_modes() {
+    let memory = MemoryBackend::new();
+    let locks = memory_registry(&memory);
+    several_keys_in_shared_modes(locks.clone(), locks).await;
+}
+
+/// A reader that is not renewed frees the key after its lease: a writer
+/// waiting behind it gets in then, not after its whole wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_an_unrenewed_reader_lets_a_waiting_writer_in_after_its_lease() {
+    let memory = MemoryBackend::new();
+    let locks = memory_registry(&memory);
+    let key = unique_key("mem-unrenewed-reader");
+    let reader = locks
+        .lock(&key)
+        .read()
+        .watchdog(false)
+        .lease(Duration::from_millis(400))
+        .acquire()
+        .await
+        .expect("reader");
+    let started = Instant::now();
+    let writer = locks
+        .lock(&key)
+        .wait(Duration::from_secs(10))
+        .acquire()
+        .await
+        .expect("the writer after the reader's lease");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(writer.fencing_token() > reader.fencing_token());
+    writer.release().await.expect("release");
+}
+
+/// A writer waiting longer than its mark's own life behind a reader keeps
+/// holding new readers back the whole time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_long_waiting_writer_keeps_new_readers_out() {
+    let memory = MemoryBackend::new();
+    let locks = memory_registry(&memory);
+    let key = unique_key("mem-long-waiting-writer");
+    let reader = locks.lock(&key).read().acquire().await.expect("reader");
+    let writer = {
+        let (locks, key) = (locks.clone(), key.clone());
+        tokio::spawn(async move {
+            locks
+                .lock(&key)
+                .wait(Duration::from_secs(30))
+                .acquire()
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let late = locks.lock(&key).read().acquire().await;
+        assert!(late.is_err(), "a new reader while a writer waits: {late:?}");
+    }
+    reader.release().await.expect("release");
+    let writer = tokio::time::timeout(Duration::from_secs(5), writer)
+        .await
+        .expect("the writer")
+        .expect("task")
+        .expect("granted");
+    writer.release().await.expect("release");
+}
+
 #[cfg(feature = "zookeeper")]
 mod zookeeper {
     use super::*;
@@ -251,8 +389,10 @@ mod zookeeper {
         let (a, b) = (backend().await, backend().await);
         let (readers, writers) = (registry(&a), registry(&b));
         let key = unique_key("zk-rw-revoke");
-        let r1 = readers.lock(&key).read().acquire().await.expect("r1");
-        let r2 = readers.lock(&key).read().acquire().await.expect("r2");
+        // Short leases: a revoked holder hears of it at its next renewal.
+        let reader = || readers.lock(&key).read().lease(Duration::from_secs(3));
+        let r1 = reader().acquire().await.expect("r1");
+        let r2 = reader().acquire().await.expect("r2");
         let writer = {
             let (writers, key) = (writers.clone(), key.clone());
             tokio::spawn(async move {
@@ -341,5 +481,11 @@ mod zookeeper {
             assert!(started.elapsed() < Duration::from_secs(2));
             next.release().await.expect("release");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_several_keys_in_shared_modes() {
+        let (a, b) = (backend().await, backend().await);
+        several_keys_in_shared_modes(registry(&a), registry(&b)).await;
     }
 }

@@ -588,15 +588,18 @@ mod zookeeper {
     async fn revoking_a_semaphore_takes_every_permit() {
         let (a, b) = (backend().await, backend().await);
         let key = unique_key("zk-sem-revoke");
+        // Short leases: a revoked holder hears of it at its next renewal.
         let g1 = registry(&a)
             .lock(&key)
             .permits(2)
+            .lease(Duration::from_secs(3))
             .acquire()
             .await
             .expect("g1");
         let g2 = registry(&b)
             .lock(&key)
             .permits(2)
+            .lease(Duration::from_secs(3))
             .acquire()
             .await
             .expect("g2");
