@@ -488,4 +488,59 @@ mod zookeeper {
         let (a, b) = (backend().await, backend().await);
         several_keys_in_shared_modes(registry(&a), registry(&b)).await;
     }
+
+    /// A reader whose node's create reply is lost is still granted and
+    /// leaves exactly its own node; dropped right after the cut, it leaves
+    /// none, and a writer then gets in at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_reader_create_reply_leaves_no_ghost_reader() {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let cut_zk = connect(&format!(
+            "zk://127.0.0.1:{}/dlock-test?session_timeout=5s",
+            proxy.port()
+        ))
+        .await;
+        let locks = registry(&cut_zk);
+        let other_zk = backend().await;
+        let others = registry(&other_zk);
+        let key = unique_key("zk-rw-lost-create");
+        let warm = locks.lock(&key).read().acquire().await.expect("warm");
+        warm.release().await.expect("release");
+        proxy.cut_after_next_create();
+        let guard = locks
+            .lock(&key)
+            .read()
+            .wait(Duration::from_secs(15))
+            .acquire()
+            .await
+            .expect("granted despite the lost reply");
+        assert_eq!(proxy.creates_cut(), 1);
+        let held = nodes(&other_zk, &key).await;
+        assert_eq!(held.len(), 1, "{held:?}");
+        guard.release().await.expect("release");
+        let w = others.lock(&key).acquire().await.expect("writer after");
+        w.release().await.expect("release");
+
+        let writer = others.lock(&key).acquire().await.expect("writer");
+        proxy.cut_after_next_create();
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(200),
+            locks
+                .lock(&key)
+                .read()
+                .wait(Duration::from_secs(15))
+                .acquire(),
+        )
+        .await;
+        assert!(!matches!(dropped, Ok(Ok(_))), "{dropped:?}");
+        until_nodes(&other_zk, &key, 1).await;
+        writer.release().await.expect("release");
+        let w = others
+            .lock(&key)
+            .wait(Duration::from_secs(2))
+            .acquire()
+            .await
+            .expect("nothing of the dropped reader is left");
+        w.release().await.expect("release");
+    }
 }

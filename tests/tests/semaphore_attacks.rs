@@ -367,21 +367,23 @@ mod zookeeper {
         b.release().await.expect("release");
     }
 
-    /// A reader and a permit racing on a fresh key from two sessions are
-    /// never both granted.
+    /// A reader (or a writer) and a permit racing on a fresh key from two
+    /// sessions are never both granted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_reader_and_a_permit_racing_on_a_fresh_key_never_both_hold() {
+    async fn a_reader_or_a_writer_and_a_permit_racing_on_a_fresh_key_never_both_hold() {
         let (one, two) = (backend().await, backend().await);
         let (one, two) = (registry(&one), registry(&two));
-        for round in 0..30 {
+        for round in 0..40 {
             let key = unique_key(&format!("zk-sem-read-race-{round}"));
-            let (read, permit) = tokio::join!(
-                one.lock(&key).read().acquire(),
-                two.lock(&key).permits(3).acquire()
-            );
+            let other = if round % 2 == 0 {
+                one.lock(&key).read()
+            } else {
+                one.lock(&key).write()
+            };
+            let (read, permit) = tokio::join!(other.acquire(), two.lock(&key).permits(3).acquire());
             assert!(
                 !(read.is_ok() && permit.is_ok()),
-                "round {round}: a reader and a permit held together"
+                "round {round}: a reader or writer and a permit held together"
             );
             for err in [read.as_ref().err(), permit.as_ref().err()]
                 .into_iter()
@@ -697,5 +699,78 @@ mod zookeeper {
         for task in tasks {
             task.await.expect("task");
         }
+    }
+
+    /// A permit whose lease create's reply is lost (the connection cut right
+    /// after it) is still granted, and leaves exactly its own lease: no
+    /// ghost lease keeps a permit taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_lease_create_reply_leaves_no_ghost_lease() {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let cut_url = format!(
+            "zk://127.0.0.1:{}/dlock-test?session_timeout=5s",
+            proxy.port()
+        );
+        let cut_zk = ZooKeeperBackend::connect(&cut_url)
+            .await
+            .unwrap_or_else(|e| servers_missing(&cut_url, e));
+        let locks = registry(&cut_zk);
+        let other_zk = backend().await;
+        let others = registry(&other_zk);
+        let key = unique_key("zk-sem-lost-create");
+        // The key's containers first, so that the cut create is the lease's.
+        let warm = locks.lock(&key).permits(2).acquire().await.expect("warm");
+        warm.release().await.expect("release");
+        proxy.cut_after_next_create();
+        let guard = locks
+            .lock(&key)
+            .permits(2)
+            .wait(Duration::from_secs(15))
+            .acquire()
+            .await
+            .expect("granted despite the lost reply");
+        assert_eq!(proxy.creates_cut(), 1);
+        let held = leases(&other_zk, &key).await;
+        assert_eq!(held.len(), 1, "{held:?}");
+        let second = others
+            .lock(&key)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("the other permit is free");
+        guard.release().await.expect("release");
+        second.release().await.expect("release");
+        assert!(leases(&other_zk, &key).await.is_empty());
+
+        // The same, with the acquisition dropped right after the cut.
+        let filler = others
+            .lock(&key)
+            .permits(2)
+            .acquire()
+            .await
+            .expect("filler");
+        proxy.cut_after_next_create();
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(200),
+            locks
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(15))
+                .acquire(),
+        )
+        .await;
+        if let Ok(Ok(g)) = dropped {
+            g.release().await.expect("release");
+        }
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = leases(&other_zk, &key).await;
+            if now.len() == 1 {
+                break;
+            }
+            assert!(Instant::now() < until, "a ghost lease: {now:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        filler.release().await.expect("release");
     }
 }
