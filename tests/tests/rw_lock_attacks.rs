@@ -253,6 +253,61 @@ async fn memory_a_long_waiting_writer_keeps_new_readers_out() {
     writer.release().await.expect("release");
 }
 
+/// Ten thousand keys left by crashed readers, crashed permit holders and
+/// writers that vanished while waiting (their marks never removed): once
+/// their leases and marks ran out, nothing of them stays in the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_state_left_by_crashed_readers_permits_and_waiting_writers_is_collected() {
+    use dlock_runtime::backend::{AcquireRequest, Attempt};
+    use dlock_runtime::{HoldMode, LockBackend};
+    let memory = MemoryBackend::new();
+    let prefix = unique_key("mem-crashed-rw");
+    let lease = Duration::from_secs(60);
+    for i in 0..10_000 {
+        let key = format!("{prefix}:{i}");
+        let (first, second) = if i % 2 == 0 {
+            (HoldMode::Shared, HoldMode::Exclusive)
+        } else {
+            let permits = HoldMode::Permit { permits: 3 };
+            (permits, permits)
+        };
+        let held = memory
+            .try_acquire(&AcquireRequest::new(key.clone(), "crashed", lease).with_mode(first))
+            .await
+            .expect("attempt");
+        assert!(matches!(held, Attempt::Held(_)), "{held:?}");
+        let other = memory
+            .try_acquire(
+                &AcquireRequest::new(key, "vanished", lease)
+                    .with_mode(second)
+                    .with_wait(Duration::from_secs(30)),
+            )
+            .await
+            .expect("attempt");
+        if i % 2 == 0 {
+            assert!(matches!(other, Attempt::Busy { .. }), "{other:?}");
+        }
+    }
+    assert!(memory.entries_under(&prefix) >= 10_000);
+    memory.advance(Duration::from_secs(120));
+    let locks = memory_registry(&memory);
+    for i in 0..2100 {
+        locks
+            .lock(format!("{prefix}:after:{i}"))
+            .acquire()
+            .await
+            .expect("acquire")
+            .release()
+            .await
+            .expect("release");
+    }
+    let left = memory.entries_under(&prefix);
+    assert!(
+        left <= 2,
+        "{left} entries left of the crashed holders and marks"
+    );
+}
+
 #[cfg(feature = "zookeeper")]
 mod zookeeper {
     use super::*;
@@ -542,5 +597,33 @@ mod zookeeper {
             .await
             .expect("nothing of the dropped reader is left");
         w.release().await.expect("release");
+    }
+
+    /// Writers of a client in `writers=rw` mode (Curator's write-lock
+    /// names) and plain locks of a client in the default mode exclude each
+    /// other and both sides' readers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writers_of_both_naming_modes_exclude_each_other_and_readers() {
+        let rw_zk = connect(&format!("{}?writers=rw", url())).await;
+        let plain_zk = backend().await;
+        let (rw, plain) = (registry(&rw_zk), registry(&plain_zk));
+        for (holding, asking) in [(&rw, &plain), (&plain, &rw)] {
+            let key = unique_key("zk-rw-naming-modes");
+            let w = holding.lock(&key).acquire().await.expect("writer");
+            for read in [false, true] {
+                let b = asking.lock(&key);
+                let b = if read { b.read() } else { b };
+                let other = b.acquire().await;
+                assert!(
+                    matches!(other, Err(dlock_runtime::LockError::Busy { .. })),
+                    "read {read}: {other:?}"
+                );
+            }
+            w.release().await.expect("release");
+            let r = asking.lock(&key).read().acquire().await.expect("reader");
+            let w = holding.lock(&key).acquire().await;
+            assert!(w.is_err(), "a writer beside a reader: {w:?}");
+            r.release().await.expect("release");
+        }
     }
 }
