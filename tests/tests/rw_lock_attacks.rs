@@ -626,4 +626,56 @@ mod zookeeper {
             r.release().await.expect("release");
         }
     }
+
+    /// Readers and writers on three sessions, one of them behind a slow
+    /// connection: a writer is never inside beside anyone, and every one of
+    /// them gets in.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readers_and_writers_on_three_sessions_one_slow_never_overlap() {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let slow_zk = connect(&format!("zk://127.0.0.1:{}/dlock-test", proxy.port())).await;
+        proxy.set(Fault::Delay(Duration::from_millis(30)));
+        let sessions = [slow_zk, backend().await, backend().await];
+        let key = unique_key("zk-rw-mixed");
+        // (readers inside, writers inside)
+        let inside = Arc::new(std::sync::Mutex::new((0usize, 0usize)));
+        let tasks: Vec<_> = (0..12)
+            .map(|i| {
+                let locks = registry(&sessions[i % 3]);
+                let (key, inside) = (key.clone(), inside.clone());
+                tokio::spawn(async move {
+                    let write = i % 4 == 0;
+                    for _ in 0..3 {
+                        let b = locks.lock(&key).wait(Duration::from_secs(60));
+                        let b = if write { b } else { b.read() };
+                        let g = b.acquire().await.expect("granted within the wait");
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                assert_eq!(*now, (0, 0), "a writer entered beside {now:?}");
+                                now.1 += 1;
+                            } else {
+                                assert_eq!(now.1, 0, "a reader entered beside a writer");
+                                now.0 += 1;
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(15)).await;
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                now.1 -= 1;
+                            } else {
+                                now.0 -= 1;
+                            }
+                        }
+                        g.release().await.expect("release");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("task");
+        }
+        proxy.set(Fault::Pass);
+    }
 }
