@@ -637,7 +637,7 @@ mod zookeeper {
     /// wakes about one, not all ten into creating leases that refuse one
     /// another.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "open: a freed permit wakes every waiter; they create and delete 8-40 lease nodes refusing one another"]
+    #[ignore = "open: a freed permit wakes every waiter; they create and delete 8-79 lease nodes refusing one another"]
     async fn a_released_permit_wakes_one_waiter_not_every_one() {
         let holding_zk = backend().await;
         let waiting_zk = [backend().await, backend().await];
