@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dlock_runtime::backend::{
@@ -83,6 +83,8 @@ impl LockBackend for OneStep {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_keys_take_the_one_step_path_only_as_whole_keys() {
+    // The collector is installed before this test's spans exist too.
+    fields();
     let backend = Arc::new(OneStep::default());
     let registry = Registry::builder()
         .default_backend(backend.clone() as Arc<dyn LockBackend>)
@@ -122,51 +124,77 @@ async fn several_keys_take_the_one_step_path_only_as_whole_keys() {
 /// The `mode` and `slot` fields of one span.
 type ModeAndSlot = (Option<String>, Option<String>);
 
-/// The `mode` and `slot` fields of every `dlock.lock` span, by span id.
-#[derive(Clone, Default)]
-struct Fields(Arc<Mutex<HashMap<u64, ModeAndSlot>>>);
+/// The `key`, `mode` and `slot` fields of every `dlock.lock` span this
+/// process opened, in order; `by_id` finds a span's entry (span ids are
+/// reused once a span closes, so the newest span of an id owns it).
+#[derive(Default)]
+struct Fields {
+    spans: Vec<(Option<String>, ModeAndSlot)>,
+    by_id: HashMap<u64, usize>,
+}
 
-struct Visitor<'a>(&'a mut ModeAndSlot);
+/// The process's one collector: installed as the global default (a
+/// subscriber set per thread can miss the span's callsite while another
+/// test's thread registers it with no subscriber).
+fn fields() -> &'static Mutex<Fields> {
+    static FIELDS: OnceLock<&'static Mutex<Fields>> = OnceLock::new();
+    FIELDS.get_or_init(|| {
+        let fields: &'static Mutex<Fields> = Box::leak(Box::default());
+        let subscriber = tracing_subscriber::registry()
+            .with(Collect(fields))
+            .with(LevelFilter::from_level(Level::DEBUG));
+        tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
+        fields
+    })
+}
+
+struct Collect(&'static Mutex<Fields>);
+
+struct Visitor<'a>(&'a mut (Option<String>, ModeAndSlot));
 
 impl Visit for Visitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        let text = || format!("{value:?}").trim_matches('"').to_owned();
         match field.name() {
-            "mode" => self.0.0 = Some(format!("{value:?}").trim_matches('"').to_owned()),
-            "slot" => self.0.1 = Some(format!("{value:?}")),
+            "key" => self.0.0 = Some(text()),
+            "mode" => self.0.1.0 = Some(text()),
+            "slot" => self.0.1.1 = Some(format!("{value:?}")),
             _ => {}
         }
     }
 
     fn record_str(&mut self, field: &Field, value: &str) {
-        if field.name() == "mode" {
-            self.0.0 = Some(value.to_owned());
+        match field.name() {
+            "key" => self.0.0 = Some(value.to_owned()),
+            "mode" => self.0.1.0 = Some(value.to_owned()),
+            _ => {}
         }
     }
 }
 
-impl<S: Subscriber> Layer<S> for Fields {
+impl<S: Subscriber> Layer<S> for Collect {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
         if attrs.metadata().name() == "dlock.lock" {
-            let mut fields = (None, None);
-            attrs.record(&mut Visitor(&mut fields));
-            self.0.lock().unwrap().insert(id.into_u64(), fields);
+            let mut entry = (None, (None, None));
+            attrs.record(&mut Visitor(&mut entry));
+            let mut fields = self.0.lock().unwrap();
+            let index = fields.spans.len();
+            fields.spans.push(entry);
+            fields.by_id.insert(id.into_u64(), index);
         }
     }
 
     fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
-        if let Some(fields) = self.0.lock().unwrap().get_mut(&id.into_u64()) {
-            values.record(&mut Visitor(fields));
+        let mut fields = self.0.lock().unwrap();
+        if let Some(&index) = fields.by_id.get(&id.into_u64()) {
+            values.record(&mut Visitor(&mut fields.spans[index]));
         }
     }
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn the_lock_span_names_the_mode_and_the_slot() {
-    let fields = Fields::default();
-    let subscriber = tracing_subscriber::registry()
-        .with(fields.clone())
-        .with(LevelFilter::from_level(Level::DEBUG));
-    let _default = tracing::subscriber::set_default(subscriber);
+    let fields = fields();
     let registry = Registry::builder()
         .default_backend(MemoryBackend::new())
         .build();
@@ -190,7 +218,14 @@ async fn the_lock_span_names_the_mode_and_the_slot() {
     second.release().await.expect("release");
     first.release().await.expect("release");
 
-    let mut seen: Vec<ModeAndSlot> = fields.0.lock().unwrap().values().cloned().collect();
+    let mut seen: Vec<ModeAndSlot> = fields
+        .lock()
+        .unwrap()
+        .spans
+        .iter()
+        .filter(|(k, _)| k.as_deref() == Some(key.as_str()))
+        .map(|(_, fields)| fields.clone())
+        .collect();
     seen.sort();
     let s = |v: &str| Some(v.to_owned());
     assert_eq!(
