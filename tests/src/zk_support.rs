@@ -185,6 +185,59 @@ pub struct ZkProxy {
     requests: Arc<ZkRequests>,
 }
 
+/// A ZooKeeper backend whose connection runs through a proxy of its own, so
+/// that a test can end its session from outside as when its process dies
+/// ([`end_session`](Self::end_session)).
+pub struct ProxiedZk {
+    /// The backend (session timeout 4 s).
+    pub backend: ZooKeeperBackend,
+    /// Its proxy.
+    pub proxy: ZkProxy,
+}
+
+impl ProxiedZk {
+    /// A backend on the test server through a new proxy.
+    pub async fn connect() -> ProxiedZk {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let proxied = format!(
+            "{}?session_timeout=4s",
+            url().replacen(&hosts(&url()), &format!("127.0.0.1:{}", proxy.port()), 1)
+        );
+        let backend = ZooKeeperBackend::connect(&proxied)
+            .await
+            .unwrap_or_else(|e| crate::servers_missing(&proxied, e));
+        ProxiedZk { backend, proxy }
+    }
+
+    /// Ends the backend's session from outside: another client takes the
+    /// session over and closes it. The backend's bytes are held meanwhile:
+    /// otherwise its client reconnects with the same session at once, the
+    /// server hands the session back and forth, and the close can miss it.
+    pub async fn end_session(&self) {
+        let stolen = self.backend.session_for_tests().expect("a session");
+        self.proxy.set(Fault::Hold);
+        let mut attempts = 0;
+        let thief = loop {
+            attempts += 1;
+            match Client::connector()
+                .with_session(stolen.clone())
+                .with_session_timeout(Duration::from_secs(4))
+                .with_connection_timeout(Duration::from_secs(3))
+                .connect(&hosts(&url()))
+                .await
+            {
+                Ok(thief) => break thief,
+                Err(e) if attempts < 5 => eprintln!("taking the session over: {e}; again"),
+                Err(e) => panic!("take the session over: {e}"),
+            }
+        };
+        drop(thief); // closes the session: its nodes go.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The backend's client reconnects with the closed session and hears Expired.
+        self.proxy.set(Fault::Pass);
+    }
+}
+
 impl ZkProxy {
     /// Listens on a free loopback port and forwards to `127.0.0.1:upstream`,
     /// on the test's runtime.

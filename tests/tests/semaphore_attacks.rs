@@ -208,7 +208,7 @@ mod zookeeper {
     use dlock_runtime::ZooKeeperBackend;
     use dlock_testkit::proxy::Fault;
     use dlock_tests::servers_missing;
-    use dlock_tests::zk_support::{ZkProxy, admin, children, hosts, port, url};
+    use dlock_tests::zk_support::{ProxiedZk, ZkProxy, admin, children, port, url};
 
     async fn backend() -> ZooKeeperBackend {
         let url = url();
@@ -219,28 +219,6 @@ mod zookeeper {
 
     fn registry(backend: &ZooKeeperBackend) -> Registry {
         Registry::builder().default_backend(backend.clone()).build()
-    }
-
-    /// Ends `zk`'s session from outside, as when its process dies: another
-    /// client takes the session over and closes it.
-    async fn end_session(zk: &ZooKeeperBackend) {
-        let stolen = zk.session_for_tests().expect("a session");
-        let mut attempts = 0;
-        let thief = loop {
-            attempts += 1;
-            match zookeeper_client::Client::connector()
-                .with_session(stolen.clone())
-                .with_session_timeout(Duration::from_secs(4))
-                .with_connection_timeout(Duration::from_secs(3))
-                .connect(&hosts(&url()))
-                .await
-            {
-                Ok(thief) => break thief,
-                Err(e) if attempts < 5 => eprintln!("taking the session over: {e}; again"),
-                Err(e) => panic!("take the session over: {e}"),
-            }
-        };
-        drop(thief);
     }
 
     /// The lease nodes under the key's `leases` child.
@@ -434,8 +412,8 @@ mod zookeeper {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn another_permit_count_is_accepted_once_a_holders_session_ended() {
         let key = unique_key("zk-sem-crashed-mismatch");
-        let crashed = backend().await;
-        let guard = registry(&crashed)
+        let crashed = ProxiedZk::connect().await;
+        let guard = registry(&crashed.backend)
             .lock(&key)
             .permits(3)
             .acquire()
@@ -448,7 +426,7 @@ mod zookeeper {
             matches!(refused, Err(LockError::Config { .. })),
             "{refused:?}"
         );
-        end_session(&crashed).await;
+        crashed.end_session().await;
         tokio::time::timeout(Duration::from_secs(15), guard.lost())
             .await
             .expect("the holder hears of the loss");

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dlock_runtime::{HoldMode, LockBackend, LockError, Registry, ZooKeeperBackend};
-use dlock_tests::zk_support::{admin, children, hosts, url};
+use dlock_tests::zk_support::{ProxiedZk, admin, children, url};
 use dlock_tests::{servers_missing, unique_key};
 
 async fn backend() -> ZooKeeperBackend {
@@ -299,7 +299,8 @@ async fn inspect_shows_each_reader_and_permit_and_revoke_removes_them_all() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ended_session_frees_only_its_own_permits_and_readers() {
-    let (gone, stays, next) = (backend().await, backend().await, backend().await);
+    let gone = ProxiedZk::connect().await;
+    let (stays, next) = (backend().await, backend().await);
     for read in [false, true] {
         let key = unique_key(if read {
             "zk-session-reader"
@@ -314,30 +315,14 @@ async fn an_ended_session_frees_only_its_own_permits_and_readers() {
                 builder.permits(2)
             }
         };
-        let lost = take(&gone).acquire().await.expect("first holder");
+        let lost = take(&gone.backend).acquire().await.expect("first holder");
         let kept = take(&stays).acquire().await.expect("second holder");
         if !read {
             let full = registry(&next).lock(&key).permits(2).acquire().await;
             assert!(matches!(full, Err(LockError::Busy { .. })), "{full:?}");
         }
         // Another client takes over the first holder's session and closes it.
-        let stolen = gone.session_for_tests().expect("a session");
-        let mut attempts = 0;
-        let thief = loop {
-            attempts += 1;
-            match zookeeper_client::Client::connector()
-                .with_session(stolen.clone())
-                .with_session_timeout(Duration::from_secs(4))
-                .with_connection_timeout(Duration::from_secs(3))
-                .connect(&hosts(&url()))
-                .await
-            {
-                Ok(thief) => break thief,
-                Err(e) if attempts < 5 => eprintln!("taking the session over: {e}; again"),
-                Err(e) => panic!("take the session over: {e}"),
-            }
-        };
-        drop(thief);
+        gone.end_session().await;
         tokio::time::timeout(Duration::from_secs(15), lost.lost())
             .await
             .expect("the first holder hears of the loss");
