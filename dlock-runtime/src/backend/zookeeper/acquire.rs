@@ -167,24 +167,7 @@ impl Inner {
         }
         let session = match self.session().await {
             Ok(session) => session,
-            Err(error) if error.is_retryable() => {
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: RETRY,
-                });
-            }
-            Err(error) => return Err(error),
-        };
-        let unavailable = |what: &str, err: ZkError| {
-            let error = backend_error(what, err);
-            if error.is_retryable() {
-                Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: RETRY,
-                })
-            } else {
-                Err(error)
-            }
+            Err(error) => return unavailable_or_failed(error),
         };
         for _ in 0..MAX_STEPS {
             let (node, listed) = match pending.node_on(&session) {
@@ -580,4 +563,22 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// The answer of an attempt whose step failed: tried again while `wait`
+/// lasts when the failure is transient, else the error.
+pub(super) fn unavailable_or_failed(error: BackendError) -> Result<Attempt, BackendError> {
+    if error.is_retryable() {
+        Ok(Attempt::Unavailable {
+            error,
+            retry_in: RETRY,
+        })
+    } else {
+        Err(error)
+    }
+}
+
+/// [`unavailable_or_failed`] for a ZooKeeper call's error while `what`.
+pub(super) fn unavailable(what: &str, err: ZkError) -> Result<Attempt, BackendError> {
+    unavailable_or_failed(backend_error(what, err))
 }

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use zookeeper_client::{Error as ZkError, MultiReadResult, Stat};
+use zookeeper_client::{Error as ZkError, Stat};
 
 use super::semaphore::{LeaseNode, lease_info};
 use super::session::Session;
@@ -84,42 +84,13 @@ impl Inner {
         session: &Arc<Session>,
         container: &str,
     ) -> Result<Vec<Child>, ZkError> {
-        let names = match session.call(|c| c.list_children(container)).await {
-            Ok(names) => names,
-            Err(ZkError::NoNode) => return Ok(Vec::new()),
-            Err(err) => return Err(err),
-        };
-        let names: Vec<String> = names
+        let children = session
+            .read_children(container, |n| path::sequence_of(n).is_some())
+            .await?;
+        Ok(children
             .into_iter()
-            .filter(|n| path::sequence_of(n).is_some())
-            .collect();
-        if names.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut reader = session.client.new_multi_reader();
-        for name in &names {
-            reader.add_get_data(&format!("{container}/{name}"))?;
-        }
-        let sent = std::time::Instant::now();
-        let request = reader.commit();
-        let results = session.finish(sent, request).await?;
-        let mut children = Vec::with_capacity(names.len());
-        for (name, result) in names.into_iter().zip(results) {
-            match result {
-                MultiReadResult::Data { data, stat } => children.push(Child { name, data, stat }),
-                MultiReadResult::Error {
-                    err: ZkError::NoNode,
-                } => {}
-                MultiReadResult::Error { err } => return Err(err),
-                other => {
-                    return Err(ZkError::UnexpectedError(format!(
-                        "unexpected multi-read answer {other:?}"
-                    )));
-                }
-            }
-        }
-        children.sort_by_key(|c| c.stat.czxid);
-        Ok(children)
+            .map(|(name, data, stat)| Child { name, data, stat })
+            .collect())
     }
 
     /// The entry of the stored `key` whose container is `container`.

@@ -35,13 +35,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zookeeper_client::{Acls, CreateMode, Error as ZkError, MultiReadResult, Stat};
+use zookeeper_client::{Acls, CreateMode, Error as ZkError, Stat};
 
-use super::acquire::{OurNode, Pending};
+use super::acquire::{OurNode, Pending, unavailable, unavailable_or_failed};
 use super::path;
 use super::release::delete_by_guid;
 use super::session::{Session, delete_until_gone};
-use super::{Inner, MAX_STEPS, RETRY, backend_error};
+use super::{Inner, MAX_STEPS};
 use crate::backend::{AcquireRequest, Attempt, HoldMode};
 use crate::error::BackendError;
 
@@ -121,42 +121,13 @@ impl Inner {
         session: &Arc<Session>,
         leases: &str,
     ) -> Result<Vec<LeaseNode>, ZkError> {
-        let names = match session.call(|c| c.list_children(leases)).await {
-            Ok(names) => names,
-            Err(ZkError::NoNode) => return Ok(Vec::new()),
-            Err(err) => return Err(err),
-        };
-        let names: Vec<String> = names
+        let nodes = session
+            .read_children(leases, |n| path::lease_sequence_of(n).is_some())
+            .await?;
+        Ok(nodes
             .into_iter()
-            .filter(|n| path::lease_sequence_of(n).is_some())
-            .collect();
-        if names.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut reader = session.client.new_multi_reader();
-        for name in &names {
-            reader.add_get_data(&format!("{leases}/{name}"))?;
-        }
-        let sent = Instant::now();
-        let request = reader.commit();
-        let results = session.finish(sent, request).await?;
-        let mut nodes = Vec::with_capacity(names.len());
-        for (name, result) in names.into_iter().zip(results) {
-            match result {
-                MultiReadResult::Data { data, stat } => nodes.push(LeaseNode { name, data, stat }),
-                MultiReadResult::Error {
-                    err: ZkError::NoNode,
-                } => {}
-                MultiReadResult::Error { err } => return Err(err),
-                other => {
-                    return Err(ZkError::UnexpectedError(format!(
-                        "unexpected multi-read answer {other:?}"
-                    )));
-                }
-            }
-        }
-        nodes.sort_by_key(|n| n.stat.czxid);
-        Ok(nodes)
+            .map(|(name, data, stat)| LeaseNode { name, data, stat })
+            .collect())
     }
 
     /// A plain lock or a reader whose node is `node`, on a key whose node
@@ -197,24 +168,7 @@ impl Inner {
         }
         let session = match self.session().await {
             Ok(session) => session,
-            Err(error) if error.is_retryable() => {
-                return Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: RETRY,
-                });
-            }
-            Err(error) => return Err(error),
-        };
-        let unavailable = |what: &str, err: ZkError| {
-            let error = backend_error(what, err);
-            if error.is_retryable() {
-                Ok(Attempt::Unavailable {
-                    error,
-                    retry_in: RETRY,
-                })
-            } else {
-                Err(error)
-            }
+            Err(error) => return unavailable_or_failed(error),
         };
         for _ in 0..MAX_STEPS {
             match self.permit_step(&session, &pending, request, permits).await {

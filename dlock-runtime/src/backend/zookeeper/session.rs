@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use zookeeper_client::{Client, Error as ZkError, SessionState, StateWatcher};
+use zookeeper_client::{
+    Client, Error as ZkError, MultiReadResult, SessionState, Stat, StateWatcher,
+};
 
 use super::url::LossPolicy;
 use super::{Counters, session_over, transient};
@@ -140,6 +142,49 @@ impl Session {
     /// The send instant of the latest request the server answered.
     pub(super) fn last_heard(&self) -> Instant {
         self.base + Duration::from_nanos(self.last_heard.load(Ordering::Acquire))
+    }
+
+    /// The children of `parent` whose names `keep` accepts, each with its
+    /// data and stat, in creation order (`czxid`), read in one multi-read;
+    /// empty for a missing parent, and without children deleted meanwhile.
+    pub(super) async fn read_children(
+        &self,
+        parent: &str,
+        keep: fn(&str) -> bool,
+    ) -> Result<Vec<(String, Vec<u8>, Stat)>, ZkError> {
+        let names = match self.call(|c| c.list_children(parent)).await {
+            Ok(names) => names,
+            Err(ZkError::NoNode) => return Ok(Vec::new()),
+            Err(err) => return Err(err),
+        };
+        let names: Vec<String> = names.into_iter().filter(|n| keep(n)).collect();
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut reader = self.client.new_multi_reader();
+        for name in &names {
+            reader.add_get_data(&format!("{parent}/{name}"))?;
+        }
+        let sent = Instant::now();
+        let request = reader.commit();
+        let results = self.finish(sent, request).await?;
+        let mut children = Vec::with_capacity(names.len());
+        for (name, result) in names.into_iter().zip(results) {
+            match result {
+                MultiReadResult::Data { data, stat } => children.push((name, data, stat)),
+                MultiReadResult::Error {
+                    err: ZkError::NoNode,
+                } => {}
+                MultiReadResult::Error { err } => return Err(err),
+                other => {
+                    return Err(ZkError::UnexpectedError(format!(
+                        "unexpected multi-read answer {other:?}"
+                    )));
+                }
+            }
+        }
+        children.sort_by_key(|(_, _, stat)| stat.czxid);
+        Ok(children)
     }
 
     /// Waits for a request sent at `sent`, at most [`op_timeout`](Self::op_timeout)
