@@ -11,17 +11,21 @@
 //! back in the statement's OK packet:
 //!
 //! ```sql
-//! -- F = (expires_us <= N OR owner = ?): free, expired, or ours (a retry)
+//! -- F = (expires_us <= N OR owner = VALUES(owner)): free, expired, or ours (a retry)
 //! INSERT INTO dlock_leases (k, owner, token, expires_us, holder, granted_us)
 //!   VALUES (?, ?, LAST_INSERT_ID(N), N + ?, ?, N)
 //! ON DUPLICATE KEY UPDATE
 //!   token      = IF(F, LAST_INSERT_ID(GREATEST(token + 1, N)),
 //!                  token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - N, 0), 2^40 - 1) + 1)),
-//!   holder     = IF(F, ?, holder),
-//!   granted_us = IF(F, IF(owner <=> ?, granted_us, N), granted_us),
-//!   owner      = IF(F, ?, owner),
-//!   expires_us = IF(F, N + ?, expires_us);    -- assigned last: F reads it
+//!   holder     = IF(F, VALUES(holder), holder),
+//!   granted_us = IF(F, IF(owner <=> VALUES(owner), granted_us, N), granted_us),
+//!   owner      = IF(F, VALUES(owner), owner),
+//!   expires_us = IF(F, VALUES(expires_us), expires_us);    -- assigned last: F reads it
 //! ```
+//!
+//! `VALUES(col)` is the value the statement would have inserted (the
+//! same `N` throughout one statement), so the four values are bound once:
+//! the key, the owner, the lease and the holder record.
 //!
 //! The id is the new token (the clock in µs, above 2^40) when the key was
 //! taken, or the holder's remaining time in µs + 1 (at most 2^40) when busy.
@@ -133,7 +137,7 @@ struct Statements {
 impl Statements {
     fn new(table: &str) -> Self {
         let s = |sql: String| Arc::<str>::from(sql);
-        let free = format!("((expires_us <= {N} OR owner = ?) AND shared_us <= {N})");
+        let free = format!("((expires_us <= {N} OR owner = VALUES(owner)) AND shared_us <= {N})");
         let sizes = (0..).map(|p| 1usize << p).take_while(|n| *n <= MAX_BATCH);
         // `k IN (…)` lets the server use the primary key: MariaDB does not
         // for the row constructor alone (a full scan of a big table).
@@ -153,10 +157,10 @@ impl Statements {
                  ON DUPLICATE KEY UPDATE \
                  token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
                             token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, shared_us - {N}, 0), {}) + 1)), \
-                 holder = IF({free}, ?, holder), \
-                 granted_us = IF({free}, IF(owner <=> ?, granted_us, {N}), granted_us), \
-                 owner = IF({free}, ?, owner), \
-                 expires_us = IF({free}, {N} + ?, expires_us)",
+                 holder = IF({free}, VALUES(holder), holder), \
+                 granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {N}), granted_us), \
+                 owner = IF({free}, VALUES(owner), owner), \
+                 expires_us = IF({free}, VALUES(expires_us), expires_us)",
                 BUSY_MAX - 1
             )),
             peek: s(format!(
@@ -384,20 +388,9 @@ fn acquire_query(
 ) -> sqlx::query::Query<'static, sqlx::MySql, sqlx::mysql::MySqlArguments> {
     sqlx::query(AssertSqlSafe(sql))
         .bind(key)
-        .bind(owner.clone())
-        .bind(lease_us)
-        .bind(holder.clone())
-        // F; F and the holder; F and the owner for the time; F and the new
-        // owner; F and the lease.
-        .bind(owner.clone())
-        .bind(owner.clone())
-        .bind(holder)
-        .bind(owner.clone())
-        .bind(owner.clone())
-        .bind(owner.clone())
-        .bind(owner.clone())
         .bind(owner)
         .bind(lease_us)
+        .bind(holder)
 }
 
 impl Dialect for Mysql {
