@@ -6,20 +6,42 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_runtime::Registry;
+use dlock_runtime::backend::HolderRecord;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgAdvisoryLock, PgConnectOptions, PgPool, PgPoolOptions};
 
 use super::server::Flavor;
 
-/// dlock's PostgreSQL lease statements (`dlock-runtime/src/backend/sql/postgres/mod.rs`).
-const PG_ACQUIRE: &str = "INSERT INTO dlock_leases AS l (key, owner, token, expires_at) \
-    VALUES ($1, $2, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
-            clock_timestamp() + $3 * interval '1 millisecond') \
-    ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
-        token = GREATEST(l.token + 1, excluded.token), \
-        expires_at = excluded.expires_at, wanted = false \
-    WHERE l.owner IS NULL OR l.owner = excluded.owner OR l.expires_at <= clock_timestamp() \
-    RETURNING token";
+/// The instant on PostgreSQL, in µs (`dlock-runtime/src/backend/sql/postgres/mod.rs`).
+const PG_NOW: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+
+/// dlock's PostgreSQL lease acquisition (`dlock-runtime/src/backend/sql/postgres/mod.rs`),
+/// with the holder record (`$4`) and the grant's time, as dlock sends it, or
+/// without them.
+fn pg_acquire(record: bool) -> String {
+    let (columns, values, sets) = if record {
+        (
+            ", holder, granted_at",
+            ", $4, clock_timestamp()",
+            ", holder = excluded.holder, \
+             granted_at = CASE WHEN l.owner = excluded.owner THEN l.granted_at \
+                               ELSE excluded.granted_at END",
+        )
+    } else {
+        ("", "", "")
+    };
+    format!(
+        "INSERT INTO dlock_leases AS l (key, owner, token, expires_at{columns}) \
+         VALUES ($1, $2, {PG_NOW}, clock_timestamp() + $3 * interval '1 millisecond'{values}) \
+         ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, \
+             token = GREATEST(l.token + 1, excluded.token), \
+             expires_at = excluded.expires_at, wanted = false{sets} \
+         WHERE (l.owner IS NULL OR l.owner = excluded.owner \
+                OR l.expires_at <= clock_timestamp()) \
+           AND (l.shared_until IS NULL OR l.shared_until <= clock_timestamp()) \
+         RETURNING token"
+    )
+}
 const PG_RELEASE: &str = "WITH r AS (UPDATE dlock_leases SET owner = NULL, \
         expires_at = clock_timestamp() WHERE key = $1 AND owner = $2 RETURNING key, wanted) \
     SELECT pg_notify($3, key) FROM r WHERE wanted";
@@ -27,18 +49,33 @@ const PG_RELEASE: &str = "WITH r AS (UPDATE dlock_leases SET owner = NULL, \
 /// The instant on MariaDB, in µs (`dlock-runtime/src/backend/sql/mysql/mod.rs`).
 const MY_NOW: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
-/// dlock's MariaDB lease acquisition (`dlock-runtime/src/backend/sql/mysql/mod.rs`).
-fn my_acquire() -> String {
+/// dlock's MariaDB lease acquisition (`dlock-runtime/src/backend/sql/mysql/mod.rs`),
+/// with the holder record (the fourth value) and the grant's time, as dlock
+/// sends it, or without them.
+fn my_acquire(record: bool) -> String {
     let n = MY_NOW;
-    let free = format!("(expires_us <= {n} OR owner = ?)");
+    let free = format!("((expires_us <= {n} OR owner = VALUES(owner)) AND shared_us <= {n})");
+    let (columns, values, sets) = if record {
+        (
+            ", holder, granted_us",
+            format!(", ?, {n}"),
+            format!(
+                "holder = IF({free}, VALUES(holder), holder), \
+                 granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {n}), granted_us), "
+            ),
+        )
+    } else {
+        ("", String::new(), String::new())
+    };
     format!(
-        "INSERT INTO dlock_leases (k, owner, token, expires_us) \
-         VALUES (?, ?, LAST_INSERT_ID({n}), {n} + ?) \
+        "INSERT INTO dlock_leases (k, owner, token, expires_us{columns}) \
+         VALUES (?, ?, LAST_INSERT_ID({n}), {n} + ?{values}) \
          ON DUPLICATE KEY UPDATE \
          token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {n})), \
-                    token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {n}, 0), 1099511627775) + 1)), \
-         owner = IF({free}, ?, owner), \
-         expires_us = IF({free}, {n} + ?, expires_us)"
+                    token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {n}, shared_us - {n}, 0), 1099511627775) + 1)), \
+         {sets}\
+         owner = IF({free}, VALUES(owner), owner), \
+         expires_us = IF({free}, VALUES(expires_us), expires_us)"
     )
 }
 
@@ -57,18 +94,22 @@ const LEASE_POOL: u32 = 10;
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 pub(super) enum Who {
     PgHand,
+    PgHandRecord,
     PgDlock,
     MyHand,
+    MyHandRecord,
     MyDlock,
     PgAdvisory,
     PgSession,
 }
 
 impl Who {
-    pub(super) const ALL: [Who; 6] = [
+    pub(super) const ALL: [Who; 8] = [
         Who::PgHand,
+        Who::PgHandRecord,
         Who::PgDlock,
         Who::MyHand,
+        Who::MyHandRecord,
         Who::MyDlock,
         Who::PgAdvisory,
         Who::PgSession,
@@ -76,9 +117,11 @@ impl Who {
 
     pub(super) fn name(self) -> &'static str {
         match self {
-            Who::PgHand => "PostgreSQL: dlock's lease statements by hand",
+            Who::PgHand => "PostgreSQL: dlock's lease statements by hand, no holder record",
+            Who::PgHandRecord => "PostgreSQL: dlock's lease statements by hand",
             Who::PgDlock => "PostgreSQL: dlock, lease mode",
-            Who::MyHand => "MariaDB: dlock's lease statements by hand",
+            Who::MyHand => "MariaDB: dlock's lease statements by hand, no holder record",
+            Who::MyHandRecord => "MariaDB: dlock's lease statements by hand",
             Who::MyDlock => "MariaDB: dlock, lease mode",
             Who::PgAdvisory => "PostgreSQL: sqlx `PgAdvisoryLock`",
             Who::PgSession => "PostgreSQL: dlock, session mode",
@@ -89,8 +132,10 @@ impl Who {
     pub(super) fn id(self) -> &'static str {
         match self {
             Who::PgHand => "pg-hand",
+            Who::PgHandRecord => "pg-hand-record",
             Who::PgDlock => "pg-dlock",
             Who::MyHand => "my-hand",
+            Who::MyHandRecord => "my-hand-record",
             Who::MyDlock => "my-dlock",
             Who::PgAdvisory => "pg-advisory",
             Who::PgSession => "pg-session",
@@ -107,7 +152,7 @@ impl Who {
     /// The server it runs on.
     pub(super) fn server(self) -> Flavor {
         match self {
-            Who::MyHand | Who::MyDlock => Flavor::MariaDb,
+            Who::MyHand | Who::MyHandRecord | Who::MyDlock => Flavor::MariaDb,
             _ => Flavor::Postgres,
         }
     }
@@ -119,7 +164,10 @@ pub(super) struct Contenders {
     pg_hand: PgPool,
     my_dlock: Registry,
     my_hand: MySqlPool,
+    pg_acquire: String,
+    pg_acquire_record: String,
     my_acquire: String,
+    my_acquire_record: String,
     my_release: String,
     pg_session: Registry,
     /// sqlx's pool for `PgAdvisoryLock`, sized to the concurrency.
@@ -173,7 +221,10 @@ impl Contenders {
                 })
                 .connect(my_url)
                 .await?,
-            my_acquire: my_acquire(),
+            pg_acquire: pg_acquire(false),
+            pg_acquire_record: pg_acquire(true),
+            my_acquire: my_acquire(false),
+            my_acquire_record: my_acquire(true),
             my_release: my_release(),
             pg_advisory: PgPoolOptions::new()
                 .max_connections(u32::try_from(concurrency)?)
@@ -210,12 +261,21 @@ pub(super) async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
         Who::PgDlock => dlock_pair(&c.pg_dlock, key, who).await,
         Who::MyDlock => dlock_pair(&c.my_dlock, key, who).await,
         Who::PgSession => dlock_pair(&c.pg_session, key, who).await,
-        Who::PgHand => {
+        Who::PgHand | Who::PgHandRecord => {
             let owner = owner();
-            let token: Option<i64> = sqlx::query_scalar(PG_ACQUIRE)
+            let acquire = if who == Who::PgHandRecord {
+                &c.pg_acquire_record
+            } else {
+                &c.pg_acquire
+            };
+            let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(acquire.as_str()))
                 .bind(&key)
                 .bind(&owner)
-                .bind(LEASE.as_millis() as i64)
+                .bind(LEASE.as_millis() as i64);
+            if who == Who::PgHandRecord {
+                query = query.bind(HolderRecord::this_process().encode());
+            }
+            let token: Option<i64> = query
                 .fetch_optional(&c.pg_hand)
                 .await
                 .unwrap_or_else(|e| panic!("{}: acquire failed: {e}", who.name()));
@@ -228,18 +288,22 @@ pub(super) async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
                 .await
                 .unwrap_or_else(|e| panic!("{}: release failed: {e}", who.name()));
         }
-        Who::MyHand => {
+        Who::MyHand | Who::MyHandRecord => {
             let owner = owner();
             let lease_us = LEASE.as_micros() as i64;
-            let done = sqlx::query(sqlx::AssertSqlSafe(c.my_acquire.as_str()))
+            let acquire = if who == Who::MyHandRecord {
+                &c.my_acquire_record
+            } else {
+                &c.my_acquire
+            };
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(acquire.as_str()))
                 .bind(&key)
                 .bind(&owner)
-                .bind(lease_us)
-                .bind(&owner)
-                .bind(&owner)
-                .bind(&owner)
-                .bind(&owner)
-                .bind(lease_us)
+                .bind(lease_us);
+            if who == Who::MyHandRecord {
+                query = query.bind(HolderRecord::this_process().encode());
+            }
+            let done = query
                 .execute(&c.my_hand)
                 .await
                 .unwrap_or_else(|e| panic!("{}: acquire failed: {e}", who.name()));
