@@ -286,7 +286,9 @@ impl MysqlBackend {
         token      BIGINT UNSIGNED NOT NULL,\n    \
         name       VARBINARY(1024),\n    \
         holder     VARBINARY(1024),\n    \
-        granted_us BIGINT\n) ENGINE = InnoDB;\n\
+        granted_us BIGINT,\n    \
+        permits    INT,\n    \
+        slot       INT\n) ENGINE = InnoDB;\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_holders (\n    \
         k          VARBINARY(1024) NOT NULL,\n    \
         slot       BIGINT          NOT NULL,\n    \
@@ -856,13 +858,17 @@ impl Dialect for Mysql {
         .collect()
     }
 
-    const FENCE_COLUMNS: &'static str = "name, holder, granted_us";
+    const FENCE_COLUMNS: &'static str = "name, holder, granted_us, permits, slot";
+
+    const SESSION_READERS: bool = false;
 
     fn add_fence_columns(table: &str) -> Vec<String> {
         [
             "name VARBINARY(1024)",
             "holder VARBINARY(1024)",
             "granted_us BIGINT",
+            "permits INT",
+            "slot INT",
         ]
         .iter()
         .map(|column| format!("ALTER TABLE {table}_fence ADD COLUMN {column}"))
