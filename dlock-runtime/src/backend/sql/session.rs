@@ -38,6 +38,54 @@
 //!   is also what makes two revocations at once revoke the holder once:
 //!   only the one whose insert added it ends the connection and names the
 //!   holder.
+//!
+//! # Semaphores and readers
+//!
+//! A *share* (a permit of a semaphore; on PostgreSQL also a reader) is
+//! decided here once for both databases, each bringing its statements
+//! ([`SessionDb::enter`], [`SessionDb::try_slots`], [`SessionDb::grant`]),
+//! on a dedicated connection like a plain lock's:
+//!
+//! - **Gate**: the share first takes its key's *gate* ([`gate_hash`]: a
+//!   session lock of its own, held for the few statements of the attempt),
+//!   so the shares of one key are decided one at a time; the gate is left
+//!   only after the grant's rows are committed, so the next share reads
+//!   them. Under the gate, the share reads the mode recorded with the key
+//!   (the `permits` column of the key's counter row: `NULL` a plain lock,
+//!   `0` readers, `N` a semaphore) and checks it against the holders the
+//!   server shows: another mode while the key has holders is
+//!   [`HoldMode::mismatch`]; a key without holders takes the share's mode.
+//!   Two sessions asking for 2 and 3 permits at once are therefore never
+//!   both granted: the second through the gate finds the first's holder and
+//!   its recorded count.
+//! - **Slots**: a permit is the session lock of a *slot key*
+//!   ([`slot_hash`] of the key, the kind and the slot: never the name of any
+//!   key, nor of another kind's slot); the walk tries `0..N` in order,
+//!   [`SLOTS_PER_TRY`] slots a round trip, each round trip taking at most
+//!   one (`CASE` stops at the first lock taken), so a grant holds the
+//!   lowest free slot. A reader takes a free *reader slot* the same way
+//!   (uncounted): the slot's counter row keeps each reader's own token and
+//!   holder record, for `inspect` and `revoke`.
+//! - **Tokens**: the slot's counter row is bumped with the hybrid rule
+//!   (`max(token + 1, clock µs)`), so permits' tokens increase per (key,
+//!   slot); a reader's token is the key's row bumped (the one sequence
+//!   plain locks — the write mode — bump too), copied to its slot's row.
+//!   The rows are collected like the plain counters, after the retention.
+//! - **Waiting**: a share never waits on the server (it could wait on one
+//!   slot only): a busy answer is tried again after a back-off of 5 ms
+//!   doubling up to `poll` (at most 250 ms), and a release in this process
+//!   wakes the waiters of the key at once.
+//! - **Held, lost, released, revoked**: as a plain lock: the connection is
+//!   the hold (its death loses the share, and only this share), the ping
+//!   renews it, the release unlocks everything it holds (the share's key
+//!   lock, its slot, a gate left by a cancelled attempt), the revocation
+//!   ends the connection of every holder of the key, each with its own end
+//!   mark. An attempt dropped at any `.await` leaves its connection to
+//!   [`Abandoned`], which unlocks it (or ends it) before any reuse: no slot,
+//!   gate or key lock stays behind.
+//!
+//! PostgreSQL and MySQL differ in how a share meets plain locks; see
+//! `postgres/session.rs` and `mysql/session.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

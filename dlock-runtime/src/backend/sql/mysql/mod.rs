@@ -40,7 +40,8 @@
 //! tried again). Session mode takes them one by one.
 //!
 //! **Semaphores and read-write locks** (lease mode; session mode offers
-//! plain locks only for now). A reader's share and each permit are rows of
+//! semaphores over `GET_LOCK` slot names, and no read locks: see
+//! `session.rs`). A reader's share and each permit are rows of
 //! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
 //! record), each with its own expiry on the database's clock; the key's
 //! lease-table row stays the writer (a plain lock is the write mode) and

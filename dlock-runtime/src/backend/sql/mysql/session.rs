@@ -1,5 +1,25 @@
 //! MySQL's session flavour: `GET_LOCK` on dedicated connections (see
 //! [session mode](super::super#session-mode)).
+//!
+//! **Semaphores.** A permit is `GET_LOCK('dlock:<16 hex digits>', 0)` of its
+//! slot key ([`slot_hash`]), lowest free first, under the key's gate (a
+//! `GET_LOCK` of its own, see
+//! [the session engine](crate::backend::sql::session#semaphores-and-readers)).
+//! `GET_LOCK` has no shared mode, so a permit holder does not hold its
+//! key's own lock, and a plain lock and a permit meet through the key's
+//! counter row instead, each *taking its own lock first and looking at the
+//! other's after*: the permit takes its slot, records the semaphore in the
+//! key's row, then looks whether a plain lock holds the key (and gives its
+//! slot back with a mismatch if so); the plain lock takes the key, then
+//! reads the key's row (in the same round trip as its grant) and, where it
+//! records a semaphore, looks at its slots (and gives the key back with a
+//! mismatch if one is held). Whichever looks second sees the other: never
+//! both. A plain key's row records no semaphore, so the plain lock's hot
+//! path only gains one primary-key read in its round trip.
+//!
+//! **Read locks** are refused before any attempt (`offers`), with a
+//! `Config` error naming lease mode: without a shared `GET_LOCK`, readers
+//! could not exclude a writer in the server.
 
 use std::time::Duration;
 

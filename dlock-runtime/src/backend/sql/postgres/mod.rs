@@ -35,8 +35,8 @@
 //! reads which key is held, and the waiter marks it and waits on it as for a
 //! single key. Session mode takes the keys one by one.
 //!
-//! **Semaphores and read-write locks** (lease mode; session mode offers
-//! plain locks only for now). A reader's share and each permit are rows of
+//! **Semaphores and read-write locks** (lease mode; for session mode —
+//! shared advisory locks and slot keys — see `session.rs`). A reader's share and each permit are rows of
 //! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
 //! record), each with its own expiry on the database's clock; the key's
 //! lease-table row stays the writer (a plain lock is the write mode) and

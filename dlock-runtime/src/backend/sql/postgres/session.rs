@@ -2,6 +2,39 @@
 //! (see [session mode](super::super#session-mode)), each a `PgListener` whose
 //! idle socket is watched, so that `pg_terminate_backend` or a restart are
 //! noticed at once.
+//!
+//! **Read-write locks.** A plain lock is the exclusive advisory lock of the
+//! key, waited for on the server (as before): it is the write mode. Every
+//! share (reader or permit) holds the key's advisory lock in *shared* mode
+//! besides its slot, so a writer and a share exclude each other in the
+//! server's own lock manager, and a share's connection dying frees both.
+//! The shares take the key's lock only by trying, under the key's gate (see
+//! [the session engine](crate::backend::sql::session#semaphores-and-readers)):
+//! first exclusively (success: no holder and no waiting writer — the share
+//! converts it to shared and records its mode), else shared (success:
+//! other shares hold it, and the recorded mode decides), else a writer
+//! holds it or waits: busy for a reader (the writer's key), a mismatch for a
+//! permit. Writers are preferred in two ways: PostgreSQL's lock queue is
+//! fair — a shared request that conflicts with a *queued* exclusive request
+//! fails, so new readers are busy while a writer waits on the server — and a
+//! writer's wait is cut into slices, between which it is not queued; for
+//! those gaps the writer holds its key's *waiting-writer mark*
+//! ([`writer_mark_hash`], shared) from its first wait until its connection is
+//! unlocked (granted writers keep it harmlessly until their release), and a
+//! reader that may enter first tries the mark exclusively and is busy if a
+//! writer holds it. A cancelled or timed-out writer's connection is
+//! unlocked, so no mark outlives its wait. Readers poll (the engine's
+//! back-off) rather than wait on the server: their answer also depends on
+//! the recorded mode, read under the gate.
+//!
+//! **Semaphores.** Permits are exclusive advisory locks of slot keys,
+//! lowest free first, beside the key's shared lock. A plain lock on a key
+//! whose row records a semaphore only tries (it does not queue behind the
+//! permits) and, busy, answers the mismatch; a permit on a key a plain lock
+//! holds finds the key's lock taken and the row naming a plain lock: a
+//! mismatch. `inspect` shows the exclusive advisory locks joined with their
+//! counter rows: a writer is its key's row, a reader or a permit holder its
+//! slot's row (mode and slot from the row), never a name of its own.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -202,9 +235,10 @@ impl PgSessions {
     /// `application_name` carries it), kept in the counter's row, `$6` the
     /// key's waiting-writer mark. The wait's limit is local to the
     /// statement's transaction; the idle limit is set for the session only
-    /// when the lock is ours. A waiting writer holds the mark (shared) from
-    /// its first wait until its connection is unlocked: readers that try in
-    /// the gaps between its waits find it. A key whose row records a
+    /// when the lock is ours. A free key is taken by a try, as before; a
+    /// writer that has to wait holds the mark (shared) from its first wait
+    /// until its connection is unlocked: readers that try in the gaps
+    /// between its waits find it. A key whose row records a
     /// semaphore is only tried (its permit holders answer a mismatch, not a
     /// wait); a grant records the key as a plain lock's.
     fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
@@ -218,6 +252,7 @@ impl PgSessions {
                   l AS (SELECT CASE WHEN $3 = '0' \
                                       OR EXISTS (SELECT 1 FROM {fence} s WHERE s.k = $1 AND s.permits > 1) \
                                     THEN pg_try_advisory_lock($1) \
+                                    WHEN pg_try_advisory_lock($1) THEN true \
                                     WHEN pg_try_advisory_lock_shared($6) \
                                     THEN pg_advisory_lock($1) IS NOT NULL \
                                     ELSE pg_advisory_lock($1) IS NOT NULL END AS got FROM t) \
