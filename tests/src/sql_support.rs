@@ -225,6 +225,23 @@ impl MyFaults {
             .expect("IS_USED_LOCK")
     }
 
+    /// The connection ids holding `stored_key` in session mode: its plain
+    /// lock's holder, and each permit holder of a semaphore (the slot locks
+    /// whose counter rows, in `dlock_leases_fence`, name the key).
+    pub async fn session_holders(&self, stored_key: &str) -> Vec<i64> {
+        let mut holders: Vec<i64> = self.session_holder(stored_key).await.into_iter().collect();
+        let slots: Vec<Option<i64>> = sqlx::query_scalar(
+            "SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LPAD(LOWER(HEX(k)), 16, '0'))) AS SIGNED) \
+             FROM dlock_leases_fence WHERE name = ? AND slot IS NOT NULL",
+        )
+        .bind(stored_key.as_bytes())
+        .fetch_all(&mut self.connect().await)
+        .await
+        .expect("IS_USED_LOCK of the slots");
+        holders.extend(slots.into_iter().flatten());
+        holders
+    }
+
     /// Kills connection `id` (`KILL`).
     pub async fn kill(&self, id: i64) {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
@@ -253,8 +270,11 @@ impl Faults for MyFaults {
                     }
                 }
                 SqlMode::Session => {
-                    let holder = self.session_holder(stored_key).await;
-                    self.kill(holder.expect("the key is held")).await;
+                    let holders = self.session_holders(stored_key).await;
+                    assert!(!holders.is_empty(), "{stored_key} is not held");
+                    for holder in holders {
+                        self.kill(holder).await;
+                    }
                 }
             }
         })
@@ -276,7 +296,7 @@ impl Faults for MyFaults {
                     .expect("read the row");
                     held > 0
                 }
-                SqlMode::Session => self.session_holder(stored_key).await.is_some(),
+                SqlMode::Session => !self.session_holders(stored_key).await.is_empty(),
             }
         })
     }

@@ -1,5 +1,6 @@
-//! The conformance suite and the session suite on MySQL/MariaDB `GET_LOCK`
-//! (`?mode=session`).
+//! The conformance, session and semaphore suites on MySQL/MariaDB
+//! `GET_LOCK` (`?mode=session`; read locks are refused there, see
+//! `hold_modes_refused`).
 #![cfg(feature = "mysql")]
 
 use dlock_tests::Harness;
@@ -16,3 +17,4 @@ async fn harness() -> &'static Harness {
 
 dlock_tests::conformance_suite!(harness);
 dlock_tests::sql_session_suite!(target);
+dlock_tests::semaphore_suite!(harness);

@@ -1,5 +1,5 @@
-//! The conformance suite and the session suite on PostgreSQL advisory locks
-//! (`?mode=session`).
+//! The conformance, session, semaphore and read-write suites on PostgreSQL
+//! advisory locks (`?mode=session`).
 #![cfg(feature = "postgres")]
 
 use dlock_tests::Harness;
@@ -16,3 +16,5 @@ async fn harness() -> &'static Harness {
 
 dlock_tests::conformance_suite!(harness);
 dlock_tests::sql_session_suite!(target);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);

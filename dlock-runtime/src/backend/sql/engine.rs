@@ -182,9 +182,14 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// column.
     fn add_holder_columns(table: &str) -> Vec<String>;
 
-    /// The columns session mode adds to `<table>_fence` (the stored key and
-    /// the holder record of the last grant), as the check selects them.
+    /// The columns session mode adds to `<table>_fence` (the stored key,
+    /// the holder record of the last grant, the mode recorded with a key's
+    /// holders and a share's slot), as the check selects them.
     const FENCE_COLUMNS: &'static str;
+
+    /// Whether session mode offers read locks (PostgreSQL's shared
+    /// advisory locks; MySQL's `GET_LOCK` has no shared mode).
+    const SESSION_READERS: bool;
 
     /// The statements that add [`FENCE_COLUMNS`](Self::FENCE_COLUMNS) to
     /// `<table>_fence`, one per column.
@@ -465,7 +470,7 @@ impl<D: Dialect> SqlBackend<D> {
                             &fence,
                             D::FENCE_COLUMNS,
                             &statements,
-                            "holder-record",
+                            "holder-record and share",
                         )
                         .await?;
                     }
@@ -500,7 +505,7 @@ impl<D: Dialect> SqlBackend<D> {
             waiters,
             contenders: Arc::default(),
             collector: Arc::new(Collector::new(target.retention)),
-            sessions: sessions.map(|s| Arc::new(Sessions::new(s, timeout))),
+            sessions: sessions.map(|s| Arc::new(Sessions::new(s, timeout, target.poll))),
             dialect: Arc::new(dialect),
         })
     }
@@ -896,12 +901,12 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
 
     fn offers(&self, mode: HoldMode) -> Result<(), String> {
         match (mode, self.mode) {
-            (HoldMode::Exclusive, _) | (_, Mode::Lease) => Ok(()),
-            (other, Mode::Session) => Err(format!(
-                "{}'s session mode (`?mode=session`) does not offer {other} yet; \
-                 lease mode (the default) does",
+            (HoldMode::Shared, Mode::Session) if !D::SESSION_READERS => Err(format!(
+                "{}'s session mode (`?mode=session`) does not offer {mode}: its session locks \
+                 (`GET_LOCK`) have no shared mode; lease mode (the default) does",
                 D::KIND
             )),
+            _ => Ok(()),
         }
     }
 
@@ -966,7 +971,10 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
     fn wake_source<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, WakeSource> {
         let source = match self.mode {
             // The server hands the key over: attempts wait on it.
-            Mode::Session => WakeSource::none(),
+            Mode::Session if request.mode == HoldMode::Exclusive => WakeSource::none(),
+            // Shares try without waiting on the server: a release in this
+            // process wakes them at once, the others are polled.
+            Mode::Session => self.waiters.source(&request.key),
             // Releases in this process wake at once; the dialect adds how
             // the others are heard.
             Mode::Lease => D::lease_wake(
@@ -1031,7 +1039,17 @@ impl<D: Dialect> LockBackend for SqlBackend<D> {
     fn release<'a>(&'a self, lease: &'a Lease) -> BoxFuture<'a, Result<(), BackendError>> {
         Box::pin(async move {
             match &self.sessions {
-                Some(sessions) => sessions.release(&lease.owner).await,
+                Some(sessions) => {
+                    sessions.release(&lease.owner).await;
+                    // Shares of the key wait in this process without a
+                    // server-side queue: a freed permit wakes one, a freed
+                    // key (a writer, the last reader) every reader.
+                    if let HoldMode::Permit { .. } = lease.mode {
+                        self.waiters.wake_one(&lease.key);
+                    } else {
+                        self.waiters.wake(&lease.key);
+                    }
+                }
                 None if self.db.is_near() => {
                     self.release_in_mode(lease).await?;
                     self.waiters.wake(&lease.key);

@@ -47,6 +47,14 @@
 //!   instead: a connection whose lock state is unknown is never reused, and
 //!   closing it ends the server session, which drops its locks.
 //!
+//! - **Semaphores and readers** (PostgreSQL: both; MySQL: semaphores): each
+//!   permit a session lock of a *slot key* (lowest free slot first), each
+//!   share decided under a per-key gate that checks the mode recorded with
+//!   the key; on PostgreSQL every share also holds the key's advisory lock
+//!   shared, so writers (plain locks) and shares meet in the server's fair
+//!   lock queue. Shares poll rather than wait on the server (see
+//!   `session.rs`).
+//!
 //! Session locks live in the server's memory: they are not replicated (unsafe
 //! across a failover) and are stranded by transaction-pooling proxies. Never
 //! lock one key in both modes.

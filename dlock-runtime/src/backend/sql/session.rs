@@ -38,6 +38,54 @@
 //!   is also what makes two revocations at once revoke the holder once:
 //!   only the one whose insert added it ends the connection and names the
 //!   holder.
+//!
+//! # Semaphores and readers
+//!
+//! A *share* (a permit of a semaphore; on PostgreSQL also a reader) is
+//! decided here once for both databases, each bringing its statements
+//! ([`SessionDb::enter`], [`SessionDb::try_slots`], [`SessionDb::grant`]),
+//! on a dedicated connection like a plain lock's:
+//!
+//! - **Gate**: the share first takes its key's *gate* ([`gate_hash`]: a
+//!   session lock of its own, held for the few statements of the attempt),
+//!   so the shares of one key are decided one at a time; the gate is left
+//!   only after the grant's rows are committed, so the next share reads
+//!   them. Under the gate, the share reads the mode recorded with the key
+//!   (the `permits` column of the key's counter row: `NULL` a plain lock,
+//!   `0` readers, `N` a semaphore) and checks it against the holders the
+//!   server shows: another mode while the key has holders is
+//!   [`HoldMode::mismatch`]; a key without holders takes the share's mode.
+//!   Two sessions asking for 2 and 3 permits at once are therefore never
+//!   both granted: the second through the gate finds the first's holder and
+//!   its recorded count.
+//! - **Slots**: a permit is the session lock of a *slot key*
+//!   ([`slot_hash`] of the key, the kind and the slot: never the name of any
+//!   key, nor of another kind's slot); the walk tries `0..N` in order,
+//!   [`SLOTS_PER_TRY`] slots a round trip, each round trip taking at most
+//!   one (`CASE` stops at the first lock taken), so a grant holds the
+//!   lowest free slot. A reader takes a free *reader slot* the same way
+//!   (uncounted): the slot's counter row keeps each reader's own token and
+//!   holder record, for `inspect` and `revoke`.
+//! - **Tokens**: the slot's counter row is bumped with the hybrid rule
+//!   (`max(token + 1, clock µs)`), so permits' tokens increase per (key,
+//!   slot); a reader's token is the key's row bumped (the one sequence
+//!   plain locks — the write mode — bump too), copied to its slot's row.
+//!   The rows are collected like the plain counters, after the retention.
+//! - **Waiting**: a share never waits on the server (it could wait on one
+//!   slot only): a busy answer is tried again after a back-off of 5 ms
+//!   doubling up to `poll` (at most 250 ms), and a release in this process
+//!   wakes the waiters of the key at once.
+//! - **Held, lost, released, revoked**: as a plain lock: the connection is
+//!   the hold (its death loses the share, and only this share), the ping
+//!   renews it, the release unlocks everything it holds (the share's key
+//!   lock, its slot, a gate left by a cancelled attempt), the revocation
+//!   ends the connection of every holder of the key, each with its own end
+//!   mark. An attempt dropped at any `.await` leaves its connection to
+//!   [`Abandoned`], which unlocks it (or ends it) before any reuse: no slot,
+//!   gate or key lock stays behind.
+//!
+//! PostgreSQL and MySQL differ in how a share meets plain locks; see
+//! `postgres/session.rs` and `mysql/session.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +98,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::holder_text;
 use super::pool::{DeadConnections, is_connection_error, timed_out};
-use crate::backend::{AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, Renewal};
+use crate::backend::{AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, Renewal};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
@@ -62,6 +110,50 @@ pub enum Locked {
     /// otherwise it must be unlocked before reuse (a timed-out wait may
     /// have been granted in the same instant).
     Busy { clean: bool },
+    /// The key's holders hold it in another mode (a semaphore's permits):
+    /// the connection holds nothing.
+    Mismatch(HoldMode),
+}
+
+/// What a share (a reader, a permit) found on entering its key's gate.
+pub enum Entry {
+    /// The key may be shared in the mode asked: the slots are walked next.
+    Open,
+    /// A writer holds or waits for the key (or a plain lock holds it where
+    /// the mode asked is compatible).
+    Busy,
+    /// The key's holders hold it in this other mode.
+    Mismatch(HoldMode),
+}
+
+/// Which kind of slot a share takes: a semaphore's permit (`0..permits`),
+/// or a reader's own number (the lowest free one; readers are not counted,
+/// the slot only gives each reader a row of its own for its token and
+/// holder record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotKind {
+    /// One permit of a semaphore.
+    Permit,
+    /// A reader's share.
+    Reader,
+}
+
+impl SlotKind {
+    /// The kind of slot `mode` takes (`None`: a plain lock takes the key).
+    pub fn of(mode: HoldMode) -> Option<SlotKind> {
+        match mode {
+            HoldMode::Exclusive => None,
+            HoldMode::Shared => Some(SlotKind::Reader),
+            HoldMode::Permit { .. } => Some(SlotKind::Permit),
+        }
+    }
+
+    fn byte(self) -> u8 {
+        match self {
+            SlotKind::Permit => b'p',
+            SlotKind::Reader => b'r',
+        }
+    }
 }
 
 /// One database's session locks.
@@ -90,6 +182,45 @@ pub trait SessionDb: Send + Sync + 'static {
         wait: Duration,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>>;
+
+    /// Enters `key`'s gate for a share in mode `asked` (see
+    /// [the shared slots](self#semaphores-and-readers)): serialises the
+    /// shares of the key and checks the mode recorded with its holders.
+    /// Whatever the answer, the connection may hold locks afterwards: the
+    /// caller unlocks it unless the share is granted.
+    fn enter<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        key: &'a str,
+        asked: HoldMode,
+    ) -> BoxFuture<'a, Result<Entry, sqlx::Error>>;
+
+    /// Tries the slots `from..to` of `kind` of `key` in order, without
+    /// waiting, and takes the first free one (and no other): its number.
+    fn try_slots<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        key: &'a str,
+        kind: SlotKind,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<Option<u32>, sqlx::Error>>;
+
+    /// Completes a share holding `slot`: records the mode with the key,
+    /// bumps the token (the slot's own for a permit, the key's one sequence
+    /// for a reader) into the slot's counter row with the key and the
+    /// `holder` record, sets the server's idle limit to `ttl` and leaves the
+    /// gate. `Err(held)` where the key turned out held in another mode
+    /// (the connection must then be unlocked).
+    fn grant<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+        key: &'a str,
+        asked: HoldMode,
+        slot: u32,
+        holder: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Result<u64, HoldMode>, sqlx::Error>>;
 
     /// A round trip that also sets the server's idle limit to `ttl`.
     fn ping<'a>(
@@ -140,11 +271,11 @@ pub trait SessionDb: Send + Sync + 'static {
     /// did. Names the holder only if its insert added the mark.
     fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>>;
 
-    /// Inserts, from another connection, the [`end_mark`] of the grant of
-    /// `key` with `token` (of kind [`MarkKind::Ended`]), waiting for a
-    /// revocation still writing the same mark: answers whether a
-    /// revocation's mark was there (the insert added nothing).
-    fn ended<'a>(&'a self, key: &'a str, token: u64) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    /// Inserts, from another connection, the [`end_mark`] of the grant
+    /// `mark` (of kind [`MarkKind::Ended`]), waiting for a revocation still
+    /// writing the same mark: answers whether a revocation's mark was there
+    /// (the insert added nothing).
+    fn ended(&self, mark: i64) -> BoxFuture<'_, Result<bool, sqlx::Error>>;
 }
 
 /// Who wrote a grant's [`end_mark`], stored as its holder text.
@@ -175,20 +306,62 @@ pub(super) const MARK_LIFE: Duration = Duration::from_secs(3600);
 /// [`MARK_LIFE`] in microseconds.
 pub(super) const MARK_LIFE_US: i64 = MARK_LIFE.as_micros() as i64;
 
-/// The counter-table key of the end mark of `key`'s grant with `token`:
-/// the first 8 bytes of the SHA-256 of `0xFF`, the key and the token
-/// (big-endian). `0xFF` never occurs in UTF-8, so no key's own name
-/// ([`session_hash`]) is built from the same bytes.
-pub(crate) fn end_mark(key: &str, token: u64) -> i64 {
+/// The counter-table key of the end mark of `key`'s grant with `token`
+/// (of `slot`, for a share): the first 8 bytes of the SHA-256 of `0xFF`,
+/// the key and the token (big-endian) — for a share, `0xFF`, the key,
+/// `0xFF`, the slot's kind and number, and the token. `0xFF` never occurs
+/// in UTF-8, so no key's own name ([`session_hash`]) nor a slot's
+/// ([`slot_hash`]) is built from the same bytes, and the two forms never
+/// meet (a key cannot contain the second `0xFF`).
+pub(crate) fn end_mark(key: &str, slot: Option<(SlotKind, u32)>, token: u64) -> i64 {
+    let mut bytes = vec![0xFF];
+    bytes.extend_from_slice(key.as_bytes());
+    if let Some((kind, slot)) = slot {
+        bytes.extend_from_slice(&[0xFF, kind.byte()]);
+        bytes.extend_from_slice(&slot.to_be_bytes());
+    }
+    bytes.extend_from_slice(&token.to_be_bytes());
+    first_64_bits(&bytes)
+}
+
+/// The first 8 bytes of the SHA-256 of `bytes`, big-endian, signed.
+fn first_64_bits(bytes: &[u8]) -> i64 {
     use sha2::Digest as _;
-    let mut hasher = sha2::Sha256::new();
-    hasher.update([0xFF]);
-    hasher.update(key.as_bytes());
-    hasher.update(token.to_be_bytes());
-    let digest = hasher.finalize();
+    let digest = sha2::Sha256::digest(bytes);
     let mut first = [0u8; 8];
     first.copy_from_slice(&digest[..8]);
     i64::from_be_bytes(first)
+}
+
+/// The 64-bit name of slot `slot` of `kind` of `key` (its advisory lock,
+/// its `GET_LOCK` name, its counter row): the first 8 bytes of the SHA-256
+/// of `0xFE`, the key, `0xFF`, the kind's byte and the slot (big-endian).
+/// `0xFE` and `0xFF` never occur in UTF-8: no key's own name
+/// ([`session_hash`]) is built from the same bytes.
+pub(crate) fn slot_hash(key: &str, kind: SlotKind, slot: u32) -> i64 {
+    let mut bytes = vec![0xFE];
+    bytes.extend_from_slice(key.as_bytes());
+    bytes.extend_from_slice(&[0xFF, kind.byte()]);
+    bytes.extend_from_slice(&slot.to_be_bytes());
+    first_64_bits(&bytes)
+}
+
+/// The 64-bit name of `key`'s gate: the lock that orders the shares of a
+/// key while each checks the mode and takes its slot (the SHA-256 of
+/// `0xFD` and the key).
+pub(crate) fn gate_hash(key: &str) -> i64 {
+    let mut bytes = vec![0xFD];
+    bytes.extend_from_slice(key.as_bytes());
+    first_64_bits(&bytes)
+}
+
+/// The 64-bit name of `key`'s waiting-writer mark (PostgreSQL): held in
+/// shared mode by each writer waiting for the key, tried by readers (the
+/// SHA-256 of `0xFC` and the key).
+pub(crate) fn writer_mark_hash(key: &str) -> i64 {
+    let mut bytes = vec![0xFC];
+    bytes.extend_from_slice(key.as_bytes());
+    first_64_bits(&bytes)
 }
 
 /// The longest holder record a counter row stores, in bytes.
@@ -197,11 +370,26 @@ pub(super) const HOLDER_MAX: usize = 1024;
 /// The longest server-side wait of one attempt.
 const MAX_SLICE: Duration = Duration::from_secs(30);
 
+/// The longest pause of a waiting share (a reader, a permit) between its
+/// attempts: its first pause is [`FIRST_SHARE_POLL`], doubled at each.
+const MAX_SHARE_POLL: Duration = Duration::from_millis(250);
+
+/// The first pause of a waiting share.
+const FIRST_SHARE_POLL: Duration = Duration::from_millis(5);
+
+/// How many slots one round trip of the slot walk tries.
+const SLOTS_PER_TRY: u32 = 64;
+
 enum Owner<C> {
     /// Between the attempts of one acquisition: when it began, and the
     /// connection it waits on (kept so that a grant racing a timeout is
-    /// never lost track of).
-    Waiting { since: Instant, conn: Option<C> },
+    /// never lost track of). `polls`: how many busy attempts of a share
+    /// came before (its back-off).
+    Waiting {
+        since: Instant,
+        conn: Option<C>,
+        polls: u32,
+    },
     /// Held: the task that owns the connection.
     Held(Hold),
     /// Revoked: the connection was ended by a revocation; kept until the
@@ -213,6 +401,8 @@ enum Owner<C> {
 struct Hold {
     id: u64,
     token: u64,
+    /// The permit's slot (`None` for a plain lock and a reader).
+    permit: Option<u32>,
     commands: mpsc::UnboundedSender<Command>,
 }
 
@@ -233,6 +423,8 @@ pub(super) struct Sessions<S: SessionDb> {
     db: Arc<S>,
     owners: Arc<Owners<S::Conn>>,
     timeout: Duration,
+    /// The longest pause of a waiting share between its attempts.
+    poll: Duration,
     next_id: AtomicU64,
 }
 
@@ -241,11 +433,12 @@ fn lock_owners<C>(owners: &Owners<C>) -> MutexGuard<'_, HashMap<String, Owner<C>
 }
 
 impl<S: SessionDb> Sessions<S> {
-    pub(super) fn new(db: S, timeout: Duration) -> Self {
+    pub(super) fn new(db: S, timeout: Duration, poll: Duration) -> Self {
         Sessions {
             db: Arc::new(db),
             owners: Arc::default(),
             timeout,
+            poll: poll.min(MAX_SHARE_POLL),
             next_id: AtomicU64::new(0),
         }
     }
@@ -285,22 +478,22 @@ impl<S: SessionDb> Sessions<S> {
         &self,
         request: &AcquireRequest,
     ) -> Result<Attempt, BackendError> {
-        let (since, conn) = {
+        let (since, conn, polls) = {
             let mut owners = lock_owners(&self.owners);
             match owners.remove(&request.owner) {
                 Some(Owner::Held(hold)) => {
                     // A retry of an attempt whose answer was lost: the same grant.
-                    let token = hold.token;
+                    let lease = granted(request, hold.token, hold.permit);
                     owners.insert(request.owner.clone(), Owner::Held(hold));
-                    return Ok(Attempt::Held(Lease::new(
-                        request,
-                        Some(FencingToken::new(token)),
-                    )));
+                    return Ok(Attempt::Held(lease));
                 }
-                Some(Owner::Waiting { since, conn }) => (since, conn),
-                Some(Owner::Revoked) | None => (Instant::now(), None),
+                Some(Owner::Waiting { since, conn, polls }) => (since, conn, polls),
+                Some(Owner::Revoked) | None => (Instant::now(), None, 0),
             }
         };
+        if let Some(kind) = SlotKind::of(request.mode) {
+            return self.try_share(request, kind, since, conn, polls).await;
+        }
         // From here, `conn` is a local: if this future is dropped, it is
         // closed, and the server drops whatever it held.
         let remaining = request.wait.saturating_sub(since.elapsed());
@@ -363,51 +556,24 @@ impl<S: SessionDb> Sessions<S> {
             Err(error) => {
                 // The wait loop may try again (a transient failure): the
                 // wait's budget still counts from its start.
-                lock_owners(&self.owners)
-                    .insert(request.owner.clone(), Owner::Waiting { since, conn: None });
+                self.waiting(&request.owner, since, None, 0);
                 return Err(error);
             }
         };
         match outcome {
-            (Locked::Yes(token), conn) => {
-                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let (commands, receiver) = mpsc::unbounded_channel();
-                lock_owners(&self.owners).insert(
-                    request.owner.clone(),
-                    Owner::Held(Hold {
-                        id,
-                        token,
-                        commands,
-                    }),
-                );
-                crate::driver::handle().spawn(hold(HoldTask {
-                    db: self.db.clone(),
-                    conn,
-                    key: request.key.clone(),
-                    token,
-                    expires: Instant::now() + request.lease,
-                    lost: request.lost.clone(),
-                    commands: receiver,
-                    owners: Arc::downgrade(&self.owners),
-                    owner: request.owner.clone(),
-                    id,
-                    timeout: self.timeout,
-                }));
-                Ok(Attempt::Held(Lease::new(
-                    request,
-                    Some(FencingToken::new(token)),
+            (Locked::Yes(token), conn) => Ok(Attempt::Held(self.hold(request, conn, token, None))),
+            (Locked::Mismatch(held), conn) => {
+                self.db.recycle(conn);
+                Err(BackendError::config(HoldMode::mismatch(
+                    &request.key,
+                    held,
+                    request.mode,
                 )))
             }
             (Locked::Busy { clean }, conn) => {
                 if remaining > slice {
                     // More to wait: keep the connection for the next slice.
-                    lock_owners(&self.owners).insert(
-                        request.owner.clone(),
-                        Owner::Waiting {
-                            since,
-                            conn: Some(conn),
-                        },
-                    );
+                    self.waiting(&request.owner, since, Some(conn), 0);
                     return Ok(Attempt::Busy {
                         retry_in: Some(Duration::ZERO),
                     });
@@ -419,6 +585,139 @@ impl<S: SessionDb> Sessions<S> {
                     crate::driver::handle().spawn(unlock_and_recycle(db, conn, timeout));
                 }
                 Ok(Attempt::Busy { retry_in: None })
+            }
+        }
+    }
+
+    /// Remembers `owner` as waiting since `since` (on `conn`, if kept).
+    fn waiting(&self, owner: &str, since: Instant, conn: Option<S::Conn>, polls: u32) {
+        lock_owners(&self.owners).insert(owner.to_owned(), Owner::Waiting { since, conn, polls });
+    }
+
+    /// Hands a granted connection to the task that holds it: the lease.
+    fn hold(
+        &self,
+        request: &AcquireRequest,
+        conn: S::Conn,
+        token: u64,
+        slot: Option<(SlotKind, u32)>,
+    ) -> Lease {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (commands, receiver) = mpsc::unbounded_channel();
+        let permit = slot
+            .filter(|(kind, _)| *kind == SlotKind::Permit)
+            .map(|(_, s)| s);
+        lock_owners(&self.owners).insert(
+            request.owner.clone(),
+            Owner::Held(Hold {
+                id,
+                token,
+                permit,
+                commands,
+            }),
+        );
+        crate::driver::handle().spawn(hold(HoldTask {
+            db: self.db.clone(),
+            conn,
+            mark: end_mark(&request.key, slot, token),
+            expires: Instant::now() + request.lease,
+            lost: request.lost.clone(),
+            commands: receiver,
+            owners: Arc::downgrade(&self.owners),
+            owner: request.owner.clone(),
+            id,
+            timeout: self.timeout,
+        }));
+        granted(request, token, permit)
+    }
+
+    /// One attempt of a share (a reader, a permit): see
+    /// [the shared slots](self#semaphores-and-readers). Never waits on the
+    /// server: a busy answer is tried again after a back-off (or at once when
+    /// a share of the key is released in this process).
+    async fn try_share(
+        &self,
+        request: &AcquireRequest,
+        kind: SlotKind,
+        since: Instant,
+        conn: Option<S::Conn>,
+        polls: u32,
+    ) -> Result<Attempt, BackendError> {
+        if let Some(conn) = conn {
+            // A plain lock's connection left by an earlier attempt of this
+            // owner: nothing of it may stay.
+            unlock_and_recycle(self.db.clone(), conn, self.timeout).await;
+        }
+        let holder = holder_text(&request.holder, HOLDER_MAX);
+        let mut dead = DeadConnections::new(self.db.pooled());
+        let mut fresh = false;
+        let outcome = loop {
+            let c = match tokio::time::timeout(self.timeout, self.db.open(fresh)).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => break Err(self.db.classify(e)),
+                Err(_) => break Err(timed_out("opening a session connection", self.timeout)),
+            };
+            // Dropped on the way (its caller went away, a timeout): see
+            // `Abandoned`; whatever the connection took is unlocked.
+            let mut running = Abandoned {
+                db: self.db.clone(),
+                conn: Some(c),
+                timeout: self.timeout,
+            };
+            let shared = tokio::time::timeout(
+                self.timeout,
+                share(&*self.db, running.conn(), request, kind, &holder),
+            )
+            .await;
+            let Ok(shared) = shared else {
+                drop(running);
+                break Err(timed_out("a session share", self.timeout));
+            };
+            match shared {
+                Ok(shared) => break Ok((shared, running.finished())),
+                Err(e) if dead.try_another(&e) => {
+                    drop(running.finished());
+                    fresh = true;
+                }
+                Err(e) => {
+                    drop(running);
+                    break Err(self.db.classify(e));
+                }
+            }
+        };
+        let (shared, conn) = match outcome {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                self.waiting(&request.owner, since, None, polls);
+                return Err(error);
+            }
+        };
+        match shared {
+            Shared::Granted { token, slot } => Ok(Attempt::Held(self.hold(
+                request,
+                conn,
+                token,
+                Some((kind, slot)),
+            ))),
+            Shared::Busy | Shared::Mismatch(_) => {
+                let (db, timeout) = (self.db.clone(), self.timeout);
+                crate::driver::handle().spawn(unlock_and_recycle(db, conn, timeout));
+                if let Shared::Mismatch(held) = shared {
+                    return Err(BackendError::config(HoldMode::mismatch(
+                        &request.key,
+                        held,
+                        request.mode,
+                    )));
+                }
+                let pause = FIRST_SHARE_POLL
+                    .saturating_mul(1 << polls.min(16))
+                    .min(self.poll);
+                if request.wait.saturating_sub(since.elapsed()) > Duration::ZERO {
+                    self.waiting(&request.owner, since, None, polls.saturating_add(1));
+                }
+                Ok(Attempt::Busy {
+                    retry_in: Some(pause),
+                })
             }
         }
     }
@@ -462,6 +761,68 @@ impl<S: SessionDb> Sessions<S> {
             Some(Owner::Waiting { conn: None, .. } | Owner::Revoked) | None => {}
         }
     }
+}
+
+/// The lease of a grant.
+fn granted(request: &AcquireRequest, token: u64, permit: Option<u32>) -> Lease {
+    let lease = Lease::new(request, Some(FencingToken::new(token)));
+    match permit {
+        Some(slot) => lease.with_slot(slot),
+        None => lease,
+    }
+}
+
+/// What one share attempt found.
+enum Shared {
+    /// Granted: the token and the slot taken.
+    Granted { token: u64, slot: u32 },
+    /// Every slot taken, or a writer holds or waits for the key.
+    Busy,
+    /// The key's holders hold it in this other mode.
+    Mismatch(HoldMode),
+}
+
+/// One share attempt on `conn`: the gate, the slot walk (lowest free slot
+/// first, [`SLOTS_PER_TRY`] per round trip), the grant. Unless granted,
+/// the connection may hold locks: the caller unlocks it.
+async fn share<S: SessionDb>(
+    db: &S,
+    conn: &mut S::Conn,
+    request: &AcquireRequest,
+    kind: SlotKind,
+    holder: &str,
+) -> Result<Shared, sqlx::Error> {
+    let key = &request.key;
+    match db.enter(conn, key, request.mode).await? {
+        Entry::Open => {}
+        Entry::Busy => return Ok(Shared::Busy),
+        Entry::Mismatch(held) => return Ok(Shared::Mismatch(held)),
+    }
+    // Readers are not counted: their walk ends at a free number.
+    let end = match request.mode {
+        HoldMode::Permit { permits } => permits,
+        _ => u32::MAX,
+    };
+    let mut from = 0;
+    let slot = loop {
+        if from >= end {
+            return Ok(Shared::Busy);
+        }
+        let to = from.saturating_add(SLOTS_PER_TRY).min(end);
+        if let Some(slot) = db.try_slots(conn, key, kind, from, to).await? {
+            break slot;
+        }
+        from = to;
+    };
+    Ok(
+        match db
+            .grant(conn, key, request.mode, slot, holder, request.lease)
+            .await?
+        {
+            Ok(token) => Shared::Granted { token, slot },
+            Err(held) => Shared::Mismatch(held),
+        },
+    )
 }
 
 async fn unlock_and_recycle<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout: Duration) {
@@ -539,9 +900,8 @@ async fn end_abandoned<S: SessionDb>(db: Arc<S>, mut conn: S::Conn, timeout: Dur
 struct HoldTask<S: SessionDb> {
     db: Arc<S>,
     conn: S::Conn,
-    /// The stored key and the grant's token, for its end mark.
-    key: String,
-    token: u64,
+    /// The grant's end mark (see [`end_mark`]).
+    mark: i64,
     /// The local end of the lease: at least the holder's own.
     expires: Instant,
     lost: CancellationToken,
@@ -646,8 +1006,7 @@ async fn connection_ended<S: SessionDb>(
     let HoldTask {
         db,
         conn,
-        key,
-        token,
+        mark,
         lost,
         commands,
         owners,
@@ -657,7 +1016,7 @@ async fn connection_ended<S: SessionDb>(
         ..
     } = task;
     drop(conn);
-    let revoked = match tokio::time::timeout(timeout, db.ended(&key, token)).await {
+    let revoked = match tokio::time::timeout(timeout, db.ended(mark)).await {
         Ok(Ok(revoked)) => revoked,
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "dlock session lock: the end mark could not be written");
@@ -705,11 +1064,7 @@ fn forget<S: SessionDb>(task: &HoldTask<S>) {
 /// 2^-64 per pair: they would then exclude each other, never share a lock
 /// unknowingly — and tokens still grow, as they share one counter row.
 pub(crate) fn session_hash(key: &str) -> i64 {
-    use sha2::Digest as _;
-    let digest = sha2::Sha256::digest(key.as_bytes());
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
+    first_64_bits(key.as_bytes())
 }
 
 #[cfg(test)]
@@ -718,11 +1073,21 @@ mod tests {
 
     #[test]
     fn end_marks_differ_by_key_and_token_and_from_key_names() {
-        let mark = end_mark("dlock:a", 7);
-        assert_eq!(mark, end_mark("dlock:a", 7));
-        assert_ne!(mark, end_mark("dlock:a", 8));
-        assert_ne!(mark, end_mark("dlock:b", 7));
+        let mark = end_mark("dlock:a", None, 7);
+        assert_eq!(mark, end_mark("dlock:a", None, 7));
+        assert_ne!(mark, end_mark("dlock:a", None, 8));
+        assert_ne!(mark, end_mark("dlock:b", None, 7));
         assert_ne!(mark, session_hash("dlock:a"));
+        let slot = Some((SlotKind::Permit, 0));
+        assert_ne!(end_mark("dlock:a", slot, 7), mark);
+        assert_ne!(
+            end_mark("dlock:a", slot, 7),
+            end_mark("dlock:a", Some((SlotKind::Permit, 1)), 7)
+        );
+        assert_ne!(
+            end_mark("dlock:a", slot, 7),
+            end_mark("dlock:a", Some((SlotKind::Reader, 0)), 7)
+        );
     }
 
     #[test]

@@ -44,7 +44,8 @@
 //! tried again). Session mode takes them one by one.
 //!
 //! **Semaphores and read-write locks** (lease mode; session mode offers
-//! plain locks only for now). A reader's share and each permit are rows of
+//! semaphores over `GET_LOCK` slot names, and no read locks: see
+//! `session.rs`). A reader's share and each permit are rows of
 //! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
 //! record), each with its own expiry on the database's clock; the key's
 //! lease-table row stays the writer (a plain lock is the write mode) and
@@ -290,7 +291,9 @@ impl MysqlBackend {
         token      BIGINT UNSIGNED NOT NULL,\n    \
         name       VARBINARY(1024),\n    \
         holder     VARBINARY(1024),\n    \
-        granted_us BIGINT\n) ENGINE = InnoDB;\n\
+        granted_us BIGINT,\n    \
+        permits    INT,\n    \
+        slot       INT\n) ENGINE = InnoDB;\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_holders (\n    \
         k          VARBINARY(1024) NOT NULL,\n    \
         slot       BIGINT          NOT NULL,\n    \
@@ -849,13 +852,17 @@ impl Dialect for Mysql {
         .collect()
     }
 
-    const FENCE_COLUMNS: &'static str = "name, holder, granted_us";
+    const FENCE_COLUMNS: &'static str = "name, holder, granted_us, permits, slot";
+
+    const SESSION_READERS: bool = false;
 
     fn add_fence_columns(table: &str) -> Vec<String> {
         [
             "name VARBINARY(1024)",
             "holder VARBINARY(1024)",
             "granted_us BIGINT",
+            "permits INT",
+            "slot INT",
         ]
         .iter()
         .map(|column| format!("ALTER TABLE {table}_fence ADD COLUMN {column}"))

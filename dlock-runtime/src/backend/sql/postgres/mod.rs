@@ -35,8 +35,8 @@
 //! reads which key is held, and the waiter marks it and waits on it as for a
 //! single key. Session mode takes the keys one by one.
 //!
-//! **Semaphores and read-write locks** (lease mode; session mode offers
-//! plain locks only for now). A reader's share and each permit are rows of
+//! **Semaphores and read-write locks** (lease mode; for session mode —
+//! shared advisory locks and slot keys — see `session.rs`). A reader's share and each permit are rows of
 //! `<table>_holders` (key, slot, permits, owner, token, expiry, holder
 //! record), each with its own expiry on the database's clock; the key's
 //! lease-table row stays the writer (a plain lock is the write mode) and
@@ -353,7 +353,9 @@ impl PostgresBackend {
         token      bigint NOT NULL,\n    \
         name       text COLLATE \"C\",\n    \
         holder     text,\n    \
-        granted_at timestamptz\n);\n\
+        granted_at timestamptz,\n    \
+        permits    integer,\n    \
+        slot       integer\n);\n\
         CREATE TABLE IF NOT EXISTS dlock_leases_holders (\n    \
         key        text COLLATE \"C\" NOT NULL,\n    \
         slot       bigint      NOT NULL,\n    \
@@ -1085,13 +1087,17 @@ impl Dialect for Postgres {
             .collect()
     }
 
-    const FENCE_COLUMNS: &'static str = "name, holder, granted_at";
+    const FENCE_COLUMNS: &'static str = "name, holder, granted_at, permits, slot";
+
+    const SESSION_READERS: bool = true;
 
     fn add_fence_columns(table: &str) -> Vec<String> {
         [
             "name text COLLATE \"C\"",
             "holder text",
             "granted_at timestamptz",
+            "permits integer",
+            "slot integer",
         ]
         .iter()
         .map(|column| format!("ALTER TABLE {table}_fence ADD COLUMN IF NOT EXISTS {column}"))

@@ -2,6 +2,39 @@
 //! (see [session mode](super::super#session-mode)), each a `PgListener` whose
 //! idle socket is watched, so that `pg_terminate_backend` or a restart are
 //! noticed at once.
+//!
+//! **Read-write locks.** A plain lock is the exclusive advisory lock of the
+//! key, waited for on the server (as before): it is the write mode. Every
+//! share (reader or permit) holds the key's advisory lock in *shared* mode
+//! besides its slot, so a writer and a share exclude each other in the
+//! server's own lock manager, and a share's connection dying frees both.
+//! The shares take the key's lock only by trying, under the key's gate (see
+//! [the session engine](crate::backend::sql::session#semaphores-and-readers)):
+//! first exclusively (success: no holder and no waiting writer — the share
+//! converts it to shared and records its mode), else shared (success:
+//! other shares hold it, and the recorded mode decides), else a writer
+//! holds it or waits: busy for a reader (the writer's key), a mismatch for a
+//! permit. Writers are preferred in two ways: PostgreSQL's lock queue is
+//! fair — a shared request that conflicts with a *queued* exclusive request
+//! fails, so new readers are busy while a writer waits on the server — and a
+//! writer's wait is cut into slices, between which it is not queued; for
+//! those gaps the writer holds its key's *waiting-writer mark*
+//! ([`writer_mark_hash`], shared) from its first wait until its connection is
+//! unlocked (granted writers keep it harmlessly until their release), and a
+//! reader that may enter first tries the mark exclusively and is busy if a
+//! writer holds it. A cancelled or timed-out writer's connection is
+//! unlocked, so no mark outlives its wait. Readers poll (the engine's
+//! back-off) rather than wait on the server: their answer also depends on
+//! the recorded mode, read under the gate.
+//!
+//! **Semaphores.** Permits are exclusive advisory locks of slot keys,
+//! lowest free first, beside the key's shared lock. A plain lock on a key
+//! whose row records a semaphore only tries (it does not queue behind the
+//! permits) and, busy, answers the mismatch; a permit on a key a plain lock
+//! holds finds the key's lock taken and the row naming a plain lock: a
+//! mismatch. `inspect` shows the exclusive advisory locks joined with their
+//! counter rows: a writer is its key's row, a reader or a permit holder its
+//! slot's row (mode and slot from the row), never a name of its own.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,12 +47,12 @@ use super::{NOW_US, pg_error, sqlstate};
 use crate::backend::sql::admin::{Row, prefix_successor};
 use crate::backend::sql::pool::Checked;
 use crate::backend::sql::session::{
-    Locked, MARK_LIFE_US, MarkKind, SessionDb, end_mark, session_hash,
+    Entry, Locked, MARK_LIFE_US, MarkKind, SessionDb, SlotKind, end_mark, gate_hash, session_hash,
+    slot_hash, writer_mark_hash,
 };
 use crate::backend::sql::upkeep::millis;
-use crate::backend::{HeldEntry, KeyEntry};
+use crate::backend::{HeldEntry, HoldMode, KeyEntry};
 use crate::error::BackendError;
-use crate::token::FencingToken;
 
 /// The most session connections one backend opens.
 const MAX_SESSIONS: u32 = 1024;
@@ -58,6 +91,11 @@ pub struct PgSessions {
     /// See [`PgSessions::mark_sql`], and the kind of a mark already there.
     mark_sql: Arc<str>,
     mark_kind_sql: Arc<str>,
+    /// See [`PgSessions::grant_sql`], and the mode recorded with a key.
+    grant_sql: Arc<str>,
+    mode_sql: Arc<str>,
+    /// `<table>_fence`.
+    fence: String,
     /// Whether the server has `idle_session_timeout` (PostgreSQL ≥ 14).
     idle_limit: bool,
     /// Whether the connections' `application_name` is dlock's own (the
@@ -136,7 +174,7 @@ impl PgSessions {
         Ok(PgSessions {
             pool,
             lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
-            inspect_sql: PgSessions::held_sql(&format!("{table}_fence"), "f.k = $1").into(),
+            inspect_sql: PgSessions::held_sql(&format!("{table}_fence"), "f.name = $1").into(),
             list_sql: PgSessions::held_sql(
                 &format!("{table}_fence"),
                 "f.name >= $1 AND ($2::text IS NULL OR f.name < $2) ORDER BY f.name LIMIT $3",
@@ -144,6 +182,9 @@ impl PgSessions {
             .into(),
             mark_sql: PgSessions::mark_sql(&format!("{table}_fence")),
             mark_kind_sql: format!("SELECT holder FROM {table}_fence WHERE k = $1").into(),
+            grant_sql: PgSessions::grant_sql(&format!("{table}_fence"), version >= 140_000),
+            mode_sql: format!("SELECT permits FROM {table}_fence WHERE k = $1").into(),
+            fence: format!("{table}_fence"),
             idle_limit: version >= 140_000,
             record_in_name,
             idle: Mutex::default(),
@@ -191,9 +232,15 @@ impl PgSessions {
     /// The lock statement: `$1` the key's hash, `$2` the idle limit (ms,
     /// as text), `$3` how long to wait (ms as text; `0`: try once), `$4` the
     /// stored key and `$5` the holder record (`NULL` when the connection's
-    /// `application_name` carries it), kept in the counter's row. The wait's
-    /// limit is local to the statement's transaction; the idle limit is set
-    /// for the session only when the lock is ours.
+    /// `application_name` carries it), kept in the counter's row, `$6` the
+    /// key's waiting-writer mark. The wait's limit is local to the
+    /// statement's transaction; the idle limit is set for the session only
+    /// when the lock is ours. A free key is taken by a try, as before; a
+    /// writer that has to wait holds the mark (shared) from its first wait
+    /// until its connection is unlocked: readers that try in the gaps
+    /// between its waits find it. A key whose row records a
+    /// semaphore is only tried (its permit holders answer a mismatch, not a
+    /// wait); a grant records the key as a plain lock's.
     fn lock_sql(fence: &str, idle_limit: bool) -> Arc<str> {
         let limit = if idle_limit {
             "set_config('idle_session_timeout', $2, false)"
@@ -202,17 +249,76 @@ impl PgSessions {
         };
         format!(
             "WITH t AS (SELECT set_config('lock_timeout', $3, true) AS lt), \
-                  l AS (SELECT CASE WHEN $3 = '0' THEN pg_try_advisory_lock($1) \
+                  l AS (SELECT CASE WHEN $3 = '0' \
+                                      OR EXISTS (SELECT 1 FROM {fence} s WHERE s.k = $1 AND s.permits > 1) \
+                                    THEN pg_try_advisory_lock($1) \
+                                    WHEN pg_try_advisory_lock($1) THEN true \
+                                    WHEN pg_try_advisory_lock_shared($6) \
+                                    THEN pg_advisory_lock($1) IS NOT NULL \
                                     ELSE pg_advisory_lock($1) IS NOT NULL END AS got FROM t) \
              INSERT INTO {fence} AS f (k, token, name, holder, granted_at) \
              SELECT $1, {NOW_US}, $4, $5, clock_timestamp() FROM l \
              WHERE CASE WHEN got THEN {limit} IS NOT NULL ELSE false END \
              ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token), \
-                 name = excluded.name, holder = excluded.holder, granted_at = excluded.granted_at \
+                 name = excluded.name, holder = excluded.holder, granted_at = excluded.granted_at, \
+                 permits = NULL, slot = NULL \
              RETURNING token"
         )
         .into()
     }
+
+    /// The grant of a share, one statement: `$1` the key's hash, `$2` the
+    /// slot's, `$3` the stored key, `$4` the holder record, `$5` the mode
+    /// (`0` a reader, else the permits), `$6` the slot, `$7` the idle limit
+    /// (ms, as text). The key's row records the mode; a reader's token is
+    /// the key's one sequence bumped (so readers and writers share it), a
+    /// permit's its slot row's own; the slot's row keeps the token, the key
+    /// and the holder record for `inspect` and `revoke`.
+    fn grant_sql(fence: &str, idle_limit: bool) -> Arc<str> {
+        let limit = if idle_limit {
+            "set_config('idle_session_timeout', $7, false)"
+        } else {
+            "$7::text"
+        };
+        format!(
+            "WITH kr AS (INSERT INTO {fence} AS f (k, token, name, holder, granted_at, permits) \
+                         VALUES ($1, {NOW_US}, $3, NULL, clock_timestamp(), $5) \
+                         ON CONFLICT (k) DO UPDATE SET permits = excluded.permits, \
+                             name = excluded.name, \
+                             token = CASE WHEN excluded.permits = 0 \
+                                          THEN GREATEST(f.token + 1, excluded.token) \
+                                          ELSE f.token END \
+                         RETURNING token) \
+             INSERT INTO {fence} AS f (k, token, name, holder, granted_at, permits, slot) \
+             SELECT $2, CASE WHEN $5 = 0 THEN kr.token ELSE {NOW_US} END, $3, $4, \
+                    clock_timestamp(), $5, $6 \
+             FROM kr WHERE {limit} IS NOT NULL \
+             ON CONFLICT (k) DO UPDATE SET \
+                 token = CASE WHEN excluded.permits = 0 THEN excluded.token \
+                              ELSE GREATEST(f.token + 1, excluded.token) END, \
+                 name = excluded.name, holder = excluded.holder, \
+                 granted_at = excluded.granted_at, permits = excluded.permits, \
+                 slot = excluded.slot \
+             RETURNING token"
+        )
+        .into()
+    }
+}
+
+/// The mode a key's row records (`permits`: `NULL` a plain lock or writer,
+/// `0` readers, else a semaphore's permits).
+fn recorded(permits: Option<i32>) -> HoldMode {
+    match permits.and_then(|n| u32::try_from(n).ok()) {
+        None | Some(1) => HoldMode::Exclusive,
+        Some(0) => HoldMode::Shared,
+        Some(permits) => HoldMode::Permit { permits },
+    }
+}
+
+/// Whether holders of `held` may share a key with `asked` (a reader with
+/// a writer's key: busy, not a mismatch).
+fn compatible(asked: HoldMode, held: HoldMode) -> bool {
+    asked == held || (asked == HoldMode::Shared && held == HoldMode::Exclusive)
 }
 
 impl PgSessions {
@@ -228,14 +334,13 @@ impl PgSessions {
         .into()
     }
 
-    /// Revokes the grant of `key` with `token` held by server process
-    /// `pid`: in one transaction, its end mark inserted, then the process
-    /// ended. Answers whether this call ended it: not if another
+    /// Revokes the grant of `key` whose end mark is `mark`, held by server
+    /// process `pid`: in one transaction, its end mark inserted, then the
+    /// process ended. Answers whether this call ended it: not if another
     /// revocation or the holder marked the grant's end first (a holder's
     /// mark whose connection the server still shows is ended anyway, to
     /// free the key, but not named), nor if the process was gone already.
-    async fn revoke_grant(&self, key: &str, pid: i32, token: u64) -> Result<bool, BackendError> {
-        let mark = end_mark(key, token);
+    async fn revoke_grant(&self, key: &str, pid: i32, mark: i64) -> Result<bool, BackendError> {
         let mut conn = Checked::new(self.control.acquire().await.map_err(pg_error)?);
         let mut tx = conn.conn().begin().await.map_err(pg_error)?;
         let marked = sqlx::query(AssertSqlSafe(self.mark_sql.clone()))
@@ -291,12 +396,15 @@ impl PgSessions {
         }
     }
 
-    /// The held advisory locks of this database (`pg_locks`: granted, on a
-    /// bigint key, whose two halves are `classid` and `objid`) joined with
-    /// the counter rows `filter` picks: the server process holding each,
-    /// the row's key, holder record (the row's, else the one the holding
-    /// connection's `application_name` carries), token and grant time (ms),
-    /// and how many sessions wait for the same lock.
+    /// The held advisory locks of this database (`pg_locks`: granted,
+    /// exclusive, on a bigint key, whose two halves are `classid` and
+    /// `objid`) joined with the counter rows `filter` picks: the server
+    /// process holding each, the row's key, holder record (the row's, else
+    /// the one the holding connection's `application_name` carries), token
+    /// and grant time (ms), how many sessions wait for the same lock, and
+    /// the row's mode and slot. A plain lock or writer is its key's row; a
+    /// reader or a permit holder is its slot's row (the shared locks of the
+    /// key's row that shares hold beside are not shown twice).
     fn held_sql(fence: &str, filter: &str) -> String {
         let prefix = RECORD_NAME_PREFIX;
         let (len, from) = (prefix.len(), prefix.len() + 1);
@@ -310,16 +418,19 @@ impl PgSessions {
                     (SELECT count(*) FROM pg_locks w \
                      WHERE w.locktype = 'advisory' AND NOT w.granted \
                        AND w.database = l.database AND w.classid = l.classid \
-                       AND w.objid = l.objid AND w.objsubid = l.objsubid) \
+                       AND w.objid = l.objid AND w.objsubid = l.objsubid), \
+                    f.permits, f.slot \
              FROM {fence} f JOIN pg_locks l \
                ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+              AND l.mode = 'ExclusiveLock' \
               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
               AND ((l.classid::bigint << 32) | l.objid::bigint) = f.k \
              WHERE f.name IS NOT NULL AND {filter}"
         )
     }
 
-    /// The held rows `query` reads, as key entries.
+    /// The held rows `query` reads: each holder's server process, key,
+    /// entry and end mark.
     async fn held(
         &self,
         query: Arc<str>,
@@ -331,35 +442,99 @@ impl PgSessions {
             HeldLock,
             sqlx::postgres::PgArguments,
         >,
-    ) -> Result<Vec<(i32, KeyEntry)>, BackendError> {
+    ) -> Result<Vec<Holding>, BackendError> {
         let rows: Vec<HeldLock> = bind(sqlx::query_as(AssertSqlSafe(query)))
             .fetch_all(&self.control)
             .await
             .map_err(pg_error)?;
         Ok(rows
             .into_iter()
-            .map(|(pid, key, holder, token, granted_ms, waiting)| {
-                let row = Row {
-                    key: key.clone(),
-                    owner: format!("pid {pid}"),
-                    holder,
-                    token,
-                    granted_at: granted_ms,
-                    expires_in_ms: 0,
-                };
-                let mut held = row.entry(Duration::from_millis(1));
-                // The hold ends with its connection, not at a lease's end.
-                held.expires_in = None;
-                let mut entry = KeyEntry::new(key, vec![held]);
-                entry.waiters = usize::try_from(waiting).ok();
-                (pid, entry)
-            })
+            .map(
+                |(pid, key, holder, token, granted_ms, waiting, permits, slot)| {
+                    let row = Row {
+                        key: key.clone(),
+                        owner: format!("pid {pid}"),
+                        holder,
+                        token,
+                        granted_at: granted_ms,
+                        expires_in_ms: 0,
+                    };
+                    let mut held = row.entry(Duration::from_millis(1));
+                    // The hold ends with its connection, not at a lease's end.
+                    held.expires_in = None;
+                    let slot = slot.and_then(|s| u32::try_from(s).ok());
+                    let share = match (slot, recorded(permits)) {
+                        (Some(slot), HoldMode::Shared) => Some((SlotKind::Reader, slot)),
+                        (Some(slot), mode) => {
+                            held.mode = mode;
+                            held.slot = Some(slot);
+                            Some((SlotKind::Permit, slot))
+                        }
+                        (None, _) => None,
+                    };
+                    if share.is_some_and(|(kind, _)| kind == SlotKind::Reader) {
+                        held.mode = HoldMode::Shared;
+                    }
+                    let mark = end_mark(&key, share, token as u64);
+                    Holding {
+                        pid,
+                        key,
+                        held,
+                        waiting: usize::try_from(waiting).ok(),
+                        mark,
+                    }
+                },
+            )
             .collect())
     }
 }
 
+/// One holder as [`PgSessions::held`] reads it.
+struct Holding {
+    pid: i32,
+    key: String,
+    held: HeldEntry,
+    /// Sessions waiting for the same lock.
+    waiting: Option<usize>,
+    /// The grant's end mark.
+    mark: i64,
+}
+
+/// The holders of each key, in the order first met.
+fn by_key(holdings: Vec<Holding>) -> Vec<KeyEntry> {
+    let mut entries: Vec<KeyEntry> = Vec::new();
+    for holding in holdings {
+        match entries.iter_mut().find(|e| e.key == holding.key) {
+            Some(entry) => {
+                entry.holders.push(holding.held);
+                if let (Some(n), Some(w)) = (entry.waiters, holding.waiting) {
+                    entry.waiters = Some(n + w);
+                }
+            }
+            None => {
+                let mut entry = KeyEntry::new(holding.key, vec![holding.held]);
+                entry.waiters = holding.waiting;
+                entries.push(entry);
+            }
+        }
+    }
+    for entry in &mut entries {
+        entry.holders.sort_by_key(|h| (h.slot, h.token));
+    }
+    entries
+}
+
 /// A held advisory lock as [`PgSessions::held_sql`] reads it.
-type HeldLock = (i32, String, Option<String>, i64, Option<i64>, i64);
+type HeldLock = (
+    i32,
+    String,
+    Option<String>,
+    i64,
+    Option<i64>,
+    i64,
+    Option<i32>,
+    Option<i32>,
+);
 
 impl SessionDb for PgSessions {
     type Conn = PgSession;
@@ -426,6 +601,7 @@ impl SessionDb for PgSessions {
                 .bind(wait)
                 .bind(key)
                 .bind((!carried).then_some(holder))
+                .bind(writer_mark_hash(key))
                 .fetch_optional(&mut conn.listener)
                 .await
             {
@@ -440,8 +616,19 @@ impl SessionDb for PgSessions {
             };
             Ok(match token {
                 Some(token) => Locked::Yes(token as u64),
-                // Only a try (`wait` zero) answers no row: nothing is held.
-                None => Locked::Busy { clean: true },
+                // Only a try answers no row: nothing is held. The key may be
+                // a semaphore's (its holders hold it shared): a mismatch.
+                None => {
+                    let permits: Option<Option<i32>> =
+                        sqlx::query_scalar(AssertSqlSafe(self.mode_sql.clone()))
+                            .bind(session_hash(key))
+                            .fetch_optional(&mut conn.listener)
+                            .await?;
+                    match recorded(permits.flatten()) {
+                        held @ HoldMode::Permit { .. } => Locked::Mismatch(held),
+                        _ => Locked::Busy { clean: true },
+                    }
+                }
             })
         })
     }
@@ -516,12 +703,9 @@ impl SessionDb for PgSessions {
     ) -> BoxFuture<'a, Result<Option<KeyEntry>, BackendError>> {
         Box::pin(async move {
             let held = self
-                .held(self.inspect_sql.clone(), |q| q.bind(session_hash(key)))
+                .held(self.inspect_sql.clone(), |q| q.bind(key.to_owned()))
                 .await?;
-            Ok(held
-                .into_iter()
-                .map(|(_, entry)| entry)
-                .find(|entry| entry.key == key))
+            Ok(by_key(held).into_iter().find(|entry| entry.key == key))
         })
     }
 
@@ -531,45 +715,155 @@ impl SessionDb for PgSessions {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<KeyEntry>, BackendError>> {
         Box::pin(async move {
+            // Rows are holders: a key of many holders may take many rows.
             let held = self
                 .held(self.list_sql.clone(), |q| {
                     q.bind(prefix.to_owned())
                         .bind(prefix_successor(prefix))
-                        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                        .bind(i64::try_from(limit.saturating_mul(8).max(1024)).unwrap_or(i64::MAX))
                 })
                 .await?;
-            Ok(held.into_iter().map(|(_, entry)| entry).collect())
+            let mut entries = by_key(held);
+            entries.truncate(limit);
+            Ok(entries)
         })
     }
 
     fn revoke<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<HeldEntry>, BackendError>> {
         Box::pin(async move {
             let held = self
-                .held(self.inspect_sql.clone(), |q| q.bind(session_hash(key)))
+                .held(self.inspect_sql.clone(), |q| q.bind(key.to_owned()))
                 .await?;
             let mut revoked = Vec::new();
-            for (pid, entry) in held.into_iter().filter(|(_, e)| e.key == key) {
-                let token = entry
-                    .holders
-                    .first()
-                    .and_then(|h| h.token)
-                    .map_or(0, FencingToken::get);
-                if self.revoke_grant(key, pid, token).await? {
-                    revoked.extend(entry.holders);
+            for holding in held.into_iter().filter(|h| h.key == key) {
+                if self.revoke_grant(key, holding.pid, holding.mark).await? {
+                    revoked.push(holding.held);
                 }
             }
             Ok(revoked)
         })
     }
 
-    fn ended<'a>(&'a self, key: &'a str, token: u64) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+    fn ended(&self, mark: i64) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let done = sqlx::query(AssertSqlSafe(self.mark_sql.clone()))
-                .bind(end_mark(key, token))
+                .bind(mark)
                 .bind(MarkKind::Ended.as_str())
                 .execute(&self.control)
                 .await?;
             Ok(done.rows_affected() == 0)
+        })
+    }
+
+    fn enter<'a>(
+        &'a self,
+        conn: &'a mut PgSession,
+        key: &'a str,
+        asked: HoldMode,
+    ) -> BoxFuture<'a, Result<Entry, sqlx::Error>> {
+        Box::pin(async move {
+            let (k, gate) = (session_hash(key), gate_hash(key));
+            // The gate first, in a statement of its own, so that the next
+            // one reads what the previous holder of the gate committed.
+            // Then: the key alone (no holder, no waiting writer) is taken
+            // shared and its mode is this share's to record; else a shared
+            // hold beside other shares, whose mode the key's row records;
+            // else a writer holds or waits.
+            let sql = format!(
+                "SELECT pg_advisory_lock({gate}); \
+                 SELECT CASE WHEN pg_try_advisory_lock({k}) \
+                             THEN CASE WHEN pg_advisory_unlock({k}) \
+                                       THEN CASE WHEN pg_try_advisory_lock_shared({k}) \
+                                                 THEN 'alone' ELSE 'busy' END END \
+                             WHEN pg_try_advisory_lock_shared({k}) THEN 'shared' \
+                             ELSE 'busy' END, \
+                        (SELECT permits FROM {fence} WHERE k = {k})",
+                fence = self.fence
+            );
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(&mut conn.listener)
+                .await?;
+            let row = rows.last().ok_or_else(|| {
+                sqlx::Error::Protocol("the gate statement answered nothing".into())
+            })?;
+            let state: String = sqlx::Row::try_get(row, 0)?;
+            let held = recorded(sqlx::Row::try_get(row, 1)?);
+            let entry = match state.as_str() {
+                "alone" => Entry::Open,
+                "shared" if compatible(asked, held) => Entry::Open,
+                "busy" if compatible(asked, held) => Entry::Busy,
+                _ => Entry::Mismatch(held),
+            };
+            if !matches!(entry, Entry::Open) || asked != HoldMode::Shared {
+                return Ok(entry);
+            }
+            // A reader also yields to a writer waiting between its waits.
+            let mark = writer_mark_hash(key);
+            let free: bool = sqlx::raw_sql(AssertSqlSafe(format!(
+                "SELECT pg_try_advisory_lock({mark}) AND pg_advisory_unlock({mark})"
+            )))
+            .fetch_one(&mut conn.listener)
+            .await
+            .and_then(|row| sqlx::Row::try_get(&row, 0))?;
+            Ok(if free { Entry::Open } else { Entry::Busy })
+        })
+    }
+
+    fn try_slots<'a>(
+        &'a self,
+        conn: &'a mut PgSession,
+        key: &'a str,
+        kind: SlotKind,
+        from: u32,
+        to: u32,
+    ) -> BoxFuture<'a, Result<Option<u32>, sqlx::Error>> {
+        Box::pin(async move {
+            // `CASE` tries its branches in order and stops at the first
+            // lock taken: one slot at most, the lowest free one.
+            let mut sql = String::from("SELECT CASE");
+            for slot in from..to {
+                let id = slot_hash(key, kind, slot);
+                sql.push_str(&format!(" WHEN pg_try_advisory_lock({id}) THEN {slot}"));
+            }
+            sql.push_str(" END::bigint");
+            let row = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_one(&mut conn.listener)
+                .await?;
+            let slot: Option<i64> = sqlx::Row::try_get(&row, 0)?;
+            Ok(slot.and_then(|s| u32::try_from(s).ok()))
+        })
+    }
+
+    fn grant<'a>(
+        &'a self,
+        conn: &'a mut PgSession,
+        key: &'a str,
+        asked: HoldMode,
+        slot: u32,
+        holder: &'a str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Result<u64, HoldMode>, sqlx::Error>> {
+        Box::pin(async move {
+            let (permits, kind) = match asked {
+                HoldMode::Permit { permits } => (permits as i32, SlotKind::Permit),
+                _ => (0, SlotKind::Reader),
+            };
+            let token: i64 = sqlx::query_scalar(AssertSqlSafe(self.grant_sql.clone()))
+                .bind(session_hash(key))
+                .bind(slot_hash(key, kind, slot))
+                .bind(key)
+                .bind(holder)
+                .bind(permits)
+                .bind(slot as i32)
+                .bind(idle_limit(ttl))
+                .fetch_one(&mut conn.listener)
+                .await?;
+            // Committed: the next share through the gate reads it.
+            sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(gate_hash(key))
+                .execute(&mut conn.listener)
+                .await?;
+            Ok(Ok(token as u64))
         })
     }
 }
