@@ -141,7 +141,8 @@ use etcd_client::{Client, Error as EtcdError};
 use futures_util::future::BoxFuture;
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal,
+    WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
@@ -249,6 +250,11 @@ impl Inner {
     fn queue_of(&self, stored_key: &str) -> String {
         format!("{}/{}/", self.target.prefix, url::escape(stored_key))
     }
+
+    /// `{prefix}/%slots/{escaped key}/`: where a stored key's slot claims are.
+    fn slots_of(&self, stored_key: &str) -> String {
+        url::slots_of(&self.target.prefix, &url::escape(stored_key))
+    }
 }
 
 /// The etcd backend. See the [module docs](self).
@@ -326,6 +332,13 @@ impl LockBackend for EtcdBackend {
         "etcd"
     }
 
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        // Writers, readers and permits share one queue per key (see the
+        // module docs).
+        let _ = mode;
+        Ok(())
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
@@ -342,7 +355,11 @@ impl LockBackend for EtcdBackend {
 
     fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Err(err) = self.inner.drop_pending(&request.key, &request.owner).await {
+            let inner = &self.inner;
+            if let Err(err) = inner
+                .drop_pending(&request.key, &request.owner, request.mode)
+                .await
+            {
                 tracing::warn!(key = %request.key, error = %err, "dlock etcd: abandoned entry not deleted yet");
             }
         })
@@ -360,7 +377,11 @@ impl LockBackend for EtcdBackend {
             match held_entry(lease) {
                 Some(entry) => self.inner.release_held(entry).await,
                 // An acquisition that ended without a grant (dropped, failed).
-                None => self.inner.drop_pending(&lease.key, &lease.owner).await,
+                None => {
+                    self.inner
+                        .drop_pending(&lease.key, &lease.owner, lease.mode)
+                        .await
+                }
             }
         })
     }
