@@ -291,7 +291,9 @@ impl Scan {
             };
             let mut kv = session.client.kv_client();
             let options = self.options(Some(below), Some(last)).with_revision(read_at);
-            let mut next = session.call(kv.get(self.from.as_str(), Some(options))).await?;
+            let mut next = session
+                .call(kv.get(self.from.as_str(), Some(options)))
+                .await?;
             more = next.more();
             entries = next.take_kvs();
         }
@@ -560,19 +562,31 @@ impl Inner {
             read_only = false;
             let read_at = revision_of(&response);
             let look = self
-                .look(session, pending, revision, &response, known.is_some(), read_at)
+                .look(
+                    session,
+                    pending,
+                    revision,
+                    &response,
+                    known.is_some(),
+                    read_at,
+                )
                 .await
                 .map_err(|e| (READING, e))?;
             match look {
                 Look::Holds if granting => {
-                    let lease = self.grant(request, session, pending, revision, read_at, None, started);
+                    let lease =
+                        self.grant(request, session, pending, revision, read_at, None, started);
                     return Ok(Step::Done(Attempt::Held(lease)));
                 }
                 // Read without a write: the next read writes.
                 Look::Holds | Look::Again => {}
                 Look::Unread => read_only = true,
                 Look::Mismatch(held) => return Ok(Step::Mismatch(held)),
-                Look::Behind(watched) => return Ok(Step::Done(self.wait(request, session, pending, watched, read_at))),
+                Look::Behind(watched) => {
+                    return Ok(Step::Done(
+                        self.wait(request, session, pending, watched, read_at),
+                    ));
+                }
             }
         }
         Ok(Step::Done(Attempt::Busy {
@@ -671,7 +685,8 @@ impl Inner {
         if !before {
             return Ok(Look::Unread);
         }
-        let ahead = entry_in_queue(session, queue, Queue::Before, page(response, 2), read_at).await?;
+        let ahead =
+            entry_in_queue(session, queue, Queue::Before, page(response, 2), read_at).await?;
         Ok(match ahead {
             Some(ahead) => Look::Behind(Watched::Deletion(ahead.key().to_vec())),
             None => Look::Again,
@@ -734,10 +749,7 @@ impl Inner {
                             slots(),
                         ]);
                     let mut kv = session.client.kv_client();
-                    let response = session
-                        .call(kv.txn(txn))
-                        .await
-                        .map_err(|e| (READING, e))?;
+                    let response = session.call(kv.txn(txn)).await.map_err(|e| (READING, e))?;
                     if !response.succeeded() {
                         pending.forget_entry();
                         continue;
@@ -778,14 +790,18 @@ impl Inner {
                     continue;
                 };
                 let watched = Watched::Change(ahead.key().to_vec());
-                return Ok(Step::Done(self.wait(request, session, pending, watched, read_at)));
+                return Ok(Step::Done(
+                    self.wait(request, session, pending, watched, read_at),
+                ));
             }
             if before.len() == n {
                 let watched = Watched::DeletionBefore {
                     queue: pending.queue.clone(),
                     below: revision,
                 };
-                return Ok(Step::Done(self.wait(request, session, pending, watched, read_at)));
+                return Ok(Step::Done(
+                    self.wait(request, session, pending, watched, read_at),
+                ));
             }
             let taken: Vec<u32> = kvs(&response, 3)
                 .iter()

@@ -193,8 +193,7 @@ use etcd_client::{Client, Error as EtcdError};
 use futures_util::future::BoxFuture;
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal,
-    WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;

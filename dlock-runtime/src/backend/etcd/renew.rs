@@ -158,9 +158,10 @@ impl Inner {
             .map_err(|err| backend_error("renewal", err))?;
         let mut results = response.op_responses().into_iter();
         let mut ours = |revision: i64| match results.next() {
-            Some(TxnOpResponse::Get(get)) => get.kvs().first().is_some_and(|e| {
-                e.create_revision() == revision && e.lease() == session.lease_id
-            }),
+            Some(TxnOpResponse::Get(get)) => get
+                .kvs()
+                .first()
+                .is_some_and(|e| e.create_revision() == revision && e.lease() == session.lease_id),
             _ => false,
         };
         Ok(chunk
