@@ -639,8 +639,8 @@ impl Inner {
         session.call(kv.txn(txn)).await
     }
 
-    /// What the reads of a writer's or a reader's transaction (from index
-    /// 1) say: `before` when a writer's transaction also read its
+    /// What the reads of a writer's or a reader's transaction (those from
+    /// index 1 on) say; `before` when a writer's transaction also read its
     /// predecessor.
     async fn look(
         &self,
@@ -877,10 +877,10 @@ impl Inner {
                 revision: revision_of(&response),
             }));
         }
-        if !kvs(&response, 0)
+        let ours = kvs(&response, 0)
             .first()
-            .is_some_and(|e| e.create_revision() == revision)
-        {
+            .is_some_and(|e| e.create_revision() == revision);
+        if !ours {
             pending.forget_entry();
         }
         Ok(None)
