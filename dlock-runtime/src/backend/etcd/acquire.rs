@@ -732,7 +732,7 @@ impl Inner {
         let slots = || {
             TxnOp::get(
                 pending.slots.as_str(),
-                Some(GetOptions::new().with_prefix().with_keys_only()),
+                Some(GetOptions::new().with_prefix()),
             )
         };
         for _ in 0..MAX_STEPS {
@@ -781,6 +781,29 @@ impl Inner {
             {
                 return Ok(Step::Mismatch(held));
             }
+            let claims = kvs(&response, 3);
+            let ours = claims.iter().find_map(|c| {
+                let slot = slot_of(&pending.slots, c.key())?;
+                (c.value() == pending.owner.as_bytes()).then_some((slot, c))
+            });
+            if let Some((slot, claim)) = ours {
+                // Claimed by an earlier attempt whose answer was lost.
+                let claim = SlotClaim {
+                    key: String::from_utf8_lossy(claim.key()).into_owned(),
+                    revision: claim.create_revision(),
+                };
+                let token = claim.revision;
+                let lease = self.grant(
+                    request,
+                    session,
+                    pending,
+                    revision,
+                    token,
+                    Some((slot, claim)),
+                    started,
+                );
+                return Ok(Step::Done(Attempt::Held(lease)));
+            }
             if before.len() > n {
                 let (ahead, _) = latest
                     .collect(session, queue, revision, page(&response, 2), 1, read_at)
@@ -803,7 +826,7 @@ impl Inner {
                     self.wait(request, session, pending, watched, read_at),
                 ));
             }
-            let taken: Vec<u32> = kvs(&response, 3)
+            let taken: Vec<u32> = claims
                 .iter()
                 .filter_map(|e| slot_of(&pending.slots, e.key()))
                 .collect();
@@ -1152,7 +1175,21 @@ fn wakes(on: &Watched, event: &etcd_client::Event) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::in_queue;
+    use super::{in_queue, prefix_end, record_and_slot, slotted_value};
+
+    #[test]
+    fn a_granted_permits_value_carries_its_slot_after_the_record() {
+        let value = slotted_value("1 42 host name", 3);
+        assert_eq!(record_and_slot(&value), ("1 42 host name", Some(3)));
+        assert_eq!(record_and_slot("1 42 host"), ("1 42 host", None));
+        assert_eq!(record_and_slot("a\nb"), ("a\nb", None));
+    }
+
+    #[test]
+    fn a_prefix_ends_past_every_key_starting_with_it() {
+        assert_eq!(prefix_end("/p/k/"), b"/p/k0");
+        assert_eq!(prefix_end("a\u{7f}"), b"a\x80");
+    }
 
     #[test]
     fn only_entries_one_segment_below_a_queue_are_in_it() {
