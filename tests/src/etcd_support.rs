@@ -82,6 +82,30 @@ impl Faults for EtcdFaults {
                 .is_empty()
         })
     }
+
+    fn leftover<'a>(&'a self, stored_prefix: &'a str) -> BoxFuture<'a, Option<usize>> {
+        Box::pin(async move {
+            let client = admin(&self.url).await;
+            let mut left = 0;
+            for under in kept_under(&self.backend, stored_prefix) {
+                left += entries(&client, &under).await.len();
+            }
+            Some(left)
+        })
+    }
+}
+
+/// Where the backend keeps anything of stored keys starting with
+/// `stored_prefix`: their queues, their slot claims, their revocation marks.
+pub fn kept_under(backend: &dlock_runtime::EtcdBackend, stored_prefix: &str) -> [String; 3] {
+    let escaped = stored_prefix.replace('%', "%25").replace('/', "%2F");
+    let queue = backend.queue_prefix(stored_prefix);
+    let root = &queue[..queue.len() - escaped.len() - 1];
+    [
+        format!("{root}{escaped}"),
+        format!("{root}%slots/{escaped}"),
+        format!("{root}%revoked/{escaped}"),
+    ]
 }
 
 /// `scripts/servers.sh`, which starts and stops the test cluster's members.

@@ -30,6 +30,8 @@ async fn harness() -> &'static Harness {
 }
 
 dlock_tests::conformance_suite!(harness);
+dlock_tests::semaphore_suite!(harness);
+dlock_tests::rw_suite!(harness);
 
 /// A backend of its own (another process, as far as etcd can tell).
 async fn backend(query: &str) -> EtcdBackend {

@@ -1,16 +1,22 @@
 //! What an operator reads and revokes on etcd.
 //!
-//! Each entry `{prefix}/{escaped key}/{owner}` carries its holder's record
-//! ([`HolderRecord::encode`]) as its value. The key's holder is the entry
-//! with the lowest create revision (its fencing token), the other entries
-//! are its waiters. etcd keeps no wall clock for a key (a revision only), so
+//! Each entry `{prefix}/{escaped key}/{name}` carries its holder's record
+//! ([`HolderRecord::encode`]) as its value (a granted permit's, then its
+//! slot). The holders are, by the first entry's kind: a writer, the first
+//! entry alone; readers, every reader before the first writer; permits,
+//! those of the first `n` entries whose grant wrote their slot. The other
+//! entries are waiters. A holder's fencing token is its entry's mod
+//! revision (the revision it was put or granted at); slot claims
+//! (`{prefix}/%slots/…`) are outside every queue, so they are never listed
+//! as keys. etcd keeps no wall clock for a key (a revision only), so
 //! the time of a grant is not known; how long it has left is the remaining
 //! TTL of the session's etcd lease the entry is under (when its holder's
 //! process dies, the entry goes with that lease; while it runs, dlock's own
 //! lease is kept by the holder's watchdog).
 //!
-//! **Revocation** deletes the holder's entry (guarded by its create
-//! revision) and, in the same transaction, puts a *mark* for it:
+//! **Revocation** deletes each holder's entry (guarded by its create
+//! revision; a permit's slot claim with it) and, in the same transaction,
+//! puts a *mark* for it:
 //! `{prefix}/%revoked/{escaped key}/{owner}` (outside every queue: no
 //! escaped key is `%revoked`, so no waiter counts it and `inspect` / `list`
 //! skip it), whose value is the revoked entry's create revision. The next
@@ -32,8 +38,9 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, PutOptions, Txn, TxnOp};
 
+use super::acquire::record_and_slot;
 use super::session::timed_out;
-use super::url::{is_escaped, revocation_mark};
+use super::url::{EntryKind, is_escaped, parse_entry, revocation_mark};
 use super::{Inner, backend_error, lease_gone};
 use crate::backend::{HeldEntry, HolderRecord, KeyEntry};
 use crate::error::BackendError;
@@ -46,16 +53,36 @@ fn unescape(escaped: &str) -> String {
 
 /// One key's queue as read: its entries in create-revision order.
 struct Queue {
-    entries: Vec<KeyValue>,
+    entries: Vec<(KeyValue, EntryKind)>,
 }
 
 impl Queue {
-    /// The holder (first entry) and the number of waiters.
-    fn holder(&self) -> Option<(&KeyValue, usize)> {
-        self.entries
-            .first()
-            .map(|first| (first, self.entries.len() - 1))
+    /// The holders (see the [module docs](self)) and the number of
+    /// waiters; `None` for a queue with no holder.
+    fn holders(&self) -> Option<(Vec<&(KeyValue, EntryKind)>, usize)> {
+        let (_, kind) = self.entries.first()?;
+        let held: Vec<&(KeyValue, EntryKind)> = match *kind {
+            EntryKind::Writer => self.entries.iter().take(1).collect(),
+            EntryKind::Reader => self
+                .entries
+                .iter()
+                .take_while(|(_, k)| *k == EntryKind::Reader)
+                .collect(),
+            EntryKind::Permit(n) => self
+                .entries
+                .iter()
+                .take(n as usize)
+                .filter(|(e, _)| slot_of_entry(e).is_some())
+                .collect(),
+        };
+        let waiters = self.entries.len() - held.len();
+        (!held.is_empty()).then_some((held, waiters))
     }
+}
+
+/// The slot a permit's entry carries once granted.
+fn slot_of_entry(entry: &KeyValue) -> Option<u32> {
+    record_and_slot(entry.value_str().ok()?).1
 }
 
 impl Inner {
@@ -76,10 +103,11 @@ impl Inner {
             let Ok(name) = entry.key_str() else { continue };
             // `{escaped key}/{owner}`, one segment each: not a mark, nor
             // an entry of a backend whose prefix is under this one.
-            let Some((escaped, _owner)) = name
+            let Some((escaped, kind)) = name
                 .strip_prefix(root.as_str())
                 .and_then(|n| n.split_once('/'))
-                .filter(|(key, owner)| is_escaped(key) && is_escaped(owner))
+                .filter(|(key, _)| is_escaped(key))
+                .and_then(|(key, name)| Some((key, parse_entry(name)?.0)))
             else {
                 continue;
             };
@@ -89,29 +117,49 @@ impl Inner {
                     entries: Vec::new(),
                 })
                 .entries
-                .push(entry.clone());
+                .push((entry.clone(), kind));
         }
         for queue in queues.values_mut() {
-            queue.entries.sort_by_key(KeyValue::create_revision);
+            queue.entries.sort_by_key(|(e, _)| e.create_revision());
         }
         Ok(queues)
     }
 
     /// An entry as a holder: its owner, record, token and what its etcd
     /// lease has left.
-    async fn held_entry(self: &Arc<Self>, entry: &KeyValue) -> HeldEntry {
+    async fn held_entry(self: &Arc<Self>, (entry, kind): &(KeyValue, EntryKind)) -> HeldEntry {
         let owner = entry
             .key_str()
             .ok()
             .and_then(|k| k.rsplit_once('/'))
+            .and_then(|(_, name)| parse_entry(name))
             .map_or("", |(_, owner)| owner);
         let mut held = HeldEntry::new(unescape(owner));
-        held.holder = entry.value_str().ok().and_then(HolderRecord::decode);
-        held.token = u64::try_from(entry.create_revision())
+        let (record, slot) = entry.value_str().map_or(("", None), record_and_slot);
+        held.holder = HolderRecord::decode(record);
+        held.token = u64::try_from(entry.mod_revision())
             .ok()
             .map(FencingToken::new);
         held.expires_in = self.lease_left(entry.lease()).await;
+        held.mode = kind.mode();
+        held.slot = slot;
         held
+    }
+
+    /// Every holder of `queue` as shown.
+    async fn shown(
+        self: &Arc<Self>,
+        key: &str,
+        holders: &[&(KeyValue, EntryKind)],
+        waiters: usize,
+    ) -> KeyEntry {
+        let mut shown = Vec::with_capacity(holders.len());
+        for holder in holders {
+            shown.push(self.held_entry(holder).await);
+        }
+        let mut entry = KeyEntry::new(key, shown);
+        entry.waiters = Some(waiters);
+        entry
     }
 
     /// The remaining TTL of etcd lease `id` (`None` if unknown or ended).
@@ -131,12 +179,10 @@ impl Inner {
         key: &str,
     ) -> Result<Option<KeyEntry>, BackendError> {
         let queues = self.read_queues(&self.queue_of(key)).await?;
-        let Some((first, waiters)) = queues.get(key).and_then(Queue::holder) else {
+        let Some((holders, waiters)) = queues.get(key).and_then(Queue::holders) else {
             return Ok(None);
         };
-        let mut entry = KeyEntry::new(key, vec![self.held_entry(first).await]);
-        entry.waiters = Some(waiters);
-        Ok(Some(entry))
+        Ok(Some(self.shown(key, &holders, waiters).await))
     }
 
     /// The held keys under `prefix`, in key order, at most `limit`.
@@ -155,12 +201,10 @@ impl Inner {
             if !key.starts_with(prefix) {
                 continue;
             }
-            let Some((first, waiters)) = queue.holder() else {
+            let Some((holders, waiters)) = queue.holders() else {
                 continue;
             };
-            let mut entry = KeyEntry::new(key.clone(), vec![self.held_entry(first).await]);
-            entry.waiters = Some(waiters);
-            listed.push(entry);
+            listed.push(self.shown(key, &holders, waiters).await);
             if listed.len() == limit {
                 break;
             }
@@ -168,51 +212,60 @@ impl Inner {
         Ok(listed)
     }
 
-    /// Deletes the holder's entry of the stored `key` (if it is still the
+    /// Deletes each holder's entry of the stored `key` (if it is still the
     /// one read: guarded by its create revision) and leaves the mark its
-    /// renewal reads (see the [module docs](self)), in one transaction.
+    /// renewal reads (see the [module docs](self)), one transaction per
+    /// holder.
     pub(super) async fn revoke_key(
         self: &Arc<Self>,
         key: &str,
     ) -> Result<Vec<HeldEntry>, BackendError> {
         let queues = self.read_queues(&self.queue_of(key)).await?;
-        let Some((first, _)) = queues.get(key).and_then(Queue::holder) else {
+        let Some((holders, _)) = queues.get(key).and_then(Queue::holders) else {
             return Ok(Vec::new());
         };
-        let held = self.held_entry(first).await;
         let session = self.session().await?;
-        let mut kv = session.client.kv_client();
-        let mut ops = vec![TxnOp::delete(first.key(), None)];
-        let mark = first.key_str().ok().and_then(revocation_mark);
-        if let Some(mark) = mark.filter(|_| first.lease() != 0) {
-            let under_holders_lease = PutOptions::new().with_lease(first.lease());
-            ops.push(TxnOp::put(
-                mark,
-                first.create_revision().to_string(),
-                Some(under_holders_lease),
-            ));
+        let mut revoked = Vec::new();
+        for holder in holders {
+            let held = self.held_entry(holder).await;
+            let first = &holder.0;
+            let mut kv = session.client.kv_client();
+            let mut ops = vec![TxnOp::delete(first.key(), None)];
+            if let Some(slot) = slot_of_entry(first) {
+                ops.push(TxnOp::delete(format!("{}{slot}", self.slots_of(key)), None));
+            }
+            let mark = first.key_str().ok().and_then(revocation_mark);
+            if let Some(mark) = mark.filter(|_| first.lease() != 0) {
+                let under_holders_lease = PutOptions::new().with_lease(first.lease());
+                ops.push(TxnOp::put(
+                    mark,
+                    first.create_revision().to_string(),
+                    Some(under_holders_lease),
+                ));
+            }
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    first.key(),
+                    CompareOp::Equal,
+                    first.create_revision(),
+                )])
+                .and_then(ops);
+            // Not `session.call`: an unknown lease here would be the
+            // holder's, not this session's, and must not end this session.
+            // (etcd checks the lease only when the entry is still there,
+            // that is while its lease is.)
+            let answer = tokio::time::timeout(session.op_timeout, kv.txn(txn))
+                .await
+                .unwrap_or_else(|_| Err(timed_out()));
+            match answer {
+                Ok(response) if response.succeeded() => revoked.push(held),
+                Ok(_) => {}
+                // The holder's lease ended in between, and its entry with it.
+                Err(err) if lease_gone(&err) => {}
+                Err(err) => return Err(backend_error("revoke", err)),
+            }
         }
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                first.key(),
-                CompareOp::Equal,
-                first.create_revision(),
-            )])
-            .and_then(ops);
-        // Not `session.call`: an unknown lease here would be the holder's,
-        // not this session's, and must not end this session. (etcd checks
-        // the lease only when the entry is still there, that is while its
-        // lease is.)
-        let answer = tokio::time::timeout(session.op_timeout, kv.txn(txn))
-            .await
-            .unwrap_or_else(|_| Err(timed_out()));
-        match answer {
-            Ok(response) if response.succeeded() => Ok(vec![held]),
-            Ok(_) => Ok(Vec::new()),
-            // The holder's lease ended in between, and its entry with it.
-            Err(err) if lease_gone(&err) => Ok(Vec::new()),
-            Err(err) => Err(backend_error("revoke", err)),
-        }
+        Ok(revoked)
     }
 }
 

@@ -1,6 +1,6 @@
 //! etcd (`etcd://`): etcd's own mutex recipe, on one etcd lease per backend session.
 //!
-//! **Layout**: each acquisition puts an entry `{prefix}/{key}/{owner}`
+//! **Layout**: each acquisition of a plain lock puts an entry `{prefix}/{key}/{owner}`
 //! (the stored key escaped, the owner token of the acquisition) with a
 //! transaction that writes only if the entry does not exist
 //! (`create_revision == 0`), under the session's etcd lease, and reads the
@@ -8,15 +8,55 @@
 //! create revision under `{prefix}/{key}/` holds the key; every other one
 //! watches only the deletion of the entry created just before it, so a
 //! release wakes exactly one waiter (no herd) and waiters are served in
-//! arrival order. A woken waiter reads its own entry, the holder and its
-//! predecessor in one transaction, at one revision: it holds the key if it
+//! arrival order. A woken waiter rewrites its own entry (same value, same
+//! lease: the grant's revision, see the token below) and reads the holder
+//! and its predecessor in one transaction, at one revision: it holds the key if it
 //! is first, queues again if its entry is gone (deleted behind its back:
 //! etcd's own recipe waits for ever there), or watches the new predecessor
 //! from the revision of that read, so a deletion in between is not missed.
 //! Each waiter's watch is its own gRPC stream, opened again at the next
 //! attempt when it breaks (etcd-client's streams do not reconnect). Nothing
 //! else is stored per key: entries are deleted on release, and expire with
-//! their etcd lease — except a revoked entry's mark, below.
+//! their etcd lease — except a permit's slot claim (which goes with its
+//! entry) and a revoked entry's mark, below.
+//!
+//! **Read-write locks** follow etcd's own recipe (`recipes/rwmutex.go`: a
+//! reader waits for the last writer before it, a writer for the last key
+//! before it) in the plain lock's queue: a reader's entry is named
+//! `{prefix}/{key}/%R{owner}` (`%` then `R` starts no escaped owner, so the
+//! readers are exactly the names from `%R` to `%S`), and a plain lock *is*
+//! the write mode — its entry, its put and its one-transaction hot path are
+//! unchanged. A reader holds when no entry created before it is a writer
+//! (two range reads, below `%R` and from `%S`, sorted by create revision,
+//! give the nearest one), and watches only that writer's deletion; a
+//! writer holds when its entry is the first of all. One create-revision
+//! order for both gives writers preference the fair way: a reader queued
+//! after a waiting writer waits behind it, the waiting writer's entry being
+//! its mark (gone with its grant, its abandonment or its session). This was
+//! chosen over separate prefixes per mode (etcd's recipe) so that versions
+//! of dlock that know only plain locks still count readers as writers and
+//! never hold beside them.
+//!
+//! **Semaphores** are a queue too: a permit's entry is
+//! `{prefix}/{key}/%P{permits}:{owner}` — the number of permits in its name,
+//! so a read of names alone tells a plain lock, a reader or another number
+//! of permits (a mismatch: our entry is deleted and the caller gets
+//! [`LockError::Config`] naming both), and so versions that know only plain
+//! locks wait behind permits. A permit holds when fewer than `permits`
+//! entries were created before it; it then claims the lowest slot no holder
+//! has, in one transaction that creates `{prefix}/%slots/{key}/{slot}` (if
+//! absent) under the session's lease and writes the slot into its entry
+//! (both only while the entry is there). A waiter with exactly `permits`
+//! entries before it watches their deletions (one watch of the queue,
+//! filtered to deletions of earlier entries); a waiter further back watches
+//! only the entry just before it — its deletion or its grant. So a release
+//! wakes the first waiter, and its grant the next one (two wake-ups per
+//! release, whatever the queue's length). Waiting for "the `n`-th entry
+//! before it" alone would miss releases out of order (holders of a
+//! semaphore release in any order). Each permit is its own entry with its
+//! own expiry (the session's lease; dlock's lease, renewed with the entry
+//! and its claim checked in one read), and a crashed holder frees only its
+//! own slot. Slot claims are outside every queue, like revocation marks.
 //!
 //! **Revocation** (`Registry::revoke`) deletes the holder's entry and, in
 //! the same transaction, puts a mark `{prefix}/%revoked/{key}/{owner}`
@@ -29,10 +69,22 @@
 //! deleted earlier by that renewal or by the holder's release (see
 //! `admin.rs`).
 //!
-//! **Fencing token**: the holder entry's create revision — etcd's one
-//! cluster-wide revision counter, which only grows (a compaction or a
-//! leader change keeps it). A later holder's entry is created later, so
-//! tokens strictly increase per key, with no clock involved.
+//! **Fencing token**: a revision of etcd's one cluster-wide counter, which
+//! only grows (a compaction or a leader change keeps it): the revision at
+//! which the grant was decided — the put's own revision for an entry that
+//! holds as soon as it is put (so an uncontended plain lock's token is its
+//! entry's create revision, as before), and for an entry that waited, the
+//! revision of the transaction that writes it (a writer's or a reader's
+//! entry rewritten with its own value and lease; a permit's slot claim)
+//! while reading, at that revision, that it may hold. That revision is
+//! above every deletion the grant read, and below the holder's own
+//! release; so a holder granted after another's release has the larger
+//! token, per key for writers and readers together, per (key, slot) for
+//! permits — with no clock involved. The create revision alone would not
+//! do once readers share a queue: a reader queued before a waiting writer
+//! can be granted after that writer's entry was created, and two readers
+//! eligible at once can be granted in either order. `inspect` shows it as
+//! the entry's mod revision.
 //!
 //! **One etcd lease per backend session, not one per hold.** With a lease
 //! per hold every acquisition costs a lease grant (a Raft write) before its
@@ -141,7 +193,7 @@ use etcd_client::{Client, Error as EtcdError};
 use futures_util::future::BoxFuture;
 
 use crate::backend::{
-    AcquireRequest, Attempt, HeldEntry, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
+    AcquireRequest, Attempt, HeldEntry, HoldMode, KeyEntry, Lease, LockBackend, Renewal, WakeSource,
 };
 use crate::error::{BackendError, LockError, redact_url};
 use acquire::Pending;
@@ -249,6 +301,11 @@ impl Inner {
     fn queue_of(&self, stored_key: &str) -> String {
         format!("{}/{}/", self.target.prefix, url::escape(stored_key))
     }
+
+    /// `{prefix}/%slots/{escaped key}/`: where a stored key's slot claims are.
+    fn slots_of(&self, stored_key: &str) -> String {
+        url::slots_of(&self.target.prefix, &url::escape(stored_key))
+    }
 }
 
 /// The etcd backend. See the [module docs](self).
@@ -326,6 +383,13 @@ impl LockBackend for EtcdBackend {
         "etcd"
     }
 
+    fn offers(&self, mode: HoldMode) -> Result<(), String> {
+        // Writers, readers and permits share one queue per key (see the
+        // module docs).
+        let _ = mode;
+        Ok(())
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: &'a AcquireRequest,
@@ -342,7 +406,11 @@ impl LockBackend for EtcdBackend {
 
     fn abandon<'a>(&'a self, request: &'a AcquireRequest) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Err(err) = self.inner.drop_pending(&request.key, &request.owner).await {
+            let inner = &self.inner;
+            if let Err(err) = inner
+                .drop_pending(&request.key, &request.owner, request.mode)
+                .await
+            {
                 tracing::warn!(key = %request.key, error = %err, "dlock etcd: abandoned entry not deleted yet");
             }
         })
@@ -360,7 +428,11 @@ impl LockBackend for EtcdBackend {
             match held_entry(lease) {
                 Some(entry) => self.inner.release_held(entry).await,
                 // An acquisition that ended without a grant (dropped, failed).
-                None => self.inner.drop_pending(&lease.key, &lease.owner).await,
+                None => {
+                    self.inner
+                        .drop_pending(&lease.key, &lease.owner, lease.mode)
+                        .await
+                }
             }
         })
     }

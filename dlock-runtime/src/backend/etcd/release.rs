@@ -16,7 +16,8 @@ impl Inner {
         };
         session.unregister(&entry);
         let deadline = Instant::now() + session.op_timeout;
-        match delete_entry(&session, &entry.key, entry.revision, Some(deadline)).await {
+        let slot = entry.slot.as_ref();
+        match delete_entry(&session, &entry.key, entry.revision, slot, Some(deadline)).await {
             Ok(()) => Ok(()),
             Err(err) if transient(&err) => {
                 let message = format!(
@@ -25,7 +26,8 @@ impl Inner {
                     entry.key
                 );
                 crate::driver::handle().spawn(async move {
-                    let _ = delete_entry(&session, &entry.key, entry.revision, None).await;
+                    let slot = entry.slot.as_ref();
+                    let _ = delete_entry(&session, &entry.key, entry.revision, slot, None).await;
                 });
                 Err(BackendError::transient(message))
             }

@@ -1,5 +1,6 @@
 //! Renewal, batched: one read transaction per 64 entries that checks every
-//! held entry still exists, is ours and is under the session's lease, and —
+//! held entry (and a permit's slot claim) still exists, is ours and is
+//! under the session's lease, and —
 //! when the session's etcd lease could end before the longest lease renewed
 //! (`last keep-alive answered + TTL` earlier than its new end) — one
 //! keep-alive of it, sent by its keeper after the batch started. A lease is
@@ -23,7 +24,8 @@ use super::{Inner, backend_error};
 use crate::backend::{Lease, Renewal};
 use crate::error::BackendError;
 
-/// Entries checked by one transaction (etcd refuses more than 128 operations).
+/// Entries checked by one transaction (etcd refuses more than 128
+/// operations; a permit's entry takes two, with its slot claim).
 const PER_TXN: usize = 64;
 
 impl Inner {
@@ -137,31 +139,37 @@ impl Inner {
         session: &Session,
         chunk: &[(usize, Arc<HeldEntry>, Duration)],
     ) -> Result<Vec<bool>, BackendError> {
-        let reads: Vec<TxnOp> = chunk
-            .iter()
-            .map(|(_, e, _)| {
-                // Served by the member itself, without a round to the
-                // leader: a member cut off from it (or a lagging one) is
-                // caught by the keep-alive the session needs, and an entry
-                // deleted behind our back is seen one replication later.
-                let options = GetOptions::new().with_keys_only().with_serializable();
-                TxnOp::get(e.key.as_str(), Some(options))
-            })
-            .collect();
+        // Served by the member itself, without a round to the leader: a
+        // member cut off from it (or a lagging one) is caught by the
+        // keep-alive the session needs, and an entry deleted behind our
+        // back is seen one replication later.
+        let options = || Some(GetOptions::new().with_keys_only().with_serializable());
+        let mut reads: Vec<TxnOp> = Vec::new();
+        for (_, e, _) in chunk {
+            reads.push(TxnOp::get(e.key.as_str(), options()));
+            if let Some(claim) = &e.slot {
+                reads.push(TxnOp::get(claim.key.as_str(), options()));
+            }
+        }
         let mut kv = session.client.kv_client();
         let response = session
             .call(kv.txn(Txn::new().and_then(reads)))
             .await
             .map_err(|err| backend_error("renewal", err))?;
-        let results = response.op_responses();
+        let mut results = response.op_responses().into_iter();
+        let mut ours = |revision: i64| match results.next() {
+            Some(TxnOpResponse::Get(get)) => get
+                .kvs()
+                .first()
+                .is_some_and(|e| e.create_revision() == revision && e.lease() == session.lease_id),
+            _ => false,
+        };
         Ok(chunk
             .iter()
-            .enumerate()
-            .map(|(n, (_, entry, _))| match results.get(n) {
-                Some(TxnOpResponse::Get(get)) => get.kvs().first().is_some_and(|e| {
-                    e.create_revision() == entry.revision && e.lease() == session.lease_id
-                }),
-                _ => false,
+            .map(|(_, entry, _)| {
+                let entry_ours = ours(entry.revision);
+                let claim_ours = entry.slot.as_ref().is_none_or(|c| ours(c.revision));
+                entry_ours && claim_ours
             })
             .collect())
     }

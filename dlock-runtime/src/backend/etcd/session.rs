@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, Error as EtcdError, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, Error as EtcdError, GetOptions, Txn, TxnOp, TxnOpResponse,
+    TxnResponse,
+};
 use tokio_util::sync::CancellationToken;
 
 use super::url::revocation_mark;
@@ -182,6 +185,7 @@ impl Session {
         self: &Arc<Self>,
         key: String,
         revision: i64,
+        slot: Option<SlotClaim>,
         lost: CancellationToken,
         expires_at: Instant,
     ) -> Arc<HeldEntry> {
@@ -189,6 +193,7 @@ impl Session {
         let entry = Arc::new(HeldEntry {
             key,
             revision,
+            slot,
             id,
             session: Arc::downgrade(self),
             lost,
@@ -330,12 +335,40 @@ async fn revoke_until_gone(mut client: Client, id: i64, until: Instant, bound: D
 pub(super) struct HeldEntry {
     /// Its etcd key: `{prefix}/{escaped key}/{owner}`.
     pub(super) key: String,
-    /// Its create revision (the fencing token).
+    /// Its create revision.
     pub(super) revision: i64,
+    /// A permit's slot claim.
+    pub(super) slot: Option<SlotClaim>,
     id: u64,
     pub(super) session: Weak<Session>,
     pub(super) lost: CancellationToken,
     state: Mutex<HeldState>,
+}
+
+/// A permit holder's claim of its slot: `{prefix}/%slots/{escaped key}/{slot}`,
+/// created under the session's lease by the grant.
+#[derive(Debug, Clone)]
+pub(super) struct SlotClaim {
+    /// The claim's etcd key.
+    pub(super) key: String,
+    /// Its create revision: the grant's fencing token.
+    pub(super) revision: i64,
+}
+
+impl SlotClaim {
+    /// Deletes the claim if it is still this one (its create revision):
+    /// one operation of a transaction.
+    pub(super) fn delete_op(&self) -> TxnOp {
+        TxnOp::txn(
+            Txn::new()
+                .when([Compare::create_revision(
+                    self.key.as_str(),
+                    CompareOp::Equal,
+                    self.revision,
+                )])
+                .and_then([TxnOp::delete(self.key.as_str(), None)]),
+        )
+    }
 }
 
 #[derive(Debug)]
@@ -356,57 +389,92 @@ impl HeldEntry {
 /// mark a revocation may have left for this entry's name, whether the entry
 /// is still there (a name queued again after its revocation) or gone (the
 /// hold is over: nobody will read it).
+///
+/// A permit's slot claim goes in the same transaction, if it is still ours
+/// (its own create revision), whether the entry is still there or not.
 pub(super) async fn delete_entry(
     session: &Session,
     key: &str,
     revision: i64,
+    slot: Option<&SlotClaim>,
     deadline: Option<Instant>,
 ) -> Result<(), EtcdError> {
     let mark = revocation_mark(key);
     let txn = || {
         let mut ours = vec![TxnOp::delete(key, None)];
-        ours.extend(mark.as_deref().map(|m| TxnOp::delete(m, None)));
+        let mut otherwise = Vec::new();
+        if let Some(m) = mark.as_deref() {
+            ours.push(TxnOp::delete(m, None));
+            otherwise.push(TxnOp::delete(m, None));
+        }
+        if let Some(claim) = slot {
+            ours.push(claim.delete_op());
+            otherwise.push(claim.delete_op());
+        }
         let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, revision)])
             .and_then(ours);
-        match &mark {
-            Some(mark) => txn.or_else([TxnOp::delete(mark.as_str(), None)]),
-            None => txn,
+        if otherwise.is_empty() {
+            txn
+        } else {
+            txn.or_else(otherwise)
         }
     };
-    delete_with(session, txn, deadline).await
+    delete_with(session, txn, deadline).await.map(|_| ())
 }
 
 /// Deletes `key`, whatever it holds (an entry named by the owner token of
 /// an acquisition that is over), and the mark a revocation may have left
-/// for it.
+/// for it; with `slots` (a permit's key), then the slot claims there whose
+/// value is `owner`, read in the same transaction as the delete.
 pub(super) async fn delete_named(
     session: &Session,
     key: &str,
+    slots: Option<&str>,
+    owner: &str,
     deadline: Option<Instant>,
 ) -> Result<(), EtcdError> {
     let mark = revocation_mark(key);
     let txn = || {
         let mut ops = vec![TxnOp::delete(key, None)];
         ops.extend(mark.as_deref().map(|m| TxnOp::delete(m, None)));
+        if let Some(slots) = slots {
+            ops.push(TxnOp::get(slots, Some(GetOptions::new().with_prefix())));
+        }
         Txn::new().and_then(ops)
     };
-    delete_with(session, txn, deadline).await
+    let Some(response) = delete_with(session, txn, deadline).await? else {
+        return Ok(());
+    };
+    let Some(TxnOpResponse::Get(read)) = response.op_responses().into_iter().last() else {
+        return Ok(());
+    };
+    for claim in read.kvs().iter().filter(|c| c.value() == owner.as_bytes()) {
+        let claim = SlotClaim {
+            key: String::from_utf8_lossy(claim.key()).into_owned(),
+            revision: claim.create_revision(),
+        };
+        let ours = || Txn::new().and_then([claim.delete_op()]);
+        delete_with(session, ours, deadline).await?;
+    }
+    Ok(())
 }
 
+/// Sends `txn` until it is answered (its answer), the session ended
+/// (`None`: its lease takes the keys) or `deadline`.
 async fn delete_with(
     session: &Session,
     txn: impl Fn() -> Txn,
     deadline: Option<Instant>,
-) -> Result<(), EtcdError> {
+) -> Result<Option<TxnResponse>, EtcdError> {
     let mut backoff = Duration::from_millis(10);
     loop {
         if !session.is_alive() {
-            return Ok(());
+            return Ok(None);
         }
         let mut kv = session.client.kv_client();
         match session.call(kv.txn(txn())).await {
-            Ok(_) => return Ok(()),
+            Ok(response) => return Ok(Some(response)),
             Err(err) if transient(&err) => {
                 if deadline.is_some_and(|d| Instant::now() + backoff >= d) {
                     return Err(err);
@@ -439,7 +507,14 @@ pub(super) async fn reaper(session: Weak<Session>) {
             tracing::debug!(key = %entry.key, "dlock etcd: lease ran out unrenewed; entry deleted");
             let session = strong.clone();
             crate::driver::handle().spawn(async move {
-                let _ = delete_entry(&session, &entry.key, entry.revision, None).await;
+                let _ = delete_entry(
+                    &session,
+                    &entry.key,
+                    entry.revision,
+                    entry.slot.as_ref(),
+                    None,
+                )
+                .await;
             });
         }
         drop(strong);

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backend::HoldMode;
 use crate::error::{LockError, redact_url};
 
 /// The etcd lease TTL of a backend session when the URL names none.
@@ -165,6 +166,104 @@ pub(super) fn is_escaped(segment: &str) -> bool {
             .all(|(at, _)| matches!(segment.get(at + 1..at + 3), Some("25" | "2F")))
 }
 
+/// The start of a reader's entry name: `%R{owner}`. `%` followed by
+/// neither `25` nor `2F`, so no writer's name (an escaped owner) starts so.
+pub(super) const READER: &str = "%R";
+
+/// The end of the readers' names in key order: readers are exactly the
+/// names from `%R` (included) to `%S` (excluded).
+pub(super) const AFTER_READERS: &str = "%S";
+
+/// The start of a permit holder's entry name: `%P{permits}:{owner}`.
+const PERMIT: &str = "%P";
+
+/// What an entry's name (its segment below the queue) says it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EntryKind {
+    /// A plain lock: the write mode. Its name is the escaped owner alone.
+    Writer,
+    /// A reader: `%R{owner}`.
+    Reader,
+    /// A permit of a semaphore of this many permits: `%P{permits}:{owner}`.
+    Permit(u32),
+}
+
+impl EntryKind {
+    /// The kind of entry a request in `mode` puts.
+    pub(super) fn of(mode: HoldMode) -> Self {
+        match mode {
+            HoldMode::Shared => EntryKind::Reader,
+            HoldMode::Permit { permits } => EntryKind::Permit(permits),
+            _ => EntryKind::Writer,
+        }
+    }
+
+    /// The hold mode of such an entry.
+    pub(super) fn mode(self) -> HoldMode {
+        match self {
+            EntryKind::Writer => HoldMode::Exclusive,
+            EntryKind::Reader => HoldMode::Shared,
+            EntryKind::Permit(permits) => HoldMode::Permit { permits },
+        }
+    }
+
+    /// The entry's name for `owner` (not escaped yet).
+    pub(super) fn name(self, owner: &str) -> String {
+        let owner = escape(owner);
+        match self {
+            EntryKind::Writer => owner,
+            EntryKind::Reader => format!("{READER}{owner}"),
+            EntryKind::Permit(permits) => format!("{PERMIT}{permits}:{owner}"),
+        }
+    }
+
+    /// Whether entries of both kinds may be in one queue at once: readers
+    /// and writers, or permits of one number.
+    pub(super) fn fits(self, other: EntryKind) -> bool {
+        match (self, other) {
+            (EntryKind::Permit(a), EntryKind::Permit(b)) => a == b,
+            (EntryKind::Permit(_), _) | (_, EntryKind::Permit(_)) => false,
+            _ => true,
+        }
+    }
+}
+
+/// The kind and the escaped owner an entry's name says; `None` for a name
+/// that is no entry's.
+pub(super) fn parse_entry(name: &str) -> Option<(EntryKind, &str)> {
+    if let Some(owner) = name.strip_prefix(READER) {
+        return is_escaped(owner).then_some((EntryKind::Reader, owner));
+    }
+    if let Some(rest) = name.strip_prefix(PERMIT) {
+        let (permits, owner) = rest.split_once(':')?;
+        if permits.is_empty() || !permits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let permits = permits.parse().ok()?;
+        return is_escaped(owner).then_some((EntryKind::Permit(permits), owner));
+    }
+    is_escaped(name).then_some((EntryKind::Writer, name))
+}
+
+/// The segment under the backend's prefix where permits' slot claims
+/// live (`{prefix}/%slots/{escaped key}/{slot}`): outside every queue, like
+/// the revocation marks.
+const SLOTS: &str = "%slots";
+
+/// Where the slot claims of the escaped key `escaped` are.
+pub(super) fn slots_of(prefix: &str, escaped: &str) -> String {
+    format!("{prefix}/{SLOTS}/{escaped}/")
+}
+
+/// The slot a claim's key names, under `slots` (see [`slots_of`]).
+pub(super) fn slot_of(slots: &str, key: &[u8]) -> Option<u32> {
+    let rest = std::str::from_utf8(key.strip_prefix(slots.as_bytes())?).ok()?;
+    if rest.is_empty() || !rest.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    rest.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +323,35 @@ mod tests {
         for key in keys {
             assert!(is_escaped(&escape(key)), "{key}");
         }
+    }
+
+    #[test]
+    fn entry_names_say_their_kind_and_writers_keep_the_bare_owner() {
+        for kind in [EntryKind::Writer, EntryKind::Reader, EntryKind::Permit(7)] {
+            for owner in ["0f3a", "%odd/owner:1", "%R", "%P3:x"] {
+                let name = kind.name(owner);
+                assert!(!name.contains('/'), "{name}");
+                assert_eq!(parse_entry(&name), Some((kind, escape(owner).as_str())));
+            }
+        }
+        assert_eq!(EntryKind::Writer.name("0f3a"), "0f3a");
+        // Readers are exactly the names from `%R` to `%S`.
+        for owner in ["0f3a", "%x", "!", "~"] {
+            let writer = EntryKind::Writer.name(owner);
+            assert!(writer.as_str() < READER || writer.as_str() >= AFTER_READERS);
+            assert!(!EntryKind::Permit(3).name(owner).starts_with(READER));
+        }
+        assert_eq!(parse_entry("%Px:a"), None);
+        assert_eq!(parse_entry("%P3a"), None);
+        assert_eq!(parse_entry(SLOTS), None);
+        assert!(EntryKind::Reader.fits(EntryKind::Writer));
+        assert!(EntryKind::Permit(3).fits(EntryKind::Permit(3)));
+        assert!(!EntryKind::Permit(3).fits(EntryKind::Permit(4)));
+        assert!(!EntryKind::Permit(3).fits(EntryKind::Reader));
+        let slots = slots_of("/p", "dlock:k");
+        assert_eq!(slots, "/p/%slots/dlock:k/");
+        assert_eq!(slot_of(&slots, b"/p/%slots/dlock:k/12"), Some(12));
+        assert_eq!(slot_of(&slots, b"/p/%slots/dlock:k/1/2"), None);
     }
 
     #[test]
