@@ -31,6 +31,25 @@ pub(super) fn node_data(owner: &str, holder: &HolderRecord) -> Vec<u8> {
     format!("{owner}\n{}", holder.encode()).into_bytes()
 }
 
+/// The start of the line a grant appends to its node's data when its
+/// fencing token is not the node's `czxid`.
+const TOKEN_LINE: &str = "dlock-token ";
+
+/// A lock child's data with the grant's fencing token on a line of its own.
+pub(super) fn with_token(data: &[u8], token: i64) -> Vec<u8> {
+    let mut data = data.to_vec();
+    data.extend_from_slice(format!("\n{TOKEN_LINE}{token}").as_bytes());
+    data
+}
+
+/// The fencing token a grant wrote into its node's data, and the data
+/// before it.
+fn token_of(data: &[u8]) -> Option<(u64, &[u8])> {
+    let at = data.iter().rposition(|b| *b == b'\n')?;
+    let line = std::str::from_utf8(&data[at + 1..]).ok()?;
+    Some((line.strip_prefix(TOKEN_LINE)?.parse().ok()?, &data[..at]))
+}
+
 /// A container's name read back as the stored key ([`path::escape_key`]
 /// reversed); `None` for a name it could not have written.
 fn unescape_key(name: &str) -> Option<String> {
@@ -59,12 +78,16 @@ struct Child {
 
 impl Child {
     fn held_entry(&self) -> HeldEntry {
-        let text = std::str::from_utf8(&self.data).ok();
+        let (token, data) = match token_of(&self.data) {
+            Some((token, data)) => (Some(token), data),
+            None => (u64::try_from(self.stat.czxid).ok(), &self.data[..]),
+        };
+        let text = std::str::from_utf8(data).ok();
         let split = text.and_then(|t| t.split_once('\n'));
         let owner = split.map_or(self.name.as_str(), |(owner, _)| owner);
         let mut entry = HeldEntry::new(owner);
         entry.holder = split.and_then(|(_, record)| HolderRecord::decode(record));
-        entry.token = u64::try_from(self.stat.czxid).ok().map(FencingToken::new);
+        entry.token = token.map(FencingToken::new);
         entry.granted_at = u64::try_from(self.stat.ctime)
             .ok()
             .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
@@ -177,10 +200,14 @@ impl Inner {
         let mut revoked = Vec::new();
         for child in &children[..held] {
             let node = format!("{container}/{}", child.name);
-            match session
+            let mut deleted = session
                 .call(|c| c.delete(&node, Some(child.stat.version)))
-                .await
-            {
+                .await;
+            if matches!(deleted, Err(ZkError::BadVersion)) {
+                // Its grant recorded its token since it was read.
+                deleted = session.call(|c| c.delete(&node, None)).await;
+            }
+            match deleted {
                 Ok(()) => revoked.push(child.held_entry()),
                 // Released (or revoked) meanwhile.
                 Err(ZkError::NoNode) => {}
