@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use zookeeper_client::{Acls, CreateMode, Error as ZkError};
+use zookeeper_client::{Acls, CreateMode, Error as ZkError, EventType};
 
 use super::connect::mkdir;
 use super::path::{self, Position};
@@ -463,7 +463,7 @@ impl Inner {
         watcher: zookeeper_client::OneshotWatcher,
     ) {
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let (fired, stop) = self.spawn_watch(pending, watcher);
+        let (fired, stop) = self.spawn_watch(pending, watcher, None);
         pending.state().watch = Some(Watch {
             path,
             fired,
@@ -472,10 +472,16 @@ impl Inner {
         });
     }
 
+    /// Waits for `watcher` in a task of its own, which wakes the waiter.
+    /// With `data_of` (a data watch on that node), a change of the node's
+    /// data — a grant recording its token — sets the watch again without
+    /// waking the waiter: only the node's deletion (or the session's end)
+    /// can let it in.
     fn spawn_watch(
         &self,
         pending: &Pending,
         watcher: zookeeper_client::OneshotWatcher,
+        data_of: Option<(Arc<Session>, String)>,
     ) -> (Arc<AtomicBool>, CancellationToken) {
         let fired = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
@@ -483,15 +489,29 @@ impl Inner {
             let (fired, stop) = (fired.clone(), stop.clone());
             let (notify, counters) = (pending.notify.clone(), self.counters.clone());
             async move {
-                tokio::select! {
-                    event = watcher.changed() => {
-                        fired.store(true, Ordering::Release);
-                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
-                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
-                        notify.notify_waiters();
+                let mut watcher = watcher;
+                loop {
+                    tokio::select! {
+                        event = watcher.changed() => {
+                            if event.event_type == EventType::NodeDataChanged
+                                && let Some((session, path)) = &data_of
+                            {
+                                let sent = Instant::now();
+                                let again = session.client.get_and_watch_data(path);
+                                if let Ok((_, _, next)) = session.finish(sent, again).await {
+                                    watcher = next;
+                                    continue;
+                                }
+                            }
+                            fired.store(true, Ordering::Release);
+                            counters.watch_events.fetch_add(1, Ordering::Relaxed);
+                            tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
+                            notify.notify_waiters();
+                        }
+                        // Dropping the watcher removes the watch.
+                        () = stop.cancelled() => {}
                     }
-                    // Dropping the watcher removes the watch.
-                    () = stop.cancelled() => {}
+                    break;
                 }
             }
         };
@@ -527,7 +547,8 @@ impl Inner {
             Err(err) => return Err(err),
         };
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let (fired, stop) = self.spawn_watch(pending, watcher);
+        let (fired, stop) =
+            self.spawn_watch(pending, watcher, Some((session.clone(), ahead.clone())));
         pending.state().watch = Some(Watch {
             path: ahead,
             fired,
