@@ -5,8 +5,9 @@
 //! child's data is the owner token, a newline and the holder's record
 //! ([`HolderRecord::encode`]); a Curator child's data is its client's IP
 //! address, so a Curator holder is shown without a record, under its node's
-//! name. The holder is the child created first (lowest `czxid`, also its
-//! fencing token), the other children are its waiters, and the grant's time
+//! name. The holder is the child created first (lowest `czxid`; its fencing
+//! token is the one its grant wrote after the record, else its `czxid`),
+//! the other children are its waiters, and the grant's time
 //! is the child's `ctime` (the server's clock). A child lives as long as its
 //! session, so how long it has left is not known (`expires_in` is `None`).
 //! `list` reads the chroot's children whose unescaped name starts with the

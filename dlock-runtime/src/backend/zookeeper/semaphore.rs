@@ -11,15 +11,27 @@
 //! is Curator's own rule (its acquirer holds once the leases number at most
 //! `maxLeases`, its lease counted), and it holds without Curator's `locks`
 //! mutex: of any set of holders, the one that read the leases last saw
-//! every other holder's lease, so they are at most `permits`. dlock does not
-//! take the `locks` mutex, and never keeps a lease while it waits: a lease
-//! kept by a waiter would be counted by a waiting Curator acquirer, which
-//! would then wait for it while it waits for Curator's (a deadlock). So
-//! waiters are not queued: every lease deleted wakes every dlock waiter of
-//! the key (a watch on the leases' children, as Curator's mutex holder
-//! sets), and whichever reads first takes the permit. Curator's waiter,
-//! which keeps its lease, is counted and so served before later dlock
-//! attempts.
+//! every other holder's lease, so they are at most `permits`.
+//!
+//! **Waiters queue in Curator's `locks` mutex.** An attempt that finds the
+//! permits taken, or anyone queued in the key's `locks` child, queues there
+//! as a mutex contender (`_c_{guid}-lock-{sequence}`, the names Curator's
+//! `InterProcessMutex` gives, in the plain lock's queue code). The first in
+//! that queue reads the leases, takes a permit if one is free, and leaves
+//! the queue (which wakes the next one); else it watches the leases'
+//! children (as Curator's mutex holder does) — the only waiter that does.
+//! Every other waiter watches only the node ahead of it. So a release wakes
+//! one waiter, which creates one lease, and waiters are served first come
+//! first served, a slow connection included. An attempt with nobody queued
+//! takes a free permit without queueing (one read more than before, none
+//! of the mutex's writes). A Curator acquirer sees dlock's waiters as holders
+//! of its mutex ahead of it, and dlock's waiters wait for Curator's. dlock's
+//! first waiter holds no lease while it waits: a Curator acquirer creates
+//! its lease only once it holds the mutex, and waits with it until the
+//! leases are at most its permits; were a dlock waiter's lease counted
+//! there while that waiter waited behind the Curator acquirer in the
+//! mutex, each would wait for the other. With dlock's waiters lease-less,
+//! whoever holds the mutex waits only for holders, which leave.
 //!
 //! **Permits and modes.** Curator stores no `maxLeases`; dlock stores it in
 //! every lease it creates, and an attempt that finds a dlock lease with
