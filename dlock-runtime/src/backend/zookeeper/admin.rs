@@ -352,4 +352,33 @@ mod tests {
         let entry = ours.held_entry();
         assert_eq!((entry.owner.as_str(), entry.holder), ("abc", Some(record)));
     }
+
+    #[test]
+    fn a_token_recorded_by_a_grant_is_shown_instead_of_the_czxid() {
+        let stat = Stat {
+            czxid: 7,
+            mzxid: 9,
+            pzxid: 7,
+            ctime: 0,
+            mtime: 0,
+            version: 1,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 0,
+            num_children: 0,
+        };
+        let record = HolderRecord::new("web", 3, None);
+        let granted = Child {
+            name: "_c_y-__READ__0000000002".to_owned(),
+            data: with_token(&node_data("abc", &record), 42),
+            stat,
+        };
+        let entry = granted.held_entry();
+        assert_eq!(entry.token, Some(FencingToken::new(42)));
+        assert_eq!((entry.owner.as_str(), entry.holder), ("abc", Some(record)));
+        assert_eq!(entry.mode, HoldMode::Shared);
+        assert_eq!(token_of(b"abc\nweb"), None);
+        assert_eq!(token_of(b"abc\ndlock-token x"), None);
+    }
 }
