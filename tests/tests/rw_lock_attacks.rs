@@ -385,7 +385,6 @@ mod zookeeper {
     /// still be the larger (every grant takes a token from the key's one
     /// sequence).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "open: a reader queued earlier is granted after a later reader finished, with the smaller token (its node's czxid)"]
     async fn a_reader_granted_after_another_reader_finished_has_the_larger_token() {
         let proxy = ZkProxy::start(port(&url())).await;
         let slow_zk = connect(&format!("zk://127.0.0.1:{}/dlock-test", proxy.port())).await;

@@ -615,7 +615,6 @@ mod zookeeper {
     /// wakes about one, not all ten into creating leases that refuse one
     /// another.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "open: a freed permit wakes every waiter; they create and delete 8-79 lease nodes refusing one another"]
     async fn a_released_permit_wakes_one_waiter_not_every_one() {
         let holding_zk = backend().await;
         let waiting_zk = [backend().await, backend().await];
@@ -756,7 +755,6 @@ mod zookeeper {
     /// never more than the permits inside, never two on one slot, and every
     /// one gets its turns within seconds.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "open: permit waiters on a slow connection lose races to faster ones (no queue); under machine load three holds took 22-58 s"]
     async fn permit_holders_on_three_sessions_one_slow_stay_within_the_permits() {
         let proxy = ZkProxy::start(port(&url())).await;
         let slow_url = format!("zk://127.0.0.1:{}/dlock-test", proxy.port());

@@ -307,6 +307,7 @@ async fn a_lost_create_reply_leaves_exactly_one_node_that_queues() {
     let container = zk.container_path(&format!("dlock:{key}"));
     let kids = children(&admin, &container).await;
     assert_eq!(kids.len(), 2, "the holder's and ours: {kids:?}");
+    let holder_token = holder.fencing_token().expect("token");
     holder.release().await.expect("release");
     assert!(!exists(&holder_node).await);
     let guard = tokio::time::timeout(Duration::from_secs(5), waiter)
@@ -315,7 +316,14 @@ async fn a_lost_create_reply_leaves_exactly_one_node_that_queues() {
         .expect("task")
         .expect("acquired");
     let (_, czxid) = only_node(&zk, &key).await;
-    assert_eq!(guard.fencing_token().map(u64::from), Some(czxid));
+    let token = guard.fencing_token().expect("token");
+    // Taken at the grant, after the holder's node was deleted.
+    assert!(
+        token > holder_token && u64::from(token) > czxid,
+        "{token:?}"
+    );
+    let info = locks.inspect(&key).await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].token(), Some(token), "{info:?}");
     guard.release().await.expect("release");
 }
 

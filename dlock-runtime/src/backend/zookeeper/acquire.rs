@@ -19,6 +19,15 @@ use crate::backend::{AcquireRequest, Attempt, HoldMode, Lease};
 use crate::error::BackendError;
 use crate::token::FencingToken;
 
+/// Where an acquisition stands in its queue after one look.
+pub(super) enum Turn {
+    /// Nothing our node waits for is ahead of it, as read on the key's
+    /// node whose `pzxid` (the last change to its children) was `pzxid`.
+    Head { node: OurNode, pzxid: i64 },
+    /// The attempt's answer: busy behind a watch, or a failure.
+    Answer(Result<Attempt, BackendError>),
+}
+
 /// Our node, as created (or recovered).
 #[derive(Debug, Clone)]
 pub(super) struct OurNode {
@@ -29,11 +38,7 @@ pub(super) struct OurNode {
 /// A watch on our predecessor. Dropping it removes the watch.
 struct Watch {
     path: String,
-    /// It was the only lock node ahead of ours when the queue was read.
-    alone: bool,
     fired: Arc<AtomicBool>,
-    /// The event was the predecessor's deletion.
-    deleted: Arc<AtomicBool>,
     stop: CancellationToken,
     /// When the queue was last read: the watch is trusted for a session
     /// timeout after that, then the queue is read again.
@@ -51,9 +56,11 @@ impl Drop for Watch {
 pub(super) struct Pending {
     /// The node's data: the owner and the holder's record.
     pub(super) data: Vec<u8>,
-    /// Where the node is created: the key's node, or its `leases` child
-    /// for a permit.
+    /// Where the node is queued: the key's node, or for a permit its
+    /// `locks` child (Curator's semaphore mutex).
     pub(super) container: String,
+    /// A permit's `leases` child of the key's node.
+    pub(super) leases: Option<String>,
     /// The key's node.
     pub(super) key_container: String,
     /// A reader's acquisition (else a writer's: a plain lock).
@@ -71,6 +78,11 @@ pub(super) struct PendingState {
     pub(super) node: Option<OurNode>,
     /// A create was sent on that session and its answer not seen.
     pub(super) maybe_created: bool,
+    /// A permit's lease on that session, not granted yet (deleted before
+    /// the attempt answers, unless the attempt was cancelled first).
+    pub(super) lease: Option<OurNode>,
+    /// A lease create was sent on that session and its answer not seen.
+    pub(super) lease_maybe_created: bool,
     watch: Option<Watch>,
 }
 
@@ -95,17 +107,16 @@ impl Pending {
         st.watch = None;
     }
 
-    /// Our node, if it holds the key without reading the queue again: the
-    /// only node ahead of it is deleted (nodes created later come after
-    /// ours, so none can have come ahead), and its session lives.
-    fn promoted(&self) -> Option<(Arc<Session>, OurNode)> {
-        let st = self.state();
-        let watch = st.watch.as_ref()?;
-        if !watch.alone || !watch.deleted.load(Ordering::Acquire) {
-            return None;
+    /// Starts over on `session` if our nodes were created on another one
+    /// (they are gone with it).
+    pub(super) fn on_session(&self, session: &Arc<Session>) {
+        let mut st = self.state();
+        if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+            *st = PendingState {
+                session: Some(session.clone()),
+                ..PendingState::default()
+            };
         }
-        let session = st.session.as_ref().filter(|s| s.is_alive())?.clone();
-        Some((session, st.node.clone()?))
     }
 
     /// Busy without a round trip: our predecessor's watch has not fired, so
@@ -132,15 +143,19 @@ impl Inner {
             .entry(request.owner.clone())
             .or_insert_with(|| {
                 let key_container = format!("/{}", path::escape_key(&request.key));
-                let container = match request.mode {
-                    HoldMode::Permit { .. } => format!("{key_container}/{}", path::LEASES),
-                    _ => key_container.clone(),
+                let (container, leases) = match request.mode {
+                    HoldMode::Permit { .. } => (
+                        format!("{key_container}/{}", path::LOCKS),
+                        Some(format!("{key_container}/{}", path::LEASES)),
+                    ),
+                    _ => (key_container.clone(), None),
                 };
                 Arc::new(Pending {
                     data: super::admin::node_data(&request.owner, &request.holder),
                     guid: path::new_guid(),
                     reader: request.mode == HoldMode::Shared,
                     container,
+                    leases,
                     key_container,
                     notify: Arc::new(Notify::new()),
                     state: Mutex::new(PendingState::default()),
@@ -157,11 +172,6 @@ impl Inner {
     ) -> Result<Attempt, BackendError> {
         let started = Instant::now();
         let pending = self.pending_for(request);
-        if let Some((session, node)) = pending.promoted() {
-            return Ok(Attempt::Held(
-                self.grant(request, &pending, &session, &node, started),
-            ));
-        }
         if let Some(busy) = pending.still_behind() {
             return Ok(busy);
         }
@@ -169,24 +179,45 @@ impl Inner {
             Ok(session) => session,
             Err(error) => return unavailable_or_failed(error),
         };
+        match self.take_turn(&session, &pending, request).await {
+            Turn::Head { node, pzxid } => {
+                let path = format!("{}/{}", pending.container, node.name);
+                let token = node.czxid.max(pzxid);
+                Ok(Attempt::Held(
+                    self.grant(request, &session, path, &node, token, started),
+                ))
+            }
+            Turn::Answer(answer) => answer,
+        }
+    }
+
+    /// Queues our node in `pending.container` (or finds it there) and reads
+    /// the queue: [`Turn::Head`] when nothing it waits for is ahead of it,
+    /// else the attempt's answer (busy, with a watch on what it waits for).
+    pub(super) async fn take_turn(
+        self: &Arc<Self>,
+        session: &Arc<Session>,
+        pending: &Pending,
+        request: &AcquireRequest,
+    ) -> Turn {
         for _ in 0..MAX_STEPS {
-            let (node, listed) = match pending.node_on(&session) {
+            let (node, listed) = match pending.node_on(session) {
                 Some(node) => (node, None),
-                None => match self.create_node(&session, &pending).await {
+                None => match self.create_node(session, pending).await {
                     Ok(created) => created,
-                    Err(err) => return unavailable("creating the lock node", err),
+                    Err(err) => return Turn::Answer(unavailable("creating the lock node", err)),
                 },
             };
             let fresh = listed.is_some();
-            let children = match listed {
-                Some(children) => children,
-                None => match session.call(|c| c.list_children(&pending.container)).await {
-                    Ok(children) => children,
+            let (children, pzxid) = match listed {
+                Some(listed) => listed,
+                None => match session.call(|c| c.get_children(&pending.container)).await {
+                    Ok((children, stat)) => (children, stat.pzxid),
                     Err(ZkError::NoNode) => {
                         pending.forget_node();
                         continue;
                     }
-                    Err(err) => return unavailable("listing the lock's queue", err),
+                    Err(err) => return Turn::Answer(unavailable("listing the lock's queue", err)),
                 },
             };
             // Read after our node was created: a semaphore's leases there
@@ -194,13 +225,13 @@ impl Inner {
             // later finds our node the same way.
             if children.iter().any(|c| c == path::LEASES)
                 && let Err(err) = self
-                    .refuse_beside_leases(&session, &pending, &node, request)
+                    .refuse_beside_leases(session, pending, &node, request)
                     .await
             {
-                return match err {
+                return Turn::Answer(match err {
                     Refusal::Config(error) => Err(error),
                     Refusal::Zk(err) => unavailable("reading the semaphore's leases", err),
-                };
+                });
             }
             // A create of ours that surfaced late, beside the node we use.
             let mine = path::guid_prefix(&pending.guid);
@@ -212,18 +243,18 @@ impl Inner {
             if !ghosts.is_empty() {
                 for ghost in ghosts {
                     let deadline = Some(Instant::now() + session.op_timeout);
-                    if let Err(err) = delete_until_gone(&session, &ghost, deadline).await {
-                        return unavailable("deleting a duplicate lock node", err);
+                    if let Err(err) = delete_until_gone(session, &ghost, deadline).await {
+                        return Turn::Answer(unavailable("deleting a duplicate lock node", err));
                     }
                 }
                 continue;
             }
             let queue = match self
-                .queue(&session, &pending.container, &children, &node)
+                .queue(session, &pending.container, &children, &node)
                 .await
             {
                 Ok(queue) => queue,
-                Err(err) => return unavailable("reading the lock's queue", err),
+                Err(err) => return Turn::Answer(unavailable("reading the lock's queue", err)),
             };
             match path::position(&queue, &node.name, pending.reader) {
                 // The listing sent with the create is read after it on the
@@ -234,34 +265,31 @@ impl Inner {
                     // Deleted behind our back while queued: queue again.
                     pending.forget_node();
                 }
-                Position::Holder => {
-                    return Ok(Attempt::Held(
-                        self.grant(request, &pending, &session, &node, started),
-                    ));
-                }
+                Position::Holder => return Turn::Head { node, pzxid },
                 Position::Behind(ahead) => {
                     if request.wait.is_zero() {
                         // Tried once: the wait loop abandons, deleting our node.
-                        return Ok(Attempt::Busy { retry_in: None });
+                        return Turn::Answer(Ok(Attempt::Busy { retry_in: None }));
                     }
-                    let alone = path::ahead_of(&queue, &node.name, pending.reader) == 1;
                     let ahead = format!("{}/{ahead}", pending.container);
-                    match self.watch(&session, &pending, ahead, alone).await {
+                    match self.watch(session, pending, ahead).await {
                         Ok(true) => {
-                            return Ok(Attempt::Busy {
+                            return Turn::Answer(Ok(Attempt::Busy {
                                 retry_in: Some(session.timeout),
-                            });
+                            }));
                         }
                         Ok(false) => {}
-                        Err(err) => return unavailable("watching the lock's queue", err),
+                        Err(err) => {
+                            return Turn::Answer(unavailable("watching the lock's queue", err));
+                        }
                     }
                 }
             }
         }
         // The queue kept changing under this attempt: look again at once.
-        Ok(Attempt::Busy {
+        Turn::Answer(Ok(Attempt::Busy {
             retry_in: Some(Duration::ZERO),
-        })
+        }))
     }
 
     /// Creates our node on `session` — or finds it again, if the answer of
@@ -273,7 +301,7 @@ impl Inner {
         &self,
         session: &Arc<Session>,
         pending: &Pending,
-    ) -> Result<(OurNode, Option<Vec<String>>), ZkError> {
+    ) -> Result<(OurNode, Option<(Vec<String>, i64)>), ZkError> {
         let recovering = {
             let mut st = pending.state();
             if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
@@ -295,11 +323,13 @@ impl Inner {
             st.maybe_created = false;
             return Ok((node, None));
         }
+        // A permit's queue node is named as Curator's semaphore names its
+        // mutex's nodes, whatever `writers` says.
         let prefix = path::child_prefix(
             &pending.container,
             &pending.guid,
             pending.reader,
-            self.target.writers == super::url::Writers::ReadWrite,
+            pending.leases.is_none() && self.target.writers == super::url::Writers::ReadWrite,
         );
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
@@ -307,10 +337,14 @@ impl Inner {
             pending.state().maybe_created = true;
             let sent = Instant::now();
             let create = session.client.create(&prefix, &pending.data, &options);
-            let list = session.client.list_children(&pending.container);
+            let list = session.client.get_children(&pending.container);
             let created = session.finish(sent, create).await;
             let listed = match &created {
-                Ok(_) => session.finish(sent, list).await.ok(),
+                Ok(_) => session
+                    .finish(sent, list)
+                    .await
+                    .ok()
+                    .map(|(children, stat)| (children, stat.pzxid)),
                 Err(_) => None,
             };
             match created {
@@ -333,6 +367,10 @@ impl Inner {
                 }
                 Err(ZkError::NoNode) => {
                     pending.state().maybe_created = false;
+                    if pending.container != pending.key_container {
+                        self.create_container(session, &pending.key_container)
+                            .await?;
+                    }
                     self.create_container(session, &pending.container).await?;
                 }
                 // At the counter's end every child gets the same sequence:
@@ -425,44 +463,60 @@ impl Inner {
         watcher: zookeeper_client::OneshotWatcher,
     ) {
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let (fired, deleted, stop) = self.spawn_watch(pending, watcher);
+        let (fired, stop) = self.spawn_watch(pending, watcher, None);
         pending.state().watch = Some(Watch {
             path,
-            alone: false,
             fired,
-            deleted,
             stop,
             checked_at: Instant::now(),
         });
     }
 
+    /// Waits for `watcher` in a task of its own, which wakes the waiter.
+    /// With `data_of` (a data watch on that node), a change of the node's
+    /// data — a grant recording its token — sets the watch again without
+    /// waking the waiter: only the node's deletion (or the session's end)
+    /// can let it in.
     fn spawn_watch(
         &self,
         pending: &Pending,
         watcher: zookeeper_client::OneshotWatcher,
-    ) -> (Arc<AtomicBool>, Arc<AtomicBool>, CancellationToken) {
+        data_of: Option<(Arc<Session>, String)>,
+    ) -> (Arc<AtomicBool>, CancellationToken) {
         let fired = Arc::new(AtomicBool::new(false));
-        let deleted = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
         let task = {
-            let (fired, deleted, stop) = (fired.clone(), deleted.clone(), stop.clone());
+            let (fired, stop) = (fired.clone(), stop.clone());
             let (notify, counters) = (pending.notify.clone(), self.counters.clone());
             async move {
-                tokio::select! {
-                    event = watcher.changed() => {
-                        deleted.store(event.event_type == EventType::NodeDeleted, Ordering::Release);
-                        fired.store(true, Ordering::Release);
-                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
-                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
-                        notify.notify_waiters();
+                let mut watcher = watcher;
+                loop {
+                    tokio::select! {
+                        event = watcher.changed() => {
+                            if event.event_type == EventType::NodeDataChanged
+                                && let Some((session, path)) = &data_of
+                            {
+                                let sent = Instant::now();
+                                let again = session.client.get_and_watch_data(path);
+                                if let Ok((_, _, next)) = session.finish(sent, again).await {
+                                    watcher = next;
+                                    continue;
+                                }
+                            }
+                            fired.store(true, Ordering::Release);
+                            counters.watch_events.fetch_add(1, Ordering::Relaxed);
+                            tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: predecessor changed");
+                            notify.notify_waiters();
+                        }
+                        // Dropping the watcher removes the watch.
+                        () = stop.cancelled() => {}
                     }
-                    // Dropping the watcher removes the watch.
-                    () = stop.cancelled() => {}
+                    break;
                 }
             }
         };
         crate::driver::handle().spawn(task);
-        (fired, deleted, stop)
+        (fired, stop)
     }
 
     /// Watches our predecessor; false if it is already gone.
@@ -471,7 +525,6 @@ impl Inner {
         session: &Arc<Session>,
         pending: &Pending,
         ahead: String,
-        alone: bool,
     ) -> Result<bool, ZkError> {
         {
             let mut st = pending.state();
@@ -480,7 +533,6 @@ impl Inner {
                 && !watch.fired.load(Ordering::Acquire)
             {
                 watch.checked_at = Instant::now();
-                watch.alone = alone;
                 return Ok(true);
             }
             st.watch = None;
@@ -495,32 +547,50 @@ impl Inner {
             Err(err) => return Err(err),
         };
         self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let (fired, deleted, stop) = self.spawn_watch(pending, watcher);
+        let (fired, stop) =
+            self.spawn_watch(pending, watcher, Some((session.clone(), ahead.clone())));
         pending.state().watch = Some(Watch {
             path: ahead,
-            alone,
             fired,
-            deleted,
             stop,
             checked_at: Instant::now(),
         });
         Ok(true)
     }
 
-    /// Our node holds the key: the lease, registered with its session.
+    /// Our node at `path` holds the key with fencing token `token`: the
+    /// lease, registered with its session. A token other than the node's
+    /// `czxid` is written into the node's data (after the holder's record),
+    /// where `inspect` reads it; the write is sent before the grant is
+    /// answered, so this session's later reads see it.
     pub(super) fn grant(
         &self,
         request: &AcquireRequest,
-        pending: &Pending,
         session: &Arc<Session>,
+        path: String,
         node: &OurNode,
+        token: i64,
         started: Instant,
     ) -> Lease {
         if let Some(done) = lock(&self.pending).remove(&request.owner) {
             done.state().watch = None;
         }
+        if token != node.czxid {
+            let data = super::admin::with_token(
+                &super::admin::node_data(&request.owner, &request.holder),
+                token,
+            );
+            let write = session.client.set_data(&path, &data, None);
+            let session = session.clone();
+            crate::driver::handle().spawn(async move {
+                let sent = Instant::now();
+                if let Err(err) = session.finish(sent, write).await {
+                    tracing::debug!(%err, "dlock zookeeper: the grant's token was not recorded");
+                }
+            });
+        }
         let held = session.register(
-            format!("{}/{}", pending.container, node.name),
+            path,
             request.lost.clone(),
             crate::time::saturating_add(started, request.lease),
         );
@@ -538,7 +608,7 @@ impl Inner {
                 });
             }
         }
-        Lease::new(request, Some(FencingToken::new(node.czxid as u64))).with_extra(held)
+        Lease::new(request, Some(FencingToken::new(token as u64))).with_extra(held)
     }
 
     /// Ends an acquisition that did not end with a grant: deletes its node
@@ -547,21 +617,38 @@ impl Inner {
         let Some(pending) = lock(&self.pending).remove(owner) else {
             return Ok(());
         };
-        let (session, node, maybe_created) = {
+        let (session, node, maybe_created, lease, lease_maybe_created) = {
             let mut st = pending.state();
             st.watch = None;
-            (st.session.clone(), st.node.clone(), st.maybe_created)
+            (
+                st.session.clone(),
+                st.node.clone(),
+                st.maybe_created,
+                st.lease.clone(),
+                st.lease_maybe_created,
+            )
         };
         let Some(session) = session else {
             return Ok(());
         };
-        if let Some(node) = node {
-            return delete_node(session, format!("{}/{}", pending.container, node.name)).await;
+        // A permit's lease not granted yet, then its place in the queue.
+        let mut outcome = Ok(());
+        if let Some(leases) = &pending.leases {
+            if let Some(lease) = lease {
+                outcome = delete_node(session.clone(), format!("{leases}/{}", lease.name)).await;
+            } else if lease_maybe_created {
+                outcome =
+                    delete_by_guid(session.clone(), leases.clone(), pending.guid.clone()).await;
+            }
         }
-        if maybe_created {
-            return delete_by_guid(session, pending.container.clone(), pending.guid.clone()).await;
-        }
-        Ok(())
+        let queued = if let Some(node) = node {
+            delete_node(session, format!("{}/{}", pending.container, node.name)).await
+        } else if maybe_created {
+            delete_by_guid(session, pending.container.clone(), pending.guid.clone()).await
+        } else {
+            Ok(())
+        };
+        outcome.and(queued)
     }
 }
 

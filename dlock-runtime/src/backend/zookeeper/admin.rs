@@ -5,8 +5,9 @@
 //! child's data is the owner token, a newline and the holder's record
 //! ([`HolderRecord::encode`]); a Curator child's data is its client's IP
 //! address, so a Curator holder is shown without a record, under its node's
-//! name. The holder is the child created first (lowest `czxid`, also its
-//! fencing token), the other children are its waiters, and the grant's time
+//! name. The holder is the child created first (lowest `czxid`; its fencing
+//! token is the one its grant wrote after the record, else its `czxid`),
+//! the other children are its waiters, and the grant's time
 //! is the child's `ctime` (the server's clock). A child lives as long as its
 //! session, so how long it has left is not known (`expires_in` is `None`).
 //! `list` reads the chroot's children whose unescaped name starts with the
@@ -29,6 +30,25 @@ use crate::token::FencingToken;
 /// The data of a dlock lock child: the owner, a newline, the holder's record.
 pub(super) fn node_data(owner: &str, holder: &HolderRecord) -> Vec<u8> {
     format!("{owner}\n{}", holder.encode()).into_bytes()
+}
+
+/// The start of the line a grant appends to its node's data when its
+/// fencing token is not the node's `czxid`.
+const TOKEN_LINE: &str = "dlock-token ";
+
+/// A lock child's data with the grant's fencing token on a line of its own.
+pub(super) fn with_token(data: &[u8], token: i64) -> Vec<u8> {
+    let mut data = data.to_vec();
+    data.extend_from_slice(format!("\n{TOKEN_LINE}{token}").as_bytes());
+    data
+}
+
+/// The fencing token a grant wrote into its node's data, and the data
+/// before it.
+fn token_of(data: &[u8]) -> Option<(u64, &[u8])> {
+    let at = data.iter().rposition(|b| *b == b'\n')?;
+    let line = std::str::from_utf8(&data[at + 1..]).ok()?;
+    Some((line.strip_prefix(TOKEN_LINE)?.parse().ok()?, &data[..at]))
 }
 
 /// A container's name read back as the stored key ([`path::escape_key`]
@@ -59,12 +79,16 @@ struct Child {
 
 impl Child {
     fn held_entry(&self) -> HeldEntry {
-        let text = std::str::from_utf8(&self.data).ok();
+        let (token, data) = match token_of(&self.data) {
+            Some((token, data)) => (Some(token), data),
+            None => (u64::try_from(self.stat.czxid).ok(), &self.data[..]),
+        };
+        let text = std::str::from_utf8(data).ok();
         let split = text.and_then(|t| t.split_once('\n'));
         let owner = split.map_or(self.name.as_str(), |(owner, _)| owner);
         let mut entry = HeldEntry::new(owner);
         entry.holder = split.and_then(|(_, record)| HolderRecord::decode(record));
-        entry.token = u64::try_from(self.stat.czxid).ok().map(FencingToken::new);
+        entry.token = token.map(FencingToken::new);
         entry.granted_at = u64::try_from(self.stat.ctime)
             .ok()
             .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
@@ -177,10 +201,14 @@ impl Inner {
         let mut revoked = Vec::new();
         for child in &children[..held] {
             let node = format!("{container}/{}", child.name);
-            match session
+            let mut deleted = session
                 .call(|c| c.delete(&node, Some(child.stat.version)))
-                .await
-            {
+                .await;
+            if matches!(deleted, Err(ZkError::BadVersion)) {
+                // Its grant recorded its token since it was read.
+                deleted = session.call(|c| c.delete(&node, None)).await;
+            }
+            match deleted {
                 Ok(()) => revoked.push(child.held_entry()),
                 // Released (or revoked) meanwhile.
                 Err(ZkError::NoNode) => {}
@@ -323,5 +351,34 @@ mod tests {
         };
         let entry = ours.held_entry();
         assert_eq!((entry.owner.as_str(), entry.holder), ("abc", Some(record)));
+    }
+
+    #[test]
+    fn a_token_recorded_by_a_grant_is_shown_instead_of_the_czxid() {
+        let stat = Stat {
+            czxid: 7,
+            mzxid: 9,
+            pzxid: 7,
+            ctime: 0,
+            mtime: 0,
+            version: 1,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 0,
+            num_children: 0,
+        };
+        let record = HolderRecord::new("web", 3, None);
+        let granted = Child {
+            name: "_c_y-__READ__0000000002".to_owned(),
+            data: with_token(&node_data("abc", &record), 42),
+            stat,
+        };
+        let entry = granted.held_entry();
+        assert_eq!(entry.token, Some(FencingToken::new(42)));
+        assert_eq!((entry.owner.as_str(), entry.holder), ("abc", Some(record)));
+        assert_eq!(entry.mode, HoldMode::Shared);
+        assert_eq!(token_of(b"abc\nweb"), None);
+        assert_eq!(token_of(b"abc\ndlock-token x"), None);
     }
 }

@@ -10,11 +10,9 @@
 //! of it, so a release wakes exactly one waiter (no herd) and waiters are
 //! served in arrival order. Uncontended, an acquisition is one round trip:
 //! the create and the listing of the key's children go out together, and the
-//! server answers them in order. A waiter whose predecessor was the only
-//! child ahead of it holds the key as soon as that child's deletion is
-//! notified, without reading the queue again (children created later come
-//! after it; a queued node deleted behind the waiter's back is found by the
-//! first renewal, as for a revoked holder). The backend never deletes a
+//! server answers them in order. A waiter woken by its predecessor's
+//! deletion reads the queue once more: that read decides the grant and
+//! gives its token (below). The backend never deletes a
 //! container (the server reaps empty ones; deleting would race other
 //! creators) and creates it again when a create finds it reaped.
 //!
@@ -54,8 +52,8 @@
 //! abandonment or session). Each waiter watches only the nearest child it
 //! waits for (a writer: the child just ahead; a reader: the nearest writer
 //! ahead), so a release wakes only the waiters it may let in. Every grant,
-//! read or write, has its child's `czxid` as token: one sequence per key.
-//! This was chosen over separate nodes per mode because one queue gives
+//! read or write, takes its token from the key's one sequence (see
+//! **Fencing token**). This was chosen over separate nodes per mode because one queue gives
 //! the order and the fairness for free, and it is the layout Curator reads.
 //!
 //! **Curator interop of writers.** Curator's own `InterProcessMutex`
@@ -82,20 +80,47 @@
 //! number of permits and the slot (the lowest no live lease carries). A
 //! lease holds when at most `permits` leases exist after it was created and
 //! no earlier lease carries its slot; otherwise it is deleted before the
-//! attempt answers, and a waiter watches the leases' children (see
-//! `semaphore` for why dlock neither takes Curator's `locks` mutex nor keeps
-//! a lease while it waits — both so that Curator's and dlock's holders
-//! together never exceed the permits and never wait for each other
-//! forever). Token: the lease's `czxid` (per key, so per slot). A
+//! attempt answers. Waiters queue in the key's `locks` child — Curator's
+//! semaphore mutex, first come first served — and only the first of them
+//! watches the leases, so a release wakes one waiter (see `semaphore` for
+//! why dlock's first waiter holds no lease while it waits: so that
+//! Curator's and dlock's acquirers never wait for each other forever).
+//! Token: the lease's `czxid` (per key, so per slot). A
 //! different number of permits among dlock's leases, lock children beside
 //! leases, or leases beside a plain lock or reader are refused as a
 //! mismatch while they exist.
 //!
-//! **Fencing token**: the child's `czxid`, the 64-bit id of the transaction
-//! that created it, from the create's reply. Transaction ids are totally
-//! ordered across the ensemble and later holders are created later, so the
-//! token strictly increases per key even when the container is reaped and
-//! its sequence counter starts again (the sequence is not a token).
+//! **Fencing token** of a plain lock, writer or reader: taken when the
+//! grant is decided, from the read of the queue that found our node first:
+//! the key node's `pzxid` in that read, the id of the latest transaction
+//! that created or deleted one of its children (never below our node's
+//! `czxid`: the read follows our create). Transaction ids are totally
+//! ordered across the ensemble. Why it is the key's one sequence:
+//!
+//! - A holder's own grant read saw its node, so it came before that node's
+//!   deletion: its token is below its deletion's id.
+//! - A grant decided after a holder finished reads a state that includes
+//!   that deletion, so its `pzxid` is at or above the deletion's id, hence
+//!   strictly above the finished holder's token — readers included: a
+//!   reader queued early but granted after another reader came and went
+//!   still gets the larger token, which the node's `czxid` (fixed when it
+//!   queued) would not give.
+//! - Two readers granted on reads of the same state share a token; they
+//!   hold together, and neither was granted after the other finished.
+//! - A reaped container is created again by a later transaction, and its
+//!   `pzxid` starts at that id, so tokens never go back (the sequence
+//!   number is not a token).
+//!
+//! Uncontended, the read sent with the create finds nothing changed since
+//! it: the token is the node's `czxid`. Otherwise (a waiter's grant) the
+//! token is written after the holder's record in the node's data, where
+//! `inspect` reads it; the write is sent before the grant is answered, so
+//! later reads of this session see it, and a waiter behind that node,
+//! whose data watch it fires, sets the watch again without waking. So a
+//! waiter woken by its predecessor's deletion reads the queue before it
+//! holds (one round trip per handoff): the event does not carry the
+//! deletion's id on ZooKeeper 3.8, and without a read there is no token
+//! above the predecessor's.
 //!
 //! **Lost create replies**: a create is sent when it is called, and its
 //! reply can be lost with the connection. The next attempt lists the key's

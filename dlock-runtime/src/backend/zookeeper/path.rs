@@ -20,6 +20,11 @@ pub(super) const LEASE_NAME: &str = "lease-";
 /// The child of a key holding its semaphore leases (Curator's layout).
 pub(super) const LEASES: &str = "leases";
 
+/// The child of a key where its semaphore's acquirers queue (Curator's
+/// layout: the `InterProcessMutex` its `InterProcessSemaphoreV2` takes to
+/// create a lease).
+pub(super) const LOCKS: &str = "locks";
+
 /// The prefix of Curator's protected names.
 const PROTECTED: &str = "_c_";
 
@@ -227,11 +232,6 @@ fn rank_of(queue: &[(String, i64)], name: &str) -> Option<i64> {
     queue.iter().find(|(n, _)| n == name).map(|(_, rank)| *rank)
 }
 
-/// How many lock nodes of `queue` (as for [`position`]) our node waits for.
-pub(super) fn ahead_of(queue: &[(String, i64)], ours: &str, reader: bool) -> usize {
-    rank_of(queue, ours).map_or(0, |our_rank| blockers(queue, our_rank, reader).count())
-}
-
 /// The holders among `queue`'s nodes in creation order: the first node if
 /// it is a writer's, else every reader's node ahead of the first writer's.
 pub(super) fn holders<T>(ordered: &[T], name: impl Fn(&T) -> &str) -> usize {
@@ -391,9 +391,6 @@ mod tests {
         assert_eq!(position(&q, "b", false), Position::Behind("a"));
         assert_eq!(position(&q, "d", false), Position::Behind("c"));
         assert_eq!(position(&q, "z", false), Position::Missing);
-        assert_eq!(ahead_of(&q, "a", false), 0);
-        assert_eq!(ahead_of(&q, "c", false), 2);
-        assert_eq!(ahead_of(&q, "z", false), 0);
     }
 
     #[test]
@@ -456,10 +453,7 @@ mod tests {
         assert_eq!(position(&q, &q[1].0, false), Position::Behind(&q[0].0));
         // A reader queued behind a waiting writer waits for that writer.
         assert_eq!(position(&q, &q[2].0, true), Position::Behind(&q[1].0));
-        assert_eq!(ahead_of(&q, &q[2].0, true), 1);
         assert_eq!(position(&q, &q[4].0, true), Position::Behind(&q[3].0));
-        assert_eq!(ahead_of(&q, &q[5].0, true), 2);
-        assert_eq!(ahead_of(&q, &q[5].0, false), 5);
         assert_eq!(holders(&q, |(n, _)| n.as_str()), 1);
         let readers_first = &q[2..];
         assert_eq!(holders(&q[..1], |(n, _)| n.as_str()), 1);

@@ -11,15 +11,27 @@
 //! is Curator's own rule (its acquirer holds once the leases number at most
 //! `maxLeases`, its lease counted), and it holds without Curator's `locks`
 //! mutex: of any set of holders, the one that read the leases last saw
-//! every other holder's lease, so they are at most `permits`. dlock does not
-//! take the `locks` mutex, and never keeps a lease while it waits: a lease
-//! kept by a waiter would be counted by a waiting Curator acquirer, which
-//! would then wait for it while it waits for Curator's (a deadlock). So
-//! waiters are not queued: every lease deleted wakes every dlock waiter of
-//! the key (a watch on the leases' children, as Curator's mutex holder
-//! sets), and whichever reads first takes the permit. Curator's waiter,
-//! which keeps its lease, is counted and so served before later dlock
-//! attempts.
+//! every other holder's lease, so they are at most `permits`.
+//!
+//! **Waiters queue in Curator's `locks` mutex.** An attempt that finds the
+//! permits taken, or anyone queued in the key's `locks` child, queues there
+//! as a mutex contender (`_c_{guid}-lock-{sequence}`, the names Curator's
+//! `InterProcessMutex` gives, in the plain lock's queue code). The first in
+//! that queue reads the leases, takes a permit if one is free, and leaves
+//! the queue (which wakes the next one); else it watches the leases'
+//! children (as Curator's mutex holder does) — the only waiter that does.
+//! Every other waiter watches only the node ahead of it. So a release wakes
+//! one waiter, which creates one lease, and waiters are served first come
+//! first served, a slow connection included. An attempt with nobody queued
+//! takes a free permit without queueing (one read more than before, none
+//! of the mutex's writes). A Curator acquirer sees dlock's waiters as holders
+//! of its mutex ahead of it, and dlock's waiters wait for Curator's. dlock's
+//! first waiter holds no lease while it waits: a Curator acquirer creates
+//! its lease only once it holds the mutex, and waits with it until the
+//! leases are at most its permits; were a dlock waiter's lease counted
+//! there while that waiter waited behind the Curator acquirer in the
+//! mutex, each would wait for the other. With dlock's waiters lease-less,
+//! whoever holds the mutex waits only for holders, which leave.
 //!
 //! **Permits and modes.** Curator stores no `maxLeases`; dlock stores it in
 //! every lease it creates, and an attempt that finds a dlock lease with
@@ -37,9 +49,9 @@ use std::time::{Duration, Instant};
 
 use zookeeper_client::{Acls, CreateMode, Error as ZkError, Stat};
 
-use super::acquire::{OurNode, Pending, unavailable, unavailable_or_failed};
+use super::acquire::{OurNode, Pending, Turn, unavailable, unavailable_or_failed};
 use super::path;
-use super::release::delete_by_guid;
+use super::release::{delete_by_guid, delete_node};
 use super::session::{Session, delete_until_gone};
 use super::{Inner, MAX_STEPS};
 use crate::backend::{AcquireRequest, Attempt, HoldMode};
@@ -170,29 +182,64 @@ impl Inner {
             Ok(session) => session,
             Err(error) => return unavailable_or_failed(error),
         };
+        pending.on_session(&session);
+        let leases = pending.leases.clone().unwrap_or_default();
         for _ in 0..MAX_STEPS {
+            let queued = {
+                let st = pending.state();
+                st.node.is_some() || st.maybe_created
+            };
+            if !queued {
+                // Nobody queued: take a free permit at once.
+                let waiting = match session.call(|c| c.list_children(&pending.container)).await {
+                    Ok(names) => names.iter().any(|n| path::sequence_of(n).is_some()),
+                    Err(ZkError::NoNode) => false,
+                    Err(err) => return unavailable("reading the semaphore's queue", err),
+                };
+                if !waiting {
+                    match self.permit_step(&session, &pending, request, permits).await {
+                        Ok(Step::Held(node, slot)) => {
+                            return Ok(self
+                                .grant_permit(request, &pending, &session, &node, slot, started));
+                        }
+                        Ok(Step::Again) => continue,
+                        Ok(Step::Full) => {}
+                        Err(refusal) => return self.refused(request, refusal).await,
+                    }
+                }
+                if request.wait.is_zero() {
+                    return Ok(Attempt::Busy { retry_in: None });
+                }
+            }
+            if let Turn::Answer(answer) = self.take_turn(&session, &pending, request).await {
+                return answer;
+            }
+            // First in the queue: ours is the next permit.
             match self.permit_step(&session, &pending, request, permits).await {
                 Ok(Step::Held(node, slot)) => {
-                    return Ok(Attempt::Held(
-                        self.grant(request, &pending, &session, &node, started)
-                            .with_slot(slot),
-                    ));
+                    let queued = pending.state().node.clone();
+                    if let Some(queued) = queued {
+                        // Leaving the queue wakes the next waiter; a delete
+                        // that fails goes on in the background.
+                        let queued = format!("{}/{}", pending.container, queued.name);
+                        let _ = delete_node(session.clone(), queued).await;
+                        pending.forget_node();
+                    }
+                    return Ok(self.grant_permit(request, &pending, &session, &node, slot, started));
                 }
                 Ok(Step::Again) => {}
                 Ok(Step::Full) => {
-                    if request.wait.is_zero() {
-                        return Ok(Attempt::Busy { retry_in: None });
-                    }
+                    // Only the first waiter watches the leases.
                     let sent = Instant::now();
-                    let watched = session.client.list_and_watch_children(&pending.container);
+                    let watched = session.client.list_and_watch_children(&leases);
                     match session.finish(sent, watched).await {
                         Ok((names, watcher)) => {
-                            let leases = names
+                            let held = names
                                 .iter()
                                 .filter(|n| path::lease_sequence_of(n).is_some())
                                 .count();
-                            if leases >= permits as usize {
-                                self.keep_watch(&pending, pending.container.clone(), watcher);
+                            if held >= permits as usize {
+                                self.keep_watch(&pending, leases.clone(), watcher);
                                 return Ok(Attempt::Busy {
                                     retry_in: Some(session.timeout),
                                 });
@@ -202,13 +249,46 @@ impl Inner {
                         Err(err) => return unavailable("watching the semaphore's leases", err),
                     }
                 }
-                Err(Refusal::Config(error)) => return Err(error),
-                Err(Refusal::Zk(err)) => return unavailable("taking a permit", err),
+                Err(refusal) => return self.refused(request, refusal).await,
             }
         }
         Ok(Attempt::Busy {
             retry_in: Some(Duration::ZERO),
         })
+    }
+
+    /// The grant of our lease `node` on `slot`.
+    fn grant_permit(
+        &self,
+        request: &AcquireRequest,
+        pending: &Pending,
+        session: &Arc<Session>,
+        node: &OurNode,
+        slot: u32,
+        started: Instant,
+    ) -> Attempt {
+        let leases = pending.leases.as_deref().unwrap_or_default();
+        let path = format!("{leases}/{}", node.name);
+        Attempt::Held(
+            self.grant(request, session, path, node, node.czxid, started)
+                .with_slot(slot),
+        )
+    }
+
+    /// The answer to a refused permit attempt: its place in the queue is
+    /// given up first on a mismatch (which ends the acquisition).
+    async fn refused(
+        &self,
+        request: &AcquireRequest,
+        refusal: Refusal,
+    ) -> Result<Attempt, BackendError> {
+        match refusal {
+            Refusal::Config(error) => {
+                let _ = self.drop_pending(&request.owner).await;
+                Err(error)
+            }
+            Refusal::Zk(err) => unavailable("taking a permit", err),
+        }
     }
 
     /// Reads, creates our lease, reads again; deletes it unless it holds.
@@ -228,7 +308,8 @@ impl Inner {
                 asked,
             )))
         };
-        let before = self.read_leases(session, &pending.container).await?;
+        let leases = pending.leases.as_deref().unwrap_or_default();
+        let before = self.read_leases(session, leases).await?;
         if let Some((other, _)) = before
             .iter()
             .filter_map(LeaseNode::info)
@@ -241,10 +322,10 @@ impl Inner {
         }
         let slot = free_slot(&before, permits);
         let node = self.create_lease(session, pending, permits, slot).await?;
-        let ours = format!("{}/{}", pending.container, node.name);
+        let ours = format!("{leases}/{}", node.name);
         let sent = Instant::now();
         let locks = session.client.list_children(&pending.key_container);
-        let after = self.read_leases(session, &pending.container).await;
+        let after = self.read_leases(session, leases).await;
         let locks = session.finish(sent, locks).await;
         let outcome = (|| {
             let after = after?;
@@ -291,7 +372,7 @@ impl Inner {
             return outcome;
         }
         delete_until_gone(session, &ours, Some(Instant::now() + session.op_timeout)).await?;
-        pending.forget_node();
+        pending.state().lease = None;
         outcome
     }
 
@@ -302,27 +383,21 @@ impl Inner {
         session: &Arc<Session>,
         pending: &Pending,
     ) -> Result<(), ZkError> {
-        let (node, maybe_created) = {
+        let leases = pending.leases.as_deref().unwrap_or_default();
+        let (lease, maybe_created) = {
             let st = pending.state();
-            match &st.session {
-                Some(s) if Arc::ptr_eq(s, session) => (st.node.clone(), st.maybe_created),
-                _ => (None, false),
-            }
+            (st.lease.clone(), st.lease_maybe_created)
         };
-        if let Some(node) = node {
-            let path = format!("{}/{}", pending.container, node.name);
+        if let Some(lease) = lease {
+            let path = format!("{leases}/{}", lease.name);
             delete_until_gone(session, &path, Some(Instant::now() + session.op_timeout)).await?;
-            pending.forget_node();
+            pending.state().lease = None;
         }
         if maybe_created {
-            delete_by_guid(
-                session.clone(),
-                pending.container.clone(),
-                pending.guid.clone(),
-            )
-            .await
-            .map_err(|e| ZkError::UnexpectedError(e.to_string()))?;
-            pending.state().maybe_created = false;
+            delete_by_guid(session.clone(), leases.to_owned(), pending.guid.clone())
+                .await
+                .map_err(|e| ZkError::UnexpectedError(e.to_string()))?;
+            pending.state().lease_maybe_created = false;
         }
         Ok(())
     }
@@ -336,44 +411,39 @@ impl Inner {
         permits: u32,
         slot: u32,
     ) -> Result<OurNode, ZkError> {
-        let prefix = path::lease_prefix(&pending.container, &pending.guid);
+        let leases = pending.leases.as_deref().unwrap_or_default();
+        let prefix = path::lease_prefix(leases, &pending.guid);
         let data = lease_data(&pending.data, permits, slot);
         let options = CreateMode::EphemeralSequential.with_acls(Acls::anyone_all());
         for _ in 0..MAX_STEPS {
-            {
-                let mut st = pending.state();
-                st.session = Some(session.clone());
-                st.node = None;
-                st.maybe_created = true;
-            }
+            pending.state().lease_maybe_created = true;
             let sent = Instant::now();
             let create = session.client.create(&prefix, &data, &options);
             match session.finish(sent, create).await {
                 Ok((stat, sequence)) => {
                     let node = OurNode {
-                        name: format!("{}{sequence}", &prefix[pending.container.len() + 1..]),
+                        name: format!("{}{sequence}", &prefix[leases.len() + 1..]),
                         czxid: stat.czxid,
                     };
                     self.counters
                         .nodes_created
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let mut st = pending.state();
-                    st.node = Some(node.clone());
-                    st.maybe_created = false;
+                    st.lease = Some(node.clone());
+                    st.lease_maybe_created = false;
                     return Ok(node);
                 }
                 Err(ZkError::NoNode) => {
-                    pending.state().maybe_created = false;
+                    pending.state().lease_maybe_created = false;
                     self.create_container(session, &pending.key_container)
                         .await?;
-                    self.create_container(session, &pending.container).await?;
+                    self.create_container(session, leases).await?;
                 }
                 Err(err) => return Err(err),
             }
         }
         Err(ZkError::UnexpectedError(format!(
-            "the container {} kept disappearing",
-            pending.container
+            "the container {leases} kept disappearing"
         )))
     }
 }
