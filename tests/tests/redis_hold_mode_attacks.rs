@@ -90,7 +90,6 @@ fn mark_of(key: &str) -> String {
 /// attempt's script is on the wire: none leaves its waiting-writer mark,
 /// so a new reader gets in at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a writer dropped while its attempt's script is on the wire leaves its mark for its whole lease"]
 async fn a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let (holding, waiting) = (registry_at(&url()).await, registry_at(&url()).await);
     let mut conn = raw(&url()).await;
@@ -140,7 +139,6 @@ async fn a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
 /// no undo) holds new readers back only for a short while, not for its
 /// whole lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a crashed waiting writer's mark lives for its whole lease, keeping new readers out that long"]
 async fn a_crashed_waiting_writer_holds_new_readers_back_only_briefly() {
     let key = unique_key("redis-attack-crashed-writer");
     let stored = format!("dlock:{key}");
