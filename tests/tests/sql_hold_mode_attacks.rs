@@ -172,57 +172,65 @@ fn token(lease: &Lease) -> u64 {
 
 /// Writers dropped 0–50 ms (every 1 ms) after they start waiting behind a
 /// reader: none leaves its waiting-writer mark, so a new reader gets in at
-/// once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a writer dropped while its mark statement is on the wire leaves the mark, keeping new readers out until it expires (at least 1 s)"]
-async fn a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
-    let mut report = Vec::new();
-    for db in dbs() {
-        let table = new_table("dropped_writer");
-        let (holding, waiting) = (
-            registry_at(db, &table, "").await,
-            registry_at(db, &table, "").await,
+/// once. Answers the drops (ms) after which a new reader was kept out.
+async fn drops_that_left_a_writer_mark(db: Db) -> Vec<u64> {
+    let table = new_table("dropped_writer");
+    let (holding, waiting) = (
+        registry_at(db, &table, "").await,
+        registry_at(db, &table, "").await,
+    );
+    let key = unique_key(&format!("sql-attack-dropped-writer-{db:?}"));
+    let reader = holding.lock(&key).read().acquire().await.expect("reader");
+    let mut left_behind = Vec::new();
+    for step in 0..=50u64 {
+        let writer = waiting
+            .lock(&key)
+            .lease(LEASE)
+            .wait(Duration::from_secs(10))
+            .acquire();
+        let out = tokio::time::timeout(Duration::from_millis(step), writer).await;
+        assert!(
+            !matches!(out, Ok(Ok(_))),
+            "{db:?}: a writer beside a reader"
         );
-        let key = unique_key(&format!("sql-attack-dropped-writer-{db:?}"));
-        let reader = holding.lock(&key).read().acquire().await.expect("reader");
-        let mut left_behind = Vec::new();
-        for step in 0..=50u64 {
-            let writer = waiting
-                .lock(&key)
-                .lease(LEASE)
-                .wait(Duration::from_secs(10))
-                .acquire();
-            let out = tokio::time::timeout(Duration::from_millis(step), writer).await;
-            assert!(
-                !matches!(out, Ok(Ok(_))),
-                "{db:?}: a writer beside a reader"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            match holding.lock(&key).read().acquire().await {
-                Ok(guard) => guard.release().await.expect("release"),
-                Err(LockError::Busy { .. }) => {
-                    left_behind.push(step);
-                    // Clear it so the next step starts clean.
-                    run_sql(
-                        db,
-                        &table,
-                        &format!("UPDATE {} SET wwait_owner = NULL", sql_name(db, &table)),
-                    )
-                    .await;
-                }
-                Err(other) => panic!("{db:?} step {step}: {other}"),
+        // The owner-checked undo is sent in the background.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match holding.lock(&key).read().acquire().await {
+            Ok(guard) => guard.release().await.expect("release"),
+            Err(LockError::Busy { .. }) => {
+                left_behind.push(step);
+                // Cleared, so the next step starts clean.
+                let clear = format!("UPDATE {} SET wwait_owner = NULL", sql_name(db, &table));
+                run_sql(db, &table, &clear).await;
             }
-        }
-        reader.release().await.expect("release");
-        drop_tables(db, &table).await;
-        if !left_behind.is_empty() {
-            report.push((db, left_behind));
+            Err(other) => panic!("{db:?} step {step}: {other}"),
         }
     }
-    assert!(
-        report.is_empty(),
-        "(database, drops after ms) whose writer's mark kept a new reader out: {report:?}"
-    );
+    reader.release().await.expect("release");
+    drop_tables(db, &table).await;
+    left_behind
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
+    let left = drops_that_left_a_writer_mark(Db::Postgres).await;
+    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
+    let left = drops_that_left_a_writer_mark(Db::Mysql).await;
+    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open: on SQLite a writer dropped while its mark statement runs leaves the mark (the undo's unmark can run first), keeping new readers out until it expires"]
+async fn sqlite_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
+    let left = drops_that_left_a_writer_mark(Db::Sqlite).await;
+    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
 }
 
 /// Three processes asking for the same fresh key as 2-, 3- and 2-permit
