@@ -432,3 +432,44 @@ async fn cluster_keys_with_braces_in_the_user_text_work_in_every_mode() {
         );
     }
 }
+
+/// A server restarted without persistence forgets every holder and the
+/// fence counter: the holders' renewals answer lost, and the next grants'
+/// tokens — per slot and on the read-write sequence — are still larger
+/// than every token granted before the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_growing_across_a_restart_without_persistence() {
+    let mut server = dlock_tests::redis_support::OwnRedis::start(47311, &[]).await;
+    let backend = connect(&server.url()).await;
+    let (sem, rw) = (
+        unique_key("redis-attack-restart-sem"),
+        unique_key("redis-attack-restart-rw"),
+    );
+    let p0 = held(&backend, &sem, "p0", permits(2)).await;
+    let p1 = held(&backend, &sem, "p1", permits(2)).await;
+    let w = held(&backend, &rw, "w", HoldMode::Exclusive).await;
+    backend.release(&w).await.expect("release");
+    let r = held(&backend, &rw, "r", HoldMode::Shared).await;
+    assert!(token(&r) > token(&w));
+    server.restart().await;
+    let mut renewals = Vec::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    while renewals.is_empty() {
+        let answers = backend
+            .renew_all(&[(&p0, LEASE), (&p1, LEASE), (&r, LEASE)])
+            .await;
+        if answers.iter().all(Result::is_ok) {
+            renewals = answers.into_iter().map(|a| a.expect("renewal")).collect();
+        } else {
+            assert!(Instant::now() < until, "the server back: {answers:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(renewals, [Renewal::Lost; 3]);
+    let q0 = held(&backend, &sem, "q0", permits(2)).await;
+    let q1 = held(&backend, &sem, "q1", permits(2)).await;
+    assert_eq!((q0.slot, q1.slot), (Some(0), Some(1)));
+    assert!(token(&q0) > token(&p0) && token(&q1) > token(&p1));
+    let w2 = held(&backend, &rw, "w2", HoldMode::Exclusive).await;
+    assert!(token(&w2) > token(&r));
+}

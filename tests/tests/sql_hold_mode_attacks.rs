@@ -170,10 +170,11 @@ fn token(lease: &Lease) -> u64 {
     lease.token.unwrap().get()
 }
 
-/// Writers dropped 0–50 ms (every 1 ms) after they start waiting behind a
-/// reader: none leaves its waiting-writer mark, so a new reader gets in at
-/// once. Answers the drops (ms) after which a new reader was kept out.
-async fn drops_that_left_a_writer_mark(db: Db) -> Vec<u64> {
+/// Writers dropped 0–10 ms (every 0.2 ms) and 10–50 ms (every 1 ms) after
+/// they start waiting behind a reader: none leaves its waiting-writer mark,
+/// so a new reader gets in at once. Answers the drops after which a new
+/// reader was kept out.
+async fn drops_that_left_a_writer_mark(db: Db) -> Vec<Duration> {
     let table = new_table("dropped_writer");
     let (holding, waiting) = (
         registry_at(db, &table, "").await,
@@ -182,13 +183,16 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<u64> {
     let key = unique_key(&format!("sql-attack-dropped-writer-{db:?}"));
     let reader = holding.lock(&key).read().acquire().await.expect("reader");
     let mut left_behind = Vec::new();
-    for step in 0..=50u64 {
+    let steps = (0..50u64)
+        .map(|fifth| Duration::from_micros(fifth * 200))
+        .chain((10..=50u64).map(Duration::from_millis));
+    for step in steps {
         let writer = waiting
             .lock(&key)
             .lease(LEASE)
             .wait(Duration::from_secs(10))
             .acquire();
-        let out = tokio::time::timeout(Duration::from_millis(step), writer).await;
+        let out = tokio::time::timeout(step, writer).await;
         assert!(
             !matches!(out, Ok(Ok(_))),
             "{db:?}: a writer beside a reader"
@@ -203,7 +207,7 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<u64> {
                 let clear = format!("UPDATE {} SET wwait_owner = NULL", sql_name(db, &table));
                 run_sql(db, &table, &clear).await;
             }
-            Err(other) => panic!("{db:?} step {step}: {other}"),
+            Err(other) => panic!("{db:?} step {step:?}: {other}"),
         }
     }
     reader.release().await.expect("release");
@@ -215,22 +219,22 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Postgres).await;
-    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
+    assert!(left.is_empty(), "drops that left a mark: {left:?}");
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Mysql).await;
-    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
+    assert!(left.is_empty(), "drops that left a mark: {left:?}");
 }
 
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: on SQLite a writer dropped while its mark statement runs leaves the mark (the undo's unmark can run first), keeping new readers out until it expires"]
+#[ignore = "open: on SQLite a dropped waiting writer left its mark once in about 15 runs (the undo may run before the mark statement), keeping new readers out until it expires"]
 async fn sqlite_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Sqlite).await;
-    assert!(left.is_empty(), "drops (ms) that left a mark: {left:?}");
+    assert!(left.is_empty(), "drops that left a mark: {left:?}");
 }
 
 /// Three processes asking for the same fresh key as 2-, 3- and 2-permit
