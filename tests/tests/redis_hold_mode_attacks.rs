@@ -473,3 +473,48 @@ async fn tokens_keep_growing_across_a_restart_without_persistence() {
     let w2 = held(&backend, &rw, "w2", HoldMode::Exclusive).await;
     assert!(token(&w2) > token(&r));
 }
+
+/// Readers of two registries that keep overlapping (one always inside)
+/// while a writer of a third waits: the writer's short mark, renewed by
+/// its retries, keeps new readers out until it is in, well within its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_readers_never_starves_a_waiting_writer() {
+    let readers = [registry_at(&url()).await, registry_at(&url()).await];
+    let writer = registry_at(&url()).await;
+    let key = unique_key("redis-attack-reader-stream");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let (locks, key, stop) = (readers[i % 2].clone(), key.clone(), stop.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(25 * i as u64)).await;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let g = locks
+                        .lock(&key)
+                        .read()
+                        .wait(Duration::from_secs(30))
+                        .acquire()
+                        .await
+                        .expect("a reader within its wait");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    g.release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let granted = writer
+        .lock(&key)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let granted = granted.expect("the writer gets in");
+    assert!(took < Duration::from_secs(3), "the writer waited {took:?}");
+    granted.release().await.expect("release");
+    for task in tasks {
+        task.await.expect("task");
+    }
+}

@@ -597,3 +597,65 @@ async fn many_connections_of_mixed_modes_never_surface_a_backend_error() {
         drop_tables(db, &table).await;
     }
 }
+
+/// Permit and reader waiters dropped 0–50 ms into their wait (every 2 ms),
+/// while the holders they wait for leave part-way through, so some drops
+/// land as a grant arrives: afterwards the key has exactly the holders the
+/// test keeps, and a new holder gets in at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permit_and_reader_waiters_dropped_as_a_grant_arrives_leave_nothing() {
+    for db in dbs() {
+        let table = new_table("dropped_waiters");
+        let backend = backend_at(db, &table, "").await;
+        let holding = Registry::builder().default_backend(backend.clone()).build();
+        let waiting = registry_at(db, &table, "").await;
+        for semaphore in [true, false] {
+            let key = unique_key(&format!("sql-attack-dropped-waiters-{semaphore}"));
+            let hold = |registry: &Registry| {
+                let b = registry.lock(&key).lease(LEASE);
+                if semaphore { b.permits(2) } else { b }
+            };
+            let mut kept = vec![hold(&holding).acquire().await.expect("holder")];
+            if semaphore {
+                kept.push(hold(&holding).acquire().await.expect("holder"));
+            }
+            for step in 0..=25u64 {
+                if step == 12 {
+                    // From here on the waiters can be granted: the writer
+                    // leaves, or one of the two permits is free.
+                    for g in kept.drain(..) {
+                        g.release().await.expect("release");
+                    }
+                    if semaphore {
+                        kept.push(hold(&holding).acquire().await.expect("holder"));
+                    }
+                }
+                let b = waiting.lock(&key).wait(Duration::from_secs(10));
+                let b = if semaphore { b.permits(2) } else { b.read() };
+                let delay = Duration::from_millis(step * 2);
+                if let Ok(Ok(g)) = tokio::time::timeout(delay, b.acquire()).await {
+                    g.release().await.expect("release");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let entry = backend.inspect(&format!("dlock:{key}")).await.unwrap();
+            let holders = entry.map_or(0, |e| e.holders.len());
+            assert_eq!(
+                holders,
+                kept.len(),
+                "{db:?} semaphore {semaphore}: holders left behind"
+            );
+            let b = waiting.lock(&key);
+            let b = if semaphore { b.permits(2) } else { b.read() };
+            let next = b
+                .acquire()
+                .await
+                .unwrap_or_else(|e| panic!("{db:?} semaphore {semaphore}: {e}"));
+            next.release().await.expect("release");
+            for g in kept {
+                g.release().await.expect("release");
+            }
+        }
+        drop_tables(db, &table).await;
+    }
+}
