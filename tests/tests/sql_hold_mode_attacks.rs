@@ -659,3 +659,84 @@ async fn permit_and_reader_waiters_dropped_as_a_grant_arrives_leave_nothing() {
         drop_tables(db, &table).await;
     }
 }
+
+/// 10,000 distinct names held and freed as permits and readers by eight
+/// tasks: once the retention passed, neither the holder rows nor the
+/// lease-table rows of those names stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow: about 90 s on the three databases (held up: no rows left)"]
+async fn ten_thousand_freed_names_leave_no_rows_after_the_retention() {
+    for db in dbs() {
+        let table = new_table("bounded");
+        let b = backend_at(db, &table, "&retention=1ms").await;
+        let prefix = unique_key("sql-attack-bounded");
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..8)
+            .map(|t| {
+                let (b, prefix) = (b.clone(), prefix.clone());
+                tokio::spawn(async move {
+                    for i in (t..10_000).step_by(8) {
+                        let key = format!("{prefix}-{i}");
+                        let mode = if i % 2 == 0 {
+                            permits(3)
+                        } else {
+                            HoldMode::Shared
+                        };
+                        let lease = held(&b, &key, "o", mode).await;
+                        b.release(&lease).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let took = started.elapsed();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // One more release runs the collection in the background.
+        let last = held(&b, &unique_key("sql-attack-bounded-last"), "o", permits(3)).await;
+        b.release(&last).await.unwrap();
+        let name = sql_name(db, &table);
+        let mut left = (i64::MAX, i64::MAX);
+        for _ in 0..100 {
+            left = (
+                count(db, &table, &format!("SELECT COUNT(*) FROM {name}_holders")).await,
+                count(db, &table, &format!("SELECT COUNT(*) FROM {name}")).await,
+            );
+            if left.0 <= 1 && left.1 <= 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            left.0 <= 1 && left.1 <= 1,
+            "{db:?}: rows left {left:?} (10,000 names in {took:?})"
+        );
+        eprintln!("{db:?}: 10,000 names held and freed in {took:?}");
+        drop_tables(db, &table).await;
+    }
+}
+
+/// Counts `sql`'s rows on `db`.
+async fn count(db: Db, table: &str, sql: &str) -> i64 {
+    let _ = table;
+    let sql = sqlx::AssertSqlSafe(sql.to_owned());
+    match db {
+        #[cfg(feature = "postgres")]
+        Db::Postgres => {
+            let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
+            sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap()
+        }
+        #[cfg(feature = "mysql")]
+        Db::Mysql => {
+            let pool = sqlx::MySqlPool::connect(&SqlDb::Mysql.url()).await.unwrap();
+            sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap()
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite => {
+            let url = format!("sqlite://{}", sqlite_path(table).display());
+            let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+            sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap()
+        }
+    }
+}
