@@ -289,7 +289,7 @@ async fn permit_counts_that_disagree_at_the_same_instant_never_both_hold() {
                 // A holder of `n` permits that crashes (never renewed nor
                 // released): the other count once its lease ran out.
                 let short = AcquireRequest::new(
-                    &format!("dlock:{key}"),
+                    format!("dlock:{key}"),
                     "crashed",
                     Duration::from_millis(500),
                 )
