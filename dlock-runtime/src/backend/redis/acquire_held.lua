@@ -135,9 +135,11 @@ if mode == 'x' then
     return {2, held_as}
   end
   -- Readers hold it: this writer now waits, and holds new readers back.
-  -- Its retries renew the mark before it ends.
-  redis.call('SET', KEYS[3], owner, 'PX', lease)
-  return {0, math.min(earliest - now_ms, math.floor(lease / 2))}
+  -- The mark is short (a crashed writer holds readers back briefly, not
+  -- for its lease); its retries, three per mark's life, renew it.
+  local mark_ms = math.min(lease, 3000)
+  redis.call('SET', KEYS[3], owner, 'PX', mark_ms)
+  return {0, math.max(math.min(earliest - now_ms, math.floor(mark_ms / 3)), 1)}
 end
 if mode ~= held_as then
   return {2, held_as}

@@ -57,9 +57,12 @@
 //! `WRONGTYPE`, and only then the attempt goes to `acquire_held.lua`, which
 //! answers a mismatch (a semaphore; `LockError::Config`) or, for readers,
 //! busy after leaving the **waiting-writer mark** `{K}:writer` (the
-//! writer's owner, for its lease; its retries, at least every half lease,
-//! renew it; removed by its grant, its owner-checked release or undo, or
-//! `abandon` when its wait runs out).
+//! writer's owner, for 3 s or its lease if shorter, so a crashed writer
+//! holds readers back only that long; its retries, at least every third
+//! of that, renew it; removed by its grant, its owner-checked release or
+//! undo — the undo of an abandoned whole-key attempt always looks for it,
+//! since the attempt may have left it unanswered — or `abandon` when its
+//! wait runs out).
 //! New readers find the mark and wait behind it (writers are preferred;
 //! madelson's writer-waiting entry). A grant to a reader sends a release
 //! message too, so readers that waited behind a writer enter one after
@@ -1079,8 +1082,10 @@ impl LockBackend for RedisBackend {
         Box::pin(async move {
             let keys = Keys::of(lease);
             let mut field = held_field(lease.mode, &lease.owner, lease.slot);
-            if field.is_none() && self.unmark(&lease.key, &lease.owner) {
-                // A writer that waited behind readers: its mark goes too.
+            if field.is_none() && (self.unmark(&lease.key, &lease.owner) || lease.extra.is_none()) {
+                // A writer that waited behind readers, or the undo of an
+                // abandoned attempt (whose last script may have left a mark
+                // unanswered): its mark goes too.
                 field = Some(String::new());
             }
             let invocation = self.release_invocation(&keys, &lease.owner, field.as_deref());

@@ -596,6 +596,10 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
     }
     let ttl = mark_ttl(b);
     if !request.wait.is_zero() {
+        // Known before it is sent: an attempt dropped while the mark is on
+        // the wire is undone by an owner-checked release that removes it
+        // (ordered after the unanswered statement).
+        b.marks().marked(&request.owner);
         b.call(Some(&request.owner), "mark", |c| {
             let sql = sql.clone();
             let args = vec![
@@ -606,7 +610,6 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
             Box::pin(async move { B::exec(c, &sql.mark_writer, args).await })
         })
         .await?;
-        b.marks().marked(&request.owner);
     }
     let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
     let cap = earliest.min(ttl / 3);
