@@ -32,6 +32,8 @@ const FENCE_KEY: &str = "dlock-fence";
 /// SQLite: its pool): the statements by hand get pools of the same size.
 const SERVER_POOL: u32 = 10;
 const SQLITE_POOL: u32 = 4;
+/// dlock's call timeout on the server databases (`?timeout=`).
+const CALL_TIMEOUT: &str = "60s";
 
 /// Where the contenders run: the benchmark's servers and SQLite file.
 #[derive(Clone, Debug)]
@@ -195,10 +197,13 @@ async fn registry(url: &str) -> anyhow::Result<Registry> {
 impl Contenders {
     /// Connects every contender (dlock first: it creates its tables).
     pub(crate) async fn connect(servers: &Servers, run: u64) -> anyhow::Result<Arc<Contenders>> {
+        // The statements by hand wait as long as the pool makes them: so may
+        // dlock's calls (3 s by default), which c=64 on a 10-connection pool
+        // of a loaded machine can exceed.
         let dlock = [
             registry(&servers.redis).await?,
-            registry(&servers.postgres).await?,
-            registry(&servers.mariadb).await?,
+            registry(&format!("{}?timeout={CALL_TIMEOUT}", servers.postgres)).await?,
+            registry(&format!("{}?timeout={CALL_TIMEOUT}", servers.mariadb)).await?,
             registry(&servers.sqlite).await?,
         ];
         let pg_options: PgConnectOptions = servers.postgres.parse()?;
