@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, LockGuard, Registry};
+use dlock_runtime::{LockBuilder, LockError, LockGuard, Registry};
 
 /// Handoff times, sorted.
 #[derive(Debug, Clone)]
@@ -90,6 +90,108 @@ pub fn start_waiting(
         let g = waiter.lock(&key).wait(wait).acquire().await;
         (g, Instant::now())
     })
+}
+
+/// What a handoff hands over: the hold its holder releases and the request
+/// that waits for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handover {
+    /// A plain lock to a waiting plain lock.
+    Plain,
+    /// A writer (the plain lock) to a waiting reader.
+    WriterToReader,
+    /// A reader to a waiting writer.
+    ReaderToWriter,
+    /// One of `permits` permit holders, every slot held, to a waiting
+    /// permit seeker.
+    Permit {
+        /// The semaphore's permits.
+        permits: u32,
+    },
+}
+
+impl Handover {
+    /// The holders' request.
+    pub fn hold(self, lock: LockBuilder) -> LockBuilder {
+        match self {
+            Handover::Plain | Handover::WriterToReader => lock,
+            Handover::ReaderToWriter => lock.read(),
+            Handover::Permit { permits } => lock.permits(permits),
+        }
+    }
+
+    /// The waiter's request.
+    pub fn wait(self, lock: LockBuilder) -> LockBuilder {
+        match self {
+            Handover::Plain | Handover::ReaderToWriter => lock,
+            Handover::WriterToReader => lock.read(),
+            Handover::Permit { permits } => lock.permits(permits),
+        }
+    }
+
+    /// How many holders hold the key before the waiter comes: every slot of
+    /// a semaphore, else one.
+    pub fn holders(self) -> u32 {
+        match self {
+            Handover::Permit { permits } => permits,
+            _ => 1,
+        }
+    }
+}
+
+/// [`measure`] for any [`Handover`]: each round the holders take the key
+/// `key(round)` on `holder` (each in a task of its own, a 30 s lease), a
+/// waiter on `waiter` starts waiting (up to 20 s), and `settle` later one
+/// holder releases; the handoff is the time from that release call to the
+/// waiter's grant. The other holders release after the waiter.
+pub async fn measure_handover<K>(
+    holder: &Registry,
+    waiter: &Registry,
+    handover: Handover,
+    rounds: usize,
+    key: K,
+    settle: Duration,
+) -> Handoffs
+where
+    K: Fn(usize) -> String,
+{
+    let mut handoffs = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let key = key(round);
+        let mut guards = Vec::new();
+        for _ in 0..handover.holders() {
+            let (registry, key) = (holder.clone(), key.clone());
+            let task = tokio::spawn(async move {
+                handover
+                    .hold(registry.lock(key))
+                    .lease(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            });
+            guards.push(task.await.expect("task").expect("acquire"));
+        }
+        let waiting = {
+            let (waiter, key) = (waiter.clone(), key.clone());
+            tokio::spawn(async move {
+                let g = handover
+                    .wait(waiter.lock(key))
+                    .wait(Duration::from_secs(20))
+                    .acquire()
+                    .await;
+                (g, Instant::now())
+            })
+        };
+        tokio::time::sleep(settle).await;
+        let released = Instant::now();
+        guards.remove(0).release().await.expect("release");
+        let (next, acquired) = waiting.await.expect("task");
+        next.expect("handed over").release().await.expect("release");
+        for guard in guards {
+            guard.release().await.expect("release");
+        }
+        handoffs.push(acquired - released);
+    }
+    Handoffs::sorted(handoffs)
 }
 
 /// The median of `values` (the upper one of an even count).

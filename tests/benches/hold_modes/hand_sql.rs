@@ -1,0 +1,504 @@
+//! The lease table's permit and reader transactions written by hand with
+//! sqlx: the statements of `dlock-runtime/src/backend/sql/shared.rs`
+//! (`try_shared` and `release_shared`) in each dialect's text
+//! (`shared_sql` of `postgres/mod.rs`, `mysql/mod.rs`, `sqlite/mod.rs`),
+//! run in the same order, in the same transactions.
+
+/// An argument of a statement.
+#[derive(Clone, Debug)]
+pub(crate) enum Arg {
+    Text(String),
+    Int(i64),
+}
+
+/// A statement and, for each of its placeholders, the index of the argument
+/// it takes (dlock's engine passes its arguments in a fixed order).
+pub(crate) struct Stmt {
+    sql: String,
+    order: Vec<usize>,
+}
+
+impl Stmt {
+    fn new(sql: String, order: &[usize]) -> Stmt {
+        Stmt {
+            sql,
+            order: order.to_vec(),
+        }
+    }
+
+    fn bound(&self, args: &[Arg]) -> Vec<Arg> {
+        self.order.iter().map(|i| args[*i].clone()).collect()
+    }
+}
+
+/// The statements one permit or reader pair runs.
+pub(crate) struct HandSql {
+    pub(crate) begin: &'static str,
+    /// (key) → inserts the key's lease-table row, free, if missing.
+    ensure: Stmt,
+    /// (key, owner) → [ms left of a plain holder, ms left of another's
+    /// writer mark], locking the row.
+    lock: Stmt,
+    /// (key) → [slot, permits, owner, ms left] of the live holder rows.
+    holders: Stmt,
+    /// (key, slot, permits, owner, lease ms, holder, token or -1).
+    take: Stmt,
+    /// (key, slot) → [token].
+    slot_token: Stmt,
+    /// (key, lease ms, 1 to bump the key's token).
+    share: Stmt,
+    /// (key) → [token].
+    key_token: Stmt,
+    /// (key, slot or -1, owner).
+    free_holder: Stmt,
+    /// (key, owner).
+    reshare: Stmt,
+    /// (key): PostgreSQL's `NOTIFY` of a wanted key.
+    notify: Option<Stmt>,
+}
+
+/// PostgreSQL's clock in µs.
+const PG_NOW_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+
+/// PostgreSQL's statements on `dlock_leases`, `NOTIFY` on channel `dlock`.
+pub(crate) fn postgres() -> HandSql {
+    let (table, h) = ("dlock_leases", "dlock_leases_holders");
+    let left = |at: &str| {
+        format!("GREATEST(0, ceil(extract(epoch FROM {at} - clock_timestamp()) * 1000))::bigint")
+    };
+    let live = "owner IS NOT NULL AND expires_at > clock_timestamp()";
+    let until = |arg: &str| format!("clock_timestamp() + {arg} * interval '1 millisecond'");
+    HandSql {
+        begin: "BEGIN",
+        ensure: Stmt::new(
+            format!(
+                "INSERT INTO {table} (key, owner, token, expires_at) \
+                 VALUES ($1, NULL, 0, clock_timestamp()) ON CONFLICT (key) DO NOTHING"
+            ),
+            &[0],
+        ),
+        lock: Stmt::new(
+            format!(
+                "SELECT CASE WHEN owner IS NOT NULL AND expires_at > clock_timestamp() \
+                             THEN {} END, \
+                        CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> $2 \
+                                  AND wwait_until > clock_timestamp() AND wwait_token = token \
+                             THEN {} END \
+                 FROM {table} WHERE key = $1 FOR UPDATE",
+                left("expires_at"),
+                left("wwait_until")
+            ),
+            &[0, 1],
+        ),
+        holders: Stmt::new(
+            format!(
+                "SELECT slot, permits, owner, {} FROM {h} WHERE key = $1 AND {live} \
+                 ORDER BY slot",
+                left("expires_at")
+            ),
+            &[0],
+        ),
+        take: Stmt::new(
+            format!(
+                "INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 VALUES ($1, $2, $3, $4, CASE WHEN $7 >= 0 THEN $7 ELSE {PG_NOW_US} END, {}, $6, \
+                         clock_timestamp()) \
+                 ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
+                     owner = excluded.owner, \
+                     token = CASE WHEN $7 >= 0 THEN $7 ELSE GREATEST(h.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder, \
+                     granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
+                                       ELSE excluded.granted_at END",
+                until("$5")
+            ),
+            &[0, 1, 2, 3, 4, 5, 6],
+        ),
+        slot_token: Stmt::new(
+            format!("SELECT token FROM {h} WHERE key = $1 AND slot = $2"),
+            &[0, 1],
+        ),
+        share: Stmt::new(
+            format!(
+                "UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
+                 token = CASE WHEN $3 = 1 THEN GREATEST(token + 1, {PG_NOW_US}) ELSE token END \
+                 WHERE key = $1",
+                until("$2")
+            ),
+            &[0, 1, 2],
+        ),
+        key_token: Stmt::new(format!("SELECT token FROM {table} WHERE key = $1"), &[0]),
+        free_holder: Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                 WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2)"
+            ),
+            &[0, 1, 2],
+        ),
+        reshare: Stmt::new(
+            format!(
+                "UPDATE {table} SET shared_until = \
+                   (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                    AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp()), \
+                 wwait_owner = NULLIF(wwait_owner, $2) \
+                 WHERE key = $1"
+            ),
+            &[0, 1],
+        ),
+        notify: Some(Stmt::new(
+            format!("SELECT pg_notify('dlock', key)::text FROM {table} WHERE key = $1 AND wanted"),
+            &[0],
+        )),
+    }
+}
+
+/// MariaDB's clock in µs.
+const MY_N: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
+
+/// MariaDB's (and MySQL's) statements on `dlock_leases`.
+pub(crate) fn mariadb() -> HandSql {
+    let (table, h, n) = ("dlock_leases", "dlock_leases_holders", MY_N);
+    let left = |at: &str| format!("CAST(CEIL(GREATEST({at} - {n}, 0) / 1000) AS SIGNED)");
+    let live = format!("owner IS NOT NULL AND expires_us > {n}");
+    HandSql {
+        begin: "BEGIN",
+        ensure: Stmt::new(
+            format!(
+                "INSERT INTO {table} (k, owner, token, expires_us) \
+                 VALUES (?, NULL, 0, {n}) ON DUPLICATE KEY UPDATE token = token"
+            ),
+            &[0],
+        ),
+        lock: Stmt::new(
+            format!(
+                "SELECT CASE WHEN owner IS NOT NULL AND expires_us > {n} THEN {} END, \
+                        CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> ? \
+                                  AND wwait_us > {n} AND wwait_token = token THEN {} END \
+                 FROM {table} WHERE k = ? FOR UPDATE",
+                left("expires_us"),
+                left("wwait_us")
+            ),
+            &[1, 0],
+        ),
+        holders: Stmt::new(
+            format!(
+                "SELECT slot, permits, owner, {} FROM {h} WHERE k = ? AND {live} ORDER BY slot",
+                left("expires_us")
+            ),
+            &[0],
+        ),
+        take: Stmt::new(
+            format!(
+                "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
+                 VALUES (?, ?, ?, ?, IF(? >= 0, ?, {n}), {n} + ? * 1000, ?, {n}) \
+                 ON DUPLICATE KEY UPDATE \
+                 token = IF(? >= 0, ?, GREATEST(token + 1, {n})), \
+                 granted_us = IF(owner <=> ?, granted_us, {n}), \
+                 permits = VALUES(permits), owner = VALUES(owner), \
+                 expires_us = VALUES(expires_us), holder = VALUES(holder)"
+            ),
+            &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
+        ),
+        slot_token: Stmt::new(
+            format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
+            &[0, 1],
+        ),
+        share: Stmt::new(
+            format!(
+                "UPDATE {table} SET shared_us = GREATEST(shared_us, {n} + ? * 1000), \
+                 token = IF(? = 1, GREATEST(token + 1, {n}), token) WHERE k = ?"
+            ),
+            &[1, 2, 0],
+        ),
+        key_token: Stmt::new(
+            format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
+            &[0],
+        ),
+        free_holder: Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_us = {n} \
+                 WHERE k = ? AND owner = ? AND (? < 0 OR slot = ?)"
+            ),
+            &[0, 2, 1, 1],
+        ),
+        reshare: Stmt::new(
+            format!(
+                "UPDATE {table} SET shared_us = COALESCE((SELECT MAX(h.expires_us) FROM {h} h \
+                   WHERE h.k = ? AND h.owner IS NOT NULL AND h.expires_us > {n}), 0), \
+                 wwait_owner = IF(wwait_owner <=> ?, NULL, wwait_owner) WHERE k = ?"
+            ),
+            &[0, 1, 0],
+        ),
+        notify: None,
+    }
+}
+
+/// SQLite's clock in ms.
+const SQ_NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+/// SQLite's statements on `dlock_leases` (one writer at a time: `BEGIN IMMEDIATE`).
+pub(crate) fn sqlite() -> HandSql {
+    let (h, now) = ("dlock_leases_holders", SQ_NOW);
+    let live = format!("owner IS NOT NULL AND expires_at > {now}");
+    let now_us = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+    let ids = |n: usize| (0..n).collect::<Vec<_>>();
+    HandSql {
+        begin: "BEGIN IMMEDIATE",
+        ensure: Stmt::new(
+            format!(
+                "INSERT INTO dlock_leases (key, owner, token, expires_at) \
+                 VALUES (?1, NULL, 0, {now}) ON CONFLICT (key) DO NOTHING"
+            ),
+            &ids(1),
+        ),
+        lock: Stmt::new(
+            format!(
+                "SELECT CASE WHEN owner IS NOT NULL AND expires_at > {now} \
+                             THEN expires_at - {now} END, \
+                        CASE WHEN wwait_owner IS NOT NULL AND wwait_owner <> ?2 \
+                                  AND wwait_until > {now} AND wwait_token = token \
+                             THEN wwait_until - {now} END \
+                 FROM dlock_leases WHERE key = ?1"
+            ),
+            &ids(2),
+        ),
+        holders: Stmt::new(
+            format!(
+                "SELECT slot, permits, owner, expires_at - {now} FROM {h} \
+                 WHERE key = ?1 AND {live} ORDER BY slot"
+            ),
+            &ids(1),
+        ),
+        take: Stmt::new(
+            format!(
+                "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 VALUES (?1, ?2, ?3, ?4, CASE WHEN ?7 >= 0 THEN ?7 ELSE {now_us} END, \
+                         {now} + ?5, ?6, {now}) \
+                 ON CONFLICT (key, slot) DO UPDATE SET \
+                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                                       ELSE excluded.granted_at END, \
+                     permits = excluded.permits, owner = excluded.owner, \
+                     token = CASE WHEN ?7 >= 0 THEN ?7 ELSE MAX({h}.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder"
+            ),
+            &ids(7),
+        ),
+        slot_token: Stmt::new(
+            format!("SELECT token FROM {h} WHERE key = ?1 AND slot = ?2"),
+            &ids(2),
+        ),
+        share: Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {now} + ?2), \
+                 token = CASE WHEN ?3 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+                 WHERE key = ?1"
+            ),
+            &ids(3),
+        ),
+        key_token: Stmt::new(
+            "SELECT token FROM dlock_leases WHERE key = ?1".into(),
+            &ids(1),
+        ),
+        free_holder: Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_at = {now} \
+                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2)"
+            ),
+            &ids(3),
+        ),
+        reshare: Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+                   AND h.expires_at > {now}), 0), \
+                 wwait_owner = NULLIF(wwait_owner, ?2) WHERE key = ?1"
+            ),
+            &ids(2),
+        ),
+        notify: None,
+    }
+}
+
+/// The acquire and release of one permit (`permits` > 0) or one reader
+/// (`permits` = 0) on a database whose text columns read as `$text`; what
+/// dlock's `try_shared` and `release_shared` run, in the same transactions.
+macro_rules! shared_pair {
+    ($name:ident, $db:ty, $text:ty) => {
+        pub(crate) mod $name {
+            use super::{Arg, HandSql, Stmt};
+            use sqlx::Connection as _;
+            use sqlx::Row as _;
+
+            type Conn = <$db as sqlx::Database>::Connection;
+
+            /// A row: integers, or the owner text (`None` for NULL).
+            type Row = Vec<(Option<i64>, Option<String>)>;
+
+            async fn rows(
+                conn: &mut Conn,
+                stmt: &Stmt,
+                args: &[Arg],
+                texts: &[bool],
+            ) -> Result<Vec<Row>, sqlx::Error> {
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(stmt.sql.as_str()));
+                for arg in stmt.bound(args) {
+                    query = match arg {
+                        Arg::Text(t) => query.bind(t),
+                        Arg::Int(n) => query.bind(n),
+                    };
+                }
+                let found = query.fetch_all(conn).await?;
+                found
+                    .iter()
+                    .map(|row| {
+                        texts
+                            .iter()
+                            .enumerate()
+                            .map(|(i, text)| {
+                                Ok(if *text {
+                                    let t: Option<$text> = row.try_get(i)?;
+                                    (
+                                        None,
+                                        t.map(|t| {
+                                            String::from_utf8_lossy(AsRef::<[u8]>::as_ref(&t))
+                                                .into_owned()
+                                        }),
+                                    )
+                                } else {
+                                    (row.try_get::<Option<i64>, _>(i)?, None)
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect()
+            }
+
+            async fn exec(conn: &mut Conn, stmt: &Stmt, args: &[Arg]) -> Result<u64, sqlx::Error> {
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(stmt.sql.as_str()));
+                for arg in stmt.bound(args) {
+                    query = match arg {
+                        Arg::Text(t) => query.bind(t),
+                        Arg::Int(n) => query.bind(n),
+                    };
+                }
+                Ok(query.execute(conn).await?.rows_affected())
+            }
+
+            /// Takes a permit of `permits` (0: a reader's share) of `key` for
+            /// `owner`; answers its slot (-1 for a reader) and token.
+            pub(crate) async fn acquire(
+                pool: &sqlx::Pool<$db>,
+                sql: &HandSql,
+                key: &str,
+                owner: &str,
+                holder: &str,
+                lease_ms: i64,
+                permits: i64,
+            ) -> anyhow::Result<(i64, i64)> {
+                let mut conn = pool.acquire().await?;
+                let mut tx = conn.begin_with(sql.begin).await?;
+                let k = Arg::Text(key.to_owned());
+                let lock_args = [k.clone(), Arg::Text(owner.to_owned())];
+                let mut state = rows(&mut tx, &sql.lock, &lock_args, &[false, false]).await?;
+                if state.is_empty() {
+                    exec(&mut tx, &sql.ensure, std::slice::from_ref(&k)).await?;
+                    state = rows(&mut tx, &sql.lock, &lock_args, &[false, false]).await?;
+                }
+                let (plain, mark) = state.first().map_or((None, None), |r| (r[0].0, r[1].0));
+                anyhow::ensure!(plain.is_none(), "{key} is held whole");
+                let live = rows(
+                    &mut tx,
+                    &sql.holders,
+                    std::slice::from_ref(&k),
+                    &[false, false, true, false],
+                )
+                .await?;
+                anyhow::ensure!(
+                    live.iter().all(|l| l[1].0 == Some(permits)),
+                    "{key} is held in another mode"
+                );
+                let mine = live.iter().find(|l| l[2].1.as_deref() == Some(owner));
+                anyhow::ensure!(
+                    permits > 0 || mark.is_none() || mine.is_some(),
+                    "a writer waits for {key}"
+                );
+                let slot = match mine {
+                    Some(own) => own[0].0.unwrap_or(0),
+                    None => {
+                        let taken: Vec<i64> = live.iter().filter_map(|l| l[0].0).collect();
+                        (0..).find(|s| !taken.contains(s)).unwrap_or(0)
+                    }
+                };
+                anyhow::ensure!(permits == 0 || slot < permits, "{key} has no free permit");
+                let reader = permits == 0;
+                exec(
+                    &mut tx,
+                    &sql.share,
+                    &[k.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
+                )
+                .await?;
+                let key_token = if reader {
+                    let t =
+                        rows(&mut tx, &sql.key_token, std::slice::from_ref(&k), &[false]).await?;
+                    t.first().and_then(|r| r[0].0).unwrap_or(-1)
+                } else {
+                    -1
+                };
+                exec(
+                    &mut tx,
+                    &sql.take,
+                    &[
+                        k.clone(),
+                        Arg::Int(slot),
+                        Arg::Int(permits),
+                        Arg::Text(owner.to_owned()),
+                        Arg::Int(lease_ms),
+                        Arg::Text(holder.to_owned()),
+                        Arg::Int(key_token),
+                    ],
+                )
+                .await?;
+                let token = if reader {
+                    key_token
+                } else {
+                    let t = rows(&mut tx, &sql.slot_token, &[k, Arg::Int(slot)], &[false]).await?;
+                    t.first().and_then(|r| r[0].0).unwrap_or(0)
+                };
+                tx.commit().await?;
+                Ok((if reader { -1 } else { slot }, token))
+            }
+
+            /// Frees `owner`'s permit on `slot` (-1: its reader's share).
+            pub(crate) async fn release(
+                pool: &sqlx::Pool<$db>,
+                sql: &HandSql,
+                key: &str,
+                owner: &str,
+                slot: i64,
+            ) -> anyhow::Result<()> {
+                let mut conn = pool.acquire().await?;
+                let mut tx = conn.begin_with(sql.begin).await?;
+                let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
+                let locked =
+                    rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
+                anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                let freed = exec(
+                    &mut tx,
+                    &sql.free_holder,
+                    &[k.clone(), Arg::Int(slot), o.clone()],
+                )
+                .await?;
+                anyhow::ensure!(freed == 1, "{key}: the holder row was not freed");
+                exec(&mut tx, &sql.reshare, &[k.clone(), o]).await?;
+                if let Some(notify) = &sql.notify {
+                    exec(&mut tx, notify, &[k]).await?;
+                }
+                tx.commit().await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+shared_pair!(pg, sqlx::Postgres, String);
+shared_pair!(my, sqlx::MySql, Vec<u8>);
+shared_pair!(sq, sqlx::Sqlite, String);
