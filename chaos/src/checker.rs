@@ -1540,6 +1540,7 @@ mod tests {
             workload: Workload::Counter,
             initial_balance: 0,
             accounts: 0,
+            permits: None,
             dump: dump
                 .iter()
                 .map(|(k, v, ver)| ((*k).to_owned(), (*v, *ver)))
@@ -1771,6 +1772,205 @@ mod tests {
         assert_eq!(s.belief_overlaps, 1);
     }
 
+    /// An operation of worker `w` on `key`.
+    fn op_of(
+        seq: u64,
+        w: usize,
+        key: &str,
+        op: OpKind,
+        token: u64,
+        base: Option<u64>,
+        accepted: bool,
+    ) -> StoreOp {
+        StoreOp {
+            key: key.into(),
+            w,
+            ..self::op(seq, op, Some(token), base, accepted)
+        }
+    }
+
+    /// The meta of a read-write run.
+    fn rw_meta(dump: &[(&str, u64, u64)]) -> RunMeta {
+        RunMeta {
+            workload: Workload::Rw,
+            ..meta(Mode::Fence, dump)
+        }
+    }
+
+    /// The meta of a semaphore run of `permits` permits.
+    fn semaphore_meta(permits: u32, dump: &[(&str, u64, u64)]) -> RunMeta {
+        RunMeta {
+            workload: Workload::Semaphore,
+            permits: Some(permits),
+            ..meta(Mode::Fence, dump)
+        }
+    }
+
+    #[test]
+    fn readers_share_and_a_writer_older_than_a_reader_is_refused() {
+        use OpKind::{Read, Shared, Write};
+        let ops = [
+            op_of(1, 1, "k", Shared, 2, None, true),
+            op_of(2, 2, "k", Shared, 3, None, true),
+            // Readers never refuse each other: the older reader leaves.
+            op_of(3, 1, "k", Shared, 2, None, true),
+            // A writer granted before the reader of token 3 is stale.
+            op_of(4, 0, "k", Read, 1, None, false),
+            op_of(5, 2, "k", Shared, 3, None, true),
+            op_of(6, 3, "k", Read, 4, None, true),
+            op_of(7, 3, "k", Write, 4, Some(0), true),
+            // A reader older than that writer is stale.
+            op_of(8, 2, "k", Shared, 3, None, false),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        let v: Vec<&String> = s
+            .violations
+            .iter()
+            .filter(|v| *v != "no acquisitions at all")
+            .collect();
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(s.shared_reads_taken, 4);
+        assert_eq!(s.max_readers_at_once, 2);
+        assert_eq!((s.readers_beside_writers, s.stale_refused), (0, 2));
+    }
+
+    #[test]
+    fn a_writer_taken_beside_a_reader_is_caught() {
+        use OpKind::{Read, Shared, Write};
+        // The store took the writer's operations while the reader of token 2
+        // held, and the reader's last read after them.
+        let ops = [
+            op_of(1, 1, "k", Shared, 2, None, true),
+            op_of(2, 2, "k", Read, 3, None, true),
+            op_of(3, 2, "k", Write, 3, Some(0), true),
+            op_of(4, 1, "k", Shared, 2, None, true),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        assert_eq!(s.readers_beside_writers, 1);
+        assert_eq!(s.stale_reads_accepted, 1);
+        assert!(
+            s.violations.iter().any(|v| v.contains("overlapped a writer")),
+            "{:?}",
+            s.violations
+        );
+        // A writer older than a reader taken after it: a stale write.
+        let ops = [
+            op_of(1, 1, "k", Shared, 5, None, true),
+            op_of(2, 2, "k", Write, 4, Some(0), true),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        assert_eq!(s.stale_writes_accepted, 1);
+    }
+
+    #[test]
+    fn more_holders_than_permits_and_a_slot_out_of_range_are_caught() {
+        use OpKind::{Read, Write};
+        let permit = |t: u64, w: usize, slot: u32| {
+            Record::Worker(WorkerEvent {
+                t,
+                w,
+                inc: 0,
+                key: "k".into(),
+                keys: Vec::new(),
+                ev: Step::Acquired {
+                    token: Some(t),
+                    slot: Some(slot),
+                    shared: false,
+                },
+            })
+        };
+        let records = [permit(1, 0, 0), permit(2, 1, 1), permit(3, 2, 2)];
+        let ops = [
+            op_of(1, 0, "k#0", Read, 1, None, true),
+            op_of(2, 1, "k#1", Read, 2, None, true),
+            op_of(3, 2, "k#2", Read, 3, None, true),
+            op_of(4, 0, "k#0", Write, 1, Some(0), true),
+            op_of(5, 1, "k#1", Write, 2, Some(0), true),
+            op_of(6, 2, "k#2", Write, 3, Some(0), true),
+        ];
+        let dump = [("k#0", 1, 1), ("k#1", 1, 1), ("k#2", 1, 1)];
+        let s = check(&records, &ops, &semaphore_meta(3, &dump));
+        assert_eq!((s.max_permit_holders, s.permit_slots_out_of_range), (3, 0));
+        assert!(!s.violations.iter().any(|v| v.contains("semaphore")));
+        let s = check(&records, &ops, &semaphore_meta(2, &dump));
+        assert_eq!((s.max_permit_holders, s.permit_slots_out_of_range), (3, 1));
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("3 holders of one semaphore at once, of 2 permits")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn two_holders_of_one_slot_at_once_are_caught() {
+        use OpKind::{Read, Write};
+        // Two grants with one token on one slot: both taken, interleaved.
+        let ops = [
+            op_of(1, 0, "k#0", Read, 7, None, true),
+            op_of(2, 1, "k#0", Read, 7, None, true),
+            op_of(3, 0, "k#0", Write, 7, Some(0), true),
+            op_of(4, 1, "k#0", Write, 7, Some(0), true),
+        ];
+        let s = check(&[], &ops, &semaphore_meta(3, &[("k#0", 1, 2)]));
+        assert_eq!(s.holders_at_once, 1);
+        assert_eq!(s.lost_updates, 1);
+        // One after the other: none.
+        let ops = [
+            op_of(1, 0, "k#0", Read, 7, None, true),
+            op_of(2, 0, "k#0", Write, 7, Some(0), true),
+            op_of(3, 1, "k#0", Read, 8, None, true),
+            op_of(4, 1, "k#0", Write, 8, Some(1), true),
+        ];
+        let s = check(&[], &ops, &semaphore_meta(3, &[("k#0", 2, 2)]));
+        assert_eq!((s.holders_at_once, s.max_permit_holders), (0, 1));
+    }
+
+    #[test]
+    fn tokens_after_a_revoked_permit_are_compared_per_slot() {
+        let holder = |w: usize, token: u64, slot: u32| crate::history::RevokedHolder {
+            pid: None,
+            w: Some(w),
+            inc: Some(0),
+            token: Some(token),
+            slot: Some(slot),
+        };
+        let granted = |t: u64, w: usize, token: u64, slot: u32| {
+            Record::Worker(WorkerEvent {
+                t,
+                w,
+                inc: 0,
+                key: "k".into(),
+                keys: Vec::new(),
+                ev: Step::Acquired {
+                    token: Some(token),
+                    slot: Some(slot),
+                    shared: false,
+                },
+            })
+        };
+        let revocation = Record::Revocation(RevocationEvent {
+            t: 10,
+            answered: 11,
+            id: 1,
+            key: "k".into(),
+            lock_key: "chaos:r:k".into(),
+            holders: vec![holder(0, 10, 0), holder(1, 20, 1)],
+        });
+        // Slot 0's next token is below slot 1's revoked one: right, per slot.
+        let records = [
+            revocation.clone(),
+            granted(12, 2, 15, 0),
+            granted(13, 3, 21, 1),
+        ];
+        let s = check(&records, &[], &semaphore_meta(3, &[]));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (2, 0));
+        let records = [revocation, granted(12, 2, 15, 0), granted(13, 3, 19, 1)];
+        let s = check(&records, &[], &semaphore_meta(3, &[]));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (2, 1));
+    }
+
     #[test]
     fn a_clean_fenced_history_passes() {
         let records = [
@@ -1942,6 +2142,7 @@ mod tests {
                     w: Some(1),
                     inc: Some(0),
                     token: Some(7),
+                    slot: None,
                 }],
             }),
             fault_event(300 * MS, 1, "revoke", Phase::Heal, vec![1]),
