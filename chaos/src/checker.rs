@@ -420,7 +420,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     // A hold's keys (a permit's: its slot's cell), when it began, and
     // whether it was a reader's.
     let mut open: HashMap<(usize, u32), (Vec<String>, u64, bool)> = HashMap::new();
-    let mut intervals: Vec<(String, u64, u64, (usize, u32), bool)> = Vec::new();
+    let mut intervals: Vec<Belief> = Vec::new();
     let mut latencies = Vec::new();
     let mut acked_writes = 0u64;
     // Each worker's lease for its current attempt.
@@ -810,13 +810,11 @@ fn check_holds(s: &mut Summary, ops: &[&StoreOp], meta: &RunMeta) {
     let mut holds: BTreeMap<(&str, usize, u64), Hold> = BTreeMap::new();
     for op in ops.iter().filter(|op| op.accepted) {
         let Some(token) = op.token else { continue };
-        let hold = holds
-            .entry((op.key.as_str(), op.w, token))
-            .or_insert(Hold {
-                first: op.seq,
-                last: op.seq,
-                shared: op.op == OpKind::Shared,
-            });
+        let hold = holds.entry((op.key.as_str(), op.w, token)).or_insert(Hold {
+            first: op.seq,
+            last: op.seq,
+            shared: op.op == OpKind::Shared,
+        });
         hold.last = op.seq;
     }
     // Per cell: exclusive holds overlapping any other hold.
@@ -847,7 +845,9 @@ fn check_holds(s: &mut Summary, ops: &[&StoreOp], meta: &RunMeta) {
             by_key.entry(key).or_default().push(hold);
         }
         for spans in by_key.values() {
-            s.max_permit_holders = s.max_permit_holders.max(most_at_once(spans.iter().copied()));
+            s.max_permit_holders = s
+                .max_permit_holders
+                .max(most_at_once(spans.iter().copied()));
         }
     }
 
@@ -869,6 +869,10 @@ fn check_holds(s: &mut Summary, ops: &[&StoreOp], meta: &RunMeta) {
         most as u64
     }
 }
+
+/// A hold as its worker believed it: the key (a permit's: its slot's
+/// cell), from, to, the worker process, and whether it was a reader's.
+type Belief = (String, u64, u64, (usize, u32), bool);
 
 /// The checks on the runtime's own events (see the [module docs](self)).
 /// Checks the runtime's traces of every lease: no renewal after a release was
@@ -1849,7 +1853,9 @@ mod tests {
         assert_eq!(s.readers_beside_writers, 1);
         assert_eq!(s.stale_reads_accepted, 1);
         assert!(
-            s.violations.iter().any(|v| v.contains("overlapped a writer")),
+            s.violations
+                .iter()
+                .any(|v| v.contains("overlapped a writer")),
             "{:?}",
             s.violations
         );

@@ -338,7 +338,12 @@ impl Cluster {
                 "--store-port",
                 &self.store_port.to_string(),
             ])
-            .args(["--run", &self.run_id, "--keys", &self.args.keys().to_string()])
+            .args([
+                "--run",
+                &self.run_id,
+                "--keys",
+                &self.args.keys().to_string(),
+            ])
             .args([
                 "--workload",
                 workload_name(self.args.workload),
