@@ -9,7 +9,10 @@
 //!   (`--sqlite`; the counter row written in the transaction of
 //!   `fence::check`) or a Redis server (`--redis`; the counter written by
 //!   `fence::redis::set`, a read registering its token by writing back the
-//!   value it read). The checker replays the log on its own, so a stale
+//!   value it read; a call whose answer is lost, which may or may not have
+//!   written, is sent again with the same value and token until it
+//!   answers, so the log has every request's true outcome). The checker
+//!   replays the log on its own, so a stale
 //!   operation the kit let through is still caught.
 //! - **version** mode (Redlock, which has no safe token): a write is taken only if
 //!   the version it read is still current (compare-and-set).
@@ -150,7 +153,7 @@ impl Kit {
             Kit::Redis(conn) => {
                 let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
-                if refused(fence::redis::set(conn, &redis_key(key), same, token).await)? {
+                if refused(redis_set(conn, key, &same, token).await)? {
                     return Ok(None);
                 }
                 Ok(Some((value, version)))
@@ -228,9 +231,7 @@ impl Kit {
             Kit::Redis(conn) => {
                 let (_, version) = redis_cell(conn, key, initial).await?;
                 let cell = format!("{value} {}", version + 1);
-                Ok(!refused(
-                    fence::redis::set(conn, &redis_key(key), cell, token).await,
-                )?)
+                Ok(!refused(redis_set(conn, key, &cell, token).await)?)
             }
         }
     }
@@ -264,9 +265,7 @@ impl Kit {
                 let (key, token, _) = writes[1];
                 let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
-                let passed = !refused(
-                    fence::redis::set(conn, &redis_key(key), same, FencingToken::new(token)).await,
-                )?;
+                let passed = !refused(redis_set(conn, key, &same, FencingToken::new(token)).await)?;
                 if !passed {
                     return Ok([false, false]);
                 }
@@ -353,6 +352,33 @@ fn refused(checked: Result<(), LockError>) -> anyhow::Result<bool> {
         Ok(()) => Ok(false),
         Err(LockError::Fenced { .. }) => Ok(true),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// How often [`redis_set`] sends a call again whose answer was lost.
+const REDIS_SET_TRIES: usize = 50;
+
+/// `fence::redis::set` of the cell of `key`, sent again with the same value
+/// and token while the call fails: a failed call (a lost answer) may or may
+/// not have written, and writing again with the same token is safe (the
+/// kit's docs), so the store learns — and logs — every request's true
+/// outcome.
+async fn redis_set(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    value: &str,
+    token: FencingToken,
+) -> Result<(), LockError> {
+    let mut tries = 1;
+    loop {
+        match fence::redis::set(conn, &redis_key(key), value, token).await {
+            Err(e) if !matches!(e, LockError::Fenced { .. }) && tries < REDIS_SET_TRIES => {
+                eprintln!("store: {key}: {e}; sending the same write again");
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            done => return done,
+        }
     }
 }
 
