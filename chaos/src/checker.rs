@@ -1030,16 +1030,21 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
         if !in_stall(lost.t, lease) {
             continue;
         }
+        // A fault touches the workers its start names, and those its heal
+        // names (a revocation's heal: every holder it took, as a
+        // semaphore's or a read lock's several holders).
         let excused = faults
             .iter()
             .filter(|f| f.fault != SIDE_STALL && f.phase == Phase::Start)
-            .filter(|f| f.workers.is_empty() || f.workers.contains(&lost.w))
             .any(|start| {
                 let heal = faults
                     .iter()
-                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
-                    .map_or(u64::MAX, |f| f.t);
-                start.t <= lost.t && lost.t <= heal.saturating_add(default_lease)
+                    .find(|f| f.id == start.id && f.phase == Phase::Heal);
+                let touched = start.workers.is_empty()
+                    || start.workers.contains(&lost.w)
+                    || heal.is_some_and(|h| h.workers.contains(&lost.w));
+                let heal = heal.map_or(u64::MAX, |f| f.t);
+                touched && start.t <= lost.t && lost.t <= heal.saturating_add(default_lease)
             });
         if !excused {
             s.main_lost_in_side_stall += 1;
