@@ -13,6 +13,19 @@
 //! every holder the nemesis revoked was told of its loss, for the right
 //! reason, and the key's next grant got a larger token (see
 //! [`check_revocations`]).
+//!
+//! **Semaphores and read-write locks** are judged on the same evidence as
+//! "two holders at once": the operations the store took, in the store's
+//! order, never the workers' clocks (a paused process cannot fool them). Each
+//! hold (a worker's grant: key and token) spans, there, from its first
+//! operation taken to its last. A permit's operations go to its slot's cell
+//! (`{key}#{slot}`), fenced per (key, slot); a reader's are shared reads.
+//! The checker then counts, per key, the most holds spanning one moment of
+//! the store's order (at most the run's permits), holds of one cell
+//! overlapping where one of them is exclusive (two holders of one (key,
+//! slot), or a writer beside any other holder: none), and the holds that
+//! overlapped as readers only (readers really shared). Tokens after a
+//! revocation are compared per slot for permits (they grow per (key, slot)).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -142,6 +155,9 @@ pub(crate) struct RunMeta {
     /// Accounts `acct:0` … of the transfer workload (0 otherwise).
     #[serde(default)]
     pub(crate) accounts: usize,
+    /// Semaphore workload: the permits of every key.
+    #[serde(default)]
+    pub(crate) permits: Option<u32>,
     /// The store's final state: key → (value, version).
     pub(crate) dump: BTreeMap<String, (u64, u64)>,
 }
@@ -238,6 +254,25 @@ pub(crate) struct Summary {
     pub(crate) stale_writes_by_key: BTreeMap<String, u64>,
     /// Lost updates, by key (keys with none left out).
     pub(crate) lost_updates_by_key: BTreeMap<String, u64>,
+    /// Semaphore workload: the permits of every key.
+    pub(crate) permits: Option<u32>,
+    /// Semaphore workload: the most holds of one key spanning one moment of
+    /// the store's order (at most `permits`).
+    pub(crate) max_permit_holders: u64,
+    /// Semaphore workload: entries whose permit's slot was not below
+    /// `permits`, or that had none (must be 0).
+    pub(crate) permit_slots_out_of_range: u64,
+    /// Holds of one cell (a key, or a permit's slot) that overlapped in the
+    /// store's order, both exclusive: two holders at once (must be 0).
+    pub(crate) holders_at_once: u64,
+    /// Read-write workload: reader holds a writer's hold overlapped in the
+    /// store's order (must be 0).
+    pub(crate) readers_beside_writers: u64,
+    /// Read-write workload: readers' shared reads the store took.
+    pub(crate) shared_reads_taken: u64,
+    /// Read-write workload: the most reader holds of one key spanning one
+    /// moment of the store's order (readers shared the key when above 1).
+    pub(crate) max_readers_at_once: u64,
     /// Transfer workload: transfers whose two writes the store took.
     pub(crate) transfers_taken: u64,
     /// Transfer workload: transfers the store refused as a whole (a stale
@@ -348,6 +383,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         workload: meta.workload,
         keys_left: meta.keys_left,
         side_keys_left: meta.side_keys_left,
+        permits: meta.permits,
         ..Summary::default()
     };
     let mut events: Vec<&WorkerEvent> = Vec::new();
@@ -381,8 +417,10 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
 
     // Counts, belief intervals and lost signals, from the workers' own records.
-    let mut open: HashMap<(usize, u32), (Vec<String>, u64)> = HashMap::new();
-    let mut intervals: Vec<(String, u64, u64, (usize, u32))> = Vec::new();
+    // A hold's keys (a permit's: its slot's cell), when it began, and
+    // whether it was a reader's.
+    let mut open: HashMap<(usize, u32), (Vec<String>, u64, bool)> = HashMap::new();
+    let mut intervals: Vec<Belief> = Vec::new();
     let mut latencies = Vec::new();
     let mut acked_writes = 0u64;
     // Each worker's lease for its current attempt.
@@ -394,12 +432,22 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             Step::Attempt { lease_ms, .. } => {
                 lease_of.insert(who, lease_ms.map_or(default_lease, Duration::from_millis));
             }
-            Step::Acquired { .. } => {
+            Step::Acquired { slot, shared, .. } => {
                 s.acquisitions += 1;
                 *s.acquisitions_by_lease_ms
                     .entry(lease.as_millis() as u64)
                     .or_default() += 1;
-                open.insert(who, (e.all_keys(), e.t));
+                let keys = match (meta.permits, slot) {
+                    (Some(permits), Some(slot)) if *slot < permits => {
+                        vec![format!("{}#{slot}", e.key)]
+                    }
+                    (Some(_), _) => {
+                        s.permit_slots_out_of_range += 1;
+                        e.all_keys()
+                    }
+                    (None, _) => e.all_keys(),
+                };
+                open.insert(who, (keys, e.t, *shared));
             }
             Step::Busy => s.busy += 1,
             Step::Error { .. } => s.errors += 1,
@@ -426,31 +474,32 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         if matches!(
             e.ev,
             Step::Leaving | Step::Lost { .. } | Step::Error { .. } | Step::GaveUp { .. }
-        ) && let Some((keys, start)) = open.remove(&who)
+        ) && let Some((keys, start, shared)) = open.remove(&who)
         {
             // One interval per key: a hold of several keys overlaps any
             // holder of any of them.
             for key in keys {
-                intervals.push((key, start, e.t, who));
+                intervals.push((key, start, e.t, who, shared));
             }
         }
     }
     // A worker killed inside the lock believed it held until the kill.
-    for (who, (keys, start)) in open {
+    for (who, (keys, start, shared)) in open {
         let end = faults
             .iter()
             .find(|f| f.t >= start && f.fault == "sigkill_worker" && f.workers.contains(&who.0))
             .map_or(last, |f| f.t);
         for key in keys {
-            intervals.push((key, start, end, who));
+            intervals.push((key, start, end, who, shared));
         }
     }
     intervals.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
     for (i, a) in intervals.iter().enumerate() {
+        // Readers beside readers share the key as they should.
         let overlapped = intervals[i + 1..]
             .iter()
             .take_while(|b| b.0 == a.0 && b.1 < a.2)
-            .filter(|b| b.3 != a.3)
+            .filter(|b| b.3 != a.3 && !(a.4 && b.4))
             .count() as u64;
         if overlapped > 0 {
             s.belief_overlaps += 1;
@@ -506,12 +555,16 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     struct Cell {
         value: u64,
         version: u64,
+        /// The newest token of a taken read or write (a writer's).
         newest: u64,
+        /// The newest token of a taken shared read (a reader's).
+        readers: u64,
     }
     let fresh = || Cell {
         value: meta.initial_balance,
         version: 0,
         newest: 0,
+        readers: 0,
     };
     let accounts = crate::store::account_keys(meta.accounts);
     let mut cells: BTreeMap<&str, Cell> = accounts.iter().map(|k| (k.as_str(), fresh())).collect();
@@ -531,9 +584,12 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             .iter()
             .map(|op| {
                 let cell = cells.get(op.key.as_str());
-                let (newest, version) = cell.map_or((0, 0), |c| (c.newest, c.version));
+                let (newest, readers, version) =
+                    cell.map_or((0, 0, 0), |c| (c.newest, c.readers, c.version));
                 match (meta.mode, op.op, op.token) {
-                    (Mode::Fence, _, Some(t)) => t < newest,
+                    // A reader is stale behind a newer writer only.
+                    (Mode::Fence, OpKind::Shared, Some(t)) => t < newest,
+                    (Mode::Fence, _, Some(t)) => t < newest.max(readers),
                     (Mode::Version, OpKind::Write, _) => op.base_version != Some(version),
                     _ => false,
                 }
@@ -546,6 +602,11 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
                 (OpKind::Read, true) => {
                     s.stale_reads_accepted += u64::from(stale);
                     cell.newest = cell.newest.max(op.token.unwrap_or(0));
+                }
+                (OpKind::Shared, true) => {
+                    s.stale_reads_accepted += u64::from(stale);
+                    s.shared_reads_taken += 1;
+                    cell.readers = cell.readers.max(op.token.unwrap_or(0));
                 }
                 (OpKind::Write, true) => {
                     s.writes_accepted += 1;
@@ -575,6 +636,9 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             }
         }
     }
+    if meta.mode == Mode::Fence {
+        check_holds(&mut s, &ops, meta);
+    }
     if meta.workload == Workload::Transfer {
         s.total_initial = Some(meta.initial_balance * meta.accounts as u64);
         s.total_final = Some(meta.dump.values().map(|(value, _)| value).sum());
@@ -589,6 +653,32 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
     if s.lost_updates > 0 {
         v.push(format!("{} lost updates", s.lost_updates));
+    }
+    if let Some(permits) = meta.permits
+        && s.max_permit_holders > u64::from(permits)
+    {
+        v.push(format!(
+            "{} holders of one semaphore at once, of {permits} permits",
+            s.max_permit_holders
+        ));
+    }
+    if s.permit_slots_out_of_range > 0 {
+        v.push(format!(
+            "{} permits granted without a slot below the permits",
+            s.permit_slots_out_of_range
+        ));
+    }
+    if s.holders_at_once > 0 {
+        v.push(format!(
+            "{} holds overlapped another exclusive hold of their key or slot",
+            s.holders_at_once
+        ));
+    }
+    if s.readers_beside_writers > 0 {
+        v.push(format!(
+            "{} reader holds overlapped a writer's",
+            s.readers_beside_writers
+        ));
     }
     if s.half_applied_transfers > 0 {
         v.push(format!(
@@ -705,6 +795,84 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     }
     s
 }
+
+/// The holds as the store's order shows them (see the [module docs](self)):
+/// per cell, each grant's span from its first taken operation to its last.
+fn check_holds(s: &mut Summary, ops: &[&StoreOp], meta: &RunMeta) {
+    /// A grant's span in the store's order.
+    struct Hold {
+        first: u64,
+        last: u64,
+        shared: bool,
+    }
+    // (cell, worker, token) → its span. A transfer's operations are holds
+    // of each account like any other.
+    let mut holds: BTreeMap<(&str, usize, u64), Hold> = BTreeMap::new();
+    for op in ops.iter().filter(|op| op.accepted) {
+        let Some(token) = op.token else { continue };
+        let hold = holds.entry((op.key.as_str(), op.w, token)).or_insert(Hold {
+            first: op.seq,
+            last: op.seq,
+            shared: op.op == OpKind::Shared,
+        });
+        hold.last = op.seq;
+    }
+    // Per cell: exclusive holds overlapping any other hold.
+    let mut by_cell: BTreeMap<&str, Vec<&Hold>> = BTreeMap::new();
+    for ((cell, ..), hold) in &holds {
+        by_cell.entry(cell).or_default().push(hold);
+    }
+    for spans in by_cell.values_mut() {
+        spans.sort_by_key(|h| h.first);
+        for (i, a) in spans.iter().enumerate() {
+            for b in spans[i + 1..].iter().take_while(|b| b.first <= a.last) {
+                match (a.shared, b.shared) {
+                    (true, true) => {}
+                    (false, false) => s.holders_at_once += 1,
+                    _ => s.readers_beside_writers += 1,
+                }
+            }
+        }
+        s.max_readers_at_once = s
+            .max_readers_at_once
+            .max(most_at_once(spans.iter().copied().filter(|h| h.shared)));
+    }
+    // Per semaphore key: the holds of all its slots at once.
+    if meta.permits.is_some() {
+        let mut by_key: BTreeMap<&str, Vec<&Hold>> = BTreeMap::new();
+        for ((cell, ..), hold) in &holds {
+            let key = cell.rsplit_once('#').map_or(*cell, |(key, _)| key);
+            by_key.entry(key).or_default().push(hold);
+        }
+        for spans in by_key.values() {
+            s.max_permit_holders = s
+                .max_permit_holders
+                .max(most_at_once(spans.iter().copied()));
+        }
+    }
+
+    /// The most spans covering one point.
+    fn most_at_once<'a>(spans: impl Iterator<Item = &'a Hold>) -> u64 {
+        // +1 at the first operation, -1 just after the last.
+        let mut edges: Vec<(u64, i64)> = Vec::new();
+        for h in spans {
+            edges.push((h.first, 1));
+            edges.push((h.last + 1, -1));
+        }
+        // At one point, an end (after a last operation) before a start.
+        edges.sort_unstable();
+        let (mut now, mut most) = (0i64, 0i64);
+        for (_, d) in edges {
+            now += d;
+            most = most.max(now);
+        }
+        most as u64
+    }
+}
+
+/// A hold as its worker believed it: the key (a permit's: its slot's
+/// cell), from, to, the worker process, and whether it was a reader's.
+type Belief = (String, u64, u64, (usize, u32), bool);
 
 /// The checks on the runtime's own events (see the [module docs](self)).
 /// Checks the runtime's traces of every lease: no renewal after a release was
@@ -862,16 +1030,21 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
         if !in_stall(lost.t, lease) {
             continue;
         }
+        // A fault touches the workers its start names, and those its heal
+        // names (a revocation's heal: every holder it took, as a
+        // semaphore's or a read lock's several holders).
         let excused = faults
             .iter()
             .filter(|f| f.fault != SIDE_STALL && f.phase == Phase::Start)
-            .filter(|f| f.workers.is_empty() || f.workers.contains(&lost.w))
             .any(|start| {
                 let heal = faults
                     .iter()
-                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
-                    .map_or(u64::MAX, |f| f.t);
-                start.t <= lost.t && lost.t <= heal.saturating_add(default_lease)
+                    .find(|f| f.id == start.id && f.phase == Phase::Heal);
+                let touched = start.workers.is_empty()
+                    || start.workers.contains(&lost.w)
+                    || heal.is_some_and(|h| h.workers.contains(&lost.w));
+                let heal = heal.map_or(u64::MAX, |f| f.t);
+                touched && start.t <= lost.t && lost.t <= heal.saturating_add(default_lease)
             });
         if !excused {
             s.main_lost_in_side_stall += 1;
@@ -924,10 +1097,16 @@ fn check_revocations(
     let mut latencies = Vec::new();
     for r in revocations {
         s.revocations += 1;
+        // Permits' highest revoked token per slot.
+        let mut revoked_slots: BTreeMap<u32, u64> = BTreeMap::new();
         s.holders_revoked += r.holders.len() as u64;
         let mut revoked_tokens: Vec<u64> = Vec::new();
         for h in &r.holders {
             revoked_tokens.extend(h.token);
+            if let (Some(slot), Some(token)) = (h.slot, h.token) {
+                let highest = revoked_slots.entry(slot).or_default();
+                *highest = (*highest).max(token);
+            }
             // Its lease: that worker process's (or, without one, any
             // process's lease with that token) latest on the key.
             let process = h.w.zip(h.inc);
@@ -1050,6 +1229,33 @@ fn check_revocations(
             }
         }
 
+        // Permits: the first grant of each revoked slot after the
+        // revocation (tokens grow per (key, slot)).
+        if !revoked_slots.is_empty() {
+            for (&slot, &highest) in &revoked_slots {
+                let next = steps.iter().find_map(|e| match e.ev {
+                    Step::Acquired {
+                        token: Some(token),
+                        slot: Some(granted),
+                        ..
+                    } if granted == slot
+                        && e.key == r.key
+                        && e.t > r.t
+                        && !revoked_tokens.contains(&token) =>
+                    {
+                        Some(token)
+                    }
+                    _ => None,
+                });
+                if let Some(token) = next {
+                    s.tokens_after_revoke += 1;
+                    if token <= highest {
+                        s.tokens_not_above_revoked += 1;
+                    }
+                }
+            }
+            continue;
+        }
         // The first grant of the key after the revocation.
         let revoked = revoked_tokens;
         let Some(&highest) = revoked.iter().max() else {
@@ -1136,6 +1342,8 @@ impl std::fmt::Display for Summary {
         let workload = match self.workload {
             Workload::Counter => "",
             Workload::Transfer => ", transfers",
+            Workload::Semaphore => ", semaphore",
+            Workload::Rw => ", read-write",
         };
         writeln!(
             f,
@@ -1197,6 +1405,25 @@ impl std::fmt::Display for Summary {
                 writeln!(f, "    {what} by key          {}", keys.join(", "))?;
             }
         }
+        if let Some(permits) = self.permits {
+            writeln!(
+                f,
+                "  permit holders at once     at most {} of {permits} permits (must not be more); {} without a slot below them  (must be 0)",
+                self.max_permit_holders, self.permit_slots_out_of_range
+            )?;
+        }
+        if self.workload == Workload::Rw {
+            writeln!(
+                f,
+                "  readers                    {} shared reads taken, at most {} readers at once; {} beside a writer  (must be 0)",
+                self.shared_reads_taken, self.max_readers_at_once, self.readers_beside_writers
+            )?;
+        }
+        writeln!(
+            f,
+            "  exclusive holds at once    {}  (must be 0)",
+            self.holders_at_once
+        )?;
         if let (Some(initial), Some(total)) = (self.total_initial, self.total_final) {
             writeln!(
                 f,
@@ -1322,6 +1549,7 @@ mod tests {
             workload: Workload::Counter,
             initial_balance: 0,
             accounts: 0,
+            permits: None,
             dump: dump
                 .iter()
                 .map(|(k, v, ver)| ((*k).to_owned(), (*v, *ver)))
@@ -1407,7 +1635,7 @@ mod tests {
             })
         };
         [
-            event(t, Step::Acquired { token: Some(token) }),
+            event(t, Step::acquired(Some(token))),
             event(t + 1, Step::Leaving),
         ]
     }
@@ -1543,7 +1771,7 @@ mod tests {
             inc: 0,
             key: "acct:1".into(),
             keys: Vec::new(),
-            ev: Step::Acquired { token: Some(2) },
+            ev: Step::acquired(Some(2)),
         }));
         let s = check(
             &records,
@@ -1553,10 +1781,211 @@ mod tests {
         assert_eq!(s.belief_overlaps, 1);
     }
 
+    /// An operation of worker `w` on `key`.
+    fn op_of(
+        seq: u64,
+        w: usize,
+        key: &str,
+        op: OpKind,
+        token: u64,
+        base: Option<u64>,
+        accepted: bool,
+    ) -> StoreOp {
+        StoreOp {
+            key: key.into(),
+            w,
+            ..self::op(seq, op, Some(token), base, accepted)
+        }
+    }
+
+    /// The meta of a read-write run.
+    fn rw_meta(dump: &[(&str, u64, u64)]) -> RunMeta {
+        RunMeta {
+            workload: Workload::Rw,
+            ..meta(Mode::Fence, dump)
+        }
+    }
+
+    /// The meta of a semaphore run of `permits` permits.
+    fn semaphore_meta(permits: u32, dump: &[(&str, u64, u64)]) -> RunMeta {
+        RunMeta {
+            workload: Workload::Semaphore,
+            permits: Some(permits),
+            ..meta(Mode::Fence, dump)
+        }
+    }
+
+    #[test]
+    fn readers_share_and_a_writer_older_than_a_reader_is_refused() {
+        use OpKind::{Read, Shared, Write};
+        let ops = [
+            op_of(1, 1, "k", Shared, 2, None, true),
+            op_of(2, 2, "k", Shared, 3, None, true),
+            // Readers never refuse each other: the older reader leaves.
+            op_of(3, 1, "k", Shared, 2, None, true),
+            // A writer granted before the reader of token 3 is stale.
+            op_of(4, 0, "k", Read, 1, None, false),
+            op_of(5, 2, "k", Shared, 3, None, true),
+            op_of(6, 3, "k", Read, 4, None, true),
+            op_of(7, 3, "k", Write, 4, Some(0), true),
+            // A reader older than that writer is stale.
+            op_of(8, 2, "k", Shared, 3, None, false),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        let v: Vec<&String> = s
+            .violations
+            .iter()
+            .filter(|v| *v != "no acquisitions at all")
+            .collect();
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(s.shared_reads_taken, 4);
+        assert_eq!(s.max_readers_at_once, 2);
+        assert_eq!((s.readers_beside_writers, s.stale_refused), (0, 2));
+    }
+
+    #[test]
+    fn a_writer_taken_beside_a_reader_is_caught() {
+        use OpKind::{Read, Shared, Write};
+        // The store took the writer's operations while the reader of token 2
+        // held, and the reader's last read after them.
+        let ops = [
+            op_of(1, 1, "k", Shared, 2, None, true),
+            op_of(2, 2, "k", Read, 3, None, true),
+            op_of(3, 2, "k", Write, 3, Some(0), true),
+            op_of(4, 1, "k", Shared, 2, None, true),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        assert_eq!(s.readers_beside_writers, 1);
+        assert_eq!(s.stale_reads_accepted, 1);
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("overlapped a writer")),
+            "{:?}",
+            s.violations
+        );
+        // A writer older than a reader taken after it: a stale write.
+        let ops = [
+            op_of(1, 1, "k", Shared, 5, None, true),
+            op_of(2, 2, "k", Write, 4, Some(0), true),
+        ];
+        let s = check(&[], &ops, &rw_meta(&[("k", 1, 1)]));
+        assert_eq!(s.stale_writes_accepted, 1);
+    }
+
+    #[test]
+    fn more_holders_than_permits_and_a_slot_out_of_range_are_caught() {
+        use OpKind::{Read, Write};
+        let permit = |t: u64, w: usize, slot: u32| {
+            Record::Worker(WorkerEvent {
+                t,
+                w,
+                inc: 0,
+                key: "k".into(),
+                keys: Vec::new(),
+                ev: Step::Acquired {
+                    token: Some(t),
+                    slot: Some(slot),
+                    shared: false,
+                },
+            })
+        };
+        let records = [permit(1, 0, 0), permit(2, 1, 1), permit(3, 2, 2)];
+        let ops = [
+            op_of(1, 0, "k#0", Read, 1, None, true),
+            op_of(2, 1, "k#1", Read, 2, None, true),
+            op_of(3, 2, "k#2", Read, 3, None, true),
+            op_of(4, 0, "k#0", Write, 1, Some(0), true),
+            op_of(5, 1, "k#1", Write, 2, Some(0), true),
+            op_of(6, 2, "k#2", Write, 3, Some(0), true),
+        ];
+        let dump = [("k#0", 1, 1), ("k#1", 1, 1), ("k#2", 1, 1)];
+        let s = check(&records, &ops, &semaphore_meta(3, &dump));
+        assert_eq!((s.max_permit_holders, s.permit_slots_out_of_range), (3, 0));
+        assert!(!s.violations.iter().any(|v| v.contains("semaphore")));
+        let s = check(&records, &ops, &semaphore_meta(2, &dump));
+        assert_eq!((s.max_permit_holders, s.permit_slots_out_of_range), (3, 1));
+        assert!(
+            s.violations
+                .iter()
+                .any(|v| v.contains("3 holders of one semaphore at once, of 2 permits")),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn two_holders_of_one_slot_at_once_are_caught() {
+        use OpKind::{Read, Write};
+        // Two grants with one token on one slot: both taken, interleaved.
+        let ops = [
+            op_of(1, 0, "k#0", Read, 7, None, true),
+            op_of(2, 1, "k#0", Read, 7, None, true),
+            op_of(3, 0, "k#0", Write, 7, Some(0), true),
+            op_of(4, 1, "k#0", Write, 7, Some(0), true),
+        ];
+        let s = check(&[], &ops, &semaphore_meta(3, &[("k#0", 1, 2)]));
+        assert_eq!(s.holders_at_once, 1);
+        assert_eq!(s.lost_updates, 1);
+        // One after the other: none.
+        let ops = [
+            op_of(1, 0, "k#0", Read, 7, None, true),
+            op_of(2, 0, "k#0", Write, 7, Some(0), true),
+            op_of(3, 1, "k#0", Read, 8, None, true),
+            op_of(4, 1, "k#0", Write, 8, Some(1), true),
+        ];
+        let s = check(&[], &ops, &semaphore_meta(3, &[("k#0", 2, 2)]));
+        assert_eq!((s.holders_at_once, s.max_permit_holders), (0, 1));
+    }
+
+    #[test]
+    fn tokens_after_a_revoked_permit_are_compared_per_slot() {
+        let holder = |w: usize, token: u64, slot: u32| crate::history::RevokedHolder {
+            pid: None,
+            w: Some(w),
+            inc: Some(0),
+            token: Some(token),
+            slot: Some(slot),
+        };
+        let granted = |t: u64, w: usize, token: u64, slot: u32| {
+            Record::Worker(WorkerEvent {
+                t,
+                w,
+                inc: 0,
+                key: "k".into(),
+                keys: Vec::new(),
+                ev: Step::Acquired {
+                    token: Some(token),
+                    slot: Some(slot),
+                    shared: false,
+                },
+            })
+        };
+        let revocation = Record::Revocation(RevocationEvent {
+            t: 10,
+            answered: 11,
+            id: 1,
+            key: "k".into(),
+            lock_key: "chaos:r:k".into(),
+            holders: vec![holder(0, 10, 0), holder(1, 20, 1)],
+        });
+        // Slot 0's next token is below slot 1's revoked one: right, per slot.
+        let records = [
+            revocation.clone(),
+            granted(12, 2, 15, 0),
+            granted(13, 3, 21, 1),
+        ];
+        let s = check(&records, &[], &semaphore_meta(3, &[]));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (2, 0));
+        let records = [revocation, granted(12, 2, 15, 0), granted(13, 3, 19, 1)];
+        let s = check(&records, &[], &semaphore_meta(3, &[]));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (2, 1));
+    }
+
     #[test]
     fn a_clean_fenced_history_passes() {
         let records = [
-            worker(1, 0, Step::Acquired { token: Some(1) }),
+            worker(1, 0, Step::acquired(Some(1))),
             worker(5, 0, Step::Leaving),
         ];
         let ops = [
@@ -1579,7 +2008,7 @@ mod tests {
             op(3, OpKind::Write, Some(1), Some(0), true),
         ];
         let s = check(
-            &[worker(1, 0, Step::Acquired { token: Some(1) })],
+            &[worker(1, 0, Step::acquired(Some(1)))],
             &ops,
             &meta(Mode::Fence, &[("k", 1, 1)]),
         );
@@ -1601,7 +2030,7 @@ mod tests {
             op(2, OpKind::Write, None, Some(0), true),
         ];
         let s = check(
-            &[worker(1, 0, Step::Acquired { token: None })],
+            &[worker(1, 0, Step::acquired(None))],
             &ops,
             &meta(Mode::Version, &[("k", 1, 2)]),
         );
@@ -1614,7 +2043,7 @@ mod tests {
         let ops = [op(1, OpKind::Write, None, Some(0), true)];
         let mut m = meta(Mode::Version, &[("k", 5, 1)]);
         m.keys_left = Some(2);
-        let s = check(&[worker(1, 0, Step::Acquired { token: None })], &ops, &m);
+        let s = check(&[worker(1, 0, Step::acquired(None))], &ops, &m);
         assert_eq!(s.violations.len(), 2, "{:?}", s.violations);
     }
 
@@ -1632,13 +2061,13 @@ mod tests {
         };
         let ms = 1_000_000;
         let records = [
-            worker(0, 0, Step::Acquired { token: Some(1) }),
+            worker(0, 0, Step::acquired(Some(1))),
             fault(10 * ms, Phase::Start),
-            worker(1500 * ms, 1, Step::Acquired { token: Some(2) }),
+            worker(1500 * ms, 1, Step::acquired(Some(2))),
             worker(1510 * ms, 1, Step::Leaving),
             fault(2000 * ms, Phase::Heal),
             worker(2003 * ms, 0, Step::Lost { cancelled: true }),
-            worker(2020 * ms, 1, Step::Acquired { token: Some(3) }),
+            worker(2020 * ms, 1, Step::acquired(Some(3))),
             worker(2030 * ms, 1, Step::Leaving),
         ];
         let s = check(&records, &[], &meta(Mode::Fence, &[]));
@@ -1710,7 +2139,7 @@ mod tests {
     /// `next_token`.
     fn revoked_history(next_token: u64) -> Vec<Record> {
         vec![
-            worker(0, 1, Step::Acquired { token: Some(7) }),
+            worker(0, 1, Step::acquired(Some(7))),
             Record::Trace(on_key(0, 1, 1, 7, TraceKind::Acquired)),
             fault_event(90 * MS, 1, "revoke", Phase::Start, vec![1]),
             Record::Revocation(RevocationEvent {
@@ -1724,6 +2153,7 @@ mod tests {
                     w: Some(1),
                     inc: Some(0),
                     token: Some(7),
+                    slot: None,
                 }],
             }),
             fault_event(300 * MS, 1, "revoke", Phase::Heal, vec![1]),
@@ -1877,7 +2307,7 @@ mod tests {
     #[test]
     fn a_loss_told_revoked_without_a_revocation_is_caught() {
         let records = [
-            worker(0, 2, Step::Acquired { token: Some(3) }),
+            worker(0, 2, Step::acquired(Some(3))),
             Record::Trace(on_key(0, 2, 1, 3, TraceKind::Acquired)),
             lost_as(300 * MS, 2, 1, 3, "revoked"),
         ];
@@ -1895,7 +2325,7 @@ mod tests {
     #[test]
     fn a_renewal_after_a_release_request_is_caught() {
         let records = [
-            worker(0, 0, Step::Acquired { token: Some(1) }),
+            worker(0, 0, Step::acquired(Some(1))),
             traced(0, 0, 1, TraceKind::Acquired, "default"),
             traced(130 * MS, 0, 1, TraceKind::RenewalSent, "default"),
             traced(131 * MS, 0, 1, TraceKind::Renewed, "default"),
@@ -1927,7 +2357,7 @@ mod tests {
         // Lease 400 ms, last answered at 100 ms: the server lets go by 500 ms.
         let lease = |lost_at: u64| {
             vec![
-                worker(0, 1, Step::Acquired { token: Some(7) }),
+                worker(0, 1, Step::acquired(Some(7))),
                 traced(0, 1, 7, TraceKind::Acquired, "default"),
                 traced(100 * MS, 1, 7, TraceKind::Renewed, "default"),
                 traced(lost_at, 1, 7, TraceKind::Lost, "default"),
@@ -1960,7 +2390,7 @@ mod tests {
         // the server cannot expire the session before 3.09 s, whatever the lease.
         let lease = |lost_at: u64| {
             vec![
-                worker(0, 1, Step::Acquired { token: Some(7) }),
+                worker(0, 1, Step::acquired(Some(7))),
                 traced(0, 1, 7, TraceKind::Acquired, "default"),
                 traced(90 * MS, 1, 7, TraceKind::RenewalSent, "default"),
                 traced(100 * MS, 1, 7, TraceKind::Renewed, "default"),
@@ -1997,7 +2427,7 @@ mod tests {
     #[test]
     fn a_main_lease_lost_during_a_side_stall_is_caught() {
         let stall = [
-            worker(150 * MS, 2, Step::Acquired { token: Some(1) }),
+            worker(150 * MS, 2, Step::acquired(Some(1))),
             fault_event(100 * MS, 1, SIDE_STALL, Phase::Start, vec![]),
             traced(150 * MS, 2, 1, TraceKind::Acquired, "default"),
             traced(300 * MS, 2, 1, TraceKind::Renewed, "default"),
@@ -2060,7 +2490,7 @@ mod tests {
         };
         let records = [
             attempt(0, 0, 400),
-            worker(MS, 0, Step::Acquired { token: Some(1) }),
+            worker(MS, 0, Step::acquired(Some(1))),
             worker(
                 2 * MS,
                 0,
@@ -2070,12 +2500,12 @@ mod tests {
             ),
             // Worker 0 no longer believes it holds: no overlap.
             attempt(3 * MS, 1, 2500),
-            worker(4 * MS, 1, Step::Acquired { token: Some(2) }),
+            worker(4 * MS, 1, Step::acquired(Some(2))),
             fault_event(5 * MS, 1, "kill_server", Phase::Start, vec![]),
             // 600 ms after the fault: later than a 400 ms lease, not a 2.5 s one.
             worker(605 * MS, 1, Step::Lost { cancelled: true }),
             attempt(606 * MS, 0, 400),
-            worker(607 * MS, 0, Step::Acquired { token: Some(3) }),
+            worker(607 * MS, 0, Step::acquired(Some(3))),
             worker(608 * MS, 0, Step::Lost { cancelled: true }),
         ];
         let mut m = meta(Mode::Fence, &[]);
@@ -2103,7 +2533,7 @@ mod tests {
             })
         };
         let records = [
-            worker(0, 0, Step::Acquired { token: Some(1) }),
+            worker(0, 0, Step::acquired(Some(1))),
             fault(10_000_000, Phase::Start),
             worker(500_000_000, 0, Step::Leaving),
             fault(1_000_000_000, Phase::Heal),

@@ -88,6 +88,13 @@ pub(crate) enum Step {
     Acquired {
         /// The fencing token, where the backend has one.
         token: Option<u64>,
+        /// Semaphore workload: the permit's slot (`0..permits`); the store
+        /// key of the hold is `{key}#{slot}`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slot: Option<u32>,
+        /// Read-write workload: a reader's hold (shared with other readers).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shared: bool,
     },
     /// The fenced read went through.
     Read {
@@ -162,6 +169,17 @@ pub(crate) enum Step {
         /// The error's text.
         message: String,
     },
+}
+
+impl Step {
+    /// An exclusive hold's entry (a plain lock, a writer, a transfer).
+    pub(crate) fn acquired(token: Option<u64>) -> Step {
+        Step::Acquired {
+            token,
+            slot: None,
+            shared: false,
+        }
+    }
 }
 
 /// Where a caller gave up.
@@ -300,6 +318,9 @@ pub(crate) struct RevokedHolder {
     pub(crate) inc: Option<u32>,
     /// The revoked grant's fencing token (none on Redlock).
     pub(crate) token: Option<u64>,
+    /// A revoked permit's slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) slot: Option<u32>,
 }
 
 /// Start or end of a fault.
@@ -319,7 +340,7 @@ pub(crate) struct StoreOp {
     pub(crate) seq: u64,
     /// When, on the shared clock.
     pub(crate) t: u64,
-    /// `read` or `write`.
+    /// `read`, `write` or `shared` (a reader's read).
     pub(crate) op: OpKind,
     /// Store key (the lock's user key).
     pub(crate) key: String,
@@ -348,6 +369,11 @@ pub(crate) enum OpKind {
     Read,
     /// A (fenced or version-checked) write.
     Write,
+    /// A reader's fenced read (read-write workload): refused when a writer
+    /// with a newer token had been there, and refusing, from then on,
+    /// writers' reads and writes with an older token than its own; readers
+    /// do not refuse each other.
+    Shared,
 }
 
 /// Reads a JSON-lines file; a torn last line (a process killed mid-write) is skipped.

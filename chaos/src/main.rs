@@ -7,6 +7,8 @@
 //!     --acquisitions 100000 --faults 200                          # long run
 //! cargo run -p dlock-chaos -- run --backend postgres \
 //!     --workload transfer --accounts 16                           # transfers
+//! cargo run -p dlock-chaos -- run --backend zk --workload semaphore # 3 permits
+//! cargo run -p dlock-chaos -- run --backend redis --workload rw  # readers, writers
 //! cargo run -p dlock-chaos -- check target/chaos/redis-1         # re-check a run
 //! ```
 //!
@@ -18,7 +20,15 @@
 //! the release. With `--workload transfer` each iteration instead takes two
 //! accounts in one hold (`keys = [..]`, `lock_all`) and moves an amount from
 //! one to the other, both writes fenced with each key's own token and decided
-//! together; the checker adds conservation of the total. A nemesis pauses,
+//! together; the checker adds conservation of the total. With `--workload
+//! semaphore` each hold is one of 3 permits of its key (`permits = 3`) and
+//! increments its slot's counter, fenced per (key, slot); with `--workload
+//! rw` readers (`mode = "read"`) read a key's counter while writers (`mode =
+//! "write"`) and plain locks increment it; the checker adds never more
+//! holders than permits, never two holders of one slot, never a reader
+//! beside a writer, all decided on the store's order of the operations it
+//! took. A backend that does not offer the workload's mode fails the run at
+//! its start. A nemesis pauses,
 //! kills and cuts off workers and servers on a seeded schedule, and revokes
 //! held keys through the admin API as an operator would. The checker then reads every history, including the runtime's
 //! own trace of each lease, and prints one summary; the exit status is 1 when an

@@ -551,6 +551,7 @@ async fn revoke(cluster: &Cluster, rng: &mut StdRng, id: u32) -> anyhow::Result<
                 w: slot.map(|(w, _)| w),
                 inc: slot.map(|(_, inc)| inc),
                 token: info.token().map(|t| t.get()),
+                slot: info.slot(),
             });
         }
     }
@@ -641,7 +642,8 @@ async fn end_session(backend: Backend, url: &str, stored_key: &str) -> anyhow::R
 }
 
 /// Deletes the lease row of `stored_key` (`delete`), or gives it another
-/// owner, behind its holder's back. Says what it did.
+/// owner, behind its holder's back, and so every live holder row of the key
+/// (its permits or readers). Says what it did.
 async fn steal_row(
     backend: Backend,
     url: &str,
@@ -649,30 +651,42 @@ async fn steal_row(
     delete: bool,
 ) -> anyhow::Result<String> {
     use sqlx::Connection as _;
-    let rows = if backend == Backend::Postgres {
+    let mut rows = 0;
+    if backend == Backend::Postgres {
         let mut conn = sqlx::PgConnection::connect(url).await?;
-        let sql = if delete {
-            "DELETE FROM dlock_leases WHERE key = $1 AND owner IS NOT NULL"
-        } else {
-            "UPDATE dlock_leases SET owner = 'chaos-nemesis' WHERE key = $1 AND owner IS NOT NULL"
-        };
-        let done = sqlx::query(sql).bind(stored_key).execute(&mut conn).await?;
+        for table in ["dlock_leases", "dlock_leases_holders"] {
+            let sql = if delete {
+                format!("DELETE FROM {table} WHERE key = $1 AND owner IS NOT NULL")
+            } else {
+                format!(
+                    "UPDATE {table} SET owner = 'chaos-nemesis' WHERE key = $1 AND owner IS NOT NULL"
+                )
+            };
+            let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(stored_key)
+                .execute(&mut conn)
+                .await?;
+            rows += done.rows_affected();
+        }
         conn.close().await?;
-        done.rows_affected()
     } else {
         let mut conn = sqlx::MySqlConnection::connect(url).await?;
-        let sql = if delete {
-            "DELETE FROM dlock_leases WHERE k = ? AND owner IS NOT NULL"
-        } else {
-            "UPDATE dlock_leases SET owner = 'chaos-nemesis' WHERE k = ? AND owner IS NOT NULL"
-        };
-        let done = sqlx::query(sql)
-            .bind(stored_key.as_bytes())
-            .execute(&mut conn)
-            .await?;
+        for table in ["dlock_leases", "dlock_leases_holders"] {
+            let sql = if delete {
+                format!("DELETE FROM {table} WHERE k = ? AND owner IS NOT NULL")
+            } else {
+                format!(
+                    "UPDATE {table} SET owner = 'chaos-nemesis' WHERE k = ? AND owner IS NOT NULL"
+                )
+            };
+            let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(stored_key.as_bytes())
+                .execute(&mut conn)
+                .await?;
+            rows += done.rows_affected();
+        }
         conn.close().await?;
-        done.rows_affected()
-    };
+    }
     Ok(format!(
         "{rows} rows {}",
         if delete {

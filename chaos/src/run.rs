@@ -20,7 +20,8 @@ use crate::history::{FaultEvent, Phase, Record, RevocationEvent, Step, WorkerEve
 use crate::proxy::Proxy;
 use crate::servers::Server;
 use crate::store::Mode;
-use crate::worker::{INITIAL_BALANCE, MAX_LEASE, Workload};
+use crate::worker::{INITIAL_BALANCE, MAX_LEASE, PERMITS, Workload};
+use dlock_runtime::HoldMode;
 
 /// Which lock service a run exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -78,11 +79,15 @@ pub(crate) struct RunArgs {
     /// Worker processes.
     #[arg(long, default_value_t = 8)]
     pub(crate) workers: usize,
-    /// Keys the workers share (counter workload).
-    #[arg(long, default_value_t = 3)]
-    pub(crate) keys: usize,
-    /// What the workers do inside the lock: increment one key's counter, or
-    /// move an amount between two accounts held in one hold (`lock_all`).
+    /// Keys the workers share (counter and read-write workloads: 3 by
+    /// default; semaphore workload: 2, so that eight workers contend for six
+    /// permits).
+    #[arg(long)]
+    pub(crate) keys: Option<usize>,
+    /// What the workers do inside the lock: increment one key's counter,
+    /// move an amount between two accounts held in one hold (`lock_all`),
+    /// increment the counter of a permit's slot (a semaphore of 3 permits),
+    /// or read (readers) and increment (writers, plain locks) a key's counter.
     #[arg(long, value_enum, default_value_t = Workload::Counter)]
     pub(crate) workload: Workload,
     /// Accounts the transfers pick pairs from (transfer workload).
@@ -122,6 +127,16 @@ pub(crate) struct RunArgs {
     /// BACKEND-transfer-SEED).
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// The keys the workers share: `--keys`, or the workload's default.
+    pub(crate) fn keys(&self) -> usize {
+        self.keys.unwrap_or(match self.workload {
+            Workload::Semaphore => 2,
+            Workload::Counter | Workload::Transfer | Workload::Rw => 3,
+        })
+    }
 }
 
 /// Where each worker stands, as far as its records say.
@@ -323,7 +338,12 @@ impl Cluster {
                 "--store-port",
                 &self.store_port.to_string(),
             ])
-            .args(["--run", &self.run_id, "--keys", &self.args.keys.to_string()])
+            .args([
+                "--run",
+                &self.run_id,
+                "--keys",
+                &self.args.keys().to_string(),
+            ])
             .args([
                 "--workload",
                 workload_name(self.args.workload),
@@ -421,6 +441,18 @@ fn workload_name(workload: Workload) -> &'static str {
     match workload {
         Workload::Counter => "counter",
         Workload::Transfer => "transfer",
+        Workload::Semaphore => "semaphore",
+        Workload::Rw => "rw",
+    }
+}
+
+/// The modes the workload's holds take besides plain locks, which the
+/// backend must offer.
+fn hold_modes(workload: Workload) -> &'static [HoldMode] {
+    match workload {
+        Workload::Counter | Workload::Transfer => &[],
+        Workload::Semaphore => &[HoldMode::Permit { permits: PERMITS }],
+        Workload::Rw => &[HoldMode::Shared],
     }
 }
 
@@ -428,7 +460,7 @@ fn workload_name(workload: Workload) -> &'static str {
 /// counter workload), and how many there are.
 fn opening(args: &RunArgs) -> (u64, usize) {
     match args.workload {
-        Workload::Counter => (0, 0),
+        Workload::Counter | Workload::Semaphore | Workload::Rw => (0, 0),
         Workload::Transfer => (INITIAL_BALANCE, args.accounts),
     }
 }
@@ -510,7 +542,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         Some(dir) => dir.clone(),
         None => target_dir().join("chaos").join(match args.workload {
             Workload::Counter => format!("{backend_name}-{}", args.seed),
-            Workload::Transfer => format!("{backend_name}-transfer-{}", args.seed),
+            other => format!("{backend_name}-{}-{}", workload_name(other), args.seed),
         }),
     };
     if out.exists() {
@@ -673,6 +705,17 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
             drop(dlock_runtime::connect(&side).await?);
         }
     }
+    // A backend that does not offer the workload's modes ends the run here:
+    // never a run that passes without having taken them.
+    for &mode in hold_modes(args.workload) {
+        let backend = dlock_runtime::connect(&cluster.worker_url(0)).await?;
+        if let Err(why) = backend.offers(mode) {
+            bail!(
+                "--workload {} takes {mode}, which the {backend_name} backend does not offer: {why}",
+                workload_name(args.workload)
+            );
+        }
+    }
     {
         let mut workers = cluster.workers.lock().await;
         for id in 0..args.workers {
@@ -771,6 +814,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         hung_workers,
         finished,
         workload: args.workload,
+        permits: (args.workload == Workload::Semaphore).then_some(PERMITS),
         initial_balance: initial,
         accounts,
         dump,
@@ -830,7 +874,9 @@ async fn redis_keys_left(cluster: &Cluster, port: u16) -> anyhow::Result<usize> 
 }
 
 /// Lock nodes left under the run's chroot (`/chaos-<run>`): the children of
-/// every key's container, straight from the server (not through a proxy).
+/// every key's container, straight from the server (not through a proxy);
+/// for a semaphore, the lease nodes under its `leases` child (and any
+/// under `locks`, Curator's mutex of the semaphore) instead of that child.
 async fn zk_nodes_left(cluster: &Cluster) -> anyhow::Result<usize> {
     use zookeeper_client::{Client, Error as ZkError};
     let chroot = format!("/chaos-{}", cluster.run_id);
@@ -847,10 +893,22 @@ async fn zk_nodes_left(cluster: &Cluster) -> anyhow::Result<usize> {
     };
     let mut left = 0;
     for container in containers {
-        match client.list_children(&format!("{chroot}/{container}")).await {
-            Ok(children) => left += children.len(),
-            Err(ZkError::NoNode) => {}
-            Err(e) => bail!("listing {chroot}/{container}: {e}"),
+        let path = format!("{chroot}/{container}");
+        let children = match client.list_children(&path).await {
+            Ok(children) => children,
+            Err(ZkError::NoNode) => continue,
+            Err(e) => bail!("listing {path}: {e}"),
+        };
+        for child in children {
+            if child != "leases" && child != "locks" {
+                left += 1;
+                continue;
+            }
+            match client.list_children(&format!("{path}/{child}")).await {
+                Ok(nodes) => left += nodes.len(),
+                Err(ZkError::NoNode) => {}
+                Err(e) => bail!("listing {path}/{child}: {e}"),
+            }
         }
     }
     Ok(left)
@@ -877,7 +935,9 @@ async fn etcd_entries_left(cluster: &Cluster) -> anyhow::Result<usize> {
 }
 
 /// Leases of this run still live in PostgreSQL's lease table (an owner and
-/// an expiry in the future; lease mode: session mode has no such table), plus
+/// an expiry in the future; lease mode: session mode has no such table),
+/// its holder rows still live (readers and permits) and its waiting-writer
+/// marks still standing, plus
 /// every advisory lock still held on the server (`pg_locks`; the harness's
 /// server serves this run only): the session mode's locks, and any a
 /// lease-mode backend would have left.
@@ -888,8 +948,13 @@ async fn pg_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
     let (rows,): (i64,) = match cluster.args.mode {
         SqlMode::Lease => {
             sqlx::query_as(
-                "SELECT count(*) FROM dlock_leases WHERE key LIKE $1 AND owner IS NOT NULL
-                 AND expires_at > clock_timestamp()",
+                "SELECT (SELECT count(*) FROM dlock_leases WHERE key LIKE $1
+                         AND owner IS NOT NULL AND expires_at > clock_timestamp())
+                      + (SELECT count(*) FROM dlock_leases WHERE key LIKE $1
+                         AND wwait_owner IS NOT NULL AND wwait_until > clock_timestamp()
+                         AND wwait_token = token)
+                      + (SELECT count(*) FROM dlock_leases_holders WHERE key LIKE $1
+                         AND owner IS NOT NULL AND expires_at > clock_timestamp())",
             )
             .bind(format!("dlock:chaos:{}:%", cluster.run_id))
             .fetch_one(&mut conn)
@@ -905,7 +970,8 @@ async fn pg_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
     Ok(usize::try_from(rows + locks)?)
 }
 
-/// Leases of this run still live in MariaDB's lease table (lease mode), plus every
+/// Leases of this run still live in MariaDB's lease table (lease mode), with
+/// its live holder rows and standing waiting-writer marks, plus every
 /// `GET_LOCK` lock still held on the server: the performance schema's
 /// metadata locks of type `USER LEVEL LOCK` (the server runs with the
 /// metadata-lock instrument on; it serves this run only).
@@ -915,11 +981,28 @@ async fn mysql_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
     let mut conn = sqlx::MySqlConnection::connect(&url).await?;
     let (rows,): (i64,) = match cluster.args.mode {
         SqlMode::Lease => {
-            sqlx::query_as(
-                "SELECT count(*) FROM dlock_leases WHERE k LIKE ? AND owner IS NOT NULL
-                 AND expires_us > TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+            let like = format!("dlock:chaos:{}:%", cluster.run_id).into_bytes();
+            let (now,): (i64,) = sqlx::query_as(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))
+                 AS SIGNED)",
             )
-            .bind(format!("dlock:chaos:{}:%", cluster.run_id).into_bytes())
+            .fetch_one(&mut conn)
+            .await?;
+            sqlx::query_as(
+                "SELECT CAST((SELECT count(*) FROM dlock_leases WHERE k LIKE ?
+                              AND owner IS NOT NULL AND expires_us > ?)
+                           + (SELECT count(*) FROM dlock_leases WHERE k LIKE ?
+                              AND wwait_owner IS NOT NULL AND wwait_us > ?
+                              AND wwait_token = token)
+                           + (SELECT count(*) FROM dlock_leases_holders WHERE k LIKE ?
+                              AND owner IS NOT NULL AND expires_us > ?) AS SIGNED)",
+            )
+            .bind(like.clone())
+            .bind(now)
+            .bind(like.clone())
+            .bind(now)
+            .bind(like)
+            .bind(now)
             .fetch_one(&mut conn)
             .await?
         }
@@ -938,9 +1021,16 @@ async fn mysql_keys_left(cluster: &Cluster) -> anyhow::Result<usize> {
 async fn sqlite_keys_left(cluster: &Cluster, url: &str) -> anyhow::Result<usize> {
     let pool = sqlx::SqlitePool::connect(&format!("{url}?mode=ro")).await?;
     let like = format!("dlock:chaos:{}:%", cluster.run_id);
+    // Live leases, standing waiting-writer marks, live holder rows (readers
+    // and permits).
     let (left,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM dlock_leases WHERE key LIKE ?1 AND owner IS NOT NULL
-         AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+        "WITH now(ms) AS (SELECT CAST(unixepoch('subsec') * 1000 AS INTEGER))
+         SELECT (SELECT COUNT(*) FROM dlock_leases, now WHERE key LIKE ?1
+                 AND owner IS NOT NULL AND expires_at > now.ms)
+              + (SELECT COUNT(*) FROM dlock_leases, now WHERE key LIKE ?1
+                 AND wwait_owner IS NOT NULL AND wwait_until > now.ms AND wwait_token = token)
+              + (SELECT COUNT(*) FROM dlock_leases_holders, now WHERE key LIKE ?1
+                 AND owner IS NOT NULL AND expires_at > now.ms)",
     )
     .bind(like)
     .fetch_one(&pool)

@@ -9,7 +9,10 @@
 //!   (`--sqlite`; the counter row written in the transaction of
 //!   `fence::check`) or a Redis server (`--redis`; the counter written by
 //!   `fence::redis::set`, a read registering its token by writing back the
-//!   value it read). The checker replays the log on its own, so a stale
+//!   value it read; a call whose answer is lost, which may or may not have
+//!   written, is sent again with the same value and token until it
+//!   answers, so the log has every request's true outcome). The checker
+//!   replays the log on its own, so a stale
 //!   operation the kit let through is still caught.
 //! - **version** mode (Redlock, which has no safe token): a write is taken only if
 //!   the version it read is still current (compare-and-set).
@@ -28,6 +31,17 @@
 //!   (one half taken, the other refused) and reported by the checker.
 //! - version mode: both versions compared, both cells written, or neither.
 //!
+//! The read-write workload's readers read with `S` (a shared read), which
+//! the store decides itself beside the kit: it is refused when a writer's
+//! read or write with a newer token was taken (the kit's fence of the key,
+//! mirrored here), and it raises the key's *reader fence*, which refuses
+//! any later writer's read or write with an older token (before the kit is
+//! asked). Readers never refuse each other, so readers that share the lock
+//! all pass, while a reader and a writer that overlapped cannot both have
+//! all their operations taken: the checker rebuilds every hold from the
+//! operations the store took, in the store's order, and a writer's hold
+//! overlapping a reader's there is a violation.
+//!
 //! Every decision is appended to the store's log, in order, for the checker:
 //! requests are answered one at a time, each committed before the next starts.
 //! A transfer's two halves are two entries sharing a transfer number.
@@ -38,6 +52,7 @@
 //! `RT <worker> <key> <token|-> <key> <token|->` →
 //! `OK <value> <version> <value> <version>` | `STALE`;
 //! `WT <worker> (<key> <token|-> <base_version> <value>){2}` → `OK` | `STALE` | `HALF`;
+//! `S <worker> <key> <token|->` → `OK <value> <version>` | `STALE`;
 //! `DUMP` → `<key> <value> <version>` lines, then `END`.
 //!
 //! A key never written holds `--initial` (0 by default; the transfer
@@ -138,11 +153,25 @@ impl Kit {
             Kit::Redis(conn) => {
                 let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
-                if refused(fence::redis::set(conn, &redis_key(key), same, token).await)? {
+                if refused(redis_set(conn, key, &same, token).await)? {
                     return Ok(None);
                 }
                 Ok(Some((value, version)))
             }
+        }
+    }
+
+    /// The cell of `key` as it stands, without fencing.
+    async fn peek(&mut self, key: &str, initial: u64) -> anyhow::Result<(u64, u64)> {
+        match self {
+            Kit::None => bail!("fence mode needs the kit"),
+            Kit::Sqlite(pool) => {
+                let mut tx = pool.begin().await?;
+                let cell = sqlite_cell(&mut tx, key, initial).await?;
+                tx.commit().await?;
+                Ok(cell)
+            }
+            Kit::Redis(conn) => redis_cell(conn, key, initial).await,
         }
     }
 
@@ -202,9 +231,7 @@ impl Kit {
             Kit::Redis(conn) => {
                 let (_, version) = redis_cell(conn, key, initial).await?;
                 let cell = format!("{value} {}", version + 1);
-                Ok(!refused(
-                    fence::redis::set(conn, &redis_key(key), cell, token).await,
-                )?)
+                Ok(!refused(redis_set(conn, key, &cell, token).await)?)
             }
         }
     }
@@ -238,9 +265,7 @@ impl Kit {
                 let (key, token, _) = writes[1];
                 let (value, version) = redis_cell(conn, key, initial).await?;
                 let same = format!("{value} {version}");
-                let passed = !refused(
-                    fence::redis::set(conn, &redis_key(key), same, FencingToken::new(token)).await,
-                )?;
+                let passed = !refused(redis_set(conn, key, &same, FencingToken::new(token)).await)?;
                 if !passed {
                     return Ok([false, false]);
                 }
@@ -330,6 +355,33 @@ fn refused(checked: Result<(), LockError>) -> anyhow::Result<bool> {
     }
 }
 
+/// How often [`redis_set`] sends a call again whose answer was lost.
+const REDIS_SET_TRIES: usize = 50;
+
+/// `fence::redis::set` of the cell of `key`, sent again with the same value
+/// and token while the call fails: a failed call (a lost answer) may or may
+/// not have written, and writing again with the same token is safe (the
+/// kit's docs), so the store learns — and logs — every request's true
+/// outcome.
+async fn redis_set(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    value: &str,
+    token: FencingToken,
+) -> Result<(), LockError> {
+    let mut tries = 1;
+    loop {
+        match fence::redis::set(conn, &redis_key(key), value, token).await {
+            Err(e) if !matches!(e, LockError::Fenced { .. }) && tries < REDIS_SET_TRIES => {
+                eprintln!("store: {key}: {e}; sending the same write again");
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
 fn redis_key(key: &str) -> String {
     format!("chaos-store:{key}")
 }
@@ -361,6 +413,11 @@ struct State {
     seq: u64,
     /// Transfers (reads and writes of two keys) answered so far.
     transfers: u64,
+    /// Per key, the newest token of a writer's read or write the kit took
+    /// (the kit's own fence of the key, as the store passed it).
+    writers: BTreeMap<String, u64>,
+    /// Per key, the newest token of a reader's shared read taken.
+    readers: BTreeMap<String, u64>,
     log: std::io::BufWriter<std::fs::File>,
 }
 
@@ -374,6 +431,18 @@ impl State {
         serde_json::to_writer(&mut self.log, &op)?;
         self.log.write_all(b"\n")?;
         Ok(())
+    }
+
+    /// Whether a writer's `token` is older than a reader's the store took
+    /// on `key` (refused before the kit is asked).
+    fn behind_readers(&self, key: &str, token: u64) -> bool {
+        self.readers.get(key).is_some_and(|&newest| token < newest)
+    }
+
+    /// Records that the kit took a writer's `token` on `key`.
+    fn passed_writer(&mut self, key: &str, token: u64) {
+        let newest = self.writers.entry(key.to_owned()).or_default();
+        *newest = (*newest).max(token);
     }
 
     /// The cell of `key` in version mode (and a known key in fence mode).
@@ -419,11 +488,14 @@ impl State {
             ["R", w, key, tok] => {
                 let token = parse_token(tok)?;
                 let reply = match (mode, token) {
-                    (Mode::Fence, Some(t)) => self
-                        .kit
-                        .read(key, t, initial)
-                        .await?
-                        .map(|(value, version)| format!("OK {value} {version}")),
+                    (Mode::Fence, Some(t)) if self.behind_readers(key, t) => None,
+                    (Mode::Fence, Some(t)) => {
+                        let cell = self.kit.read(key, t, initial).await?;
+                        if cell.is_some() {
+                            self.passed_writer(key, t);
+                        }
+                        cell.map(|(value, version)| format!("OK {value} {version}"))
+                    }
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
                     (Mode::Version, _) => {
                         let cell = self.cell(key);
@@ -441,7 +513,14 @@ impl State {
                 let base: u64 = base.parse()?;
                 let value: u64 = value.parse()?;
                 let accepted = match (mode, token) {
-                    (Mode::Fence, Some(t)) => self.kit.write(key, t, value, initial).await?,
+                    (Mode::Fence, Some(t)) if self.behind_readers(key, t) => false,
+                    (Mode::Fence, Some(t)) => {
+                        let taken = self.kit.write(key, t, value, initial).await?;
+                        if taken {
+                            self.passed_writer(key, t);
+                        }
+                        taken
+                    }
                     (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
                     (Mode::Version, _) => {
                         let cell = self.cell(key);
@@ -457,6 +536,32 @@ impl State {
                 let write = Some((base, value));
                 self.log_op(w.parse()?, OpKind::Write, key, token, write, accepted, None)?;
                 Ok(if accepted { "OK" } else { "STALE" }.to_owned())
+            }
+            ["S", w, key, tok] => {
+                let token = parse_token(tok)?;
+                let reply = match (mode, token) {
+                    (Mode::Fence, Some(t)) => {
+                        if self.writers.get(*key).is_some_and(|&newest| t < newest) {
+                            None
+                        } else {
+                            let newest = self.readers.entry((*key).to_owned()).or_default();
+                            *newest = (*newest).max(t);
+                            Some(self.kit.peek(key, initial).await?)
+                        }
+                    }
+                    (Mode::Fence, None) => bail!("fence mode needs a token: {line}"),
+                    (Mode::Version, _) => {
+                        let cell = self.cell(key);
+                        Some((cell.value, cell.version))
+                    }
+                };
+                self.cell(key);
+                let accepted = reply.is_some();
+                self.log_op(w.parse()?, OpKind::Shared, key, token, None, accepted, None)?;
+                Ok(reply.map_or_else(
+                    || "STALE".to_owned(),
+                    |(value, version)| format!("OK {value} {version}"),
+                ))
             }
             ["RT", w, k0, t0, k1, t1] => {
                 let w: usize = w.parse()?;
@@ -482,6 +587,9 @@ impl State {
                 for (i, key) in keys.into_iter().enumerate() {
                     self.cell(key);
                     let accepted = cells[i].is_some();
+                    if let (true, Mode::Fence, Some(t)) = (accepted, mode, tokens[i]) {
+                        self.passed_writer(key, t);
+                    }
                     self.log_op(w, OpKind::Read, key, tokens[i], None, accepted, transfer)?;
                 }
                 Ok(match cells {
@@ -523,6 +631,9 @@ impl State {
                 for (i, key) in keys.into_iter().enumerate() {
                     self.cell(key);
                     let write = Some((bases[i], values[i]));
+                    if let (true, Mode::Fence, Some(t)) = (taken[i], mode, tokens[i]) {
+                        self.passed_writer(key, t);
+                    }
                     self.log_op(w, OpKind::Write, key, tokens[i], write, taken[i], transfer)?;
                 }
                 Ok(match taken {
@@ -596,6 +707,8 @@ pub(crate) async fn serve(
         initial,
         seq: 0,
         transfers: 0,
+        writers: BTreeMap::new(),
+        readers: BTreeMap::new(),
         log: std::io::BufWriter::new(file),
     }));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -683,6 +796,24 @@ impl StoreClient {
         token: Option<u64>,
     ) -> anyhow::Result<ReadReply> {
         let line = self.call(format!("R {w} {key} {}", tok(token))).await?;
+        if line == "STALE" {
+            return Ok(ReadReply::Stale);
+        }
+        let mut it = line.split(' ').skip(1).map(str::parse::<u64>);
+        match (it.next(), it.next()) {
+            (Some(Ok(value)), Some(Ok(version))) => Ok(ReadReply::Ok { value, version }),
+            _ => bail!("bad store reply {line:?}"),
+        }
+    }
+
+    /// A reader's fenced read (see the [module docs](self)).
+    pub(crate) async fn shared_read(
+        &mut self,
+        w: usize,
+        key: &str,
+        token: Option<u64>,
+    ) -> anyhow::Result<ReadReply> {
+        let line = self.call(format!("S {w} {key} {}", tok(token))).await?;
         if line == "STALE" {
             return Ok(ReadReply::Stale);
         }

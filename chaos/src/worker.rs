@@ -22,6 +22,20 @@
 //! balances from the store with each key's own token (`fencing_token_of`),
 //! and writes the debited and the credited balance in one request that the
 //! store decides as a whole (see [`store`](crate::store)).
+//!
+//! With `--workload semaphore` every hold is one of [`PERMITS`] permits of
+//! its key (`permits = 3` in the attribute, `LockBuilder::permits` when the
+//! caller gives up somewhere), and the body read-modify-writes the counter
+//! of its permit's slot, store key `{key}#{slot}`, with the permit's token:
+//! the store fences each (key, slot) on its own.
+//!
+//! With `--workload rw` an iteration is a reader (`mode = "read"`, or
+//! `LockBuilder::read`), a writer (`mode = "write"`, or
+//! `LockBuilder::write`) or a plain lock of the same keys. Writers and plain
+//! locks read-modify-write the key's counter with their token; a reader
+//! reads it with the store's shared read twice, on entering and before
+//! leaving, so that its hold spans its stay in the store's order (see
+//! [`store`](crate::store)).
 
 use std::sync::Mutex as SyncMutex;
 use std::time::Duration;
@@ -78,7 +92,22 @@ pub(crate) enum Workload {
     Counter,
     /// Two accounts per hold: move an amount from one to the other.
     Transfer,
+    /// One of [`PERMITS`] permits per hold: increment the counter of the
+    /// permit's slot.
+    Semaphore,
+    /// Readers, writers and plain locks of the same keys: readers read the
+    /// key's counter, writers and plain locks increment it.
+    Rw,
 }
+
+/// The permits of the semaphore workload's keys (the `permits = 3` of its
+/// annotated functions).
+pub(crate) const PERMITS: u32 = 3;
+
+/// Of the read-write workload's iterations: the share of readers, then of
+/// writers (`mode = "write"`); the rest are plain locks.
+const READERS: f64 = 0.55;
+const WRITERS: f64 = 0.25;
 
 /// Every account's balance before the first transfer.
 pub(crate) const INITIAL_BALANCE: u64 = 1000;
@@ -203,13 +232,22 @@ enum Target {
         /// The account credited.
         to: String,
     },
+    /// A permit of a key's semaphore: the counter of its slot.
+    Permit(String),
+    /// A reader of a key: reads its counter.
+    Reader(String),
+    /// A writer of a key (`mode = "write"`): increments its counter.
+    Writer(String),
 }
 
 impl Target {
     /// The key events name first: the counter's, or the debited account.
     fn key(&self) -> &str {
         match self {
-            Target::Counter(key) => key,
+            Target::Counter(key)
+            | Target::Permit(key)
+            | Target::Reader(key)
+            | Target::Writer(key) => key,
             Target::Transfer { from, .. } => from,
         }
     }
@@ -217,8 +255,8 @@ impl Target {
     /// Every key of a several-key hold, in the events' order (none for one key).
     fn keys(&self) -> Vec<String> {
         match self {
-            Target::Counter(_) => Vec::new(),
             Target::Transfer { from, to } => vec![from.clone(), to.clone()],
+            _ => Vec::new(),
         }
     }
 }
@@ -284,8 +322,10 @@ impl Worker {
     /// The body for `target`.
     async fn body(&self, target: &Target, long: bool) -> Result<(), StepError> {
         match target {
-            Target::Counter(key) => self.read_modify_write(key, long).await,
+            Target::Counter(key) | Target::Writer(key) => self.read_modify_write(key, long).await,
             Target::Transfer { from, to } => self.transfer(target, from, to, long).await,
+            Target::Permit(key) => self.permit_write(key, long).await,
+            Target::Reader(key) => self.read_shared(key, long).await,
         }
     }
 
@@ -338,7 +378,7 @@ impl Worker {
         let held = dlock_runtime::current().expect("called inside the lock");
         let tokens =
             [from, to].map(|key| held.fencing_token_of(&self.lock_key(key)).map(u64::from));
-        self.emit_for(target, Step::Acquired { token: tokens[0] });
+        self.emit_for(target, Step::acquired(tokens[0]));
 
         let mut slot = self.store.lock().await;
         let mut store = match slot.take() {
@@ -399,12 +439,46 @@ impl Worker {
         Ok(())
     }
 
-    /// The body of every iteration: fenced read, a short stay, fenced write.
+    /// The body of a hold of one key: fenced read, a short stay, fenced write.
     async fn read_modify_write(&self, key: &str, long: bool) -> Result<(), StepError> {
         let held = dlock_runtime::current().expect("called inside the lock");
         let token = held.fencing_token().map(u64::from);
-        self.emit(key, Step::Acquired { token });
+        self.emit(key, Step::acquired(token));
+        self.increment(key, key, token, long).await
+    }
 
+    /// The body of a permit: the read-modify-write of its slot's counter.
+    async fn permit_write(&self, key: &str, long: bool) -> Result<(), StepError> {
+        let held = dlock_runtime::current().expect("called inside the lock");
+        let token = held.fencing_token().map(u64::from);
+        let slot = held.permit();
+        self.emit(
+            key,
+            Step::Acquired {
+                token,
+                slot,
+                shared: false,
+            },
+        );
+        let cell = match slot {
+            Some(slot) => format!("{key}#{slot}"),
+            None => key.to_owned(),
+        };
+        self.increment(key, &cell, token, long).await
+    }
+
+    /// The body of a reader: a shared read, a short stay, a shared read again.
+    async fn read_shared(&self, key: &str, long: bool) -> Result<(), StepError> {
+        let held = dlock_runtime::current().expect("called inside the lock");
+        let token = held.fencing_token().map(u64::from);
+        self.emit(
+            key,
+            Step::Acquired {
+                token,
+                slot: None,
+                shared: true,
+            },
+        );
         let mut slot = self.store.lock().await;
         let mut store = match slot.take() {
             Some(store) => store,
@@ -413,7 +487,58 @@ impl Worker {
                 .map_err(StepError::Store)?,
         };
         let w = self.args.id;
-        let (value, version) = match store.read(w, key, token).await.map_err(StepError::Store)? {
+        let read = store.shared_read(w, key, token).await;
+        let (value, version) = match read.map_err(StepError::Store)? {
+            ReadReply::Ok { value, version } => (value, version),
+            ReadReply::Stale => {
+                *slot = Some(store);
+                self.emit(key, Step::Fenced);
+                return Ok(());
+            }
+        };
+        let hold = self.stay(long).await;
+        self.emit(
+            key,
+            Step::Read {
+                value,
+                version,
+                hold_ms: hold.as_millis() as u64,
+            },
+        );
+        let noticed = self.hold_for(&Target::Reader(key.to_owned()), hold).await;
+        let again = store.shared_read(w, key, token).await;
+        let again = again.map_err(StepError::Store)?;
+        *slot = Some(store);
+        if matches!(again, ReadReply::Stale) {
+            self.emit(key, Step::Fenced);
+        }
+        if held.is_lost() && !noticed {
+            // Only reached with `on_lost = "continue"`.
+            self.emit(key, Step::Lost { cancelled: false });
+        }
+        self.emit(key, Step::Leaving);
+        Ok(())
+    }
+
+    /// Fenced read of `cell`, a short stay, fenced write of the value read
+    /// plus one; events name `key`.
+    async fn increment(
+        &self,
+        key: &str,
+        cell: &str,
+        token: Option<u64>,
+        long: bool,
+    ) -> Result<(), StepError> {
+        let held = dlock_runtime::current().expect("called inside the lock");
+        let mut slot = self.store.lock().await;
+        let mut store = match slot.take() {
+            Some(store) => store,
+            None => StoreClient::connect(self.args.store_port)
+                .await
+                .map_err(StepError::Store)?,
+        };
+        let w = self.args.id;
+        let (value, version) = match store.read(w, cell, token).await.map_err(StepError::Store)? {
             ReadReply::Ok { value, version } => (value, version),
             ReadReply::Stale => {
                 *slot = Some(store);
@@ -432,7 +557,7 @@ impl Worker {
         );
         let noticed = self.hold_for(&Target::Counter(key.to_owned()), hold).await;
         let accepted = store
-            .write(w, key, token, version, value + 1)
+            .write(w, cell, token, version, value + 1)
             .await
             .map_err(StepError::Store)?;
         *slot = Some(store);
@@ -474,6 +599,30 @@ impl Worker {
                     (false, 1) => transfer_continue_1s(run, from, to, target, self, long).await,
                     (false, _) => transfer_continue_2500ms(run, from, to, target, self, long).await,
                 },
+                Target::Permit(key) => match (cancel, lease) {
+                    (true, 0) => permit_cancel_400ms(run, key, self, long).await,
+                    (true, 1) => permit_cancel_1s(run, key, self, long).await,
+                    (true, _) => permit_cancel_2500ms(run, key, self, long).await,
+                    (false, 0) => permit_continue_400ms(run, key, self, long).await,
+                    (false, 1) => permit_continue_1s(run, key, self, long).await,
+                    (false, _) => permit_continue_2500ms(run, key, self, long).await,
+                },
+                Target::Reader(key) => match (cancel, lease) {
+                    (true, 0) => read_cancel_400ms(run, key, self, long).await,
+                    (true, 1) => read_cancel_1s(run, key, self, long).await,
+                    (true, _) => read_cancel_2500ms(run, key, self, long).await,
+                    (false, 0) => read_continue_400ms(run, key, self, long).await,
+                    (false, 1) => read_continue_1s(run, key, self, long).await,
+                    (false, _) => read_continue_2500ms(run, key, self, long).await,
+                },
+                Target::Writer(key) => match (cancel, lease) {
+                    (true, 0) => write_cancel_400ms(run, key, self, long).await,
+                    (true, 1) => write_cancel_1s(run, key, self, long).await,
+                    (true, _) => write_cancel_2500ms(run, key, self, long).await,
+                    (false, 0) => write_continue_400ms(run, key, self, long).await,
+                    (false, 1) => write_continue_1s(run, key, self, long).await,
+                    (false, _) => write_continue_2500ms(run, key, self, long).await,
+                },
             }
         };
         match with_lease(plan.lease, call).await {
@@ -498,6 +647,9 @@ impl Worker {
             Target::Transfer { from, to } => self
                 .registry
                 .lock_all([self.lock_key(from), self.lock_key(to)]),
+            Target::Permit(key) => self.registry.lock(self.lock_key(key)).permits(PERMITS),
+            Target::Reader(key) => self.registry.lock(self.lock_key(key)).read(),
+            Target::Writer(key) => self.registry.lock(self.lock_key(key)).write(),
         };
         let acquire = with_lease(plan.lease, builder.wait(WAIT).lease(plan.lease).acquire());
         let acquired = match plan.cut(GaveUpAt::Acquire) {
@@ -677,6 +829,63 @@ annotated_transfers! {
     transfer_continue_2500ms: lease = "2500ms", on_lost = "continue";
 }
 
+/// The semaphore workload's annotated functions: one permit of [`PERMITS`].
+macro_rules! annotated_permits {
+    ($($name:ident: lease = $lease:tt, on_lost = $on_lost:tt;)*) => {$(
+        #[distributed_lock(
+            key = "chaos:{run}:{key}",
+            permits = 3,
+            wait = "2s",
+            lease = $lease,
+            on_lost = $on_lost
+        )]
+        async fn $name(run: &str, key: &str, worker: &Worker, long: bool) -> Result<(), StepError> {
+            worker.permit_write(key, long).await
+        }
+    )*};
+}
+
+annotated_permits! {
+    permit_cancel_400ms: lease = "400ms", on_lost = "cancel";
+    permit_cancel_1s: lease = "1s", on_lost = "cancel";
+    permit_cancel_2500ms: lease = "2500ms", on_lost = "cancel";
+    permit_continue_400ms: lease = "400ms", on_lost = "continue";
+    permit_continue_1s: lease = "1s", on_lost = "continue";
+    permit_continue_2500ms: lease = "2500ms", on_lost = "continue";
+}
+
+/// The read-write workload's annotated functions: readers and writers (its
+/// plain locks are the counter workload's functions).
+macro_rules! annotated_rw {
+    ($($name:ident: mode = $mode:tt, lease = $lease:tt, on_lost = $on_lost:tt, body = $body:ident;)*) => {$(
+        #[distributed_lock(
+            key = "chaos:{run}:{key}",
+            mode = $mode,
+            wait = "2s",
+            lease = $lease,
+            on_lost = $on_lost
+        )]
+        async fn $name(run: &str, key: &str, worker: &Worker, long: bool) -> Result<(), StepError> {
+            worker.$body(key, long).await
+        }
+    )*};
+}
+
+annotated_rw! {
+    read_cancel_400ms: mode = "read", lease = "400ms", on_lost = "cancel", body = read_shared;
+    read_cancel_1s: mode = "read", lease = "1s", on_lost = "cancel", body = read_shared;
+    read_cancel_2500ms: mode = "read", lease = "2500ms", on_lost = "cancel", body = read_shared;
+    read_continue_400ms: mode = "read", lease = "400ms", on_lost = "continue", body = read_shared;
+    read_continue_1s: mode = "read", lease = "1s", on_lost = "continue", body = read_shared;
+    read_continue_2500ms: mode = "read", lease = "2500ms", on_lost = "continue", body = read_shared;
+    write_cancel_400ms: mode = "write", lease = "400ms", on_lost = "cancel", body = read_modify_write;
+    write_cancel_1s: mode = "write", lease = "1s", on_lost = "cancel", body = read_modify_write;
+    write_cancel_2500ms: mode = "write", lease = "2500ms", on_lost = "cancel", body = read_modify_write;
+    write_continue_400ms: mode = "write", lease = "400ms", on_lost = "continue", body = read_modify_write;
+    write_continue_1s: mode = "write", lease = "1s", on_lost = "continue", body = read_modify_write;
+    write_continue_2500ms: mode = "write", lease = "2500ms", on_lost = "continue", body = read_modify_write;
+}
+
 /// Connects to a `zk://` URL, trying again while it fails, and keeps the
 /// backend's own type (for its session).
 async fn connect_zk(id: usize, url: &str) -> ZooKeeperBackend {
@@ -771,15 +980,27 @@ pub(crate) async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args,
     };
     let keys: Vec<String> = match worker.args.workload {
-        Workload::Counter => (0..worker.args.keys).map(|k| format!("k{k}")).collect(),
+        Workload::Counter | Workload::Semaphore | Workload::Rw => {
+            (0..worker.args.keys).map(|k| format!("k{k}")).collect()
+        }
         Workload::Transfer => crate::store::account_keys(worker.args.accounts),
     };
     if worker.args.workload == Workload::Transfer && keys.len() < 2 {
         anyhow::bail!("a transfer needs two accounts at least (--accounts)");
     }
     while !*stop.borrow() {
+        let mut one = || keys[rng.random_range(0..keys.len())].clone();
         let target = match worker.args.workload {
-            Workload::Counter => Target::Counter(keys[rng.random_range(0..keys.len())].clone()),
+            Workload::Counter => Target::Counter(one()),
+            Workload::Semaphore => Target::Permit(one()),
+            Workload::Rw => {
+                let key = one();
+                match rng.random::<f64>() {
+                    x if x < READERS => Target::Reader(key),
+                    x if x < READERS + WRITERS => Target::Writer(key),
+                    _ => Target::Counter(key),
+                }
+            }
             Workload::Transfer => {
                 let from = rng.random_range(0..keys.len());
                 // Any other account: a draw among the n - 1 others.

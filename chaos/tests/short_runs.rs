@@ -13,6 +13,15 @@
 //! be told within a bound (with the reason `revoked` where the backend
 //! tells it), and the next grant's token must be larger.
 //!
+//! The semaphore workload (a semaphore of 3 permits per key, through the
+//! attribute's `permits = 3`) and the read-write workload (readers,
+//! writers and plain locks of the same keys) run on SQLite, Redis,
+//! PostgreSQL and MySQL in lease mode and ZooKeeper under one round of
+//! their backend's faults, failing also on more holders of one key than its
+//! permits, two holders of one (key, slot), a reader beside a writer (all
+//! on the store's order of the operations it took), and on a run where
+//! permits or readers never actually shared a key.
+//!
 //! `DLOCK_CHAOS_PORT_BASE` moves the servers the runs start (`--port-base`)
 //! away from the default ports, for a machine where those are taken.
 //!
@@ -62,6 +71,45 @@ fn short_transfer_run(backend: &str, faults: u32) -> serde_json::Value {
     );
     assert_eq!(summary["stale_writes_by_key"], serde_json::json!({}));
     assert_eq!(summary["lost_updates_by_key"], serde_json::json!({}));
+    summary
+}
+
+/// One short run of the semaphore workload on `backend` with `faults`
+/// faults, failing also when one key had more holders than its 3 permits
+/// at once, a permit had no slot below them, two holders of one slot
+/// overlapped, or no two permits of one key were ever held together.
+fn short_semaphore_run(backend: &str, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, None, "semaphore", faults);
+    assert_eq!(summary["workload"], "semaphore", "{summary}");
+    assert_eq!(summary["permits"].as_u64(), Some(3), "{summary}");
+    let most = summary["max_permit_holders"].as_u64().unwrap_or(0);
+    assert!(
+        (2..=3).contains(&most),
+        "at most {most} permit holders at once: {summary}"
+    );
+    assert_eq!(summary["permit_slots_out_of_range"].as_u64(), Some(0));
+    assert_eq!(summary["holders_at_once"].as_u64(), Some(0));
+    assert_eq!(summary["stale_writes_by_key"], serde_json::json!({}));
+    summary
+}
+
+/// One short run of the read-write workload on `backend` with `faults`
+/// faults, failing also when a reader's hold overlapped a writer's, two
+/// exclusive holds overlapped, or no two readers ever shared a key.
+fn short_rw_run(backend: &str, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, None, "rw", faults);
+    assert_eq!(summary["workload"], "rw", "{summary}");
+    assert_eq!(summary["readers_beside_writers"].as_u64(), Some(0));
+    assert_eq!(summary["holders_at_once"].as_u64(), Some(0));
+    assert_eq!(summary["stale_reads_accepted"].as_u64(), Some(0));
+    assert!(
+        summary["max_readers_at_once"].as_u64().unwrap_or(0) >= 2,
+        "readers never shared a key: {summary}"
+    );
+    assert!(
+        summary["writes_accepted"].as_u64().unwrap_or(0) >= 1,
+        "no writer wrote: {summary}"
+    );
     summary
 }
 
@@ -300,4 +348,92 @@ fn transfers_on_zookeeper_conserve_the_total_under_one_round_of_faults() {
         &summary,
         &["session_expiry", "kill_server", "proxy_blackhole", "revoke"],
     );
+}
+
+// The semaphore and read-write workloads: one round of the backend's faults
+// each.
+
+#[test]
+fn semaphore_on_sqlite_keeps_its_permits_under_pauses_kills_and_side_stalls() {
+    short_semaphore_run("sqlite", 4);
+}
+
+#[test]
+fn rw_on_sqlite_keeps_readers_from_writers_under_pauses_kills_and_side_stalls() {
+    short_rw_run("sqlite", 4);
+}
+
+#[test]
+fn semaphore_on_redis_keeps_its_permits_under_one_round_of_faults() {
+    short_semaphore_run("redis", 8);
+}
+
+#[test]
+fn rw_on_redis_keeps_readers_from_writers_under_one_round_of_faults() {
+    short_rw_run("redis", 8);
+}
+
+#[test]
+fn semaphore_on_postgres_lease_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run("postgres", 9);
+    assert_faults(&summary, &["row_stolen", "kill_server", "revoke"]);
+}
+
+#[test]
+fn rw_on_postgres_lease_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run("postgres", 9);
+    assert_faults(&summary, &["row_stolen", "kill_server", "revoke"]);
+}
+
+#[test]
+fn semaphore_on_mysql_lease_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run("mysql", 9);
+    assert_faults(&summary, &["row_stolen", "kill_server", "revoke"]);
+}
+
+#[test]
+fn rw_on_mysql_lease_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run("mysql", 9);
+    assert_faults(&summary, &["row_stolen", "kill_server", "revoke"]);
+}
+
+#[test]
+fn semaphore_on_zookeeper_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run("zk", 9);
+    assert_faults(&summary, &["session_expiry", "kill_server", "revoke"]);
+}
+
+#[test]
+fn rw_on_zookeeper_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run("zk", 9);
+    assert_faults(&summary, &["session_expiry", "kill_server", "revoke"]);
+}
+
+#[test]
+fn a_backend_that_does_not_offer_the_workloads_mode_fails_the_run() {
+    for workload in ["semaphore", "rw"] {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let out = tempfile::tempdir().unwrap();
+        let run = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
+            .args(["run", "--backend", "redlock", "--workload", workload])
+            .args(["--acquisitions", "10", "--faults", "1"])
+            .args(
+                std::env::var("DLOCK_CHAOS_PORT_BASE")
+                    .ok()
+                    .map(|base| ["--port-base".to_owned(), base])
+                    .into_iter()
+                    .flatten(),
+            )
+            .arg("--out")
+            .arg(out.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{workload} on Redlock passed");
+        assert!(
+            stderr.contains("does not offer") && stderr.contains("Redlock"),
+            "{workload}: {stderr}"
+        );
+        assert!(read_summary(out.path()).is_null(), "{workload}: a summary");
+    }
 }
