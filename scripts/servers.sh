@@ -228,6 +228,9 @@ install_missing() {
     command -v etcd >/dev/null || pkgs+=(etcd-server)
     # etcd-client (the etcd backend's gRPC client) runs protoc at build time.
     command -v protoc >/dev/null || pkgs+=(protobuf-compiler)
+    # … and needs protobuf's well-known types (a recommendation of
+    # protobuf-compiler, which this script installs without them).
+    [[ -f /usr/include/google/protobuf/descriptor.proto ]] || pkgs+=(libprotobuf-dev)
     # The `dlock` command's tests drive `dlock watch` in a terminal.
     command -v tmux >/dev/null || pkgs+=(tmux)
     ((${#pkgs[@]})) || return 0

@@ -248,6 +248,8 @@ pub(crate) async fn acquire_watched(
     // the last symptom.
     let mut last_unavailable: Option<String> = None;
     let mut owed = OwedWake(None);
+    // Whether the last answer was busy: see `busy_at_the_end`.
+    let mut busy_before = false;
     loop {
         let armed = source.as_ref().map(WakeSource::arm);
         let sent = Instant::now();
@@ -259,6 +261,9 @@ pub(crate) async fn acquire_watched(
                     Ok(attempt) => attempt,
                     // Dropped unanswered; `on_the_wire` stays set: the
                     // server may still run it.
+                    Err(_) if busy_at_the_end(busy_before, sent, deadline) => {
+                        return Ok(Acquired::Busy);
+                    }
                     Err(_) => {
                         return Err(unanswered(
                             backend,
@@ -273,6 +278,7 @@ pub(crate) async fn acquire_watched(
         on_the_wire.store(false, Ordering::SeqCst);
         let attempt = attempt?;
         let now = Instant::now();
+        busy_before = matches!(attempt, Attempt::Busy { .. });
         if !matches!(attempt, Attempt::Unavailable { .. }) {
             unavailable_streak = 0;
             last_unavailable = None;
@@ -348,6 +354,18 @@ pub(crate) async fn acquire_watched(
             () = tokio::time::sleep_until(wake_at.into()) => {}
         }
     }
+}
+
+/// Whether an attempt sent at `sent` and still unanswered
+/// [`ATTEMPT_GRACE`] after the deadline is the wait's last look at a key
+/// the server had just answered busy: sent after a busy answer, within
+/// [`ATTEMPT_GRACE`] of the deadline. The wait's answer is then `Busy`, what
+/// the server last said once the budget was spent, not an error for a
+/// server slow to answer one more time (a loaded machine). The attempt is
+/// still undone: `on_the_wire` stays set, and the caller follows it with
+/// its owner-checked release.
+fn busy_at_the_end(busy_before: bool, sent: Instant, deadline: Instant) -> bool {
+    busy_before && saturating_add(sent, ATTEMPT_GRACE) >= deadline
 }
 
 /// The error of an attempt sent at `sent` and dropped unanswered at the
@@ -523,11 +541,13 @@ mod tests {
     /// A backend that answers an attempt only after `answers_after`
     /// (never, for `None`), and then that the key is busy; with
     /// `first_fails`, its first attempt answers at once that it is
-    /// unavailable, with that text.
+    /// unavailable, with that text; with `busy_at_once`, its first attempts
+    /// answer at once that the key is busy (the holder's expiry that far).
     #[derive(Debug, Default)]
     struct Slow {
         answers_after: Option<Duration>,
         first_fails: Option<&'static str>,
+        busy_at_once: Option<(usize, Duration)>,
         attempts: std::sync::atomic::AtomicUsize,
     }
 
@@ -541,7 +561,13 @@ mod tests {
             _request: &'a AcquireRequest,
         ) -> futures_util::future::BoxFuture<'a, Result<Attempt, BackendError>> {
             Box::pin(async move {
-                let first = self.attempts.fetch_add(1, Ordering::SeqCst) == 0;
+                let n = self.attempts.fetch_add(1, Ordering::SeqCst);
+                if let Some((_, expiry)) = self.busy_at_once.filter(|(count, _)| n < *count) {
+                    return Ok(Attempt::Busy {
+                        retry_in: Some(expiry),
+                    });
+                }
+                let first = n == 0;
                 if let (true, Some(text)) = (first, self.first_fails) {
                     return Ok(Attempt::Unavailable {
                         error: BackendError::transient(text),
@@ -614,6 +640,38 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_last_look_left_unanswered_after_a_busy_answer_is_busy() {
+        let wait = Duration::from_millis(300);
+        // Busy twice (the first try, and the try after registering the
+        // wake-up) until the deadline; the try at the deadline never answers.
+        let slow = Slow {
+            busy_at_once: Some((2, wait)),
+            ..Slow::default()
+        };
+        let started = Instant::now();
+        let on_the_wire = AtomicBool::new(false);
+        let answer = acquire_watched(&slow, &request(wait), &on_the_wire).await;
+        assert!(matches!(answer, Ok(Acquired::Busy)), "{answer:?}");
+        assert!(about(started.elapsed(), wait + ATTEMPT_GRACE));
+        assert!(
+            on_the_wire.load(Ordering::SeqCst),
+            "the caller must learn that the last attempt may still run"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_server_silent_long_before_the_deadline_is_an_error_after_a_busy_answer() {
+        let wait = Duration::from_millis(800);
+        let slow = Slow {
+            busy_at_once: Some((2, Duration::from_millis(50))),
+            ..Slow::default()
+        };
+        let answer = acquire(&slow, &request(wait)).await;
+        let error = answer.expect_err("a server silent for most of the wait is an error");
+        assert!(error.to_string().contains("did not answer"), "{error}");
     }
 
     #[tokio::test]

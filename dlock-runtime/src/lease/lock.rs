@@ -558,6 +558,13 @@ async fn new_leases(
             () = leases.closed() => return Err(LockError::ShutDown),
         };
         match answer {
+            // A busy answer given while an attempt was still unanswered
+            // (the wait's last look, see `wait`): the guard's drop undoes
+            // that attempt.
+            Ok(got) if on_the_wire.load(Ordering::SeqCst) => {
+                drop(abandoned);
+                Ok((got, requests))
+            }
             Ok(got) => {
                 abandoned.disarm();
                 Ok((got, requests))
@@ -1052,6 +1059,11 @@ async fn acquire_on_io_runtime(
             };
             match answer {
                 Some(Ok(got)) => {
+                    // A busy answer given while an attempt was still
+                    // unanswered (the wait's last look): undo that attempt.
+                    if on_the_wire.load(Ordering::SeqCst) {
+                        release_abandoned(&leases, &backend, &requests, false);
+                    }
                     // If the caller is gone — now, or before it takes the
                     // answer out of the channel — `Granted`'s drop releases it.
                     let _ = tx.send(Ok(Granted {

@@ -8,7 +8,10 @@
 //!   statement (a hybrid token, like the lease table's). A wait is cut into
 //!   slices of at most a third of the lease, so that a grant always comes
 //!   back early enough to be used; the slices of one acquisition share its
-//!   `wait` budget (the first attempt's instant is kept per owner).
+//!   `wait` budget (the first attempt's instant is kept per owner). The
+//!   server's wait ends [`answer_margin`] before that budget does, so its
+//!   busy answer is back in time and the wait loop's last look at the key,
+//!   at its deadline, is a quick try.
 //! - **Held**: a task owns the connection. The watchdog's renewal is a ping
 //!   of it that also moves the server's idle limit (PostgreSQL
 //!   `idle_session_timeout`, MySQL `wait_timeout`) to the new lease end, so a
@@ -370,6 +373,14 @@ pub(super) const HOLDER_MAX: usize = 1024;
 /// The longest server-side wait of one attempt.
 const MAX_SLICE: Duration = Duration::from_secs(30);
 
+/// How long before the end of a wait budget with `remaining` left the
+/// server stops waiting: a quarter of it, at most 100 ms. The busy answer
+/// then comes back before the caller's deadline even on a loaded machine,
+/// and the wait loop looks at the key once more at the deadline.
+fn answer_margin(remaining: Duration) -> Duration {
+    (remaining / 4).min(Duration::from_millis(100))
+}
+
 /// The longest pause of a waiting share (a reader, a permit) between its
 /// attempts: its first pause is [`FIRST_SHARE_POLL`], doubled at each.
 const MAX_SHARE_POLL: Duration = Duration::from_millis(250);
@@ -497,10 +508,11 @@ impl<S: SessionDb> Sessions<S> {
         // From here, `conn` is a local: if this future is dropped, it is
         // closed, and the server drops whatever it held.
         let remaining = request.wait.saturating_sub(since.elapsed());
-        let slice = if remaining < Duration::from_millis(1) {
+        let server_wait = remaining.saturating_sub(answer_margin(remaining));
+        let slice = if server_wait < Duration::from_millis(1) {
             Duration::ZERO
         } else {
-            remaining.min(request.lease / 3).min(MAX_SLICE)
+            server_wait.min(request.lease / 3).min(MAX_SLICE)
         };
         let mut conn = conn;
         let mut fresh = false;
@@ -572,10 +584,12 @@ impl<S: SessionDb> Sessions<S> {
             }
             (Locked::Busy { clean }, conn) => {
                 if remaining > slice {
-                    // More to wait: keep the connection for the next slice.
+                    // More to wait: keep the connection for the next slice
+                    // at once, or for the wait loop's last look at its
+                    // deadline once the server has waited all it may.
                     self.waiting(&request.owner, since, Some(conn), 0);
                     return Ok(Attempt::Busy {
-                        retry_in: Some(Duration::ZERO),
+                        retry_in: (server_wait > slice).then_some(Duration::ZERO),
                     });
                 }
                 if clean {
