@@ -50,7 +50,10 @@ async fn a_dropped_connection_is_lost_before_the_lease_ends(t: SqlTarget) {
 }
 
 /// Waiting is server-side: the server hands the key to a waiter of
-/// another backend the moment the holder unlocks.
+/// another backend the moment the holder unlocks. Without that push the
+/// waiter would get the key at the end of its server-side wait (a third of
+/// its 30 s lease); the bound leaves a loaded machine room, not a speed
+/// target (the benchmarks measure handoffs).
 async fn the_server_hands_the_key_to_a_waiter_of_another_backend(t: SqlTarget) {
     let holder = t.other_process("").await.registry();
     let waiter = t.other_process("").await.registry();
@@ -63,7 +66,7 @@ async fn the_server_hands_the_key_to_a_waiter_of_another_backend(t: SqlTarget) {
     )
     .await;
     assert!(
-        handoffs.median() < Duration::from_millis(50),
+        handoffs.median() < Duration::from_millis(500),
         "median handoff {:?} ({handoffs:?})",
         handoffs.median()
     );

@@ -154,7 +154,7 @@ async fn a_release_wakes_a_waiter_of_another_connection_at_once() {
     .await;
     // The holder's lease was 30 s: only the release message can explain this.
     assert!(
-        handoffs.median() < Duration::from_millis(100),
+        handoffs.median() < Duration::from_millis(1000),
         "median handoff {:?} (all: {handoffs:?})",
         handoffs.median()
     );

@@ -28,6 +28,87 @@ use dlock_tests::unique_key;
 /// How long the proxy holds the acquisition's step back.
 const HELD_BACK: Duration = Duration::from_millis(800);
 
+/// Two registries on one backend that takes several keys in one step, as
+/// two processes would have (and the SQLite file's directory, kept while
+/// they are used).
+mod two_registries {
+    use dlock_runtime::Registry;
+
+    #[cfg(feature = "redis")]
+    pub(super) async fn redis() -> (Registry, Registry) {
+        let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+        let registry = || async {
+            let backend = dlock_runtime::RedisBackend::connect(&url).await;
+            Registry::builder()
+                .default_backend(backend.unwrap_or_else(|e| dlock_tests::servers_missing(&url, e)))
+                .build()
+        };
+        (registry().await, registry().await)
+    }
+
+    #[cfg(feature = "postgres")]
+    pub(super) async fn postgres() -> (Registry, Registry) {
+        let db = dlock_tests::sql_db::SqlDb::Postgres;
+        (db.registry("").await, db.registry("").await)
+    }
+
+    #[cfg(feature = "mysql")]
+    pub(super) async fn mysql() -> (Registry, Registry) {
+        let db = dlock_tests::sql_db::SqlDb::Mysql;
+        (db.registry("").await, db.registry("").await)
+    }
+
+    #[cfg(feature = "sqlite")]
+    pub(super) async fn sqlite(dir: &tempfile::TempDir) -> (Registry, Registry) {
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let registry = || async {
+            let backend = dlock_runtime::SqliteBackend::connect(&url).await;
+            Registry::builder()
+                .default_backend(backend.expect("open"))
+                .build()
+        };
+        (registry().await, registry().await)
+    }
+}
+
+/// One test per backend that takes several keys in one step (a module named
+/// after `$case`, a test per backend in it), each running
+/// `$case(&first, &second)` on two registries of that backend.
+macro_rules! on_each_one_step_backend {
+    ($case:ident) => {
+        mod $case {
+            #[cfg(feature = "redis")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let (first, second) = super::two_registries::redis().await;
+                super::$case(&first, &second).await;
+            }
+
+            #[cfg(feature = "postgres")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                let (first, second) = super::two_registries::postgres().await;
+                super::$case(&first, &second).await;
+            }
+
+            #[cfg(feature = "mysql")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mysql() {
+                let (first, second) = super::two_registries::mysql().await;
+                super::$case(&first, &second).await;
+            }
+
+            #[cfg(feature = "sqlite")]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                let dir = tempfile::tempdir().expect("tempdir");
+                let (first, second) = super::two_registries::sqlite(&dir).await;
+                super::$case(&first, &second).await;
+            }
+        }
+    };
+}
+
 /// Two keys of one test sharing a hash tag (one Redis Cluster slot).
 fn two_keys(case: &str) -> [String; 2] {
     let tag = unique_key(case);
@@ -1670,52 +1751,7 @@ async fn waiter_takes_over_an_expired_holder(waiter: &Registry, holder: &Registr
     );
 }
 
-#[cfg(feature = "redis")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_one_step_waiter_takes_over_an_expired_holder() {
-    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-    let registry = || async {
-        Registry::builder()
-            .default_backend(
-                dlock_runtime::RedisBackend::connect(&url)
-                    .await
-                    .expect("connect"),
-            )
-            .build()
-    };
-    waiter_takes_over_an_expired_holder(&registry().await, &registry().await).await;
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_one_step_waiter_takes_over_an_expired_holder() {
-    let db = dlock_tests::sql_db::SqlDb::Postgres;
-    waiter_takes_over_an_expired_holder(&db.registry("").await, &db.registry("").await).await;
-}
-
-#[cfg(feature = "mysql")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_one_step_waiter_takes_over_an_expired_holder() {
-    let db = dlock_tests::sql_db::SqlDb::Mysql;
-    waiter_takes_over_an_expired_holder(&db.registry("").await, &db.registry("").await).await;
-}
-
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_one_step_waiter_takes_over_an_expired_holder() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let url = format!("sqlite://{}", dir.path().join("expired.db").display());
-    let registry = || async {
-        Registry::builder()
-            .default_backend(
-                dlock_runtime::SqliteBackend::connect(&url)
-                    .await
-                    .expect("open"),
-            )
-            .build()
-    };
-    waiter_takes_over_an_expired_holder(&registry().await, &registry().await).await;
-}
+on_each_one_step_backend!(waiter_takes_over_an_expired_holder);
 
 /// Tokens per key across one-step and single-key grants and a revocation:
 /// a single-key grant after a one-step hold, a one-step grant after a
@@ -1751,49 +1787,4 @@ async fn tokens_rise_across_grants_and_revocation(registry: &Registry, observer:
     drop(single);
 }
 
-#[cfg(feature = "redis")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_tokens_rise_across_grants_and_revocation() {
-    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-    let registry = || async {
-        Registry::builder()
-            .default_backend(
-                dlock_runtime::RedisBackend::connect(&url)
-                    .await
-                    .expect("connect"),
-            )
-            .build()
-    };
-    tokens_rise_across_grants_and_revocation(&registry().await, &registry().await).await;
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_tokens_rise_across_grants_and_revocation() {
-    let db = dlock_tests::sql_db::SqlDb::Postgres;
-    tokens_rise_across_grants_and_revocation(&db.registry("").await, &db.registry("").await).await;
-}
-
-#[cfg(feature = "mysql")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_tokens_rise_across_grants_and_revocation() {
-    let db = dlock_tests::sql_db::SqlDb::Mysql;
-    tokens_rise_across_grants_and_revocation(&db.registry("").await, &db.registry("").await).await;
-}
-
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_tokens_rise_across_grants_and_revocation() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let url = format!("sqlite://{}", dir.path().join("tokens.db").display());
-    let registry = || async {
-        Registry::builder()
-            .default_backend(
-                dlock_runtime::SqliteBackend::connect(&url)
-                    .await
-                    .expect("open"),
-            )
-            .build()
-    };
-    tokens_rise_across_grants_and_revocation(&registry().await, &registry().await).await;
-}
+on_each_one_step_backend!(tokens_rise_across_grants_and_revocation);
