@@ -16,7 +16,9 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::Mutex;
 
 use crate::checker::{self, RunMeta, Summary};
-use crate::history::{FaultEvent, Phase, Record, RevocationEvent, Step, WorkerEvent, WorkerLine};
+use crate::history::{
+    FaultEvent, Phase, Record, RevocationEvent, SessionKillEvent, Step, WorkerEvent, WorkerLine,
+};
 use crate::proxy::Proxy;
 use crate::servers::Server;
 use crate::store::Mode;
@@ -433,6 +435,11 @@ impl Cluster {
     /// Records what a revocation took.
     pub(crate) fn revocation(&self, event: RevocationEvent) {
         append(&self.history, &Record::Revocation(event));
+    }
+
+    /// Records whose connection a `session_kill` ended.
+    pub(crate) fn session_kill(&self, event: SessionKillEvent) {
+        append(&self.history, &Record::SessionKill(event));
     }
 }
 
