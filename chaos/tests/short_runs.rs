@@ -79,7 +79,12 @@ fn short_transfer_run(backend: &str, faults: u32) -> serde_json::Value {
 /// at once, a permit had no slot below them, two holders of one slot
 /// overlapped, or no two permits of one key were ever held together.
 fn short_semaphore_run(backend: &str, faults: u32) -> serde_json::Value {
-    let summary = short_run_of(backend, None, "semaphore", faults);
+    short_semaphore_run_in(backend, None, faults)
+}
+
+/// [`short_semaphore_run`] with `--mode`, if given.
+fn short_semaphore_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, mode, "semaphore", faults);
     assert_eq!(summary["workload"], "semaphore", "{summary}");
     assert_eq!(summary["permits"].as_u64(), Some(3), "{summary}");
     let most = summary["max_permit_holders"].as_u64().unwrap_or(0);
@@ -97,7 +102,12 @@ fn short_semaphore_run(backend: &str, faults: u32) -> serde_json::Value {
 /// faults, failing also when a reader's hold overlapped a writer's, two
 /// exclusive holds overlapped, or no two readers ever shared a key.
 fn short_rw_run(backend: &str, faults: u32) -> serde_json::Value {
-    let summary = short_run_of(backend, None, "rw", faults);
+    short_rw_run_in(backend, None, faults)
+}
+
+/// [`short_rw_run`] with `--mode`, if given.
+fn short_rw_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, mode, "rw", faults);
     assert_eq!(summary["workload"], "rw", "{summary}");
     assert_eq!(summary["readers_beside_writers"].as_u64(), Some(0));
     assert_eq!(summary["holders_at_once"].as_u64(), Some(0));
@@ -409,13 +419,87 @@ fn rw_on_zookeeper_keeps_readers_from_writers_under_one_round_of_faults() {
     assert_faults(&summary, &["session_expiry", "kill_server", "revoke"]);
 }
 
+/// The faults of a session-mode run: [`SQL_FAULTS`] and `session_kill`.
+fn assert_session_faults(summary: &serde_json::Value) {
+    assert_faults(summary, &SQL_FAULTS);
+    assert_faults(summary, &["session_kill"]);
+    assert!(
+        summary["session_killed_holders"].as_u64().unwrap_or(0) >= 1,
+        "no holder's connection was ended: {summary}"
+    );
+    assert_eq!(
+        summary["session_killed_unsignalled"].as_u64(),
+        Some(0),
+        "{summary}"
+    );
+}
+
+#[test]
+fn semaphore_on_postgres_session_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run_in("postgres", Some("session"), 9);
+    assert_session_faults(&summary);
+    assert!(
+        summary["session_killed_slot_holders"].as_u64().unwrap_or(0) >= 1,
+        "no permit holder's connection was ended: {summary}"
+    );
+}
+
+#[test]
+fn rw_on_postgres_session_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run_in("postgres", Some("session"), 9);
+    assert_session_faults(&summary);
+}
+
+#[test]
+fn semaphore_on_mysql_session_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run_in("mysql", Some("session"), 9);
+    assert_session_faults(&summary);
+    assert!(
+        summary["session_killed_slot_holders"].as_u64().unwrap_or(0) >= 1,
+        "no permit holder's connection was ended: {summary}"
+    );
+}
+
+/// etcd's faults: a member killed, the proxies' faults, a side stall, a
+/// revocation (besides the workers' pauses and kills).
+const ETCD_FAULTS: [&str; 8] = [
+    "sigstop",
+    "sigkill_worker",
+    "kill_server",
+    "proxy_delay",
+    "proxy_blackhole",
+    "proxy_reset",
+    "side_stall",
+    "revoke",
+];
+
+#[test]
+fn semaphore_on_etcd_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run("etcd", 8);
+    assert_faults(&summary, &ETCD_FAULTS);
+}
+
+#[test]
+fn rw_on_etcd_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run("etcd", 8);
+    assert_faults(&summary, &ETCD_FAULTS);
+}
+
+/// Redlock offers neither permits nor readers; MySQL's session mode offers
+/// no readers (`GET_LOCK` has no shared mode), and says to use lease mode.
 #[test]
 fn a_backend_that_does_not_offer_the_workloads_mode_fails_the_run() {
-    for workload in ["semaphore", "rw"] {
+    let cases = [
+        (["redlock", "lease"], "semaphore", "Redlock"),
+        (["redlock", "lease"], "rw", "Redlock"),
+        (["mysql", "session"], "rw", "lease mode"),
+    ];
+    for ([backend, mode], workload, named) in cases {
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let out = tempfile::tempdir().unwrap();
         let run = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
-            .args(["run", "--backend", "redlock", "--workload", workload])
+            .args(["run", "--backend", backend, "--mode", mode])
+            .args(["--workload", workload])
             .args(["--acquisitions", "10", "--faults", "1"])
             .args(
                 std::env::var("DLOCK_CHAOS_PORT_BASE")
@@ -429,11 +513,12 @@ fn a_backend_that_does_not_offer_the_workloads_mode_fails_the_run() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(!run.status.success(), "{workload} on Redlock passed");
+        let case = format!("{workload} on {backend} ({mode})");
+        assert!(!run.status.success(), "{case} passed");
         assert!(
-            stderr.contains("does not offer") && stderr.contains("Redlock"),
-            "{workload}: {stderr}"
+            stderr.contains("does not offer") && stderr.contains(named),
+            "{case}: {stderr}"
         );
-        assert!(read_summary(out.path()).is_null(), "{workload}: a summary");
+        assert!(read_summary(out.path()).is_null(), "{case}: a summary");
     }
 }
