@@ -16,17 +16,23 @@
 //! The semaphore workload (a semaphore of 3 permits per key, through the
 //! attribute's `permits = 3`) and the read-write workload (readers,
 //! writers and plain locks of the same keys) run on SQLite, Redis,
-//! PostgreSQL and MySQL in lease mode and ZooKeeper under one round of
-//! their backend's faults, failing also on more holders of one key than its
-//! permits, two holders of one (key, slot), a reader beside a writer (all
-//! on the store's order of the operations it took), and on a run where
-//! permits or readers never actually shared a key.
+//! PostgreSQL and MySQL in lease mode, PostgreSQL in session mode,
+//! ZooKeeper and etcd (the semaphore also on MySQL in session mode, whose
+//! read locks are refused) under one round of their backend's faults,
+//! failing also on more holders of one key than its permits, two holders
+//! of one (key, slot), a reader beside a writer (all on the store's order
+//! of the operations it took), and on a run where permits or readers never
+//! actually shared a key. In session mode the `session_kill` fault ends a
+//! lock-holding connection (in the semaphore workload a permit's slot's):
+//! each holder so ended must be told of its loss within its lease, a
+//! renewal period and 2 s.
 //!
 //! `DLOCK_CHAOS_PORT_BASE` moves the servers the runs start (`--port-base`)
 //! away from the default ports, for a machine where those are taken.
 //!
-//! They need `redis-server` on the PATH, for the ZooKeeper run `java` and
-//! Debian's ZooKeeper jars, for the PostgreSQL runs Debian's PostgreSQL 15 (in
+//! They need `redis-server` on the PATH, for the etcd runs `etcd`, for the
+//! ZooKeeper run `java` and Debian's ZooKeeper jars, for the PostgreSQL
+//! runs Debian's PostgreSQL 15 (in
 //! `/usr/lib/postgresql/15/bin`, and a `postgres` user) and for the MySQL runs
 //! `mariadbd` and `mariadb-install-db` (`scripts/servers.sh up` installs them
 //! all; the harness runs servers of its own, on its own ports); a missing
