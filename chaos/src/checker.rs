@@ -2324,6 +2324,93 @@ mod tests {
         m
     }
 
+    /// Worker 1 holds slot 2 of the key with token 7 from 0; the nemesis
+    /// ends its connection at 100 ms (answered at 101 ms).
+    fn session_killed_history() -> Vec<Record> {
+        vec![
+            worker(
+                0,
+                1,
+                Step::Acquired {
+                    token: Some(7),
+                    slot: Some(2),
+                    shared: false,
+                },
+            ),
+            Record::Trace(on_key(0, 1, 1, 7, TraceKind::Acquired)),
+            fault_event(90 * MS, 1, "session_kill", Phase::Start, vec![1]),
+            Record::SessionKill(SessionKillEvent {
+                t: 100 * MS,
+                answered: 101 * MS,
+                id: 1,
+                key: "k".into(),
+                lock_key: LOCK_KEY.into(),
+                holder: crate::history::RevokedHolder {
+                    pid: Some(4242),
+                    w: Some(1),
+                    inc: Some(0),
+                    token: Some(7),
+                    slot: Some(2),
+                },
+            }),
+            fault_event(600 * MS, 1, "session_kill", Phase::Heal, vec![1]),
+        ]
+    }
+
+    #[test]
+    fn a_session_killed_holder_told_in_time_passes() {
+        let mut records = session_killed_history();
+        records.push(lost_as(130 * MS, 1, 1, 7, "session_ended"));
+        let s = check(&records, &[], &with_backend("postgres-session"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(
+            (s.session_killed_holders, s.session_killed_slot_holders),
+            (1, 1)
+        );
+        assert_eq!(
+            (s.session_killed_signalled, s.session_killed_unsignalled),
+            (1, 0)
+        );
+        assert_eq!(s.session_kill_signal_latency.max, 29.0);
+    }
+
+    #[test]
+    fn a_session_killed_holder_never_told_or_told_too_late_is_caught() {
+        // 400 ms lease: told by 101 + 400 + 133 + 2000 ms at the latest.
+        for lost_at in [None, Some(2700 * MS)] {
+            let mut records = session_killed_history();
+            records.extend(lost_at.map(|t| lost_as(t, 1, 1, 7, "session_ended")));
+            let s = check(&records, &[], &with_backend("mysql-session"));
+            assert_eq!(s.session_killed_unsignalled, 1, "{lost_at:?}");
+            assert!(
+                s.violations
+                    .iter()
+                    .any(|v| v.contains("connection was ended were not told")),
+                "{:?}",
+                s.violations
+            );
+        }
+    }
+
+    #[test]
+    fn a_session_killed_holder_that_had_released_was_not_due_to_be_told() {
+        let mut records = session_killed_history();
+        records.push(Record::Trace(on_key(
+            50 * MS,
+            1,
+            1,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&records, &[], &with_backend("postgres-session"));
+        assert_eq!(
+            (s.session_killed_ended_first, s.session_killed_unsignalled),
+            (1, 0),
+            "{:?}",
+            s.violations
+        );
+    }
+
     #[test]
     fn a_revoked_holder_told_revoked_and_a_larger_next_token_pass() {
         let mut records = revoked_history(8);
