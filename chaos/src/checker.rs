@@ -1243,9 +1243,22 @@ fn check_revocations(
         }
 
         // Permits: the first grant of each revoked slot after the
-        // revocation (tokens grow per (key, slot)).
+        // revocation (tokens grow per (key, slot)) — after the revoked
+        // grant itself: the slot may change hands while `revoke` runs,
+        // before the grant it ends.
         if !revoked_slots.is_empty() {
             for (&slot, &highest) in &revoked_slots {
+                let since = steps
+                    .iter()
+                    .find(|e| {
+                        e.key == r.key
+                            && matches!(e.ev, Step::Acquired {
+                                token: Some(token),
+                                slot: Some(granted),
+                                ..
+                            } if token == highest && granted == slot)
+                    })
+                    .map_or(r.t, |e| e.t.max(r.t));
                 let next = steps.iter().find_map(|e| match e.ev {
                     Step::Acquired {
                         token: Some(token),
@@ -1253,7 +1266,7 @@ fn check_revocations(
                         ..
                     } if granted == slot
                         && e.key == r.key
-                        && e.t > r.t
+                        && e.t > since
                         && !revoked_tokens.contains(&token) =>
                     {
                         Some(token)
@@ -1274,13 +1287,22 @@ fn check_revocations(
         let Some(&highest) = revoked.iter().max() else {
             continue;
         };
-        let next = traces.iter().find(|e| {
+        // After the revoked grant itself (the key may change hands while
+        // `revoke` runs, before the grant it ends).
+        let main_grant = |e: &&&TraceEvent| {
             e.event == TraceKind::Acquired
                 && e.backend != crate::worker::SIDE
                 && e.key == r.lock_key
-                && e.t > r.t
-                && !e.token.is_some_and(|t| revoked.contains(&t))
-        });
+        };
+        let since = traces
+            .iter()
+            .filter(main_grant)
+            .find(|e| e.token == Some(highest))
+            .map_or(r.t, |e| e.t.max(r.t));
+        let next = traces
+            .iter()
+            .filter(main_grant)
+            .find(|e| e.t > since && !e.token.is_some_and(|t| revoked.contains(&t)));
         if let Some(token) = next.and_then(|e| e.token) {
             s.tokens_after_revoke += 1;
             if token <= highest {
@@ -2409,6 +2431,40 @@ mod tests {
             "{:?}",
             s.violations
         );
+    }
+
+    #[test]
+    fn grants_while_revoke_runs_before_the_revoked_grant_are_not_compared() {
+        // `revoke` runs from 100 to 200 ms; worker 2 holds the key from 110
+        // ms (token 6), worker 1 from 150 ms (token 7, the one revoked),
+        // worker 3 from 300 ms (token 8).
+        let records = vec![
+            fault_event(90 * MS, 1, "revoke", Phase::Start, vec![1]),
+            worker(110 * MS, 2, Step::acquired(Some(6))),
+            Record::Trace(on_key(110 * MS, 2, 1, 6, TraceKind::Acquired)),
+            worker(140 * MS, 2, Step::Leaving),
+            worker(150 * MS, 1, Step::acquired(Some(7))),
+            Record::Trace(on_key(150 * MS, 1, 1, 7, TraceKind::Acquired)),
+            Record::Revocation(RevocationEvent {
+                t: 100 * MS,
+                answered: 200 * MS,
+                id: 1,
+                key: "k".into(),
+                lock_key: LOCK_KEY.into(),
+                holders: vec![crate::history::RevokedHolder {
+                    pid: Some(4242),
+                    w: Some(1),
+                    inc: Some(0),
+                    token: Some(7),
+                    slot: None,
+                }],
+            }),
+            lost_as(210 * MS, 1, 1, 7, "revoked"),
+            fault_event(250 * MS, 1, "revoke", Phase::Heal, vec![1]),
+            Record::Trace(on_key(300 * MS, 3, 1, 8, TraceKind::Acquired)),
+        ];
+        let s = check(&records, &[], &with_backend("redis"));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (1, 0));
     }
 
     #[test]
