@@ -34,8 +34,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::history::{
-    self, FaultEvent, OpKind, Phase, Record, RevocationEvent, Step, StoreOp, TraceEvent, TraceKind,
-    WorkerEvent,
+    self, FaultEvent, OpKind, Phase, Record, RevocationEvent, SessionKillEvent, Step, StoreOp,
+    TraceEvent, TraceKind, WorkerEvent,
 };
 use crate::nemesis::{SESSION_EXPIRY, SIDE_STALL, revocation_bound};
 use crate::store::Mode;
@@ -358,6 +358,21 @@ pub(crate) struct Summary {
     /// Of those, grants whose token was not larger than every revoked one
     /// (must be 0).
     pub(crate) tokens_not_above_revoked: u64,
+    /// Holders whose connection a `session_kill` ended.
+    pub(crate) session_killed_holders: u64,
+    /// Of those, holders of a permit's or a reader's slot.
+    pub(crate) session_killed_slot_holders: u64,
+    /// Killed holders whose runtime signalled the loss within
+    /// [`revocation_bound`] of the kill.
+    pub(crate) session_killed_signalled: u64,
+    /// Killed holders whose hold had ended before they could be told (as
+    /// for revoked holders).
+    pub(crate) session_killed_ended_first: u64,
+    /// Killed holders still holding that were not told within the bound
+    /// (must be 0).
+    pub(crate) session_killed_unsignalled: u64,
+    /// Time from each kill to its holder's loss signal.
+    pub(crate) session_kill_signal_latency: Spread,
     /// Lock keys left on the server once idle (must be 0).
     pub(crate) keys_left: Option<usize>,
     /// Lock keys left on the side backend once idle (must be 0).
@@ -390,14 +405,17 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
     let mut faults: Vec<&FaultEvent> = Vec::new();
     let mut traces: Vec<&TraceEvent> = Vec::new();
     let mut revocations: Vec<&RevocationEvent> = Vec::new();
+    let mut kills: Vec<&SessionKillEvent> = Vec::new();
     for r in records {
         match r {
             Record::Worker(e) => events.push(e),
             Record::Fault(f) => faults.push(f),
             Record::Trace(e) => traces.push(e),
             Record::Revocation(r) => revocations.push(r),
+            Record::SessionKill(k) => kills.push(k),
         }
     }
+    kills.sort_by_key(|k| k.t);
     revocations.sort_by_key(|r| r.t);
     events.sort_by_key(|e| e.t);
     faults.sort_by_key(|f| f.t);
@@ -409,6 +427,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
             Record::Fault(f) => f.t,
             Record::Trace(e) => e.t,
             Record::Revocation(r) => r.t,
+            Record::SessionKill(k) => k.t,
         })
         .fold((u64::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
     s.seconds = last.saturating_sub(first) as f64 / 1e9;
@@ -529,6 +548,7 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
 
     check_traces(&mut s, &traces, &faults, meta);
     check_revocations(&mut s, &revocations, &traces, &events, &faults, meta);
+    check_session_kills(&mut s, &kills, &traces, &events, &faults, meta);
 
     // Time from each heal to the next entry into the lock.
     let acquired: Vec<u64> = events
@@ -750,6 +770,12 @@ pub(crate) fn check(records: &[Record], ops: &[StoreOp], meta: &RunMeta) -> Summ
         v.push(format!(
             "{} revoked holders were not told of their loss within their lease, a renewal period and 2 s of the revocation",
             s.revoked_unsignalled
+        ));
+    }
+    if s.session_killed_unsignalled > 0 {
+        v.push(format!(
+            "{} holders whose connection was ended were not told of their loss within their lease, a renewal period and 2 s of the kill",
+            s.session_killed_unsignalled
         ));
     }
     if s.revoked_misreported > 0 {
@@ -1079,20 +1105,7 @@ fn check_revocations(
     for e in traces.iter().filter(|e| e.backend != crate::worker::SIDE) {
         leases.entry((e.w, e.inc, e.lease)).or_default().push(e);
     }
-    // The faults of one kind touching worker `w`, as (start, heal).
-    let spans = |kind: &str, w: usize| -> Vec<(u64, u64)> {
-        faults
-            .iter()
-            .filter(|f| f.fault == kind && f.phase == Phase::Start && f.workers.contains(&w))
-            .map(|start| {
-                let heal = faults
-                    .iter()
-                    .find(|f| f.id == start.id && f.phase == Phase::Heal)
-                    .map_or(u64::MAX, |f| f.t);
-                (start.t, heal)
-            })
-            .collect()
-    };
+    let spans = |kind: &str, w: usize| fault_spans(faults, kind, w);
     let mut matched: HashSet<(usize, u32, u64)> = HashSet::new();
     let mut latencies = Vec::new();
     for r in revocations {
@@ -1230,9 +1243,22 @@ fn check_revocations(
         }
 
         // Permits: the first grant of each revoked slot after the
-        // revocation (tokens grow per (key, slot)).
+        // revocation (tokens grow per (key, slot)) — after the revoked
+        // grant itself: the slot may change hands while `revoke` runs,
+        // before the grant it ends.
         if !revoked_slots.is_empty() {
             for (&slot, &highest) in &revoked_slots {
+                let since = steps
+                    .iter()
+                    .find(|e| {
+                        e.key == r.key
+                            && matches!(e.ev, Step::Acquired {
+                                token: Some(token),
+                                slot: Some(granted),
+                                ..
+                            } if token == highest && granted == slot)
+                    })
+                    .map_or(r.t, |e| e.t.max(r.t));
                 let next = steps.iter().find_map(|e| match e.ev {
                     Step::Acquired {
                         token: Some(token),
@@ -1240,7 +1266,7 @@ fn check_revocations(
                         ..
                     } if granted == slot
                         && e.key == r.key
-                        && e.t > r.t
+                        && e.t > since
                         && !revoked_tokens.contains(&token) =>
                     {
                         Some(token)
@@ -1261,13 +1287,22 @@ fn check_revocations(
         let Some(&highest) = revoked.iter().max() else {
             continue;
         };
-        let next = traces.iter().find(|e| {
+        // After the revoked grant itself (the key may change hands while
+        // `revoke` runs, before the grant it ends).
+        let main_grant = |e: &&&TraceEvent| {
             e.event == TraceKind::Acquired
                 && e.backend != crate::worker::SIDE
                 && e.key == r.lock_key
-                && e.t > r.t
-                && !e.token.is_some_and(|t| revoked.contains(&t))
-        });
+        };
+        let since = traces
+            .iter()
+            .filter(main_grant)
+            .find(|e| e.token == Some(highest))
+            .map_or(r.t, |e| e.t.max(r.t));
+        let next = traces
+            .iter()
+            .filter(main_grant)
+            .find(|e| e.t > since && !e.token.is_some_and(|t| revoked.contains(&t)));
         if let Some(token) = next.and_then(|e| e.token) {
             s.tokens_after_revoke += 1;
             if token <= highest {
@@ -1288,6 +1323,136 @@ fn check_revocations(
             s.revoked_unexplained += 1;
         }
     }
+}
+
+/// Every holder whose connection a `session_kill` ended (see the
+/// nemesis) must be told of its loss within [`revocation_bound`] of its
+/// lease after the kill (later by any pause of its worker), unless its
+/// hold had ended first — as for a revoked holder: lost or released before
+/// the kill, released before a renewal could find the connection gone, or
+/// its process killed. The holder's lease is the latest `dlock.lock` span
+/// of its worker process on the key acquired before the kill with the
+/// killed grant's token (a permit's: its slot's).
+fn check_session_kills(
+    s: &mut Summary,
+    kills: &[&SessionKillEvent],
+    traces: &[&TraceEvent],
+    steps: &[&WorkerEvent],
+    faults: &[&FaultEvent],
+    meta: &RunMeta,
+) {
+    let default_lease = Duration::from_millis(meta.lease_ms);
+    let mut latencies = Vec::new();
+    for k in kills {
+        let h = &k.holder;
+        s.session_killed_holders += 1;
+        s.session_killed_slot_holders += u64::from(h.slot.is_some());
+        let Some((w, inc)) = h.w.zip(h.inc) else {
+            // No worker process had that pid any more: its process was gone.
+            s.session_killed_ended_first += 1;
+            continue;
+        };
+        let mut leases: BTreeMap<u64, Vec<&TraceEvent>> = BTreeMap::new();
+        for e in traces
+            .iter()
+            .filter(|e| (e.w, e.inc) == (w, inc) && e.backend != crate::worker::SIDE)
+        {
+            leases.entry(e.lease).or_default().push(e);
+        }
+        let lease = leases
+            .values()
+            .filter_map(|events| {
+                let acquired = events.iter().find(|e| {
+                    e.event == TraceKind::Acquired
+                        && e.key == k.lock_key
+                        && e.t <= k.answered
+                        && (h.token.is_none() || e.token == h.token)
+                })?;
+                Some((acquired.t, events))
+            })
+            .max_by_key(|(t, _)| *t);
+        let killed_worker = |from: u64, to: u64| {
+            fault_spans(faults, "sigkill_worker", w)
+                .iter()
+                .any(|&(start, _)| start >= from && start <= to)
+        };
+        let Some((acquired_at, events)) = lease else {
+            // A live worker process leaves a trace of its lease, unless
+            // killed.
+            if killed_worker(k.t, u64::MAX) {
+                s.session_killed_ended_first += 1;
+            } else {
+                s.session_killed_unsignalled += 1;
+            }
+            continue;
+        };
+        let lease_len = events
+            .iter()
+            .find_map(|e| e.lease_ms)
+            .map_or(default_lease, Duration::from_millis);
+        let bound = revocation_bound(lease_len).as_nanos() as u64;
+        let mut deadline = k.answered + bound;
+        for (start, heal) in fault_spans(faults, "sigstop", w) {
+            if start <= deadline && heal >= k.t {
+                deadline = deadline.max(heal.saturating_add(bound));
+            }
+        }
+        let traced = events.iter().find(|e| e.event == TraceKind::Lost);
+        if traced.is_some_and(|lost| lost.t < k.t) {
+            s.session_killed_ended_first += 1;
+            continue;
+        }
+        let hold = hold_steps(steps, (w, inc), &k.key, acquired_at);
+        let seen = hold
+            .iter()
+            .find(|e| e.t >= k.t && matches!(e.ev, Step::Lost { .. }))
+            .map(|e| e.t);
+        let signal = traced.map(|e| e.t).into_iter().chain(seen).min();
+        let released = events
+            .iter()
+            .find(|e| e.event == TraceKind::ReleaseRequested)
+            .map(|e| e.t);
+        match signal {
+            Some(t) if t <= deadline => {
+                s.session_killed_signalled += 1;
+                latencies.push(t.saturating_sub(k.answered) as f64 / 1e6);
+            }
+            Some(_) => s.session_killed_unsignalled += 1,
+            None => match released {
+                Some(released) if released < k.t => s.session_killed_ended_first += 1,
+                Some(released) => {
+                    let renewed = events.iter().any(|e| {
+                        e.event == TraceKind::RenewalSent
+                            && e.t > k.answered
+                            && e.t.saturating_add(RENEWAL_ANSWER_GRACE) < released
+                    });
+                    if renewed {
+                        s.session_killed_unsignalled += 1;
+                    } else {
+                        s.session_killed_ended_first += 1;
+                    }
+                }
+                None if killed_worker(acquired_at, deadline) => s.session_killed_ended_first += 1,
+                None => s.session_killed_unsignalled += 1,
+            },
+        }
+    }
+    s.session_kill_signal_latency = Spread::of(latencies);
+}
+
+/// The faults of one kind touching worker `w`, as (start, heal).
+fn fault_spans(faults: &[&FaultEvent], kind: &str, w: usize) -> Vec<(u64, u64)> {
+    faults
+        .iter()
+        .filter(|f| f.fault == kind && f.phase == Phase::Start && f.workers.contains(&w))
+        .map(|start| {
+            let heal = faults
+                .iter()
+                .find(|f| f.id == start.id && f.phase == Phase::Heal)
+                .map_or(u64::MAX, |f| f.t);
+            (start.t, heal)
+        })
+        .collect()
 }
 
 /// The reason counted for a revoked holder whose worker saw the loss
@@ -1492,6 +1657,20 @@ impl std::fmt::Display for Summary {
             f,
             "  revocation to signal       {}",
             self.revoke_signal_latency
+        )?;
+        writeln!(
+            f,
+            "  session kills              {} holders' connections ended ({} of a slot), signalled {}; {} ended first; {} unsignalled  (must be 0)",
+            self.session_killed_holders,
+            self.session_killed_slot_holders,
+            self.session_killed_signalled,
+            self.session_killed_ended_first,
+            self.session_killed_unsignalled
+        )?;
+        writeln!(
+            f,
+            "  session kill to signal     {}",
+            self.session_kill_signal_latency
         )?;
         writeln!(
             f,
@@ -2165,6 +2344,127 @@ mod tests {
         let mut m = meta(Mode::Fence, &[]);
         m.backend = backend.into();
         m
+    }
+
+    /// Worker 1 holds slot 2 of the key with token 7 from 0; the nemesis
+    /// ends its connection at 100 ms (answered at 101 ms).
+    fn session_killed_history() -> Vec<Record> {
+        vec![
+            worker(
+                0,
+                1,
+                Step::Acquired {
+                    token: Some(7),
+                    slot: Some(2),
+                    shared: false,
+                },
+            ),
+            Record::Trace(on_key(0, 1, 1, 7, TraceKind::Acquired)),
+            fault_event(90 * MS, 1, "session_kill", Phase::Start, vec![1]),
+            Record::SessionKill(SessionKillEvent {
+                t: 100 * MS,
+                answered: 101 * MS,
+                id: 1,
+                key: "k".into(),
+                lock_key: LOCK_KEY.into(),
+                holder: crate::history::RevokedHolder {
+                    pid: Some(4242),
+                    w: Some(1),
+                    inc: Some(0),
+                    token: Some(7),
+                    slot: Some(2),
+                },
+            }),
+            fault_event(600 * MS, 1, "session_kill", Phase::Heal, vec![1]),
+        ]
+    }
+
+    #[test]
+    fn a_session_killed_holder_told_in_time_passes() {
+        let mut records = session_killed_history();
+        records.push(lost_as(130 * MS, 1, 1, 7, "session_ended"));
+        let s = check(&records, &[], &with_backend("postgres-session"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!(
+            (s.session_killed_holders, s.session_killed_slot_holders),
+            (1, 1)
+        );
+        assert_eq!(
+            (s.session_killed_signalled, s.session_killed_unsignalled),
+            (1, 0)
+        );
+        assert_eq!(s.session_kill_signal_latency.max, 29.0);
+    }
+
+    #[test]
+    fn a_session_killed_holder_never_told_or_told_too_late_is_caught() {
+        // 400 ms lease: told by 101 + 400 + 133 + 2000 ms at the latest.
+        for lost_at in [None, Some(2700 * MS)] {
+            let mut records = session_killed_history();
+            records.extend(lost_at.map(|t| lost_as(t, 1, 1, 7, "session_ended")));
+            let s = check(&records, &[], &with_backend("mysql-session"));
+            assert_eq!(s.session_killed_unsignalled, 1, "{lost_at:?}");
+            assert!(
+                s.violations
+                    .iter()
+                    .any(|v| v.contains("connection was ended were not told")),
+                "{:?}",
+                s.violations
+            );
+        }
+    }
+
+    #[test]
+    fn a_session_killed_holder_that_had_released_was_not_due_to_be_told() {
+        let mut records = session_killed_history();
+        records.push(Record::Trace(on_key(
+            50 * MS,
+            1,
+            1,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&records, &[], &with_backend("postgres-session"));
+        assert_eq!(
+            (s.session_killed_ended_first, s.session_killed_unsignalled),
+            (1, 0),
+            "{:?}",
+            s.violations
+        );
+    }
+
+    #[test]
+    fn grants_while_revoke_runs_before_the_revoked_grant_are_not_compared() {
+        // `revoke` runs from 100 to 200 ms; worker 2 holds the key from 110
+        // ms (token 6), worker 1 from 150 ms (token 7, the one revoked),
+        // worker 3 from 300 ms (token 8).
+        let records = vec![
+            fault_event(90 * MS, 1, "revoke", Phase::Start, vec![1]),
+            worker(110 * MS, 2, Step::acquired(Some(6))),
+            Record::Trace(on_key(110 * MS, 2, 1, 6, TraceKind::Acquired)),
+            worker(140 * MS, 2, Step::Leaving),
+            worker(150 * MS, 1, Step::acquired(Some(7))),
+            Record::Trace(on_key(150 * MS, 1, 1, 7, TraceKind::Acquired)),
+            Record::Revocation(RevocationEvent {
+                t: 100 * MS,
+                answered: 200 * MS,
+                id: 1,
+                key: "k".into(),
+                lock_key: LOCK_KEY.into(),
+                holders: vec![crate::history::RevokedHolder {
+                    pid: Some(4242),
+                    w: Some(1),
+                    inc: Some(0),
+                    token: Some(7),
+                    slot: None,
+                }],
+            }),
+            lost_as(210 * MS, 1, 1, 7, "revoked"),
+            fault_event(250 * MS, 1, "revoke", Phase::Heal, vec![1]),
+            Record::Trace(on_key(300 * MS, 3, 1, 8, TraceKind::Acquired)),
+        ];
+        let s = check(&records, &[], &with_backend("redis"));
+        assert_eq!((s.tokens_after_revoke, s.tokens_not_above_revoked), (1, 0));
     }
 
     #[test]

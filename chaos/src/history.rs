@@ -24,6 +24,8 @@ pub(crate) enum Record {
     Trace(TraceEvent),
     /// From the nemesis: what a `revoke` fault took, and from whom.
     Revocation(RevocationEvent),
+    /// From the nemesis: whose connection a `session_kill` fault ended.
+    SessionKill(SessionKillEvent),
 }
 
 /// A line a worker prints: one of its steps or one of the runtime's events.
@@ -307,7 +309,28 @@ pub(crate) struct RevocationEvent {
     pub(crate) holders: Vec<RevokedHolder>,
 }
 
-/// One holder a revocation reported.
+/// A holder's server connection the nemesis ended (`session_kill`: a
+/// session-mode lock's connection terminated or killed by the server),
+/// between its fault's start and heal.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct SessionKillEvent {
+    /// Just before the nemesis ended the connection, on the shared clock.
+    pub(crate) t: u64,
+    /// When the server answered that it had ended it.
+    pub(crate) answered: u64,
+    /// Number of the fault in the run.
+    pub(crate) id: u32,
+    /// The store key (as the workers name it).
+    pub(crate) key: String,
+    /// The lock key (as the workers lock it, without the registry's
+    /// prefix; the runtime's events name it so).
+    pub(crate) lock_key: String,
+    /// The holder whose connection was ended, from the counter row of the
+    /// lock it held (the key's own, or a permit's or reader's slot).
+    pub(crate) holder: RevokedHolder,
+}
+
+/// One holder a revocation reported (or a `session_kill` ended).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct RevokedHolder {
     /// The holder's process id, from its holder record.

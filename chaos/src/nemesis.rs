@@ -15,10 +15,10 @@ use nix::unistd::Pid;
 use rand::seq::{IndexedRandom as _, SliceRandom as _};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 
-use crate::history::{Phase, RevocationEvent, RevokedHolder};
+use crate::history::{Phase, RevocationEvent, RevokedHolder, SessionKillEvent};
 use crate::proxy::Fault;
 use crate::run::{Backend, Cluster, SqlMode};
-use crate::worker::{EXPIRE_REQUEST, LEASES, LONG_HOLD, LongRequest};
+use crate::worker::{EXPIRE_REQUEST, LEASES, LONG_HOLD, LongRequest, Workload};
 use tokio::io::AsyncWriteExt as _;
 
 /// The faults the nemesis knows.
@@ -49,11 +49,14 @@ enum Kind {
     /// server's expiry of the session does: its nodes go at once, and the worker
     /// hears `Expired` when it next talks to the server.
     SessionExpiry,
-    /// PostgreSQL or MySQL in session mode: the connection holding the lock of
-    /// a worker inside it (in the middle of a long stay) is ended by the
-    /// server (`pg_terminate_backend`, `KILL CONNECTION`): the lock goes at
-    /// once, and the holder hears of it when its connection closes or at its
-    /// next ping.
+    /// PostgreSQL or MySQL in session mode: a connection holding a lock of
+    /// the run (a key's own lock, or a permit's or reader's slot; in the
+    /// semaphore workload a permit's slot) is ended by the server
+    /// (`pg_terminate_backend`, `KILL CONNECTION`), the one of a worker in
+    /// the middle of a long stay where it holds one: the lock goes at once,
+    /// and the holder hears of it when its connection closes or at its next
+    /// ping. The checker wants each such holder told within
+    /// [`revocation_bound`].
     SessionKill,
     /// PostgreSQL or MySQL in lease mode: the row of a worker inside the lock
     /// (in the middle of a long stay) is deleted, then (next time) given
@@ -147,7 +150,7 @@ fn name(kind: Kind) -> &'static str {
         Kind::RedlockMinority => "redlock_minority_down",
         Kind::RedlockHolderMajority => "redlock_holder_majority_node",
         Kind::SessionExpiry => SESSION_EXPIRY,
-        Kind::SessionKill => "session_kill",
+        Kind::SessionKill => SESSION_KILL,
         Kind::RowStolen => "row_stolen",
         Kind::SideStall => SIDE_STALL,
         Kind::Revoke => REVOKE,
@@ -421,7 +424,12 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(1500)).await;
                 cluster.fault(id, fault, Phase::Heal, vec![w], String::new());
             }
-            Kind::SessionKill | Kind::RowStolen => {
+            Kind::SessionKill => {
+                let lease = any_lease(&mut rng);
+                let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
+                session_kill(&cluster, &mut rng, id, w, lease).await?;
+            }
+            Kind::RowStolen => {
                 steals += 1;
                 let lease = any_lease(&mut rng);
                 let w = long_holder(&cluster, &mut rng, None, long(lease)).await;
@@ -438,11 +446,7 @@ pub(crate) async fn run(cluster: Arc<Cluster>) -> anyhow::Result<()> {
                     Some(key) => {
                         let stored = format!("dlock:chaos:{}:{key}", cluster.run_id);
                         let url = cluster.sql_admin_url().await.context("no SQL server")?;
-                        if kind == Kind::SessionKill {
-                            end_session(cluster.args.backend, &url, &stored).await?
-                        } else {
-                            steal_row(cluster.args.backend, &url, &stored, steals % 2 == 1).await?
-                        }
+                        steal_row(cluster.args.backend, &url, &stored, steals % 2 == 1).await?
                     }
                 };
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -597,48 +601,243 @@ async fn revoke(cluster: &Cluster, rng: &mut StdRng, id: u32) -> anyhow::Result<
     Ok(())
 }
 
-/// Ends the server connection that holds the session lock of `stored_key`
-/// (the key as the backend stores it): `pg_terminate_backend` of the
-/// advisory lock's holder (the lock's 64 bits are the first 8 bytes of the
-/// key's SHA-256, as `pg_locks` shows them: `classid` the high half, `objid`
-/// the low one), or `KILL CONNECTION` of the `GET_LOCK` holder (the lock is
-/// named `dlock:` and those bytes in hex). Says what it did.
-async fn end_session(backend: Backend, url: &str, stored_key: &str) -> anyhow::Result<String> {
+/// The name of a session kill in histories (the checker looks for it).
+pub(crate) const SESSION_KILL: &str = "session_kill";
+
+/// One server connection holding a session-mode lock of the run, from the
+/// counter row of the lock it holds.
+struct SessionHolder {
+    /// The server's id of the connection (PostgreSQL's backend pid,
+    /// MySQL's connection id).
+    conn: u64,
+    /// The key as the backend stores it (`dlock:chaos:<run>:<key>`).
+    stored_key: String,
+    /// The holder record's process id.
+    pid: Option<u32>,
+    /// The grant's fencing token.
+    token: u64,
+    /// A permit's or reader's slot (`None`: the key's own lock).
+    slot: Option<u32>,
+}
+
+/// The `session_kill` fault (see [`Kind::SessionKill`]): among the
+/// connections holding a lock of the run — a key's own lock, a permit's
+/// slot, a reader's slot — and, in the semaphore workload, only those
+/// holding a permit's slot, the one of worker `w` (in the middle of a long
+/// stay) or else one picked at random; the server ends it, and the
+/// history records whom (a [`SessionKillEvent`]).
+async fn session_kill(
+    cluster: &Cluster,
+    rng: &mut StdRng,
+    id: u32,
+    w: usize,
+    lease: Duration,
+) -> anyhow::Result<()> {
+    let url = cluster.sql_admin_url().await.context("no SQL server")?;
+    let prefix = format!("dlock:chaos:{}:", cluster.run_id);
+    let mut holders = session_holders(cluster.args.backend, &url, &prefix).await?;
+    if cluster.args.workload == Workload::Semaphore {
+        holders.retain(|h| h.slot.is_some());
+    }
+    let (pids, incs): (Vec<Option<u32>>, Vec<u32>) = {
+        let workers = cluster.workers.lock().await;
+        workers.iter().map(|p| (p.child.id(), p.inc)).unzip()
+    };
+    let of_w = holders
+        .iter()
+        .position(|h| h.pid.is_some() && h.pid == pids[w]);
+    let picked = of_w.or_else(|| (!holders.is_empty()).then(|| rng.random_range(0..holders.len())));
+    let Some(victim) = picked.map(|i| holders.swap_remove(i)) else {
+        cluster.fault(
+            id,
+            SESSION_KILL,
+            Phase::Start,
+            vec![w],
+            format!("lease {lease:?}; no connection held a lock"),
+        );
+        cluster.fault(id, SESSION_KILL, Phase::Heal, vec![w], String::new());
+        return Ok(());
+    };
+    let slot_of = |pid: Option<u32>| {
+        let pid = pid?;
+        let w = pids.iter().position(|p| *p == Some(pid))?;
+        Some((w, incs[w]))
+    };
+    let process = slot_of(victim.pid);
+    let touched = vec![process.map_or(w, |(w, _)| w)];
+    let what = match victim.slot {
+        Some(slot) => format!("slot {slot} of {}", victim.stored_key),
+        None => victim.stored_key.clone(),
+    };
+    cluster.fault(
+        id,
+        SESSION_KILL,
+        Phase::Start,
+        touched.clone(),
+        format!(
+            "connection {} holding {what} (token {}, pid {}; worker {w} asked to stay, lease {lease:?})",
+            victim.conn,
+            victim.token,
+            victim.pid.map_or("-".to_owned(), |p| p.to_string())
+        ),
+    );
+    let t = crate::clock::now_ns();
+    let ended = end_connection(cluster.args.backend, &url, victim.conn).await?;
+    let answered = crate::clock::now_ns();
+    if ended {
+        let lock_key = victim
+            .stored_key
+            .strip_prefix("dlock:")
+            .unwrap_or(&victim.stored_key)
+            .to_owned();
+        let key = victim
+            .stored_key
+            .strip_prefix(&prefix)
+            .unwrap_or(&victim.stored_key)
+            .to_owned();
+        cluster.session_kill(SessionKillEvent {
+            t,
+            answered,
+            id,
+            key,
+            lock_key,
+            holder: RevokedHolder {
+                pid: victim.pid,
+                w: process.map(|(w, _)| w),
+                inc: process.map(|(_, inc)| inc),
+                token: Some(victim.token),
+                slot: victim.slot,
+            },
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.fault(
+        id,
+        SESSION_KILL,
+        Phase::Heal,
+        touched,
+        if ended {
+            format!("connection {} ended", victim.conn)
+        } else {
+            format!("connection {} was gone already", victim.conn)
+        },
+    );
+    Ok(())
+}
+
+/// A row of [`session_holders`]' PostgreSQL query: the backend's pid, the
+/// key, the holder record, the token, the slot.
+type PgHolderRow = (i32, String, Option<String>, i64, Option<i32>);
+
+/// A row of [`session_holders`]' MySQL query: the connection id, the key,
+/// the holder record, the token, the slot.
+type MyHolderRow = (u64, Vec<u8>, Option<Vec<u8>>, u64, Option<i32>);
+
+/// The connections holding a session-mode lock of a key under `prefix`
+/// (as the backend stores it), with their counter rows: on PostgreSQL the
+/// exclusive advisory locks (`pg_locks`; a key's lock or a slot's — a
+/// share's shared hold of its key is not one) joined with the rows of
+/// their 64-bit names, the holder record from the row or the connection's
+/// `application_name`; on MySQL the rows whose `GET_LOCK` name
+/// (`dlock:` and the name in hex) is in use (`IS_USED_LOCK`).
+async fn session_holders(
+    backend: Backend,
+    url: &str,
+    prefix: &str,
+) -> anyhow::Result<Vec<SessionHolder>> {
     use sqlx::Connection as _;
+    let like = format!("{prefix}%");
+    let pid_of = |holder: Option<&str>| {
+        holder
+            .and_then(dlock_runtime::backend::HolderRecord::decode)
+            .map(|h| h.pid)
+    };
     if backend == Backend::Postgres {
         let mut conn = sqlx::PgConnection::connect(url).await?;
-        let (ended,): (i64,) = sqlx::query_as(
-            "WITH h AS (SELECT ('x' || left(encode(sha256(convert_to($1, 'UTF8')), 'hex'), 16))
-                               ::bit(64)::bigint AS k)
-             SELECT count(*) FILTER (WHERE pg_terminate_backend(l.pid)) FROM pg_locks l, h
-             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-               AND l.classid = ((h.k >> 32) & 4294967295)::oid
-               AND l.objid = (h.k & 4294967295)::oid",
+        let rows: Vec<PgHolderRow> = sqlx::query_as(
+            "SELECT l.pid, f.name,
+                    COALESCE(f.holder,
+                             (SELECT substr(a.application_name, 7) FROM pg_stat_activity a
+                              WHERE a.pid = l.pid AND left(a.application_name, 6) = 'dlock ')),
+                    f.token, f.slot
+             FROM dlock_leases_fence f JOIN pg_locks l
+               ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+              AND l.mode = 'ExclusiveLock'
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND ((l.classid::bigint << 32) | l.objid::bigint) = f.k
+             WHERE f.name LIKE $1
+             ORDER BY l.pid",
         )
-        .bind(stored_key)
-        .fetch_one(&mut conn)
+        .bind(&like)
+        .fetch_all(&mut conn)
         .await?;
         conn.close().await?;
-        return Ok(format!("{ended} backends terminated"));
+        return Ok(rows
+            .into_iter()
+            .map(|(conn, stored_key, holder, token, slot)| SessionHolder {
+                conn: u64::try_from(conn).unwrap_or_default(),
+                stored_key,
+                pid: pid_of(holder.as_deref()),
+                token: u64::try_from(token).unwrap_or_default(),
+                slot: slot.and_then(|s| u32::try_from(s).ok()),
+            })
+            .collect());
     }
     let mut conn = sqlx::MySqlConnection::connect(url).await?;
-    let holder: Option<i64> = sqlx::query_scalar(
-        "SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LEFT(SHA2(?, 256), 16))) AS SIGNED)",
+    let rows: Vec<MyHolderRow> = sqlx::query_as(
+        "SELECT * FROM (SELECT CAST(IS_USED_LOCK(CONCAT('dlock:', LPAD(LOWER(HEX(k)), 16, '0')))
+                                    AS UNSIGNED) AS id,
+                               name, holder, token, slot
+                        FROM dlock_leases_fence WHERE name LIKE ?) AS h
+         WHERE id IS NOT NULL ORDER BY id",
     )
-    .bind(stored_key)
-    .fetch_one(&mut conn)
+    .bind(like.into_bytes())
+    .fetch_all(&mut conn)
     .await?;
-    let outcome = match holder {
-        Some(id) => {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
-                .execute(&mut conn)
-                .await?;
-            format!("connection {id} killed")
-        }
-        None => "no connection held the lock".to_owned(),
-    };
     conn.close().await?;
-    Ok(outcome)
+    Ok(rows
+        .into_iter()
+        .map(|(conn, name, holder, token, slot)| SessionHolder {
+            conn,
+            stored_key: String::from_utf8_lossy(&name).into_owned(),
+            pid: pid_of(holder.as_deref().and_then(|h| std::str::from_utf8(h).ok())),
+            token,
+            slot: slot.and_then(|s| u32::try_from(s).ok()),
+        })
+        .collect())
+}
+
+/// MySQL's error for a `KILL` of a connection that is no more.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
+/// Ends server connection `conn` (`pg_terminate_backend`, `KILL
+/// CONNECTION`): answers whether it did (`false`: it was gone already).
+async fn end_connection(backend: Backend, url: &str, conn: u64) -> anyhow::Result<bool> {
+    use sqlx::Connection as _;
+    if backend == Backend::Postgres {
+        let mut admin = sqlx::PgConnection::connect(url).await?;
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(i32::try_from(conn)?)
+            .fetch_one(&mut admin)
+            .await?;
+        admin.close().await?;
+        return Ok(ended);
+    }
+    let mut admin = sqlx::MySqlConnection::connect(url).await?;
+    let killed = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {conn}")))
+        .execute(&mut admin)
+        .await;
+    admin.close().await?;
+    match killed {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e))
+            if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .is_some_and(|e| e.number() == ER_NO_SUCH_THREAD) =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Deletes the lease row of `stored_key` (`delete`), or gives it another

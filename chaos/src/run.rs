@@ -16,7 +16,9 @@ use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::Mutex;
 
 use crate::checker::{self, RunMeta, Summary};
-use crate::history::{FaultEvent, Phase, Record, RevocationEvent, Step, WorkerEvent, WorkerLine};
+use crate::history::{
+    FaultEvent, Phase, Record, RevocationEvent, SessionKillEvent, Step, WorkerEvent, WorkerLine,
+};
 use crate::proxy::Proxy;
 use crate::servers::Server;
 use crate::store::Mode;
@@ -434,6 +436,11 @@ impl Cluster {
     pub(crate) fn revocation(&self, event: RevocationEvent) {
         append(&self.history, &Record::Revocation(event));
     }
+
+    /// Records whose connection a `session_kill` ended.
+    pub(crate) fn session_kill(&self, event: SessionKillEvent) {
+        append(&self.history, &Record::SessionKill(event));
+    }
 }
 
 /// The name of a workload on the command line.
@@ -640,6 +647,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
             servers.push(started.0?);
             servers.push(started.1?);
             servers.push(started.2?);
+            await_etcd_leader(ports).await?;
         }
         Backend::Postgres => {
             servers.push(Server::postgres(pg_port(&args), &out.join("postgres")).await?)
@@ -826,6 +834,29 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<Summary> {
         serde_json::to_vec_pretty(&summary)?,
     )?;
     Ok(summary)
+}
+
+/// Waits until the run's etcd cluster answers a linearizable read, that is
+/// has elected a leader: its members listen before they have one, and a
+/// lease asked for meanwhile (the first connection's session) times out.
+async fn await_etcd_leader(ports: [u16; 3]) -> anyhow::Result<()> {
+    let members: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let read = async {
+            let mut client = etcd_client::Client::connect(members.clone(), None).await?;
+            client.get("/", None).await
+        };
+        let why = match tokio::time::timeout(Duration::from_secs(3), read).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer within 3 s".to_owned(),
+        };
+        if Instant::now() >= deadline {
+            bail!("the etcd cluster elected no leader within 60 s: {why}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Lock keys of this run still held on the main backend's server(s) once

@@ -16,17 +16,23 @@
 //! The semaphore workload (a semaphore of 3 permits per key, through the
 //! attribute's `permits = 3`) and the read-write workload (readers,
 //! writers and plain locks of the same keys) run on SQLite, Redis,
-//! PostgreSQL and MySQL in lease mode and ZooKeeper under one round of
-//! their backend's faults, failing also on more holders of one key than its
-//! permits, two holders of one (key, slot), a reader beside a writer (all
-//! on the store's order of the operations it took), and on a run where
-//! permits or readers never actually shared a key.
+//! PostgreSQL and MySQL in lease mode, PostgreSQL in session mode,
+//! ZooKeeper and etcd (the semaphore also on MySQL in session mode, whose
+//! read locks are refused) under one round of their backend's faults,
+//! failing also on more holders of one key than its permits, two holders
+//! of one (key, slot), a reader beside a writer (all on the store's order
+//! of the operations it took), and on a run where permits or readers never
+//! actually shared a key. In session mode the `session_kill` fault ends a
+//! lock-holding connection (in the semaphore workload a permit's slot's):
+//! each holder so ended must be told of its loss within its lease, a
+//! renewal period and 2 s.
 //!
 //! `DLOCK_CHAOS_PORT_BASE` moves the servers the runs start (`--port-base`)
 //! away from the default ports, for a machine where those are taken.
 //!
-//! They need `redis-server` on the PATH, for the ZooKeeper run `java` and
-//! Debian's ZooKeeper jars, for the PostgreSQL runs Debian's PostgreSQL 15 (in
+//! They need `redis-server` on the PATH, for the etcd runs `etcd`, for the
+//! ZooKeeper run `java` and Debian's ZooKeeper jars, for the PostgreSQL
+//! runs Debian's PostgreSQL 15 (in
 //! `/usr/lib/postgresql/15/bin`, and a `postgres` user) and for the MySQL runs
 //! `mariadbd` and `mariadb-install-db` (`scripts/servers.sh up` installs them
 //! all; the harness runs servers of its own, on its own ports); a missing
@@ -79,7 +85,12 @@ fn short_transfer_run(backend: &str, faults: u32) -> serde_json::Value {
 /// at once, a permit had no slot below them, two holders of one slot
 /// overlapped, or no two permits of one key were ever held together.
 fn short_semaphore_run(backend: &str, faults: u32) -> serde_json::Value {
-    let summary = short_run_of(backend, None, "semaphore", faults);
+    short_semaphore_run_in(backend, None, faults)
+}
+
+/// [`short_semaphore_run`] with `--mode`, if given.
+fn short_semaphore_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, mode, "semaphore", faults);
     assert_eq!(summary["workload"], "semaphore", "{summary}");
     assert_eq!(summary["permits"].as_u64(), Some(3), "{summary}");
     let most = summary["max_permit_holders"].as_u64().unwrap_or(0);
@@ -97,7 +108,12 @@ fn short_semaphore_run(backend: &str, faults: u32) -> serde_json::Value {
 /// faults, failing also when a reader's hold overlapped a writer's, two
 /// exclusive holds overlapped, or no two readers ever shared a key.
 fn short_rw_run(backend: &str, faults: u32) -> serde_json::Value {
-    let summary = short_run_of(backend, None, "rw", faults);
+    short_rw_run_in(backend, None, faults)
+}
+
+/// [`short_rw_run`] with `--mode`, if given.
+fn short_rw_run_in(backend: &str, mode: Option<&str>, faults: u32) -> serde_json::Value {
+    let summary = short_run_of(backend, mode, "rw", faults);
     assert_eq!(summary["workload"], "rw", "{summary}");
     assert_eq!(summary["readers_beside_writers"].as_u64(), Some(0));
     assert_eq!(summary["holders_at_once"].as_u64(), Some(0));
@@ -409,13 +425,87 @@ fn rw_on_zookeeper_keeps_readers_from_writers_under_one_round_of_faults() {
     assert_faults(&summary, &["session_expiry", "kill_server", "revoke"]);
 }
 
+/// The faults of a session-mode run: [`SQL_FAULTS`] and `session_kill`.
+fn assert_session_faults(summary: &serde_json::Value) {
+    assert_faults(summary, &SQL_FAULTS);
+    assert_faults(summary, &["session_kill"]);
+    assert!(
+        summary["session_killed_holders"].as_u64().unwrap_or(0) >= 1,
+        "no holder's connection was ended: {summary}"
+    );
+    assert_eq!(
+        summary["session_killed_unsignalled"].as_u64(),
+        Some(0),
+        "{summary}"
+    );
+}
+
+#[test]
+fn semaphore_on_postgres_session_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run_in("postgres", Some("session"), 9);
+    assert_session_faults(&summary);
+    assert!(
+        summary["session_killed_slot_holders"].as_u64().unwrap_or(0) >= 1,
+        "no permit holder's connection was ended: {summary}"
+    );
+}
+
+#[test]
+fn rw_on_postgres_session_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run_in("postgres", Some("session"), 9);
+    assert_session_faults(&summary);
+}
+
+#[test]
+fn semaphore_on_mysql_session_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run_in("mysql", Some("session"), 9);
+    assert_session_faults(&summary);
+    assert!(
+        summary["session_killed_slot_holders"].as_u64().unwrap_or(0) >= 1,
+        "no permit holder's connection was ended: {summary}"
+    );
+}
+
+/// etcd's faults: a member killed, the proxies' faults, a side stall, a
+/// revocation (besides the workers' pauses and kills).
+const ETCD_FAULTS: [&str; 8] = [
+    "sigstop",
+    "sigkill_worker",
+    "kill_server",
+    "proxy_delay",
+    "proxy_blackhole",
+    "proxy_reset",
+    "side_stall",
+    "revoke",
+];
+
+#[test]
+fn semaphore_on_etcd_keeps_its_permits_under_one_round_of_faults() {
+    let summary = short_semaphore_run("etcd", 8);
+    assert_faults(&summary, &ETCD_FAULTS);
+}
+
+#[test]
+fn rw_on_etcd_keeps_readers_from_writers_under_one_round_of_faults() {
+    let summary = short_rw_run("etcd", 8);
+    assert_faults(&summary, &ETCD_FAULTS);
+}
+
+/// Redlock offers neither permits nor readers; MySQL's session mode offers
+/// no readers (`GET_LOCK` has no shared mode), and says to use lease mode.
 #[test]
 fn a_backend_that_does_not_offer_the_workloads_mode_fails_the_run() {
-    for workload in ["semaphore", "rw"] {
+    let cases = [
+        (["redlock", "lease"], "semaphore", "Redlock"),
+        (["redlock", "lease"], "rw", "Redlock"),
+        (["mysql", "session"], "rw", "lease mode"),
+    ];
+    for ([backend, mode], workload, named) in cases {
         let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let out = tempfile::tempdir().unwrap();
         let run = Command::new(env!("CARGO_BIN_EXE_dlock-chaos"))
-            .args(["run", "--backend", "redlock", "--workload", workload])
+            .args(["run", "--backend", backend, "--mode", mode])
+            .args(["--workload", workload])
             .args(["--acquisitions", "10", "--faults", "1"])
             .args(
                 std::env::var("DLOCK_CHAOS_PORT_BASE")
@@ -429,11 +519,12 @@ fn a_backend_that_does_not_offer_the_workloads_mode_fails_the_run() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(!run.status.success(), "{workload} on Redlock passed");
+        let case = format!("{workload} on {backend} ({mode})");
+        assert!(!run.status.success(), "{case} passed");
         assert!(
-            stderr.contains("does not offer") && stderr.contains("Redlock"),
-            "{workload}: {stderr}"
+            stderr.contains("does not offer") && stderr.contains(named),
+            "{case}: {stderr}"
         );
-        assert!(read_summary(out.path()).is_null(), "{workload}: a summary");
+        assert!(read_summary(out.path()).is_null(), "{case}: a summary");
     }
 }
