@@ -52,6 +52,9 @@ pub(crate) struct Unanswered {
     owners: Mutex<HashMap<String, Vec<Pending>>>,
 }
 
+/// How many owners may be tracked before those whose work is done are let go.
+const PRUNE_AT: usize = 64;
+
 struct Pending {
     /// The task doing it: that task's own statements do not wait for it.
     task: Option<tokio::task::Id>,
@@ -83,7 +86,16 @@ impl Unanswered {
         task: Option<tokio::task::Id>,
         done: tokio::sync::watch::Receiver<()>,
     ) {
-        self.owners()
+        let mut owners = self.owners();
+        // Work nobody waited for (an owner with no statement after it) is
+        // let go once done, so the map stays as small as the work running.
+        if owners.len() >= PRUNE_AT {
+            owners.retain(|_, pending| {
+                pending.retain(|p| p.done.has_changed().is_ok());
+                !pending.is_empty()
+            });
+        }
+        owners
             .entry(owner.to_owned())
             .or_default()
             .push(Pending { task, done });
@@ -183,5 +195,72 @@ impl<DB: sqlx::Database> Drop for Running<'_, DB> {
             }
             drop(done);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Waits for `owner`'s work from a task of its own: the task.
+    fn waiter(unanswered: &Arc<Unanswered>, owner: &'static str) -> tokio::task::JoinHandle<()> {
+        let unanswered = unanswered.clone();
+        tokio::spawn(async move { unanswered.wait_for(owner).await })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_owners_statements_wait_for_its_unanswered_work_until_it_is_done() {
+        let unanswered = Arc::new(Unanswered::default());
+        let (first, second) = (
+            unanswered.register("owner", None),
+            unanswered.register("owner", None),
+        );
+        let waiting = waiter(&unanswered, "owner");
+        // Another owner's statements go on at once.
+        tokio::time::timeout(Duration::from_secs(10), unanswered.wait_for("other"))
+            .await
+            .expect("another owner does not wait");
+        // Longer than any call timeout would be on a loaded machine's clock:
+        // the wait is not for a time, but for the work.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "waits while both are running");
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "waits while one is running");
+        drop(second);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("ends once both are done")
+            .expect("no panic");
+        assert!(unanswered.owners().is_empty(), "nothing left tracked");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_task_doing_an_owners_work_does_not_wait_for_itself() {
+        let unanswered = Arc::new(Unanswered::default());
+        let (go, gone) = tokio::sync::oneshot::channel::<()>();
+        let attempt = {
+            let unanswered = unanswered.clone();
+            tokio::spawn(async move {
+                gone.await.expect("told to go");
+                unanswered.wait_for("owner").await;
+            })
+        };
+        // The caller went away: the attempt's task is registered as the
+        // owner's work, running until it ends.
+        let done = unanswered.register("owner", Some(attempt.id()));
+        let undo = waiter(&unanswered, "owner");
+        go.send(()).expect("the attempt waits");
+        tokio::time::timeout(Duration::from_secs(10), attempt)
+            .await
+            .expect("the attempt's own statements go on")
+            .expect("no panic");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!undo.is_finished(), "the undo waits for the attempt");
+        drop(done);
+        tokio::time::timeout(Duration::from_secs(10), undo)
+            .await
+            .expect("the undo goes once the attempt is done")
+            .expect("no panic");
     }
 }
