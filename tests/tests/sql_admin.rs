@@ -237,9 +237,8 @@ async fn registries_with_different_holder_names_are_told_apart_on_one_table() {
 async fn mysql_a_registrys_record_row_is_collected_once_it_holds_nothing_past_the_retention() {
     let db = SqlDb::Mysql;
     let table = format!("dlock_records_{}", std::process::id());
-    let drop_tables = format!(
-        "DROP TABLE IF EXISTS {table}, {table}_holders, {table}_procs, {table}_fence"
-    );
+    let drop_tables =
+        format!("DROP TABLE IF EXISTS {table}, {table}_holders, {table}_procs, {table}_fence");
     db.execute(&drop_tables).await;
     let url = format!("{}?table={table}&retention=1s&timeout=1s", db.url());
     let backend = dlock_runtime::connect(&url).await.expect("connect");
@@ -270,7 +269,11 @@ async fn mysql_a_registrys_record_row_is_collected_once_it_holds_nothing_past_th
     // the retention, while the other registry's releases collect.
     let held_until = tokio::time::Instant::now() + 6 * SECOND;
     while tokio::time::Instant::now() < held_until {
-        let g = other.lock("records:other").acquire().await.expect("acquire");
+        let g = other
+            .lock("records:other")
+            .acquire()
+            .await
+            .expect("acquire");
         g.release().await.expect("release");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -287,7 +290,11 @@ async fn mysql_a_registrys_record_row_is_collected_once_it_holds_nothing_past_th
     // the release; the bound here is liveness on a loaded machine.
     let deadline = tokio::time::Instant::now() + 60 * SECOND;
     loop {
-        let g = other.lock("records:other").acquire().await.expect("acquire");
+        let g = other
+            .lock("records:other")
+            .acquire()
+            .await
+            .expect("acquire");
         g.release().await.expect("release");
         if db.fetch_count(&rows_of).await == 0 {
             break;

@@ -430,7 +430,13 @@ async fn acquire_new(
     lost: CancellationToken,
     backend_lost: CancellationToken,
 ) -> Result<LockGuard, LockError> {
-    let request = new_request(registry, options, stored_key, owner_token(registry), backend_lost);
+    let request = new_request(
+        registry,
+        options,
+        stored_key,
+        owner_token(registry),
+        backend_lost,
+    );
     let mut held = new_leases(registry, entry, options, vec![key], vec![request], lost).await?;
     let guard = LockGuard::new(held.pop().expect("one lease per key"), None);
     // Checked after the lease is tracked: either shutdown saw it (and

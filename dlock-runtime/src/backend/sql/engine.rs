@@ -503,9 +503,7 @@ impl<D: Dialect> SqlBackend<D> {
             collect_sql: D::collect_sql(&target.table, target.mode).into(),
             collect_holders_sql: (target.mode == Mode::Lease)
                 .then(|| D::collect_holders_sql(&target.table).into()),
-            collect_records_sql: dialect
-                .collect_records_sql(&target.table)
-                .map(Arc::from),
+            collect_records_sql: dialect.collect_records_sql(&target.table).map(Arc::from),
             shared: Arc::new(dialect.shared_sql(&target.table)),
             marks: Arc::default(),
             shown_url,

@@ -770,9 +770,9 @@ impl Dialect for Mysql {
     }
 
     fn collect_records_sql(&self, table: &str) -> Option<String> {
-        self.records.as_ref().map(|_| {
-            format!("DELETE FROM {table}_procs WHERE until_us < {N} - ? LIMIT 10000")
-        })
+        self.records
+            .as_ref()
+            .map(|_| format!("DELETE FROM {table}_procs WHERE until_us < {N} - ? LIMIT 10000"))
     }
 
     fn shared_sql(&self, table: &str) -> SharedSql {
