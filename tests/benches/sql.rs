@@ -22,8 +22,10 @@
 //!      registration, tracing span included) against the same two statements
 //!      (dlock's acquire upsert and release) written by hand with sqlx on one
 //!      pool of the same size and settings; and those statements without the
-//!      holder record (its column and the grant's time left out of the
-//!      upsert), so what the record costs is measured in the same rounds.
+//!      holder record (on PostgreSQL its column and the grant's time left out
+//!      of the upsert; on MariaDB, where the record is written once per
+//!      registry into `dlock_leases_procs`, the grant's time), so what the
+//!      record costs is measured in the same rounds.
 //!    - **PostgreSQL session mode** against sqlx's own `PgAdvisoryLock` (what
 //!      a Rust user reaches for), sqlx's pool sized to the concurrency.
 //!    - **Concurrency 1 runs pinned**: the benchmark runs that section in a

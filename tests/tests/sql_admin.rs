@@ -177,6 +177,143 @@ async fn the_builders_holder_name_is_stored_with_the_grant() {
     }
 }
 
+/// Two registries of one process with different holder names, on one lock
+/// table: each grant is shown with its own registry's record (MySQL keeps
+/// the records apart from the rows, one per registry), side by side and on
+/// one key handed from one to the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registries_with_different_holder_names_are_told_apart_on_one_table() {
+    for url in urls() {
+        let backend = dlock_runtime::connect(&url).await.expect("connect");
+        let named = |name: &str| {
+            Registry::builder()
+                .default_backend(backend.clone())
+                .holder_name(name)
+                .build()
+        };
+        let (blue, green) = (named("payments blue"), named("payments green"));
+        let prefix = unique_key("admin-two-names");
+        let (kb, kg) = (format!("{prefix}:b"), format!("{prefix}:g"));
+        let b = blue.lock(&kb).acquire().await.expect("acquire blue");
+        let g = green.lock(&kg).acquire().await.expect("acquire green");
+        let listed = blue.list(&prefix, 10).await.expect("list");
+        let names: Vec<_> = listed
+            .iter()
+            .map(|k| (k.key().to_owned(), k.holders()[0].name().map(str::to_owned)))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                (kb.clone(), Some("payments blue".to_owned())),
+                (kg.clone(), Some("payments green".to_owned()))
+            ],
+            "{url}: {listed:?}"
+        );
+        g.release().await.expect("release green");
+        b.release().await.expect("release blue");
+        let shared = format!("{prefix}:handed");
+        for (registry, name) in [(&blue, "payments blue"), (&green, "payments green")] {
+            let guard = registry.lock(&shared).acquire().await.expect("acquire");
+            let info = green
+                .inspect(&shared)
+                .await
+                .expect("inspect")
+                .unwrap_or_else(|| panic!("{url}: the held key is shown"));
+            let holder = &info.holders()[0];
+            assert_eq!(holder.name(), Some(name), "{url}: {holder:?}");
+            assert_eq!(holder.pid(), Some(std::process::id()), "{url}");
+            assert!(holder.granted_at().is_some(), "{url}: {holder:?}");
+            guard.release().await.expect("release");
+        }
+    }
+}
+
+/// MySQL lease mode keeps a registry's holder record in a row of
+/// `<table>_procs`, not in each grant's row; the record's row stays while
+/// its registry holds a lease (renewed past the retention) and is collected
+/// once the registry has held nothing for longer than the retention.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_registrys_record_row_is_collected_once_it_holds_nothing_past_the_retention() {
+    let db = SqlDb::Mysql;
+    let table = format!("dlock_records_{}", std::process::id());
+    let drop_tables =
+        format!("DROP TABLE IF EXISTS {table}, {table}_holders, {table}_procs, {table}_fence");
+    db.execute(&drop_tables).await;
+    let url = format!("{}?table={table}&retention=1s&timeout=1s", db.url());
+    let backend = dlock_runtime::connect(&url).await.expect("connect");
+    let name = unique_key("records-collected");
+    let holder = Registry::builder()
+        .default_backend(backend.clone())
+        .holder_name(&name)
+        .build();
+    let other = Registry::builder().default_backend(backend).build();
+    let rows_of = format!("SELECT COUNT(*) FROM {table}_procs WHERE holder LIKE '%{name}'");
+    let lease = Duration::from_millis(300);
+    let guard = holder
+        .lock("records:held")
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    assert_eq!(db.fetch_count(&rows_of).await, 1, "the record's row");
+    assert_eq!(
+        db.fetch_count(&format!(
+            "SELECT COUNT(*) FROM {table} WHERE holder IS NOT NULL"
+        ))
+        .await,
+        0,
+        "the grant's row carries no record of its own"
+    );
+    // Held (the watchdog renews it) well past the row's first cover and
+    // the retention, while the other registry's releases collect.
+    let held_until = tokio::time::Instant::now() + 6 * SECOND;
+    while tokio::time::Instant::now() < held_until {
+        let g = other
+            .lock("records:other")
+            .acquire()
+            .await
+            .expect("acquire");
+        g.release().await.expect("release");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!guard.is_lost(), "the holder kept its lease");
+    assert_eq!(db.fetch_count(&rows_of).await, 1, "kept while held");
+    let info = other
+        .inspect("records:held")
+        .await
+        .expect("inspect")
+        .expect("held");
+    assert_eq!(info.holders()[0].name(), Some(name.as_str()));
+    guard.release().await.expect("release");
+    // Collected at most twice (lease + timeout) plus the retention after
+    // the release; the bound here is liveness on a loaded machine.
+    let deadline = tokio::time::Instant::now() + 60 * SECOND;
+    loop {
+        let g = other
+            .lock("records:other")
+            .acquire()
+            .await
+            .expect("acquire");
+        g.release().await.expect("release");
+        if db.fetch_count(&rows_of).await == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record's row was not collected within 60 s of the release"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The other registry, still acquiring, keeps its own row.
+    assert_eq!(
+        db.fetch_count(&format!("SELECT COUNT(*) FROM {table}_procs"))
+            .await,
+        1
+    );
+    db.execute(&drop_tables).await;
+}
+
 /// A name longer than a PostgreSQL connection's `application_name` holds,
 /// and one outside ASCII, are shown whole in every mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -484,5 +621,8 @@ async fn an_old_mysql_lease_table_keeps_working() {
     );
     let url = format!("{}?table={table}", db.url());
     an_old_lease_table_keeps_working(db, &url, &table, &ddl).await;
-    db.execute(&format!("DROP TABLE {table}")).await;
+    db.execute(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_holders, {table}_procs"
+    ))
+    .await;
 }

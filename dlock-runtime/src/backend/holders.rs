@@ -30,6 +30,22 @@ pub struct HolderRecord {
     pub name: Option<String>,
 }
 
+/// The length of the holder id an owner token the runtime draws starts with
+/// (see [`holder_id`]).
+pub const HOLDER_ID_LEN: usize = 16;
+
+/// The holder id an owner token starts with: the runtime draws each owner
+/// token as 32 lowercase hex digits, the first 16 of them its registry's
+/// (drawn at random once per registry, so per holder record), the other 16
+/// at random per acquisition. A backend can store a registry's holder record
+/// once under this id instead of with every grant. `None` for an owner of
+/// another form (one a caller of the backend chose).
+pub fn holder_id(owner: &str) -> Option<&str> {
+    let hex = |b: &u8| b.is_ascii_digit() || (b'a'..=b'f').contains(b);
+    (owner.len() == 2 * HOLDER_ID_LEN && owner.as_bytes().iter().all(hex))
+        .then(|| &owner[..HOLDER_ID_LEN])
+}
+
 /// The version tag of [`HolderRecord::encode`]'s text form.
 const ENCODING_VERSION: &str = "h1";
 

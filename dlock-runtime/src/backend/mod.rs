@@ -48,7 +48,7 @@ pub mod wait;
 pub mod zookeeper;
 
 pub use connect::connect;
-pub use holders::{HeldEntry, HolderRecord, KeyEntry};
+pub use holders::{HOLDER_ID_LEN, HeldEntry, HolderRecord, KeyEntry, holder_id};
 pub use mode::{HoldMode, MAX_PERMITS};
 pub use wait::WakeSource;
 

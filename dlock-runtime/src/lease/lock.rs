@@ -320,9 +320,14 @@ pub(crate) fn count_skipped(registry: &Registry, options: &LockOptions) {
 
 static NEXT_LEASE_ID: AtomicU64 = AtomicU64::new(1);
 
-/// A random owner token: 128 bits, hex.
-fn owner_token() -> String {
-    format!("{:032x}", rand::random::<u128>())
+/// An owner token: 32 hex digits, the registry's holder id (see
+/// [`holder_id`](crate::backend::holder_id)) and 64 random bits.
+fn owner_token(registry: &Registry) -> String {
+    format!(
+        "{:016x}{:016x}",
+        registry.inner.holder_id,
+        rand::random::<u64>()
+    )
 }
 
 /// The `mode` field of the `dlock.lock` span.
@@ -425,7 +430,13 @@ async fn acquire_new(
     lost: CancellationToken,
     backend_lost: CancellationToken,
 ) -> Result<LockGuard, LockError> {
-    let request = new_request(registry, options, stored_key, owner_token(), backend_lost);
+    let request = new_request(
+        registry,
+        options,
+        stored_key,
+        owner_token(registry),
+        backend_lost,
+    );
     let mut held = new_leases(registry, entry, options, vec![key], vec![request], lost).await?;
     let guard = LockGuard::new(held.pop().expect("one lease per key"), None);
     // Checked after the lease is tracked: either shutdown saw it (and
@@ -784,7 +795,7 @@ pub(crate) async fn acquire_all(
         keys.iter().map(|_| CancellationToken::new()).collect();
     let joined_loss = join_losses(&backend_lost, &lost);
     // One step where the backend can take these keys so (one owner for all).
-    let owner = owner_token();
+    let owner = owner_token(registry);
     let requests: Vec<AcquireRequest> = stored
         .iter()
         .zip(&backend_lost)

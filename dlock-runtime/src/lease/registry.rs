@@ -46,6 +46,9 @@ pub(crate) struct RegistryInner {
     pub(crate) prefix: String,
     /// Stamped on every grant (see [`RegistryBuilder::holder_name`]).
     pub(crate) holder: Arc<HolderRecord>,
+    /// What its owner tokens start with (see [`backend::holder_id`]): drawn
+    /// at random, so registries with different records have different ids.
+    pub(crate) holder_id: u64,
     pub(crate) watchdog: Watchdog,
     pub(crate) leases: Arc<Leases>,
     /// What [`Registry::stats`] reads.
@@ -230,6 +233,7 @@ impl RegistryBuilder {
                     .collect(),
                 prefix: self.prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
                 holder: holder_record(self.holder_name),
+                holder_id: rand::random(),
                 watchdog: Watchdog::start(),
                 leases: Arc::default(),
                 counters: Arc::default(),

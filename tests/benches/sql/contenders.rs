@@ -50,18 +50,19 @@ const PG_RELEASE: &str = "WITH r AS (UPDATE dlock_leases SET owner = NULL, \
 const MY_NOW: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
 /// dlock's MariaDB lease acquisition (`dlock-runtime/src/backend/sql/mysql/mod.rs`),
-/// with the holder record (the fourth value) and the grant's time, as dlock
-/// sends it, or without them.
+/// with the holder record as dlock keeps it, or without it. dlock writes the
+/// record itself once per registry into `dlock_leases_procs` (see
+/// [`MY_RECORD`]), under the holder id its owners start with; what each
+/// grant writes of it is the grant's time.
 fn my_acquire(record: bool) -> String {
     let n = MY_NOW;
     let free = format!("((expires_us <= {n} OR owner = VALUES(owner)) AND shared_us <= {n})");
     let (columns, values, sets) = if record {
         (
-            ", holder, granted_us",
-            format!(", ?, {n}"),
+            ", granted_us",
+            format!(", {n}"),
             format!(
-                "holder = IF({free}, VALUES(holder), holder), \
-                 granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {n}), granted_us), "
+                "granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {n}), granted_us), "
             ),
         )
     } else {
@@ -78,6 +79,16 @@ fn my_acquire(record: bool) -> String {
          expires_us = IF({free}, VALUES(expires_us), expires_us)"
     )
 }
+
+/// dlock's write of a registry's holder record (id, record, cover in µs).
+const MY_RECORD: &str = "INSERT INTO dlock_leases_procs (id, holder, until_us) \
+    VALUES (?, ?, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + ?) \
+    ON DUPLICATE KEY UPDATE holder = VALUES(holder), \
+    until_us = GREATEST(until_us, VALUES(until_us))";
+
+/// The holder id of the hand-written statements with the record: what
+/// their owners start with, as dlock's do.
+const MY_HOLDER_ID: &str = "0123456789abcdef";
 
 /// dlock's MariaDB lease release.
 fn my_release() -> String {
@@ -195,6 +206,29 @@ impl Contenders {
         let my_dlock = registry(my_url).await?;
         let pg_session = registry(&format!("{pg_url}?mode=session")).await?;
         let pg_options: PgConnectOptions = pg_url.parse()?;
+        let my_hand = MySqlPoolOptions::new()
+            .max_connections(LEASE_POOL)
+            .min_connections(0)
+            .test_before_acquire(false)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .execute(conn)
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect(my_url)
+            .await?;
+        // The record once, as dlock writes it before its registry's first
+        // grant (covering far longer than the run: dlock extends it once
+        // a lease or so).
+        sqlx::query(MY_RECORD)
+            .bind(MY_HOLDER_ID)
+            .bind(HolderRecord::this_process().encode())
+            .bind(24 * 3600 * 1_000_000_i64)
+            .execute(&my_hand)
+            .await?;
         Ok(Arc::new(Contenders {
             pg_dlock,
             my_dlock,
@@ -207,20 +241,7 @@ impl Contenders {
                     pg_options.options([("default_transaction_isolation", "read committed")]),
                 )
                 .await?,
-            my_hand: MySqlPoolOptions::new()
-                .max_connections(LEASE_POOL)
-                .min_connections(0)
-                .test_before_acquire(false)
-                .after_connect(|conn, _| {
-                    Box::pin(async move {
-                        sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                            .execute(conn)
-                            .await
-                            .map(drop)
-                    })
-                })
-                .connect(my_url)
-                .await?,
+            my_hand,
             pg_acquire: pg_acquire(false),
             pg_acquire_record: pg_acquire(true),
             my_acquire: my_acquire(false),
@@ -289,21 +310,18 @@ pub(super) async fn pair(c: &Contenders, who: Who, tag: &str, i: u64) {
                 .unwrap_or_else(|e| panic!("{}: release failed: {e}", who.name()));
         }
         Who::MyHand | Who::MyHandRecord => {
-            let owner = owner();
+            // dlock's owners: the registry's holder id, 64 random bits.
+            let owner = format!("{MY_HOLDER_ID}{:016x}", rand::random::<u64>());
             let lease_us = LEASE.as_micros() as i64;
             let acquire = if who == Who::MyHandRecord {
                 &c.my_acquire_record
             } else {
                 &c.my_acquire
             };
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(acquire.as_str()))
+            let done = sqlx::query(sqlx::AssertSqlSafe(acquire.as_str()))
                 .bind(&key)
                 .bind(&owner)
-                .bind(lease_us);
-            if who == Who::MyHandRecord {
-                query = query.bind(HolderRecord::this_process().encode());
-            }
-            let done = query
+                .bind(lease_us)
                 .execute(&c.my_hand)
                 .await
                 .unwrap_or_else(|e| panic!("{}: acquire failed: {e}", who.name()));

@@ -13,7 +13,10 @@
 //! … ADD COLUMN`, an addition that concurrent processes may race: a column
 //! another process added meanwhile counts as added). A role that may not
 //! alter the table gets a configuration error at connect naming the
-//! statements to run (the exported `DDL` has the columns).
+//! statements to run (the exported `DDL` has the columns). MySQL's lease
+//! mode writes the record once per registry into `<table>_procs` instead
+//! and reads it back by a join (see `mysql`); its `holder` column keeps the
+//! record of owners of another form.
 //! Session mode keeps the stored key, the holder record and the grant time
 //! in the key's `<table>_fence` row instead, written by the lock statement
 //! and added to old tables the same way.

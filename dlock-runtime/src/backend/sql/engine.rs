@@ -211,6 +211,14 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// retention as [`retention`](Self::retention).
     fn collect_holders_sql(table: &str) -> String;
 
+    /// The statement that deletes the holder records of registries that
+    /// held nothing for longer than the retention (it takes the retention
+    /// as [`retention`](Self::retention)), for a started dialect that keeps
+    /// them apart from the rows (lease mode).
+    fn collect_records_sql(&self, _table: &str) -> Option<String> {
+        None
+    }
+
     /// Runs `stmt` with `args`: its rows, each column read as `cols` says.
     fn rows<'c>(
         conn: &'c mut Conn<Self>,
@@ -353,6 +361,8 @@ pub struct SqlBackend<D: Dialect> {
     collect_sql: Arc<str>,
     /// See [`Dialect::collect_holders_sql`] (lease mode).
     collect_holders_sql: Option<Arc<str>>,
+    /// See [`Dialect::collect_records_sql`].
+    collect_records_sql: Option<Arc<str>>,
     /// See [`Dialect::shared_sql`].
     pub(super) shared: Arc<SharedSql>,
     /// The owners whose waiting-writer marks may stand.
@@ -374,6 +384,7 @@ impl<D: Dialect> Clone for SqlBackend<D> {
             collector: self.collector.clone(),
             collect_sql: self.collect_sql.clone(),
             collect_holders_sql: self.collect_holders_sql.clone(),
+            collect_records_sql: self.collect_records_sql.clone(),
             shared: self.shared.clone(),
             marks: self.marks.clone(),
             sessions: self.sessions.clone(),
@@ -492,6 +503,7 @@ impl<D: Dialect> SqlBackend<D> {
             collect_sql: D::collect_sql(&target.table, target.mode).into(),
             collect_holders_sql: (target.mode == Mode::Lease)
                 .then(|| D::collect_holders_sql(&target.table).into()),
+            collect_records_sql: dialect.collect_records_sql(&target.table).map(Arc::from),
             shared: Arc::new(dialect.shared_sql(&target.table)),
             marks: Arc::default(),
             shown_url,
@@ -757,11 +769,15 @@ impl<D: Dialect> SqlBackend<D> {
         let retention = D::retention(self.collector.retention);
         let sql = self.collect_sql.clone();
         let holders = self.collect_holders_sql.clone();
+        let records = self.collect_records_sql.clone();
         crate::driver::handle().spawn(async move {
             let collected = async {
                 let mut conn = pool.acquire().await?;
                 if let Some(holders) = holders {
                     D::fetch_i64(&mut conn, holders, Some(retention)).await?;
+                }
+                if let Some(records) = records {
+                    D::fetch_i64(&mut conn, records, Some(retention)).await?;
                 }
                 D::fetch_i64(&mut conn, sql, Some(retention)).await
             };
@@ -809,7 +825,7 @@ async fn ensure_schema<D: Dialect>(
 
 /// Creates `name` (unless `create` is false) from the statement `nth` of
 /// [`Dialect::DDL`], and checks it with `check`.
-async fn ensure_table<D: Dialect>(
+pub(super) async fn ensure_table<D: Dialect>(
     pool: sqlx::Pool<D::Db>,
     table: &str,
     name: &str,
@@ -838,6 +854,7 @@ async fn ensure_table<D: Dialect>(
     let ddl = D::DDL
         .replace("dlock_leases_fence", &format!("{table}_fence"))
         .replace("dlock_leases_holders", &format!("{table}_holders"))
+        .replace("dlock_leases_procs", &format!("{table}_procs"))
         .replace("dlock_leases ", &format!("{table} "));
     let ddl = ddl
         .split_inclusive(';')

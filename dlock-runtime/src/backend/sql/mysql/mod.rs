@@ -12,20 +12,40 @@
 //!
 //! ```sql
 //! -- F = (expires_us <= N OR owner = VALUES(owner)): free, expired, or ours (a retry)
-//! INSERT INTO dlock_leases (k, owner, token, expires_us, holder, granted_us)
-//!   VALUES (?, ?, LAST_INSERT_ID(N), N + ?, ?, N)
+//! INSERT INTO dlock_leases (k, owner, token, expires_us, granted_us)
+//!   VALUES (?, ?, LAST_INSERT_ID(N), N + ?, N)
 //! ON DUPLICATE KEY UPDATE
 //!   token      = IF(F, LAST_INSERT_ID(GREATEST(token + 1, N)),
 //!                  token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - N, 0), 2^40 - 1) + 1)),
-//!   holder     = IF(F, VALUES(holder), holder),
 //!   granted_us = IF(F, IF(owner <=> VALUES(owner), granted_us, N), granted_us),
 //!   owner      = IF(F, VALUES(owner), owner),
 //!   expires_us = IF(F, VALUES(expires_us), expires_us);    -- assigned last: F reads it
 //! ```
 //!
 //! `VALUES(col)` is the value the statement would have inserted (the
-//! same `N` throughout one statement), so the four values are bound once:
-//! the key, the owner, the lease and the holder record.
+//! same `N` throughout one statement), so the three values are bound once:
+//! the key, the owner and the lease.
+//!
+//! **The holder record** (host, pid, `holder_name`) is the registry's, not
+//! the grant's: it is written once into `<table>_procs`, under the holder id
+//! every owner token of the registry starts with (its first 16 hex digits,
+//! see [`holder_id`]), and the lease row keeps only what is per grant (the
+//! owner, the token, `granted_us`); `inspect` and `list` join the two. Each
+//! expression of the upsert costs the server on every execution (MariaDB
+//! prepares all of `ON DUPLICATE KEY UPDATE` even for an insert), so one
+//! `holder = IF(F, …)` per grant cost as much server CPU as the grant time's.
+//! The `_procs` row says until when (`until_us`, the database's clock) it
+//! covers the grants and renewals of its registry: a grant or renewal that
+//! would outlast it first extends it to twice (lease + `timeout`) from now,
+//! so in steady state one upsert per registry every lease or so. Collection
+//! deletes rows whose `until_us` passed the retention ago: a registry that
+//! holds nothing is forgotten a retention after its last grant's lease
+//! would have ended, at most twice (lease + `timeout`) later. Owners of
+//! another form (a caller of the backend chose them) and tables without
+//! `_procs` (`create=false` on a schema made before it) keep the record in
+//! the lease row's `holder` column, written by the upsert as above with
+//! `holder = IF(F, VALUES(holder), holder)`; `inspect` reads that column
+//! when no `_procs` row matches.
 //!
 //! The id is the new token (the clock in µs, above 2^40) when the key was
 //! taken, or the holder's remaining time in µs + 1 (at most 2^40) when busy.
@@ -83,10 +103,11 @@
 //! `poll=50ms`, `retention=10m`, `timeout=3s`; the others (`ssl-mode`, …) go
 //! to the driver.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
@@ -95,14 +116,17 @@ use sqlx::{AssertSqlSafe, Connection as _};
 use self::session::MySessions;
 use super::admin::Row;
 use super::engine::{
-    Dialect, Pick, Setup, SqlBackend, Started, busy_at, failed, fetch_i64_by_query_scalar,
-    holder_text,
+    Dialect, Pick, Setup, SqlBackend, Started, busy_at, ensure_table, failed,
+    fetch_i64_by_query_scalar, holder_text,
 };
 use super::pool::is_connection_error;
 use super::shared::{SharedSql, Stmt, rows_and_exec};
 use super::upkeep::micros;
 use super::url::{Mode, UrlOptions};
-use crate::backend::{AcquireRequest, Attempt, AttemptAll, Lease, Renewal, WakeSource};
+use crate::backend::{
+    AcquireRequest, Attempt, AttemptAll, HOLDER_ID_LEN, HolderRecord, Lease, Renewal, WakeSource,
+    holder_id,
+};
 use crate::error::{BackendError, LockError};
 use crate::token::FencingToken;
 
@@ -122,7 +146,12 @@ const MAX_BATCH: usize = 64;
 
 #[derive(Debug, Clone)]
 struct Statements {
+    /// The grant without the holder record (it is in `<table>_procs`).
     acquire: Arc<str>,
+    /// The grant with the holder record in the row.
+    acquire_with_holder: Arc<str>,
+    /// Writes a registry's record into `<table>_procs`, extending its cover.
+    record: Arc<str>,
     peek: Arc<str>,
     /// By size: 1, 2, 4 … 64 entries.
     renew: Vec<Arc<str>>,
@@ -136,7 +165,9 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(table: &str) -> Self {
+    /// The statements on `table`; `procs`: whether `<table>_procs` holds
+    /// the records (else only the rows' `holder` column does).
+    fn new(table: &str, procs: bool) -> Self {
         let s = |sql: String| Arc::<str>::from(sql);
         let free = format!("((expires_us <= {N} OR owner = VALUES(owner)) AND shared_us <= {N})");
         let sizes = (0..).map(|p| 1usize << p).take_while(|n| *n <= MAX_BATCH);
@@ -144,25 +175,54 @@ impl Statements {
         // for the row constructor alone (a full scan of a big table).
         let keys = |n: usize| vec!["?"; n].join(", ");
         let pairs = |n: usize| vec!["(?, ?)"; n].join(", ");
-        let held = format!(
-            "SELECT k, owner, holder, token, granted_us, \
-             CAST(GREATEST(expires_us - {N}, 0) DIV 1000 AS SIGNED)"
-        );
-        let is_held = format!("owner IS NOT NULL AND expires_us > {N}");
-        Statements {
-            // The holder record and the grant's time are assigned before
-            // `owner` (F reads it), the time kept for a retry by the owner.
-            acquire: s(format!(
-                "INSERT INTO {table} (k, owner, token, expires_us, holder, granted_us) \
-                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?, ?, {N}) \
+        // A row's record: its registry's `_procs` row, else its own column.
+        let held = if procs {
+            format!(
+                "SELECT l.k, l.owner, COALESCE(p.holder, l.holder), l.token, l.granted_us, \
+                 CAST(GREATEST(l.expires_us - {N}, 0) DIV 1000 AS SIGNED) \
+                 FROM {table} l LEFT JOIN {table}_procs p \
+                 ON p.id = LEFT(l.owner, {HOLDER_ID_LEN}) AND LENGTH(l.owner) = {}",
+                2 * HOLDER_ID_LEN
+            )
+        } else {
+            format!(
+                "SELECT l.k, l.owner, l.holder, l.token, l.granted_us, \
+                 CAST(GREATEST(l.expires_us - {N}, 0) DIV 1000 AS SIGNED) FROM {table} l"
+            )
+        };
+        let is_held = format!("l.owner IS NOT NULL AND l.expires_us > {N}");
+        // The grant's time (and the record) are assigned before `owner` (F
+        // reads it), the time kept for a retry by the owner.
+        let acquire = |holder: bool| {
+            let (column, value, set) = if holder {
+                (
+                    ", holder",
+                    ", ?",
+                    format!("holder = IF({free}, VALUES(holder), holder), "),
+                )
+            } else {
+                ("", "", String::new())
+            };
+            s(format!(
+                "INSERT INTO {table} (k, owner, token, expires_us{column}, granted_us) \
+                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?{value}, {N}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
                             token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, shared_us - {N}, 0), {}) + 1)), \
-                 holder = IF({free}, VALUES(holder), holder), \
+                 {set}\
                  granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {N}), granted_us), \
                  owner = IF({free}, VALUES(owner), owner), \
                  expires_us = IF({free}, VALUES(expires_us), expires_us)",
                 BUSY_MAX - 1
+            ))
+        };
+        Statements {
+            acquire: acquire(false),
+            acquire_with_holder: acquire(true),
+            record: s(format!(
+                "INSERT INTO {table}_procs (id, holder, until_us) VALUES (?, ?, {N} + ?) \
+                 ON DUPLICATE KEY UPDATE holder = VALUES(holder), \
+                 until_us = GREATEST(until_us, VALUES(until_us))"
             )),
             peek: s(format!(
                 "SELECT GREATEST(IF(owner IS NULL, 0, expires_us - {N}), shared_us - {N}, 0) \
@@ -193,12 +253,12 @@ impl Statements {
             release: s(format!(
                 "UPDATE {table} SET owner = NULL, expires_us = {N} WHERE k = ? AND owner = ?"
             )),
-            inspect: s(format!("{held} FROM {table} WHERE k = ? AND {is_held}")),
+            inspect: s(format!("{held} WHERE l.k = ? AND {is_held}")),
             list: s(format!(
-                "{held} FROM {table} WHERE k >= ? AND k < ? AND {is_held} ORDER BY k LIMIT ?"
+                "{held} WHERE l.k >= ? AND l.k < ? AND {is_held} ORDER BY l.k LIMIT ?"
             )),
             list_to_end: s(format!(
-                "{held} FROM {table} WHERE k >= ? AND {is_held} ORDER BY k LIMIT ?"
+                "{held} WHERE l.k >= ? AND {is_held} ORDER BY l.k LIMIT ?"
             )),
             // `revoked` first: assignments run left to right.
             revoke: s(format!(
@@ -214,9 +274,58 @@ impl Statements {
 /// Clones share the connections and the held session locks.
 pub type MysqlBackend = SqlBackend<Mysql>;
 
-/// MySQL's part of a [`MysqlBackend`]: its statements.
+/// MySQL's part of a [`MysqlBackend`]: its statements, and which holder
+/// records this process has written into `<table>_procs`.
 pub struct Mysql {
     sql: Statements,
+    /// `None` without `<table>_procs` (and in session mode).
+    records: Option<Records>,
+    /// The URL's `timeout`: how late a statement sent now may still run.
+    timeout: Duration,
+}
+
+/// The holder records this process wrote into `<table>_procs`, by holder
+/// id: the record and until when (this process's clock, from before the
+/// write was sent) the row covers the id's grants. Entries whose cover
+/// ended are dropped when another is written, so it holds about the
+/// registries that acquired within the last leases.
+#[derive(Debug, Default)]
+struct Records {
+    covered: Mutex<HashMap<String, (Arc<HolderRecord>, Instant)>>,
+}
+
+impl Records {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Arc<HolderRecord>, Instant)>> {
+        self.covered.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the row of `id` holds `holder` and covers until `until`.
+    fn covers(&self, id: &str, holder: &HolderRecord, until: Instant) -> bool {
+        self.map()
+            .get(id)
+            .is_some_and(|(h, covered)| **h == *holder && *covered >= until)
+    }
+
+    /// The record of `id` if its row does not cover until `until`; `None`
+    /// when it does, or when this process never wrote it.
+    fn stale(&self, id: &str, until: Instant) -> Option<Arc<HolderRecord>> {
+        self.map()
+            .get(id)
+            .filter(|(_, covered)| *covered < until)
+            .map(|(h, _)| h.clone())
+    }
+
+    fn written(&self, id: &str, holder: Arc<HolderRecord>, until: Instant) {
+        let mut map = self.map();
+        let now = Instant::now();
+        map.retain(|_, (_, covered)| *covered > now);
+        let entry = map.entry(id.to_owned()).or_insert((holder.clone(), until));
+        if entry.0 != holder {
+            *entry = (holder, until);
+        } else {
+            entry.1 = entry.1.max(until);
+        }
+    }
 }
 
 fn error_number(err: &sqlx::Error) -> Option<u16> {
@@ -271,9 +380,11 @@ fn pool_options(max: u32, timeout: Duration) -> MySqlPoolOptions {
 impl MysqlBackend {
     /// The tables dlock creates (with `?create=true`, the default), for DBAs
     /// who create them themselves (`?create=false`): the lease table
-    /// (`?table=`, default `dlock_leases`) and session mode's counters
-    /// (`<table>_fence`). Keys are binary: no collation folds case or
-    /// trailing spaces.
+    /// (`?table=`, default `dlock_leases`), session mode's counters
+    /// (`<table>_fence`), the semaphores' and readers' rows
+    /// (`<table>_holders`) and the registries' holder records
+    /// (`<table>_procs`; without it, lease rows keep their own). Keys are
+    /// binary: no collation folds case or trailing spaces.
     pub const DDL: &'static str = "CREATE TABLE IF NOT EXISTS dlock_leases (\n    \
         k          VARBINARY(1024) NOT NULL PRIMARY KEY,\n    \
         owner      VARBINARY(255),\n    \
@@ -304,7 +415,11 @@ impl MysqlBackend {
         holder     VARBINARY(1024),\n    \
         granted_us BIGINT,\n    \
         revoked    VARBINARY(255),\n    \
-        PRIMARY KEY (k, slot)\n) ENGINE = InnoDB;";
+        PRIMARY KEY (k, slot)\n) ENGINE = InnoDB;\n\
+        CREATE TABLE IF NOT EXISTS dlock_leases_procs (\n    \
+        id         VARBINARY(16)   NOT NULL PRIMARY KEY,\n    \
+        holder     VARBINARY(1024),\n    \
+        until_us   BIGINT          NOT NULL\n) ENGINE = InnoDB;";
 
     /// Connects to the database a `mysql://` URL names, creating (or
     /// checking) the table. See the [module docs](self) for the options.
@@ -381,19 +496,147 @@ impl MysqlBackend {
     }
 }
 
-/// The acquire statement with its arguments bound.
+/// The acquire statement with its arguments bound: the holder record when
+/// the row keeps it.
 fn acquire_query(
     sql: Arc<str>,
     key: String,
     owner: String,
     lease_us: i64,
-    holder: String,
+    holder: Option<String>,
 ) -> sqlx::query::Query<'static, sqlx::MySql, sqlx::mysql::MySqlArguments> {
-    sqlx::query(AssertSqlSafe(sql))
+    let query = sqlx::query(AssertSqlSafe(sql))
         .bind(key)
         .bind(owner)
-        .bind(lease_us)
-        .bind(holder)
+        .bind(lease_us);
+    match holder {
+        Some(holder) => query.bind(holder),
+        None => query,
+    }
+}
+
+/// How long a `_procs` row written now covers grants and renewals of
+/// `lease`: twice (lease + timeout), so that it is extended about once a
+/// lease.
+fn record_cover(lease: Duration, timeout: Duration) -> Duration {
+    lease.saturating_add(timeout).saturating_mul(2)
+}
+
+impl MysqlBackend {
+    /// Makes sure `<table>_procs` holds `holder` under the holder id `owner`
+    /// starts with, covering a grant of `lease` sent now: answers the
+    /// acquire statement to send and the record to bind with it (`None`:
+    /// the row's column is left alone). Writes the row only when this
+    /// process has not written it or its cover would end too soon.
+    async fn record_for_grant(
+        &self,
+        owner: &str,
+        holder: &Arc<HolderRecord>,
+        lease: Duration,
+    ) -> Result<(Arc<str>, Option<String>), BackendError> {
+        let sql = &self.dialect.sql;
+        let (Some(records), Some(id)) = (&self.dialect.records, holder_id(owner)) else {
+            return Ok((
+                sql.acquire_with_holder.clone(),
+                Some(holder_text(holder, Mysql::HOLDER_MAX)),
+            ));
+        };
+        let timeout = self.dialect.timeout;
+        let needed = crate::time::saturating_add(Instant::now(), lease.saturating_add(timeout));
+        if !records.covers(id, holder, needed) {
+            self.write_record(owner, id, holder.clone(), record_cover(lease, timeout))
+                .await?;
+        }
+        Ok((sql.acquire.clone(), None))
+    }
+
+    /// Extends the `_procs` rows of a renewal batch's holder ids that this
+    /// process wrote, where the renewals would outlast them. A failure is
+    /// only logged: the renewal goes on, and `inspect` may show no record.
+    async fn records_for_renewal(&self, chunk: &[(&Lease, Duration)]) {
+        let Some(records) = &self.dialect.records else {
+            return;
+        };
+        let timeout = self.dialect.timeout;
+        let now = Instant::now();
+        let mut stale: HashMap<&str, (Arc<HolderRecord>, Duration)> = HashMap::new();
+        for (lease, ttl) in chunk {
+            let Some(id) = holder_id(&lease.owner) else {
+                continue;
+            };
+            let needed = crate::time::saturating_add(now, ttl.saturating_add(timeout));
+            if let Some(holder) = records.stale(id, needed) {
+                let cover = stale.entry(id).or_insert((holder, Duration::ZERO));
+                cover.1 = cover.1.max(record_cover(*ttl, timeout));
+            }
+        }
+        for (id, (holder, cover)) in stale {
+            let owner = chunk
+                .iter()
+                .map(|(lease, _)| lease.owner.as_str())
+                .find(|owner| owner.starts_with(id))
+                .unwrap_or(id);
+            if let Err(err) = self.write_record(owner, id, holder, cover).await {
+                tracing::debug!(error = %err, "dlock: mysql: extending a holder record failed");
+            }
+        }
+    }
+
+    /// Writes `holder` as the `_procs` row of `id`, covering `cover` from now.
+    async fn write_record(
+        &self,
+        owner: &str,
+        id: &str,
+        holder: Arc<HolderRecord>,
+        cover: Duration,
+    ) -> Result<(), BackendError> {
+        let Some(records) = &self.dialect.records else {
+            return Ok(());
+        };
+        let sent = Instant::now();
+        let text = holder_text(&holder, Mysql::HOLDER_MAX);
+        self.db
+            .call_for(owner, "record", |c| {
+                let sql = self.dialect.sql.record.clone();
+                let (id, text) = (id.to_owned(), text.clone());
+                Box::pin(async move {
+                    sqlx::query(AssertSqlSafe(sql))
+                        .bind(id)
+                        .bind(text)
+                        .bind(micros(cover))
+                        .execute(c)
+                        .await
+                })
+            })
+            .await?;
+        records.written(id, holder, crate::time::saturating_add(sent, cover));
+        Ok(())
+    }
+}
+
+/// Whether `<table>_procs` is there to hold the registries' holder records:
+/// created when missing (with `create`). Without it (a schema made before
+/// it, with `create=false`, or a role that may not create it) the lease
+/// rows keep their records, as dlock did before the table.
+async fn procs_table(pool: &MySqlPool, table: &str, create: bool) -> Result<bool, LockError> {
+    let procs = format!("{table}_procs");
+    let check = format!("SELECT id, holder, until_us FROM {procs} LIMIT 0");
+    let (pool, table) = (pool.clone(), table.to_owned());
+    let ensured = crate::driver::run(async move {
+        ensure_table::<Mysql>(pool, &table, &procs, create, &check, 3).await
+    })
+    .await;
+    match ensured {
+        Ok(()) => Ok(true),
+        Err(err) if err.is_retryable() => Err(err),
+        Err(err) => {
+            tracing::info!(
+                error = %err,
+                "dlock: mysql: no holder-record table; lease rows keep their holder records"
+            );
+            Ok(false)
+        }
+    }
 }
 
 impl Dialect for Mysql {
@@ -492,8 +735,14 @@ impl Dialect for Mysql {
                     MySessions::new(target.options.clone(), &target.table, target.timeout).await,
                 ),
             };
+            let records = match target.mode {
+                Mode::Lease => procs_table(setup.pool, &target.table, target.create).await?,
+                Mode::Session => false,
+            };
             let dialect = Mysql {
-                sql: Statements::new(&target.table),
+                sql: Statements::new(&target.table, records),
+                records: records.then(Records::default),
+                timeout: target.timeout,
             };
             Ok((dialect, sessions))
         })
@@ -518,6 +767,12 @@ impl Dialect for Mysql {
 
     fn collect_holders_sql(table: &str) -> String {
         format!("DELETE FROM {table}_holders WHERE expires_us < {N} - ? LIMIT 10000")
+    }
+
+    fn collect_records_sql(&self, table: &str) -> Option<String> {
+        self.records
+            .as_ref()
+            .map(|_| format!("DELETE FROM {table}_procs WHERE until_us < {N} - ? LIMIT 10000"))
     }
 
     fn shared_sql(&self, table: &str) -> SharedSql {
@@ -688,12 +943,15 @@ impl Dialect for Mysql {
             }
         }
         let lease_us = micros(request.lease);
+        let (sql, holder) = backend
+            .record_for_grant(&request.owner, &request.holder, request.lease)
+            .await?;
         let id = backend
             .db
             .call_for(&request.owner, "acquire", |c| {
-                let sql = backend.dialect.sql.acquire.clone();
+                let sql = sql.clone();
                 let (key, owner) = (request.key.clone(), request.owner.clone());
-                let holder = holder_text(&request.holder, Self::HOLDER_MAX);
+                let holder = holder.clone();
                 Box::pin(async move {
                     acquire_query(sql, key, owner, lease_us, holder)
                         .execute(c)
@@ -728,13 +986,16 @@ impl Dialect for Mysql {
         };
         let keys: Vec<String> = requests.iter().map(|r| r.key.clone()).collect();
         let lease_us = micros(first.lease);
+        let (sql, holder) = backend
+            .record_for_grant(&first.owner, &first.holder, first.lease)
+            .await?;
         // Each id as `try_lease` reads it; the first busy one ends it.
         let ids: Vec<u64> = backend
             .db
             .call_for(&first.owner, "acquire several", |c| {
-                let sql = backend.dialect.sql.acquire.clone();
+                let sql = sql.clone();
                 let (keys, owner) = (keys.clone(), first.owner.clone());
-                let holder = holder_text(&first.holder, Self::HOLDER_MAX);
+                let holder = holder.clone();
                 Box::pin(async move {
                     let mut tx = c.begin().await?;
                     let mut ids = Vec::with_capacity(keys.len());
@@ -795,6 +1056,7 @@ impl Dialect for Mysql {
     ) -> Result<Vec<Renewal>, BackendError> {
         let mut answers = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(MAX_BATCH) {
+            backend.records_for_renewal(chunk).await;
             answers.extend(backend.renew_chunk(chunk).await?);
         }
         Ok(answers)
