@@ -1,0 +1,795 @@
+//! Attacks on semaphores and read-write locks in the SQL session modes
+//! (PostgreSQL advisory locks, MySQL `GET_LOCK`), on etcd and on
+//! ZooKeeper: a share attempt stalled behind a proxy while it holds its
+//! key's gate, a crowd of mixed modes from several processes, a stream of
+//! readers against a waiting writer, a waiting writer's connection ended
+//! under it, a reader's connection ended mid-hold, another permit count
+//! asked by a second deployment while the first holds, a waiter whose etcd
+//! session lease or ZooKeeper session ends while it waits, and tokens
+//! across a revocation.
+#![cfg(any(feature = "postgres", feature = "mysql", feature = "etcd", feature = "zookeeper"))]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{LockError, LockGuard, Registry};
+use dlock_tests::unique_key;
+
+/// The token of a guard.
+fn token(guard: &LockGuard) -> u64 {
+    guard.fencing_token().expect("a token").get()
+}
+
+/// Readers that keep overlapping (one always inside) while a writer waits:
+/// answers how long the writer waited (it must get in).
+async fn writer_wait_under_reader_churn(readers: [Registry; 2], writer: Registry, case: &str) -> Duration {
+    let key = unique_key(case);
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let (locks, key, stop) = (readers[i % 2].clone(), key.clone(), stop.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(25 * i as u64)).await;
+                while !stop.load(Ordering::SeqCst) {
+                    let g = locks
+                        .lock(&key)
+                        .read()
+                        .wait(Duration::from_secs(30))
+                        .acquire()
+                        .await
+                        .expect("a reader within its wait");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    g.release().await.expect("release");
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let granted = writer
+        .lock(&key)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await;
+    let took = started.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let granted = granted.unwrap_or_else(|e| panic!("the writer never got in: {e}"));
+    granted.release().await.expect("release");
+    for task in tasks {
+        task.await.expect("task");
+    }
+    took
+}
+
+/// What the crowd saw: holders inside now, by slot, and every error.
+#[derive(Default)]
+struct Crowd {
+    /// Permit holders inside now (their slots).
+    inside: Vec<u32>,
+    /// The highest token each slot was granted so far.
+    last_token: std::collections::HashMap<u32, u64>,
+    /// Readers and writers inside the read-write key now.
+    readers: usize,
+    writers: usize,
+    /// What went wrong.
+    violations: Vec<String>,
+}
+
+/// `tasks` tasks on each of `registries`, each taking permits of a
+/// semaphore of 2 (and, when `rw`, readers and writers of another key) with
+/// waits for `run`: never more than 2 permit holders, never two on one
+/// slot, each slot's tokens strictly increasing in grant order, never a
+/// writer beside anyone, and no error but a busy answer at the end of a
+/// wait. Answers the violations and how many grants there were.
+async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> (Vec<String>, usize) {
+    let sem_key = unique_key(&format!("{case}-sem"));
+    let rw_key = unique_key(&format!("{case}-rw"));
+    let seen = Arc::new(Mutex::new(Crowd::default()));
+    let grants = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let deadline = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for (r, registry) in registries.iter().enumerate() {
+        for t in 0..3usize {
+            let (registry, seen, grants) = (registry.clone(), seen.clone(), grants.clone());
+            let (sem_key, rw_key) = (sem_key.clone(), rw_key.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut round = 0usize;
+                while Instant::now() < deadline {
+                    round += 1;
+                    let pick = (r + t + round) % if rw { 3 } else { 1 };
+                    let builder = match pick {
+                        0 => registry.lock(&sem_key).permits(2),
+                        1 => registry.lock(&rw_key).read(),
+                        _ => registry.lock(&rw_key).write(),
+                    };
+                    let guard = match builder
+                        .wait(Duration::from_secs(10))
+                        .lease(Duration::from_secs(10))
+                        .acquire()
+                        .await
+                    {
+                        Ok(guard) => guard,
+                        Err(LockError::Busy { .. }) => continue,
+                        Err(e) => {
+                            seen.lock().unwrap().violations.push(format!("pick {pick}: {e}"));
+                            continue;
+                        }
+                    };
+                    grants.fetch_add(1, Ordering::SeqCst);
+                    {
+                        let mut s = seen.lock().unwrap();
+                        match pick {
+                            0 => {
+                                let slot = guard.permit().expect("a permit has a slot");
+                                let tok = token(&guard);
+                                if s.inside.contains(&slot) {
+                                    s.violations.push(format!("two holders of slot {slot}"));
+                                }
+                                s.inside.push(slot);
+                                if s.inside.len() > 2 {
+                                    let inside = s.inside.clone();
+                                    s.violations.push(format!("permit holders {inside:?}"));
+                                }
+                                if slot >= 2 {
+                                    s.violations.push(format!("slot {slot} of 2 permits"));
+                                }
+                                if let Some(&last) = s.last_token.get(&slot)
+                                    && tok <= last
+                                {
+                                    s.violations.push(format!("slot {slot}: token {tok} after {last}"));
+                                }
+                                s.last_token.insert(slot, tok);
+                            }
+                            1 => {
+                                s.readers += 1;
+                                if s.writers > 0 {
+                                    s.violations.push("a reader beside a writer".into());
+                                }
+                            }
+                            _ => {
+                                s.writers += 1;
+                                if s.writers > 1 || s.readers > 0 {
+                                    let (w, rd) = (s.writers, s.readers);
+                                    s.violations.push(format!("a writer beside {w} writers, {rd} readers"));
+                                }
+                            }
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(5 + (round % 4) as u64 * 10)).await;
+                    {
+                        let mut s = seen.lock().unwrap();
+                        match pick {
+                            0 => {
+                                let slot = guard.permit().expect("slot");
+                                s.inside.retain(|&x| x != slot);
+                            }
+                            1 => s.readers -= 1,
+                            _ => s.writers -= 1,
+                        }
+                    }
+                    if let Err(e) = guard.release().await {
+                        seen.lock().unwrap().violations.push(format!("release: {e}"));
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let violations = std::mem::take(&mut seen.lock().unwrap().violations);
+    (violations, grants.load(Ordering::SeqCst))
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql {
+    use super::*;
+    use dlock_tests::sql_db::SqlDb;
+    use dlock_tests::sql_support::{Fault, SqlMode, proxy_to, via};
+
+    /// A registry in session mode on connections of its own, with `options`
+    /// (`&a=b…`).
+    pub(super) async fn session(db: SqlDb, options: &str) -> Registry {
+        db.connect(&SqlMode::Session.query_with(options)).await.registry()
+    }
+
+    /// A share attempt whose slot walk stalls on the wire while it holds its
+    /// key's gate — its process frozen, or cut off behind a proxy that keeps
+    /// the sockets open, its cancel and end connections stalled too — does
+    /// not keep every other process out of the key's free permits for
+    /// longer than a lease: the server ends the stalled session.
+    async fn a_share_attempt_stalled_holding_the_gate(db: SqlDb, needle: &[u8]) {
+        let proxy = proxy_to(&db.host_port()).await;
+        let stalled_url = format!(
+            "{}?mode=session&timeout=1s",
+            via(&db.url(), proxy.addr())
+        );
+        let stalled = db.connect_url(&stalled_url).await.expect("connect").registry();
+        let healthy = session(db, "").await;
+        let key = unique_key(&format!("sql-session-stalled-gate-{db:?}"));
+        proxy.hold_next(&[needle], Duration::from_secs(600));
+        let attempt = tokio::spawn({
+            let key = key.clone();
+            async move {
+                stalled
+                    .lock(&key)
+                    .permits(2)
+                    .lease(Duration::from_secs(3))
+                    .acquire()
+                    .await
+            }
+        });
+        let trapped = Instant::now();
+        while proxy.held_on().is_none() {
+            assert!(trapped.elapsed() < Duration::from_secs(10), "the slot walk never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Everything of that process stalls from now on.
+        proxy.set(Fault::Hold);
+        let started = Instant::now();
+        let granted = healthy
+            .lock(&key)
+            .permits(2)
+            .lease(Duration::from_secs(10))
+            .wait(Duration::from_secs(20))
+            .acquire()
+            .await;
+        let took = started.elapsed();
+        let out = match granted {
+            Ok(guard) => {
+                let slot = guard.permit();
+                guard.release().await.expect("release");
+                Ok((slot, took))
+            }
+            Err(e) => Err(e),
+        };
+        proxy.set(Fault::Pass);
+        drop(proxy);
+        let _ = tokio::time::timeout(Duration::from_secs(10), attempt).await;
+        match out {
+            Ok((slot, took)) => {
+                assert_eq!(slot, Some(0), "{db:?}");
+                assert!(took < Duration::from_secs(12), "{db:?}: waited {took:?}");
+            }
+            Err(e) => panic!(
+                "{db:?}: no free permit of two within 20 s while another process stalled \
+                 mid-attempt ({took:?}): {e}"
+            ),
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_lease() {
+        a_share_attempt_stalled_holding_the_gate(SqlDb::Postgres, b"END::bigint").await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_lease() {
+        a_share_attempt_stalled_holding_the_gate(SqlDb::Mysql, b"', 0) = 1 THEN 0 ").await;
+    }
+
+    /// Four processes of three tasks each on permits of 2 (and, on
+    /// PostgreSQL, readers and writers): see [`crowd`].
+    async fn a_crowd_of_processes(db: SqlDb, rw: bool) {
+        let mut registries = Vec::new();
+        for _ in 0..4 {
+            registries.push(session(db, "").await);
+        }
+        let (violations, grants) = crowd(
+            &registries,
+            rw,
+            Duration::from_secs(8),
+            &format!("sql-session-crowd-{db:?}"),
+        )
+        .await;
+        assert!(violations.is_empty(), "{db:?}: {violations:#?}");
+        assert!(grants >= 20, "{db:?}: only {grants} grants");
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_crowd_of_permits_readers_and_writers_keeps_every_invariant() {
+        a_crowd_of_processes(SqlDb::Postgres, true).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_crowd_of_permits_keeps_every_invariant() {
+        a_crowd_of_processes(SqlDb::Mysql, false).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_a_stream_of_readers_never_starves_a_waiting_writer() {
+        let readers = [
+            session(SqlDb::Postgres, "").await,
+            session(SqlDb::Postgres, "").await,
+        ];
+        let writer = session(SqlDb::Postgres, "").await;
+        let took = writer_wait_under_reader_churn(readers, writer, "pg-session-reader-stream").await;
+        assert!(took < Duration::from_secs(8), "the writer waited {took:?}");
+    }
+
+    /// The server processes waiting for the advisory lock of `stored_key`.
+    #[cfg(feature = "postgres")]
+    async fn pg_waiting_for(stored_key: &str) -> Vec<i32> {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::PgConnection::connect(&SqlDb::Postgres.url())
+            .await
+            .expect("connect");
+        let k = dlock_tests::sql_support::session_hash(stored_key) as i64;
+        sqlx::query_scalar(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1",
+        )
+        .bind(k)
+        .fetch_all(&mut conn)
+        .await
+        .expect("pg_locks")
+    }
+
+    #[cfg(feature = "postgres")]
+    async fn pg_terminate(pids: &[i32]) {
+        use sqlx::Connection as _;
+        let mut conn = sqlx::PgConnection::connect(&SqlDb::Postgres.url())
+            .await
+            .expect("connect");
+        for pid in pids {
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .execute(&mut conn)
+                .await
+                .expect("terminate");
+        }
+    }
+
+    /// A writer waiting behind a reader whose server connection is ended
+    /// (`pg_terminate_backend`) goes on waiting on a new one and is still
+    /// preferred: a new reader stays out, and the writer gets the key when
+    /// the first reader leaves, with a larger token.
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_a_waiting_writer_whose_connection_is_ended_stays_preferred() {
+        let holding = session(SqlDb::Postgres, "").await;
+        let waiting = session(SqlDb::Postgres, "").await;
+        let key = unique_key("pg-session-writer-ended");
+        let stored = format!("dlock:{key}");
+        let reader = holding
+            .lock(&key)
+            .read()
+            .lease(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("reader");
+        let writer = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .lease(Duration::from_secs(30))
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            }
+        });
+        let started = Instant::now();
+        let pids = loop {
+            let pids = pg_waiting_for(&stored).await;
+            if !pids.is_empty() {
+                break pids;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "the writer never waited");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        pg_terminate(&pids).await;
+        // On a new connection, the writer waits again (and holds its mark).
+        let started = Instant::now();
+        while pg_waiting_for(&stored).await.is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the writer gave up waiting: {:?}",
+                writer.is_finished()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for _ in 0..5 {
+            let late = holding.lock(&key).read().acquire().await;
+            assert!(
+                matches!(late, Err(LockError::Busy { .. })),
+                "a new reader beside a waiting writer: {:?}",
+                late.as_ref().map(|g| g.fencing_token())
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let reader_token = token(&reader);
+        reader.release().await.expect("release");
+        let writer = tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the writer is granted once the reader left")
+            .expect("task")
+            .expect("the writer's grant");
+        assert!(token(&writer) > reader_token);
+        writer.release().await.expect("release");
+    }
+
+    /// A reader whose connection is ended mid-hold hears of the loss at
+    /// once; the other reader keeps its share; a writer waiting behind both
+    /// enters once the other reader leaves, with a token above both.
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_a_reader_ended_mid_hold_loses_only_its_share() {
+        use sqlx::Connection as _;
+        let one = session(SqlDb::Postgres, "").await;
+        let two = session(SqlDb::Postgres, "").await;
+        let writer_side = session(SqlDb::Postgres, "").await;
+        let key = unique_key("pg-session-reader-ended");
+        let stored = format!("dlock:{key}");
+        let take = |r: &Registry| r.lock(&key).read().lease(Duration::from_secs(30)).acquire();
+        let ended = take(&one).await.expect("first reader");
+        let kept = take(&two).await.expect("second reader");
+        let writer = tokio::spawn({
+            let key = key.clone();
+            async move {
+                writer_side
+                    .lock(&key)
+                    .lease(Duration::from_secs(30))
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The first reader's server process: the holder of its reader slot.
+        let mut conn = sqlx::PgConnection::connect(&SqlDb::Postgres.url())
+            .await
+            .expect("connect");
+        let pid: i32 = sqlx::query_scalar(
+            "SELECT l.pid FROM dlock_leases_fence f JOIN pg_locks l \
+               ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+              AND l.mode = 'ExclusiveLock' \
+              AND ((l.classid::bigint << 32) | l.objid::bigint) = f.k \
+             WHERE f.name = $1 AND f.slot IS NOT NULL AND f.token = $2",
+        )
+        .bind(&stored)
+        .bind(token(&ended) as i64)
+        .fetch_one(&mut conn)
+        .await
+        .expect("the first reader's process");
+        pg_terminate(&[pid]).await;
+        tokio::time::timeout(Duration::from_secs(5), ended.lost())
+            .await
+            .expect("the ended reader hears of its loss");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), kept.lost())
+                .await
+                .is_err(),
+            "the other reader keeps its share"
+        );
+        assert!(!writer.is_finished(), "a writer beside a reader");
+        let top = token(&ended).max(token(&kept));
+        kept.release().await.expect("release");
+        let writer = tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the writer enters")
+            .expect("task")
+            .expect("grant");
+        assert!(token(&writer) > top);
+        writer.release().await.expect("release");
+        let _ = ended.release().await;
+    }
+
+    /// A second deployment asking for another number of permits while the
+    /// first one's holders are there is refused at once (even with a long
+    /// wait), naming both numbers; once every permit is free it is granted.
+    async fn another_permit_count_from_a_second_deployment(db: SqlDb) {
+        let first = session(db, "").await;
+        let second = session(db, "").await;
+        let key = unique_key(&format!("sql-session-redeploy-{db:?}"));
+        let held = first
+            .lock(&key)
+            .permits(2)
+            .lease(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("first deployment");
+        let started = Instant::now();
+        let refused = second
+            .lock(&key)
+            .permits(3)
+            .wait(Duration::from_secs(10))
+            .acquire()
+            .await;
+        match &refused {
+            Err(LockError::Config { .. }) => {
+                let text = refused.as_ref().err().unwrap().to_string();
+                assert!(text.contains('2') && text.contains('3'), "{db:?}: {text}");
+            }
+            other => panic!("{db:?}: {:?}", other.as_ref().map(|g| g.permit())),
+        }
+        assert!(started.elapsed() < Duration::from_secs(3), "{db:?}: refused only after {:?}", started.elapsed());
+        held.release().await.expect("release");
+        let now = second
+            .lock(&key)
+            .permits(3)
+            .wait(Duration::from_secs(5))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{db:?}: every permit was free: {e}"));
+        now.release().await.expect("release");
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_another_permit_count_from_a_second_deployment_is_refused_at_once() {
+        another_permit_count_from_a_second_deployment(SqlDb::Postgres).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_another_permit_count_from_a_second_deployment_is_refused_at_once() {
+        another_permit_count_from_a_second_deployment(SqlDb::Mysql).await;
+    }
+
+    /// Share acquisitions dropped beside a sibling of a `tokio::select!` at
+    /// 0–40 ms steps while both permits are taken and freed by another
+    /// process leave nothing: afterwards both permits are free at once.
+    async fn select_siblings_dropping_share_acquisitions(db: SqlDb) {
+        let holder = session(db, "").await;
+        let asker = session(db, "").await;
+        let key = unique_key(&format!("sql-session-select-{db:?}"));
+        for step in 0..40u64 {
+            let a = holder.lock(&key).permits(2).acquire().await.expect("first");
+            let b = holder.lock(&key).permits(2).acquire().await.expect("second");
+            let freeing = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(step / 2)).await;
+                a.release().await.expect("release");
+                b.release().await.expect("release");
+            });
+            tokio::select! {
+                got = asker.lock(&key).permits(2).wait(Duration::from_secs(5)).acquire() => {
+                    got.expect("a permit").release().await.expect("release");
+                }
+                () = tokio::time::sleep(Duration::from_millis(step)) => {}
+            }
+            freeing.await.expect("task");
+            let both = async {
+                let x = holder.lock(&key).permits(2).wait(Duration::from_secs(3)).acquire().await;
+                let y = holder.lock(&key).permits(2).wait(Duration::from_secs(3)).acquire().await;
+                (x, y)
+            };
+            let (x, y) = both.await;
+            match (x, y) {
+                (Ok(x), Ok(y)) => {
+                    assert_ne!(x.permit(), y.permit());
+                    x.release().await.expect("release");
+                    y.release().await.expect("release");
+                }
+                (x, y) => panic!(
+                    "{db:?}: after a drop at {step} ms a permit stayed taken: {:?} {:?}",
+                    x.map(|g| g.permit()),
+                    y.map(|g| g.permit())
+                ),
+            }
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_share_acquisitions_dropped_beside_select_siblings_leave_nothing() {
+        select_siblings_dropping_share_acquisitions(SqlDb::Postgres).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_share_acquisitions_dropped_beside_select_siblings_leave_nothing() {
+        select_siblings_dropping_share_acquisitions(SqlDb::Mysql).await;
+    }
+}
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+    use dlock_tests::etcd_support::{admin, backend, registry, url};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_stream_of_readers_never_starves_a_waiting_writer() {
+        let readers = [registry(&backend(&url()).await), registry(&backend(&url()).await)];
+        let writer = registry(&backend(&url()).await);
+        let took = writer_wait_under_reader_churn(readers, writer, "etcd-reader-stream").await;
+        assert!(took < Duration::from_secs(8), "the writer waited {took:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_crowd_of_permits_readers_and_writers_keeps_every_invariant() {
+        let mut registries = Vec::new();
+        for _ in 0..4 {
+            registries.push(registry(&backend(&url()).await));
+        }
+        let (violations, grants) =
+            crowd(&registries, true, Duration::from_secs(8), "etcd-crowd").await;
+        assert!(violations.is_empty(), "{violations:#?}");
+        assert!(grants >= 20, "only {grants} grants");
+    }
+
+    /// A permit waiter whose session's etcd lease ends while it waits (its
+    /// queued entry goes with it) is still served when a permit frees — on
+    /// a new session — and never beside two holders.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_permit_waiter_whose_session_lease_ends_is_still_served() {
+        let holding = registry(&backend(&url()).await);
+        let waiting_etcd = backend(&url()).await;
+        let waiting = registry(&waiting_etcd);
+        let key = unique_key("etcd-waiter-lease-ends");
+        let take = |r: &Registry| r.lock(&key).permits(2).lease(Duration::from_secs(30));
+        let a = take(&holding).acquire().await.expect("first");
+        let b = take(&holding).acquire().await.expect("second");
+        let waiter = tokio::spawn({
+            let builder = take(&waiting).wait(Duration::from_secs(30));
+            async move { builder.acquire().await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiter.is_finished(), "the waiter queues");
+        let lease = waiting_etcd.session_lease_for_tests().expect("a session");
+        admin(&url()).await.lease_revoke(lease).await.expect("revoke");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiter.is_finished(), "both permits are still held: {:?}", waiter.is_finished());
+        let slot = a.permit();
+        a.release().await.expect("release");
+        let next = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter is served")
+            .expect("task")
+            .expect("the waiter gets the freed permit");
+        assert_eq!(next.permit(), slot);
+        next.release().await.expect("release");
+        b.release().await.expect("release");
+    }
+
+    /// After a revocation of a semaphore's holders and of a key's readers,
+    /// the next grant of each slot, and the next reader, has a larger token.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_tokens_grow_across_a_revocation_of_permits_and_readers() {
+        tokens_grow_across_a_revocation(
+            registry(&backend(&url()).await),
+            registry(&backend(&url()).await),
+            "etcd",
+        )
+        .await;
+    }
+}
+
+/// `holding` takes both permits of a semaphore and two readers of another
+/// key; the key is revoked from `other`; the holders hear of it, and the
+/// next grants (the same slots, a reader, a writer) have larger tokens.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+async fn tokens_grow_across_a_revocation(holding: Registry, other: Registry, case: &str) {
+    let sem = unique_key(&format!("{case}-revoke-sem"));
+    let rw = unique_key(&format!("{case}-revoke-rw"));
+    let lease = Duration::from_secs(30);
+    let p0 = holding.lock(&sem).permits(2).lease(lease).acquire().await.expect("p0");
+    let p1 = holding.lock(&sem).permits(2).lease(lease).acquire().await.expect("p1");
+    let r0 = holding.lock(&rw).read().lease(lease).acquire().await.expect("r0");
+    let r1 = holding.lock(&rw).read().lease(lease).acquire().await.expect("r1");
+    let by_slot: std::collections::HashMap<_, _> =
+        [(p0.permit(), token(&p0)), (p1.permit(), token(&p1))].into();
+    let readers_top = token(&r0).max(token(&r1));
+    assert_eq!(other.revoke(&sem).await.expect("revoke").len(), 2);
+    assert_eq!(other.revoke(&rw).await.expect("revoke").len(), 2);
+    for g in [&p0, &p1, &r0, &r1] {
+        tokio::time::timeout(Duration::from_secs(20), g.lost())
+            .await
+            .expect("a revoked holder hears of it");
+    }
+    let n0 = other.lock(&sem).permits(2).wait(Duration::from_secs(5)).acquire().await.expect("n0");
+    let n1 = other.lock(&sem).permits(2).wait(Duration::from_secs(5)).acquire().await.expect("n1");
+    for n in [&n0, &n1] {
+        let before = by_slot[&n.permit()];
+        assert!(token(n) > before, "slot {:?}: {} after {before}", n.permit(), token(n));
+    }
+    let reader = other.lock(&rw).read().wait(Duration::from_secs(5)).acquire().await.expect("reader");
+    assert!(token(&reader) > readers_top);
+    reader.release().await.expect("release");
+    let writer = other.lock(&rw).wait(Duration::from_secs(5)).acquire().await.expect("writer");
+    assert!(token(&writer) > readers_top);
+    writer.release().await.expect("release");
+    n0.release().await.expect("release");
+    n1.release().await.expect("release");
+    for g in [p0, p1, r0, r1] {
+        let _ = g.release().await;
+    }
+}
+
+#[cfg(feature = "zookeeper")]
+mod zookeeper {
+    use super::*;
+    use dlock_runtime::ZooKeeperBackend;
+    use dlock_tests::zk_support::{ProxiedZk, url};
+
+    async fn backend() -> ZooKeeperBackend {
+        ZooKeeperBackend::connect(&url()).await.expect("connect")
+    }
+
+    fn registry(backend: &ZooKeeperBackend) -> Registry {
+        Registry::builder().default_backend(backend.clone()).build()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_crowd_of_permits_readers_and_writers_keeps_every_invariant() {
+        let mut registries = Vec::new();
+        for _ in 0..4 {
+            registries.push(registry(&backend().await));
+        }
+        let (violations, grants) =
+            crowd(&registries, true, Duration::from_secs(8), "zk-crowd").await;
+        assert!(violations.is_empty(), "{violations:#?}");
+        assert!(grants >= 20, "only {grants} grants");
+    }
+
+    /// A permit waiter queued in the semaphore's `locks` mutex whose session
+    /// ends while it waits is told so within its wait, or served on a new
+    /// session; either way a waiter of another process queued behind it is
+    /// served as soon as a permit frees, and never beside two holders.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_a_permit_waiter_whose_session_ends_does_not_block_the_queue() {
+        let holding = registry(&backend().await);
+        let gone = ProxiedZk::connect().await;
+        let behind = registry(&backend().await);
+        let key = unique_key("zk-waiter-session-ends");
+        let take = |r: &Registry| r.lock(&key).permits(2).lease(Duration::from_secs(30));
+        let a = take(&holding).acquire().await.expect("first");
+        let b = take(&holding).acquire().await.expect("second");
+        let first_waiter = tokio::spawn({
+            let builder = take(&registry(&gone.backend)).wait(Duration::from_secs(30));
+            async move { builder.acquire().await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let second_waiter = tokio::spawn({
+            let builder = take(&behind).wait(Duration::from_secs(30));
+            async move { builder.acquire().await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        gone.end_session().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!second_waiter.is_finished(), "both permits are held");
+        let slot = a.permit();
+        a.release().await.expect("release");
+        // One permit is free: one of the waiters (the first if it queued
+        // again on a new session before the second, else the second) gets
+        // it at once, the other waits for the next one.
+        let started = Instant::now();
+        loop {
+            if first_waiter.is_finished() || second_waiter.is_finished() {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "a permit is free and no waiter was served"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        b.release().await.expect("release");
+        for (name, waiter) in [("first", first_waiter), ("second", second_waiter)] {
+            match tokio::time::timeout(Duration::from_secs(10), waiter)
+                .await
+                .unwrap_or_else(|_| panic!("the {name} waiter never answered"))
+                .expect("task")
+            {
+                Ok(g) => {
+                    assert!(g.permit().is_some());
+                    g.release().await.expect("release");
+                }
+                Err(e) => assert!(name == "first", "the {name} waiter: {e}"),
+            }
+        }
+        let _ = slot;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_tokens_grow_across_a_revocation_of_permits_and_readers() {
+        tokens_grow_across_a_revocation(registry(&backend().await), registry(&backend().await), "zk")
+            .await;
+    }
+}
