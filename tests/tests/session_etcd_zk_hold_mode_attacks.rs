@@ -7,7 +7,12 @@
 //! asked by a second deployment while the first holds, a waiter whose etcd
 //! session lease or ZooKeeper session ends while it waits, and tokens
 //! across a revocation.
-#![cfg(any(feature = "postgres", feature = "mysql", feature = "etcd", feature = "zookeeper"))]
+#![cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "etcd",
+    feature = "zookeeper"
+))]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,7 +28,11 @@ fn token(guard: &LockGuard) -> u64 {
 
 /// Readers that keep overlapping (one always inside) while a writer waits:
 /// answers how long the writer waited (it must get in).
-async fn writer_wait_under_reader_churn(readers: [Registry; 2], writer: Registry, case: &str) -> Duration {
+async fn writer_wait_under_reader_churn(
+    readers: [Registry; 2],
+    writer: Registry,
+    case: &str,
+) -> Duration {
     let key = unique_key(case);
     let stop = Arc::new(AtomicBool::new(false));
     let tasks: Vec<_> = (0..4)
@@ -82,7 +91,12 @@ struct Crowd {
 /// slot, each slot's tokens strictly increasing in grant order, never a
 /// writer beside anyone, and no error but a busy answer at the end of a
 /// wait. Answers the violations and how many grants there were.
-async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> (Vec<String>, usize) {
+async fn crowd(
+    registries: &[Registry],
+    rw: bool,
+    run: Duration,
+    case: &str,
+) -> (Vec<String>, usize) {
     let sem_key = unique_key(&format!("{case}-sem"));
     let rw_key = unique_key(&format!("{case}-rw"));
     let seen = Arc::new(Mutex::new(Crowd::default()));
@@ -112,7 +126,10 @@ async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> 
                         Ok(guard) => guard,
                         Err(LockError::Busy { .. }) => continue,
                         Err(e) => {
-                            seen.lock().unwrap().violations.push(format!("pick {pick}: {e}"));
+                            seen.lock()
+                                .unwrap()
+                                .violations
+                                .push(format!("pick {pick}: {e}"));
                             continue;
                         }
                     };
@@ -137,7 +154,8 @@ async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> 
                                 if let Some(&last) = s.last_token.get(&slot)
                                     && tok <= last
                                 {
-                                    s.violations.push(format!("slot {slot}: token {tok} after {last}"));
+                                    s.violations
+                                        .push(format!("slot {slot}: token {tok} after {last}"));
                                 }
                                 s.last_token.insert(slot, tok);
                             }
@@ -151,7 +169,8 @@ async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> 
                                 s.writers += 1;
                                 if s.writers > 1 || s.readers > 0 {
                                     let (w, rd) = (s.writers, s.readers);
-                                    s.violations.push(format!("a writer beside {w} writers, {rd} readers"));
+                                    s.violations
+                                        .push(format!("a writer beside {w} writers, {rd} readers"));
                                 }
                             }
                         }
@@ -169,7 +188,10 @@ async fn crowd(registries: &[Registry], rw: bool, run: Duration, case: &str) -> 
                         }
                     }
                     if let Err(e) = guard.release().await {
-                        seen.lock().unwrap().violations.push(format!("release: {e}"));
+                        seen.lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("release: {e}"));
                     }
                 }
             }));
@@ -191,21 +213,25 @@ mod sql {
     /// A registry in session mode on connections of its own, with `options`
     /// (`&a=b…`).
     pub(super) async fn session(db: SqlDb, options: &str) -> Registry {
-        db.connect(&SqlMode::Session.query_with(options)).await.registry()
+        db.connect(&SqlMode::Session.query_with(options))
+            .await
+            .registry()
     }
 
     /// A share attempt whose slot walk stalls on the wire while it holds its
     /// key's gate — its process frozen, or cut off behind a proxy that keeps
-    /// the sockets open, its cancel and end connections stalled too — does
-    /// not keep every other process out of the key's free permits for
-    /// longer than a lease: the server ends the stalled session.
+    /// the sockets open, its cancel and end connections stalled too — keeps
+    /// the other processes out of the key's free permits no longer than the
+    /// attempt's bound (`timeout`, 1 s here; the lease is 30 s): the server
+    /// ends the stalled session, and its gate with it.
     async fn a_share_attempt_stalled_holding_the_gate(db: SqlDb, needle: &[u8]) {
         let proxy = proxy_to(&db.host_port()).await;
-        let stalled_url = format!(
-            "{}?mode=session&timeout=1s",
-            via(&db.url(), proxy.addr())
-        );
-        let stalled = db.connect_url(&stalled_url).await.expect("connect").registry();
+        let stalled_url = format!("{}?mode=session&timeout=1s", via(&db.url(), proxy.addr()));
+        let stalled = db
+            .connect_url(&stalled_url)
+            .await
+            .expect("connect")
+            .registry();
         let healthy = session(db, "").await;
         let key = unique_key(&format!("sql-session-stalled-gate-{db:?}"));
         proxy.hold_next(&[needle], Duration::from_secs(600));
@@ -215,14 +241,17 @@ mod sql {
                 stalled
                     .lock(&key)
                     .permits(2)
-                    .lease(Duration::from_secs(3))
+                    .lease(Duration::from_secs(30))
                     .acquire()
                     .await
             }
         });
         let trapped = Instant::now();
         while proxy.held_on().is_none() {
-            assert!(trapped.elapsed() < Duration::from_secs(10), "the slot walk never ran");
+            assert!(
+                trapped.elapsed() < Duration::from_secs(10),
+                "the slot walk never ran"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         // Everything of that process stalls from now on.
@@ -250,7 +279,7 @@ mod sql {
         match out {
             Ok((slot, took)) => {
                 assert_eq!(slot, Some(0), "{db:?}");
-                assert!(took < Duration::from_secs(12), "{db:?}: waited {took:?}");
+                assert!(took < Duration::from_secs(10), "{db:?}: waited {took:?}");
             }
             Err(e) => panic!(
                 "{db:?}: no free permit of two within 20 s while another process stalled \
@@ -261,13 +290,13 @@ mod sql {
 
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_lease() {
+    async fn postgres_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_bound() {
         a_share_attempt_stalled_holding_the_gate(SqlDb::Postgres, b"END::bigint").await;
     }
 
     #[cfg(feature = "mysql")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_lease() {
+    async fn mysql_a_share_attempt_stalled_holding_the_gate_frees_it_within_its_bound() {
         a_share_attempt_stalled_holding_the_gate(SqlDb::Mysql, b"', 0) = 1 THEN 0 ").await;
     }
 
@@ -309,7 +338,8 @@ mod sql {
             session(SqlDb::Postgres, "").await,
         ];
         let writer = session(SqlDb::Postgres, "").await;
-        let took = writer_wait_under_reader_churn(readers, writer, "pg-session-reader-stream").await;
+        let took =
+            writer_wait_under_reader_churn(readers, writer, "pg-session-reader-stream").await;
         assert!(took < Duration::from_secs(8), "the writer waited {took:?}");
     }
 
@@ -381,7 +411,10 @@ mod sql {
             if !pids.is_empty() {
                 break pids;
             }
-            assert!(started.elapsed() < Duration::from_secs(10), "the writer never waited");
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the writer never waited"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         pg_terminate(&pids).await;
@@ -413,6 +446,78 @@ mod sql {
             .expect("the writer's grant");
         assert!(token(&writer) > reader_token);
         writer.release().await.expect("release");
+    }
+
+    /// A writer waiting behind a reader whose process stalls (cut off behind
+    /// a proxy that keeps its sockets open) between two slices of its wait
+    /// — holding its waiting-writer mark — keeps new readers out no longer
+    /// than its lease (3 s): once the first reader has left, a new reader
+    /// gets in.
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "open: a waiting writer whose client stalls between two slices keeps its waiting-writer mark on a connection with no server-side idle limit: new readers are kept out until its socket dies"]
+    async fn postgres_session_a_stalled_waiting_writer_keeps_readers_out_no_longer_than_its_lease()
+    {
+        let proxy = proxy_to(&SqlDb::Postgres.host_port()).await;
+        let stalled_url = format!(
+            "{}?mode=session&timeout=1s",
+            via(&SqlDb::Postgres.url(), proxy.addr())
+        );
+        let stalled = SqlDb::Postgres
+            .connect_url(&stalled_url)
+            .await
+            .expect("connect")
+            .registry();
+        let healthy = session(SqlDb::Postgres, "").await;
+        let key = unique_key("pg-session-stalled-writer");
+        let stored = format!("dlock:{key}");
+        let reader = healthy
+            .lock(&key)
+            .read()
+            .lease(Duration::from_secs(30))
+            .acquire()
+            .await
+            .expect("reader");
+        let writer = tokio::spawn({
+            let key = key.clone();
+            async move {
+                stalled
+                    .lock(&key)
+                    .lease(Duration::from_secs(3))
+                    .wait(Duration::from_secs(60))
+                    .acquire()
+                    .await
+            }
+        });
+        let started = Instant::now();
+        while pg_waiting_for(&stored).await.is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the writer never waited"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        proxy.set(Fault::Hold);
+        // Its slice (a third of its lease) ends on the server meanwhile.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        reader.release().await.expect("release");
+        let started = Instant::now();
+        let next = healthy
+            .lock(&key)
+            .read()
+            .wait(Duration::from_secs(20))
+            .acquire()
+            .await;
+        let took = started.elapsed();
+        proxy.set(Fault::Pass);
+        drop(proxy);
+        writer.abort();
+        let next = next.unwrap_or_else(|e| panic!("no reader within 20 s ({took:?}): {e}"));
+        next.release().await.expect("release");
+        assert!(
+            took < Duration::from_secs(10),
+            "a new reader waited {took:?}"
+        );
     }
 
     /// A reader whose connection is ended mid-hold hears of the loss at
@@ -509,7 +614,11 @@ mod sql {
             }
             other => panic!("{db:?}: {:?}", other.as_ref().map(|g| g.permit())),
         }
-        assert!(started.elapsed() < Duration::from_secs(3), "{db:?}: refused only after {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{db:?}: refused only after {:?}",
+            started.elapsed()
+        );
         held.release().await.expect("release");
         let now = second
             .lock(&key)
@@ -533,6 +642,130 @@ mod sql {
         another_permit_count_from_a_second_deployment(SqlDb::Mysql).await;
     }
 
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_tokens_grow_across_a_revocation_of_permits_and_readers() {
+        tokens_grow_across_a_revocation(
+            session(SqlDb::Postgres, "").await,
+            session(SqlDb::Postgres, "").await,
+            true,
+            "pg-session",
+        )
+        .await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_tokens_grow_across_a_revocation_of_permits() {
+        tokens_grow_across_a_revocation(
+            session(SqlDb::Mysql, "").await,
+            session(SqlDb::Mysql, "").await,
+            false,
+            "my-session",
+        )
+        .await;
+    }
+
+    /// 150 names, each taken as a share that is granted, refused at the end
+    /// of a short wait, and dropped mid-wait: afterwards the asking backend
+    /// remembers no owner, and every name's permits are free.
+    async fn many_names_leave_no_local_or_server_state(db: SqlDb, rw: bool) {
+        let asking = db.connect(SqlMode::Session.query()).await;
+        let asker = asking.registry();
+        let holder = session(db, "").await;
+        let case = unique_key(&format!("sql-session-names-{db:?}"));
+        for i in 0..150u64 {
+            let key = format!("{case}-{i}");
+            let take = |r: &Registry| {
+                if rw && i % 2 == 1 {
+                    r.lock(&key).read()
+                } else {
+                    r.lock(&key).permits(2)
+                }
+            };
+            take(&asker)
+                .acquire()
+                .await
+                .expect("granted")
+                .release()
+                .await
+                .expect("release");
+            let blockers = if rw && i % 2 == 1 {
+                vec![holder.lock(&key).write().acquire().await.expect("writer")]
+            } else {
+                vec![
+                    take(&holder).acquire().await.expect("first"),
+                    take(&holder).acquire().await.expect("second"),
+                ]
+            };
+            let refused = take(&asker).wait(Duration::from_millis(30)).acquire().await;
+            assert!(
+                matches!(refused, Err(LockError::Busy { .. })),
+                "{db:?} {i}: {:?}",
+                refused.map(|g| g.permit())
+            );
+            let dropped = tokio::time::timeout(
+                Duration::from_millis(i % 40),
+                take(&asker).wait(Duration::from_secs(10)).acquire(),
+            )
+            .await;
+            assert!(dropped.is_err(), "{db:?} {i}: granted beside its blockers");
+            for g in blockers {
+                g.release().await.expect("release");
+            }
+        }
+        let started = Instant::now();
+        loop {
+            let debug = format!("{asking:?}");
+            if debug.contains("sessions: Some(0)") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{db:?}: {debug}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for i in (0..150u64).step_by(7) {
+            let key = format!("{case}-{i}");
+            let a = holder
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(3))
+                .acquire()
+                .await;
+            let b = holder
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(3))
+                .acquire()
+                .await;
+            match (a, b) {
+                (Ok(a), Ok(b)) => {
+                    a.release().await.expect("release");
+                    b.release().await.expect("release");
+                }
+                (a, b) => panic!(
+                    "{db:?} {i}: {:?} {:?}",
+                    a.map(|g| g.permit()),
+                    b.map(|g| g.permit())
+                ),
+            }
+        }
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_many_names_leave_no_local_or_server_state() {
+        many_names_leave_no_local_or_server_state(SqlDb::Postgres, true).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_many_names_leave_no_local_or_server_state() {
+        many_names_leave_no_local_or_server_state(SqlDb::Mysql, false).await;
+    }
+
     /// Share acquisitions dropped beside a sibling of a `tokio::select!` at
     /// 0–40 ms steps while both permits are taken and freed by another
     /// process leave nothing: afterwards both permits are free at once.
@@ -542,7 +775,12 @@ mod sql {
         let key = unique_key(&format!("sql-session-select-{db:?}"));
         for step in 0..40u64 {
             let a = holder.lock(&key).permits(2).acquire().await.expect("first");
-            let b = holder.lock(&key).permits(2).acquire().await.expect("second");
+            let b = holder
+                .lock(&key)
+                .permits(2)
+                .acquire()
+                .await
+                .expect("second");
             let freeing = tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(step / 2)).await;
                 a.release().await.expect("release");
@@ -556,8 +794,18 @@ mod sql {
             }
             freeing.await.expect("task");
             let both = async {
-                let x = holder.lock(&key).permits(2).wait(Duration::from_secs(3)).acquire().await;
-                let y = holder.lock(&key).permits(2).wait(Duration::from_secs(3)).acquire().await;
+                let x = holder
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(3))
+                    .acquire()
+                    .await;
+                let y = holder
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(3))
+                    .acquire()
+                    .await;
                 (x, y)
             };
             let (x, y) = both.await;
@@ -596,7 +844,10 @@ mod etcd {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn etcd_a_stream_of_readers_never_starves_a_waiting_writer() {
-        let readers = [registry(&backend(&url()).await), registry(&backend(&url()).await)];
+        let readers = [
+            registry(&backend(&url()).await),
+            registry(&backend(&url()).await),
+        ];
         let writer = registry(&backend(&url()).await);
         let took = writer_wait_under_reader_churn(readers, writer, "etcd-reader-stream").await;
         assert!(took < Duration::from_secs(8), "the writer waited {took:?}");
@@ -633,9 +884,17 @@ mod etcd {
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(!waiter.is_finished(), "the waiter queues");
         let lease = waiting_etcd.session_lease_for_tests().expect("a session");
-        admin(&url()).await.lease_revoke(lease).await.expect("revoke");
+        admin(&url())
+            .await
+            .lease_revoke(lease)
+            .await
+            .expect("revoke");
         tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!waiter.is_finished(), "both permits are still held: {:?}", waiter.is_finished());
+        assert!(
+            !waiter.is_finished(),
+            "both permits are still held: {:?}",
+            waiter.is_finished()
+        );
         let slot = a.permit();
         a.release().await.expect("release");
         let next = tokio::time::timeout(Duration::from_secs(10), waiter)
@@ -655,49 +914,112 @@ mod etcd {
         tokens_grow_across_a_revocation(
             registry(&backend(&url()).await),
             registry(&backend(&url()).await),
+            true,
             "etcd",
         )
         .await;
     }
 }
 
-/// `holding` takes both permits of a semaphore and two readers of another
-/// key; the key is revoked from `other`; the holders hear of it, and the
-/// next grants (the same slots, a reader, a writer) have larger tokens.
-#[cfg(any(feature = "etcd", feature = "zookeeper"))]
-async fn tokens_grow_across_a_revocation(holding: Registry, other: Registry, case: &str) {
+/// `holding` takes both permits of a semaphore (and, when `rw`, two readers
+/// of another key); each key is revoked from `other`; the holders hear of
+/// it, and the next grants (the same slots, a reader, a writer) have larger
+/// tokens.
+async fn tokens_grow_across_a_revocation(holding: Registry, other: Registry, rw: bool, case: &str) {
     let sem = unique_key(&format!("{case}-revoke-sem"));
-    let rw = unique_key(&format!("{case}-revoke-rw"));
+    let rw_key = unique_key(&format!("{case}-revoke-rw"));
     let lease = Duration::from_secs(30);
-    let p0 = holding.lock(&sem).permits(2).lease(lease).acquire().await.expect("p0");
-    let p1 = holding.lock(&sem).permits(2).lease(lease).acquire().await.expect("p1");
-    let r0 = holding.lock(&rw).read().lease(lease).acquire().await.expect("r0");
-    let r1 = holding.lock(&rw).read().lease(lease).acquire().await.expect("r1");
+    let p0 = holding
+        .lock(&sem)
+        .permits(2)
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("p0");
+    let p1 = holding
+        .lock(&sem)
+        .permits(2)
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("p1");
+    let readers = if rw {
+        vec![
+            holding
+                .lock(&rw_key)
+                .read()
+                .lease(lease)
+                .acquire()
+                .await
+                .expect("r0"),
+            holding
+                .lock(&rw_key)
+                .read()
+                .lease(lease)
+                .acquire()
+                .await
+                .expect("r1"),
+        ]
+    } else {
+        Vec::new()
+    };
     let by_slot: std::collections::HashMap<_, _> =
         [(p0.permit(), token(&p0)), (p1.permit(), token(&p1))].into();
-    let readers_top = token(&r0).max(token(&r1));
+    let readers_top = readers.iter().map(token).max().unwrap_or(0);
     assert_eq!(other.revoke(&sem).await.expect("revoke").len(), 2);
-    assert_eq!(other.revoke(&rw).await.expect("revoke").len(), 2);
-    for g in [&p0, &p1, &r0, &r1] {
+    if rw {
+        assert_eq!(other.revoke(&rw_key).await.expect("revoke").len(), 2);
+    }
+    for g in [&p0, &p1].into_iter().chain(&readers) {
         tokio::time::timeout(Duration::from_secs(20), g.lost())
             .await
             .expect("a revoked holder hears of it");
     }
-    let n0 = other.lock(&sem).permits(2).wait(Duration::from_secs(5)).acquire().await.expect("n0");
-    let n1 = other.lock(&sem).permits(2).wait(Duration::from_secs(5)).acquire().await.expect("n1");
+    let n0 = other
+        .lock(&sem)
+        .permits(2)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("n0");
+    let n1 = other
+        .lock(&sem)
+        .permits(2)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .expect("n1");
     for n in [&n0, &n1] {
         let before = by_slot[&n.permit()];
-        assert!(token(n) > before, "slot {:?}: {} after {before}", n.permit(), token(n));
+        assert!(
+            token(n) > before,
+            "slot {:?}: {} after {before}",
+            n.permit(),
+            token(n)
+        );
     }
-    let reader = other.lock(&rw).read().wait(Duration::from_secs(5)).acquire().await.expect("reader");
-    assert!(token(&reader) > readers_top);
-    reader.release().await.expect("release");
-    let writer = other.lock(&rw).wait(Duration::from_secs(5)).acquire().await.expect("writer");
-    assert!(token(&writer) > readers_top);
-    writer.release().await.expect("release");
+    if rw {
+        let reader = other
+            .lock(&rw_key)
+            .read()
+            .wait(Duration::from_secs(5))
+            .acquire()
+            .await
+            .expect("reader");
+        assert!(token(&reader) > readers_top);
+        reader.release().await.expect("release");
+        let writer = other
+            .lock(&rw_key)
+            .wait(Duration::from_secs(5))
+            .acquire()
+            .await
+            .expect("writer");
+        assert!(token(&writer) > readers_top);
+        writer.release().await.expect("release");
+    }
     n0.release().await.expect("release");
     n1.release().await.expect("release");
-    for g in [p0, p1, r0, r1] {
+    for g in [p0, p1].into_iter().chain(readers) {
         let _ = g.release().await;
     }
 }
@@ -789,7 +1111,12 @@ mod zookeeper {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn zookeeper_tokens_grow_across_a_revocation_of_permits_and_readers() {
-        tokens_grow_across_a_revocation(registry(&backend().await), registry(&backend().await), "zk")
-            .await;
+        tokens_grow_across_a_revocation(
+            registry(&backend().await),
+            registry(&backend().await),
+            true,
+            "zk",
+        )
+        .await;
     }
 }
