@@ -204,6 +204,64 @@ async fn crowd(
     (violations, grants.load(Ordering::SeqCst))
 }
 
+/// `holder` (whose only way to its server is cut by `cut`) holds both
+/// permits of a semaphore of 2 with `lease`; `other` waits for one. Each
+/// of the holder's permits hears of its loss before `other` is granted one,
+/// and the slot's next token is larger.
+async fn a_partitioned_permit_holder_hears_before_anyone_is_granted(
+    holder: Registry,
+    other: Registry,
+    cut: impl FnOnce(),
+    lease: Duration,
+    case: &str,
+) {
+    let key = unique_key(case);
+    let take = |r: &Registry| r.lock(&key).permits(2).lease(lease);
+    let held = [
+        take(&holder).acquire().await.expect("first"),
+        take(&holder).acquire().await.expect("second"),
+    ];
+    let waiter = tokio::spawn({
+        let builder = take(&other).wait(Duration::from_secs(40));
+        async move {
+            let next = builder.acquire().await;
+            (next, Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "{case}: both permits are held");
+    cut();
+    let mut lost_at = Vec::new();
+    for g in &held {
+        tokio::time::timeout(Duration::from_secs(30), g.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{case}: the holder never heard of its loss"));
+        lost_at.push(Instant::now());
+    }
+    let (next, granted_at) = tokio::time::timeout(Duration::from_secs(40), waiter)
+        .await
+        .unwrap_or_else(|_| panic!("{case}: the waiter was never served"))
+        .expect("task");
+    let next = next.unwrap_or_else(|e| panic!("{case}: {e}"));
+    let first_lost = lost_at.iter().min().copied().expect("two");
+    assert!(
+        first_lost < granted_at,
+        "{case}: granted {:?} before a holder heard of its loss",
+        first_lost - granted_at
+    );
+    let before = held
+        .iter()
+        .find(|g| g.permit() == next.permit())
+        .map(token)
+        .expect("the freed slot was one of the holder's");
+    assert!(
+        token(&next) > before,
+        "{case}: token {} after {before}",
+        token(&next)
+    );
+    next.release().await.expect("release");
+}
+
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql {
     use super::*;
@@ -766,6 +824,69 @@ mod sql {
         many_names_leave_no_local_or_server_state(SqlDb::Mysql, false).await;
     }
 
+    /// See [`a_partitioned_permit_holder_hears_before_anyone_is_granted`]:
+    /// the holder's server ends its session at its idle limit (the lease).
+    async fn a_partitioned_session_permit_holder(db: SqlDb) {
+        let proxy = proxy_to(&db.host_port()).await;
+        let cut_url = format!("{}?mode=session&timeout=1s", via(&db.url(), proxy.addr()));
+        let holder = db.connect_url(&cut_url).await.expect("connect").registry();
+        a_partitioned_permit_holder_hears_before_anyone_is_granted(
+            holder,
+            session(db, "").await,
+            || proxy.set(Fault::Hold),
+            Duration::from_secs(3),
+            &format!("sql-session-partitioned-{db:?}"),
+        )
+        .await;
+        proxy.set(Fault::Pass);
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_a_partitioned_permit_holder_hears_before_anyone_is_granted() {
+        a_partitioned_session_permit_holder(SqlDb::Postgres).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_a_partitioned_permit_holder_hears_before_anyone_is_granted() {
+        a_partitioned_session_permit_holder(SqlDb::Mysql).await;
+    }
+
+    /// A plain lock and a permit asked for at the same instant from two
+    /// processes, on 60 fresh keys: never both granted.
+    async fn a_plain_lock_and_a_permit_racing(db: SqlDb) {
+        let (one, two) = (session(db, "").await, session(db, "").await);
+        let case = unique_key(&format!("sql-session-plain-permit-race-{db:?}"));
+        let mut both = Vec::new();
+        for i in 0..60 {
+            let key = format!("{case}-{i}");
+            let (plain, permit) = tokio::join!(
+                one.lock(&key).acquire(),
+                two.lock(&key).permits(2).acquire()
+            );
+            if plain.is_ok() && permit.is_ok() {
+                both.push(i);
+            }
+            for g in [plain, permit].into_iter().flatten() {
+                g.release().await.expect("release");
+            }
+        }
+        assert!(both.is_empty(), "{db:?}: both granted on keys {both:?}");
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_a_plain_lock_and_a_permit_racing_are_never_both_granted() {
+        a_plain_lock_and_a_permit_racing(SqlDb::Postgres).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_session_a_plain_lock_and_a_permit_racing_are_never_both_granted() {
+        a_plain_lock_and_a_permit_racing(SqlDb::Mysql).await;
+    }
+
     /// Share acquisitions dropped beside a sibling of a `tokio::select!` at
     /// 0–40 ms steps while both permits are taken and freed by another
     /// process leave nothing: afterwards both permits are free at once.
@@ -863,6 +984,80 @@ mod etcd {
             crowd(&registries, true, Duration::from_secs(8), "etcd-crowd").await;
         assert!(violations.is_empty(), "{violations:#?}");
         assert!(grants >= 20, "only {grants} grants");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_partitioned_permit_holder_hears_before_anyone_is_granted() {
+        let member = dlock_tests::etcd_support::endpoints(&url())[0].clone();
+        let proxy = dlock_testkit::FaultProxy::start(member)
+            .await
+            .expect("proxy");
+        let cut_url = dlock_tests::etcd_support::url_to(
+            &[format!("127.0.0.1:{}", proxy.port())],
+            "?session_ttl=3s",
+        );
+        a_partitioned_permit_holder_hears_before_anyone_is_granted(
+            registry(&backend(&cut_url).await),
+            registry(&backend(&url()).await),
+            || proxy.set(dlock_testkit::Fault::Hold),
+            Duration::from_secs(30),
+            "etcd-partitioned-permits",
+        )
+        .await;
+        proxy.set(dlock_testkit::Fault::Pass);
+    }
+
+    /// A permit holder whose entry (or slot claim) an operator deletes
+    /// hears of its loss; from then on its slot is free for others, even
+    /// while the lost holder's body has not returned yet (its guard alive).
+    async fn a_permit_partly_deleted_frees_its_slot_at_the_loss(claim: bool) {
+        let holding_etcd = backend(&url()).await;
+        let holding = registry(&holding_etcd);
+        let other = registry(&backend(&url()).await);
+        let key = unique_key(if claim {
+            "etcd-claim-deleted"
+        } else {
+            "etcd-entry-deleted"
+        });
+        let stored = format!("dlock:{key}");
+        let take = |r: &Registry| r.lock(&key).permits(2).lease(Duration::from_secs(6));
+        let gone = take(&holding).acquire().await.expect("first");
+        let kept = take(&holding).acquire().await.expect("second");
+        let [queue, slots, _] = dlock_tests::etcd_support::kept_under(&holding_etcd, &stored);
+        let mut client = admin(&url()).await;
+        let under = if claim { slots } else { queue };
+        // The first entry, or the claim of slot 0: the first holder's.
+        let first = dlock_tests::etcd_support::entries(&client, &under)
+            .await
+            .into_iter()
+            .next()
+            .expect("an entry")
+            .0;
+        client.delete(first, None).await.expect("delete");
+        tokio::time::timeout(Duration::from_secs(10), gone.lost())
+            .await
+            .expect("the holder hears of its loss");
+        let started = Instant::now();
+        let next = take(&other).wait(Duration::from_secs(10)).acquire().await;
+        let took = started.elapsed();
+        let slot = gone.permit();
+        let _ = gone.release().await;
+        let next = next.unwrap_or_else(|e| {
+            panic!("no permit while the lost holder's guard lived ({took:?}): {e}")
+        });
+        assert_eq!(next.permit(), slot);
+        next.release().await.expect("release");
+        kept.release().await.expect("release");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_permit_whose_entry_was_deleted_frees_its_slot_at_the_loss() {
+        a_permit_partly_deleted_frees_its_slot_at_the_loss(false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_permit_whose_slot_claim_was_deleted_frees_its_place_at_the_loss() {
+        a_permit_partly_deleted_frees_its_slot_at_the_loss(true).await;
     }
 
     /// A permit waiter whose session's etcd lease ends while it waits (its
@@ -1048,6 +1243,20 @@ mod zookeeper {
             crowd(&registries, true, Duration::from_secs(8), "zk-crowd").await;
         assert!(violations.is_empty(), "{violations:#?}");
         assert!(grants >= 20, "only {grants} grants");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_a_partitioned_permit_holder_hears_before_anyone_is_granted() {
+        let cut = ProxiedZk::connect().await;
+        a_partitioned_permit_holder_hears_before_anyone_is_granted(
+            registry(&cut.backend),
+            registry(&backend().await),
+            || cut.proxy.set(dlock_testkit::Fault::Hold),
+            Duration::from_secs(30),
+            "zk-partitioned-permits",
+        )
+        .await;
+        cut.proxy.set(dlock_testkit::Fault::Pass);
     }
 
     /// A permit waiter queued in the semaphore's `locks` mutex whose session
