@@ -215,14 +215,40 @@ async fn a_partitioned_permit_holder_hears_before_anyone_is_granted(
     lease: Duration,
     case: &str,
 ) {
+    a_partitioned_holder_hears_before_anyone_is_granted(holder, other, cut, lease, false, case)
+        .await;
+}
+
+/// As [`a_partitioned_permit_holder_hears_before_anyone_is_granted`], for
+/// two readers and a waiting writer (`read`), or two permits of 2 and a
+/// third permit.
+async fn a_partitioned_holder_hears_before_anyone_is_granted(
+    holder: Registry,
+    other: Registry,
+    cut: impl FnOnce(),
+    lease: Duration,
+    read: bool,
+    case: &str,
+) {
     let key = unique_key(case);
-    let take = |r: &Registry| r.lock(&key).permits(2).lease(lease);
+    let take = |r: &Registry| {
+        if read {
+            r.lock(&key).read().lease(lease)
+        } else {
+            r.lock(&key).permits(2).lease(lease)
+        }
+    };
     let held = [
         take(&holder).acquire().await.expect("first"),
         take(&holder).acquire().await.expect("second"),
     ];
     let waiter = tokio::spawn({
-        let builder = take(&other).wait(Duration::from_secs(40));
+        let builder = if read {
+            other.lock(&key).write().lease(lease)
+        } else {
+            take(&other)
+        }
+        .wait(Duration::from_secs(40));
         async move {
             let next = builder.acquire().await;
             (next, Instant::now())
@@ -249,17 +275,66 @@ async fn a_partitioned_permit_holder_hears_before_anyone_is_granted(
         "{case}: granted {:?} before a holder heard of its loss",
         first_lost - granted_at
     );
-    let before = held
-        .iter()
-        .find(|g| g.permit() == next.permit())
-        .map(token)
-        .expect("the freed slot was one of the holder's");
+    let before = if read {
+        held.iter().map(token).max().expect("two")
+    } else {
+        held.iter()
+            .find(|g| g.permit() == next.permit())
+            .map(token)
+            .expect("the freed slot was one of the holder's")
+    };
     assert!(
         token(&next) > before,
         "{case}: token {} after {before}",
         token(&next)
     );
     next.release().await.expect("release");
+}
+
+/// A second deployment asking for another number of permits while the
+/// first one's holders are there is refused at once (even with a long
+/// wait), naming both numbers; once every permit is free it is granted.
+async fn another_permit_count_from_a_second_deployment(
+    first: Registry,
+    second: Registry,
+    db: &str,
+) {
+    let key = unique_key(&format!("{db}-redeploy"));
+    let held = first
+        .lock(&key)
+        .permits(2)
+        .lease(Duration::from_secs(30))
+        .acquire()
+        .await
+        .expect("first deployment");
+    let started = Instant::now();
+    let refused = second
+        .lock(&key)
+        .permits(3)
+        .wait(Duration::from_secs(10))
+        .acquire()
+        .await;
+    match &refused {
+        Err(LockError::Config { .. }) => {
+            let text = refused.as_ref().err().unwrap().to_string();
+            assert!(text.contains('2') && text.contains('3'), "{db}: {text}");
+        }
+        other => panic!("{db}: {:?}", other.as_ref().map(|g| g.permit())),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{db}: refused only after {:?}",
+        started.elapsed()
+    );
+    held.release().await.expect("release");
+    let now = second
+        .lock(&key)
+        .permits(3)
+        .wait(Duration::from_secs(5))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("{db}: every permit was free: {e}"));
+    now.release().await.expect("release");
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -644,60 +719,26 @@ mod sql {
         let _ = ended.release().await;
     }
 
-    /// A second deployment asking for another number of permits while the
-    /// first one's holders are there is refused at once (even with a long
-    /// wait), naming both numbers; once every permit is free it is granted.
-    async fn another_permit_count_from_a_second_deployment(db: SqlDb) {
-        let first = session(db, "").await;
-        let second = session(db, "").await;
-        let key = unique_key(&format!("sql-session-redeploy-{db:?}"));
-        let held = first
-            .lock(&key)
-            .permits(2)
-            .lease(Duration::from_secs(30))
-            .acquire()
-            .await
-            .expect("first deployment");
-        let started = Instant::now();
-        let refused = second
-            .lock(&key)
-            .permits(3)
-            .wait(Duration::from_secs(10))
-            .acquire()
-            .await;
-        match &refused {
-            Err(LockError::Config { .. }) => {
-                let text = refused.as_ref().err().unwrap().to_string();
-                assert!(text.contains('2') && text.contains('3'), "{db:?}: {text}");
-            }
-            other => panic!("{db:?}: {:?}", other.as_ref().map(|g| g.permit())),
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(3),
-            "{db:?}: refused only after {:?}",
-            started.elapsed()
-        );
-        held.release().await.expect("release");
-        let now = second
-            .lock(&key)
-            .permits(3)
-            .wait(Duration::from_secs(5))
-            .acquire()
-            .await
-            .unwrap_or_else(|e| panic!("{db:?}: every permit was free: {e}"));
-        now.release().await.expect("release");
-    }
-
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_session_another_permit_count_from_a_second_deployment_is_refused_at_once() {
-        another_permit_count_from_a_second_deployment(SqlDb::Postgres).await;
+        another_permit_count_from_a_second_deployment(
+            session(SqlDb::Postgres, "").await,
+            session(SqlDb::Postgres, "").await,
+            "pg-session",
+        )
+        .await;
     }
 
     #[cfg(feature = "mysql")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_session_another_permit_count_from_a_second_deployment_is_refused_at_once() {
-        another_permit_count_from_a_second_deployment(SqlDb::Mysql).await;
+        another_permit_count_from_a_second_deployment(
+            session(SqlDb::Mysql, "").await,
+            session(SqlDb::Mysql, "").await,
+            "my-session",
+        )
+        .await;
     }
 
     #[cfg(feature = "postgres")]
@@ -845,6 +886,25 @@ mod sql {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_session_a_partitioned_permit_holder_hears_before_anyone_is_granted() {
         a_partitioned_session_permit_holder(SqlDb::Postgres).await;
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_session_partitioned_readers_hear_before_a_writer_is_granted() {
+        let db = SqlDb::Postgres;
+        let proxy = proxy_to(&db.host_port()).await;
+        let cut_url = format!("{}?mode=session&timeout=1s", via(&db.url(), proxy.addr()));
+        let holder = db.connect_url(&cut_url).await.expect("connect").registry();
+        a_partitioned_holder_hears_before_anyone_is_granted(
+            holder,
+            session(db, "").await,
+            || proxy.set(Fault::Hold),
+            Duration::from_secs(3),
+            true,
+            "pg-session-partitioned-readers",
+        )
+        .await;
+        proxy.set(Fault::Pass);
     }
 
     #[cfg(feature = "mysql")]
@@ -1005,6 +1065,38 @@ mod etcd {
         )
         .await;
         proxy.set(dlock_testkit::Fault::Pass);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_partitioned_readers_hear_before_a_writer_is_granted() {
+        let member = dlock_tests::etcd_support::endpoints(&url())[0].clone();
+        let proxy = dlock_testkit::FaultProxy::start(member)
+            .await
+            .expect("proxy");
+        let cut_url = dlock_tests::etcd_support::url_to(
+            &[format!("127.0.0.1:{}", proxy.port())],
+            "?session_ttl=3s",
+        );
+        a_partitioned_holder_hears_before_anyone_is_granted(
+            registry(&backend(&cut_url).await),
+            registry(&backend(&url()).await),
+            || proxy.set(dlock_testkit::Fault::Hold),
+            Duration::from_secs(30),
+            true,
+            "etcd-partitioned-readers",
+        )
+        .await;
+        proxy.set(dlock_testkit::Fault::Pass);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_another_permit_count_from_a_second_deployment_is_refused_at_once() {
+        another_permit_count_from_a_second_deployment(
+            registry(&backend(&url()).await),
+            registry(&backend(&url()).await),
+            "etcd",
+        )
+        .await;
     }
 
     /// A permit holder whose entry (or slot claim) an operator deletes
@@ -1257,6 +1349,31 @@ mod zookeeper {
         )
         .await;
         cut.proxy.set(dlock_testkit::Fault::Pass);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_partitioned_readers_hear_before_a_writer_is_granted() {
+        let cut = ProxiedZk::connect().await;
+        a_partitioned_holder_hears_before_anyone_is_granted(
+            registry(&cut.backend),
+            registry(&backend().await),
+            || cut.proxy.set(dlock_testkit::Fault::Hold),
+            Duration::from_secs(30),
+            true,
+            "zk-partitioned-readers",
+        )
+        .await;
+        cut.proxy.set(dlock_testkit::Fault::Pass);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn zookeeper_another_permit_count_from_a_second_deployment_is_refused_at_once() {
+        another_permit_count_from_a_second_deployment(
+            registry(&backend().await),
+            registry(&backend().await),
+            "zk",
+        )
+        .await;
     }
 
     /// A permit waiter queued in the semaphore's `locks` mutex whose session
