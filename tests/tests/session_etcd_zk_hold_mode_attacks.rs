@@ -1,12 +1,16 @@
 //! Attacks on semaphores and read-write locks in the SQL session modes
 //! (PostgreSQL advisory locks, MySQL `GET_LOCK`), on etcd and on
 //! ZooKeeper: a share attempt stalled behind a proxy while it holds its
-//! key's gate, a crowd of mixed modes from several processes, a stream of
-//! readers against a waiting writer, a waiting writer's connection ended
-//! under it, a reader's connection ended mid-hold, another permit count
-//! asked by a second deployment while the first holds, a waiter whose etcd
-//! session lease or ZooKeeper session ends while it waits, and tokens
-//! across a revocation.
+//! key's gate, a waiting writer stalled between two slices, a crowd of
+//! mixed modes from several processes, a stream of readers against a
+//! waiting writer, a waiting writer's connection ended under it, a reader's
+//! connection ended mid-hold, a plain lock and a permit racing, another
+//! permit count asked by a second deployment while the first holds,
+//! acquisitions dropped beside `tokio::select!` siblings, many names,
+//! holders partitioned from their server beside a healthy process, a
+//! waiter whose etcd session lease or ZooKeeper session ends while it
+//! waits, an etcd permit whose entry or slot claim an operator deletes, and
+//! tokens across a revocation.
 #![cfg(any(
     feature = "postgres",
     feature = "mysql",
