@@ -93,8 +93,10 @@ struct Crowd {
 /// semaphore of 2 (and, when `rw`, readers and writers of another key) with
 /// waits for `run`: never more than 2 permit holders, never two on one
 /// slot, each slot's tokens strictly increasing in grant order, never a
-/// writer beside anyone, and no error but a busy answer at the end of a
-/// wait. Answers the violations and how many grants there were.
+/// writer beside anyone, and no error but a retryable one (busy at the end
+/// of a wait, an attempt left unanswered at its deadline on a loaded
+/// machine): no mismatch, no permanent failure. Answers the violations and
+/// how many grants there were.
 async fn crowd(
     registries: &[Registry],
     rw: bool,
@@ -128,7 +130,9 @@ async fn crowd(
                         .await
                     {
                         Ok(guard) => guard,
-                        Err(LockError::Busy { .. }) => continue,
+                        // Busy at the end of a wait, or (a loaded machine)
+                        // its last attempt unanswered at the deadline.
+                        Err(e) if e.is_retryable() => continue,
                         Err(e) => {
                             seen.lock()
                                 .unwrap()
