@@ -314,6 +314,7 @@ async fn another_permit_count_from_a_second_deployment(
         .lock(&key)
         .permits(2)
         .lease(Duration::from_secs(30))
+        .wait(Duration::from_secs(20))
         .acquire()
         .await
         .expect("first deployment");
@@ -1039,6 +1040,21 @@ mod etcd {
     use super::*;
     use dlock_tests::etcd_support::{admin, backend, registry, url};
 
+    /// A backend on `url`, trying to connect again for up to 30 s (a loaded
+    /// machine may not get its session's lease in one request bound).
+    async fn backend_eventually(url: &str) -> dlock_runtime::EtcdBackend {
+        let started = Instant::now();
+        loop {
+            match dlock_runtime::EtcdBackend::connect(url).await {
+                Ok(backend) => return backend,
+                Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                    eprintln!("connecting to {url}: {e}; again");
+                }
+                Err(e) => panic!("connect to {url}: {e}"),
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn etcd_a_stream_of_readers_never_starves_a_waiting_writer() {
         let readers = [
@@ -1073,7 +1089,7 @@ mod etcd {
             "?session_ttl=3s",
         );
         a_partitioned_permit_holder_hears_before_anyone_is_granted(
-            registry(&backend(&cut_url).await),
+            registry(&backend_eventually(&cut_url).await),
             registry(&backend(&url()).await),
             || proxy.set(dlock_testkit::Fault::Hold),
             Duration::from_secs(30),
@@ -1094,7 +1110,7 @@ mod etcd {
             "?session_ttl=3s",
         );
         a_partitioned_holder_hears_before_anyone_is_granted(
-            registry(&backend(&cut_url).await),
+            registry(&backend_eventually(&cut_url).await),
             registry(&backend(&url()).await),
             || proxy.set(dlock_testkit::Fault::Hold),
             Duration::from_secs(30),
