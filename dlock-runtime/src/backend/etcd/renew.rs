@@ -12,13 +12,18 @@
 //! [`Renewal::Revoked`](crate::backend::Renewal::Revoked), else
 //! [`Renewal::Lost`](crate::backend::Renewal::Lost). The mark is read and
 //! deleted in one transaction, sent only when an entry is gone.
+//!
+//! A permit found lost has what is left of it — its slot claim whose entry
+//! went, or its entry whose claim went — deleted at once, in the
+//! background: its slot is free for others from the loss, not from the
+//! lost holder's release (its body may run on a while).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
 
-use super::session::{HeldEntry, Session};
+use super::session::{HeldEntry, Session, delete_entry};
 use super::url::revocation_mark;
 use super::{Inner, backend_error};
 use crate::backend::{Lease, Renewal};
@@ -107,6 +112,25 @@ impl Inner {
                         }
                         Ok(ours) if !ours[n] || !session.is_alive() => {
                             session.unregister(entry);
+                            if entry.slot.is_some() && session.is_alive() {
+                                // What is left of a lost permit — its slot
+                                // claim whose entry went, or its entry whose
+                                // claim went — goes now, not at the guard's
+                                // release: the holder is told, and the slot
+                                // is for others from here.
+                                let (session, entry) = (session.clone(), entry.clone());
+                                crate::driver::handle().spawn(async move {
+                                    let slot = entry.slot.as_ref();
+                                    let _ = delete_entry(
+                                        &session,
+                                        &entry.key,
+                                        entry.revision,
+                                        slot,
+                                        None,
+                                    )
+                                    .await;
+                                });
+                            }
                             if revoked.as_ref().is_ok_and(|r| r[n]) {
                                 Ok(Renewal::Revoked)
                             } else {

@@ -190,12 +190,19 @@ pub trait SessionDb: Send + Sync + 'static {
     /// [the shared slots](self#semaphores-and-readers)): serialises the
     /// shares of the key and checks the mode recorded with its holders.
     /// Whatever the answer, the connection may hold locks afterwards: the
-    /// caller unlocks it unless the share is granted.
+    /// caller unlocks it unless the share is granted. Before the gate is
+    /// taken, the server's idle limit is set to `idle` (the attempt's own
+    /// bound): a client that stalls while it holds the gate — frozen, or
+    /// cut off with its sockets left open — has given its attempt up by
+    /// then, and the server ends its session, freeing the gate for the
+    /// key's other shares. The grant sets the holder's limit; an unlock
+    /// clears it.
     fn enter<'a>(
         &'a self,
         conn: &'a mut Self::Conn,
         key: &'a str,
         asked: HoldMode,
+        idle: Duration,
     ) -> BoxFuture<'a, Result<Entry, sqlx::Error>>;
 
     /// Tries the slots `from..to` of `kind` of `key` in order, without
@@ -680,7 +687,14 @@ impl<S: SessionDb> Sessions<S> {
             };
             let shared = tokio::time::timeout(
                 self.timeout,
-                share(&*self.db, running.conn(), request, kind, &holder),
+                share(
+                    &*self.db,
+                    running.conn(),
+                    request,
+                    kind,
+                    &holder,
+                    self.timeout,
+                ),
             )
             .await;
             let Ok(shared) = shared else {
@@ -798,16 +812,18 @@ enum Shared {
 
 /// One share attempt on `conn`: the gate, the slot walk (lowest free slot
 /// first, [`SLOTS_PER_TRY`] per round trip), the grant. Unless granted,
-/// the connection may hold locks: the caller unlocks it.
+/// the connection may hold locks: the caller unlocks it. `idle`: the
+/// server's idle limit while the gate is held (the attempt's bound).
 async fn share<S: SessionDb>(
     db: &S,
     conn: &mut S::Conn,
     request: &AcquireRequest,
     kind: SlotKind,
     holder: &str,
+    idle: Duration,
 ) -> Result<Shared, sqlx::Error> {
     let key = &request.key;
-    match db.enter(conn, key, request.mode).await? {
+    match db.enter(conn, key, request.mode, idle).await? {
         Entry::Open => {}
         Entry::Busy => return Ok(Shared::Busy),
         Entry::Mismatch(held) => return Ok(Shared::Mismatch(held)),

@@ -621,6 +621,7 @@ impl SessionDb for MySessions {
         conn: &'a mut Self::Conn,
         key: &'a str,
         asked: HoldMode,
+        idle: Duration,
     ) -> BoxFuture<'a, Result<Entry, sqlx::Error>> {
         Box::pin(async move {
             let HoldMode::Permit { permits: asked_n } = asked else {
@@ -629,14 +630,18 @@ impl SessionDb for MySessions {
             };
             let k = session_hash(key);
             let (gate, name) = (lock_name(gate_hash(key)), lock_name(k));
-            // The gate first (it orders the shares of the key: the mode
-            // each reads is the one the previous one recorded), then the
-            // key's recorded mode and whether a plain lock holds it.
+            // The idle limit (see `SessionDb::enter`: a stalled client's
+            // session is ended, and its gate with it), the gate (it orders
+            // the shares of the key: the mode each reads is the one the
+            // previous one recorded), then the key's recorded mode and
+            // whether a plain lock holds it.
             let sql = format!(
-                "SELECT CONNECTION_ID(), GET_LOCK('{gate}', {GATE_WAIT_S}); \
+                "SET SESSION wait_timeout = {idle}; \
+                 SELECT CONNECTION_ID(), GET_LOCK('{gate}', {GATE_WAIT_S}); \
                  SELECT (SELECT permits FROM {fence} WHERE k = {k}), \
                         IS_USED_LOCK('{name}') IS NOT NULL",
-                fence = self.fence
+                fence = self.fence,
+                idle = idle_seconds(idle)
             );
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(conn.conn.conn())

@@ -760,9 +760,20 @@ impl SessionDb for PgSessions {
         conn: &'a mut PgSession,
         key: &'a str,
         asked: HoldMode,
+        idle: Duration,
     ) -> BoxFuture<'a, Result<Entry, sqlx::Error>> {
         Box::pin(async move {
             let (k, gate) = (session_hash(key), gate_hash(key));
+            // The idle limit before the gate (see `SessionDb::enter`): a
+            // stalled client's session is ended, and its gate with it.
+            let limit = if self.idle_limit {
+                format!(
+                    "SELECT set_config('idle_session_timeout', '{}', false); ",
+                    idle_limit(idle)
+                )
+            } else {
+                String::new()
+            };
             // The gate first, in a statement of its own, so that the next
             // one reads what the previous holder of the gate committed.
             // Then: the key alone (no holder, no waiting writer) is taken
@@ -770,7 +781,7 @@ impl SessionDb for PgSessions {
             // hold beside other shares, whose mode the key's row records;
             // else a writer holds or waits.
             let sql = format!(
-                "SELECT pg_advisory_lock({gate}); \
+                "{limit}SELECT pg_advisory_lock({gate}); \
                  SELECT CASE WHEN pg_try_advisory_lock({k}) \
                              THEN CASE WHEN pg_advisory_unlock({k}) \
                                        THEN CASE WHEN pg_try_advisory_lock_shared({k}) \
