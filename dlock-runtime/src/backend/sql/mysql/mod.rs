@@ -1258,7 +1258,7 @@ mod tests {
 
     #[test]
     fn renewal_statements_come_in_powers_of_two() {
-        let s = Statements::new("t");
+        let s = Statements::new("t", true);
         assert_eq!(s.renew.len(), 7);
         assert_eq!(s.renew[2].matches("WHEN k = ?").count(), 4);
         assert_eq!(s.still_held[6].matches("(?, ?)").count(), 64);
