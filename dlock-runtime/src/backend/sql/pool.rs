@@ -11,13 +11,12 @@
 //! that runtime, without a hop. A call never waits for the local pool to
 //! open: until it is ready, calls hop home.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
-pub(crate) use super::ordered::Checked;
-use super::ordered::{Running, Unanswered};
 use crate::backend::local::Local;
 use crate::error::BackendError;
 
@@ -42,6 +41,34 @@ pub(crate) fn is_connection_error(err: &sqlx::Error) -> bool {
     }
 }
 
+/// A pooled connection that is **closed** when dropped, unless it was handed
+/// back with [`keep`](Checked::keep): a broken connection, or one whose
+/// state is unknown, never goes back to the pool.
+pub(crate) struct Checked<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
+
+impl<DB: sqlx::Database> Checked<DB> {
+    pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        Checked(Some(conn))
+    }
+
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        self.0.as_mut().expect("present until dropped or kept")
+    }
+
+    /// Returns the connection to its pool (it is in a known state).
+    pub(crate) fn keep(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Checked<DB> {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
+    }
+}
+
 /// A pool and how its calls are bounded: one timeout for the whole call, a
 /// connection that failed is closed (never reused) and the statement tried
 /// again on another — a server restart leaves dead connections in the pool,
@@ -54,6 +81,107 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
     pub(crate) classify: fn(sqlx::Error) -> BackendError,
     local: Arc<Local<sqlx::Pool<DB>>>,
     unanswered: Arc<Unanswered>,
+}
+
+/// Statements of an owner's that were dropped while they ran (their caller
+/// went away) and that the server has not answered yet: the owner's next
+/// call — the clean-up release — waits until it has, so that it reaches the
+/// server after the statement it undoes, never before (see
+/// [`Pooled::call_for`]). It waits one call timeout at most: a statement is
+/// answered or timed out by then (and the runtime's backstop release, sent
+/// that long after, does not wait at all).
+#[derive(Default)]
+struct Unanswered {
+    /// By owner token: when the wait ends, and a receiver that closes when
+    /// the server has answered.
+    owners: Mutex<HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>>,
+}
+
+/// Closed (dropped) when an owner's dropped statement has been answered.
+type Answered = tokio::sync::watch::Sender<()>;
+
+impl Unanswered {
+    fn owners(
+        &self,
+    ) -> MutexGuard<'_, HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>> {
+        self.owners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `owner`'s calls wait, for `timeout` at most, until `answered`
+    /// is dropped.
+    fn register(&self, owner: &str, timeout: Duration) -> Answered {
+        let (answered, rx) = tokio::sync::watch::channel(());
+        self.owners()
+            .insert(owner.to_owned(), (Instant::now() + timeout, rx));
+        answered
+    }
+
+    /// Waits until `owner`'s dropped statements have been answered, or their
+    /// time is up.
+    async fn wait_for(&self, owner: &str) {
+        let pending = self.owners().get(owner).cloned();
+        if let Some((until, mut answered)) = pending {
+            // Ends when the sender is dropped.
+            let _ = tokio::time::timeout_at(until.into(), answered.changed()).await;
+            let mut owners = self.owners();
+            if owners
+                .get(owner)
+                .is_some_and(|(until, rx)| rx.has_changed().is_err() || Instant::now() >= *until)
+            {
+                owners.remove(owner);
+            }
+        }
+    }
+}
+
+/// A connection whose statement is running. Dropped before it is answered
+/// (a caller that went away, a timeout), it is not closed: a task waits for
+/// the server's answer on it (the statement runs to its end on the server
+/// anyway), then gives the connection back — so callers that hang up cost
+/// no connections — and until then the calls of the statement's `owner`, if
+/// it has one, wait (see [`Unanswered`]).
+struct Running<'a, DB: sqlx::Database> {
+    conn: Option<Checked<DB>>,
+    owner: Option<&'a str>,
+    unanswered: &'a Arc<Unanswered>,
+    timeout: Duration,
+}
+
+impl<DB: sqlx::Database> Running<'_, DB> {
+    fn conn(&mut self) -> &mut DB::Connection {
+        self.conn.as_mut().expect("present until finished").conn()
+    }
+
+    /// The statement answered: the connection, back.
+    fn finished(mut self) -> Checked<DB> {
+        self.conn.take().expect("present until finished")
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Running<'_, DB> {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        // The connection belongs to the runtime that runs this call; if it
+        // is shutting down, the connection closes with it.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // Dropped when the server has answered (or the task is dropped).
+        let answered = self
+            .owner
+            .map(|owner| self.unanswered.register(owner, self.timeout));
+        let timeout = self.timeout;
+        runtime.spawn(async move {
+            // A round trip reads the dropped statement's answer first.
+            use sqlx::Connection as _;
+            if let Ok(Ok(())) = tokio::time::timeout(timeout, conn.conn().ping()).await {
+                conn.keep();
+            }
+            drop(answered);
+        });
+    }
 }
 
 impl<DB: sqlx::Database> Clone for Pooled<DB> {
@@ -109,11 +237,9 @@ impl<DB: sqlx::Database> Pooled<DB> {
     /// Runs `attempt`, an attempt of `owner`'s, on dlock's I/O runtime (a
     /// call from a runtime whose own pool is not open yet). A caller that
     /// goes away does not stop it there: it runs to its end (each of its
-    /// statements is bounded by the timeout), and until then `owner`'s
-    /// statements wait (see [`Unanswered`]) — but the attempt's own, which
-    /// run in its task — so the clean-up release, and the removal of a
-    /// waiting-writer mark the attempt may still write, follow it, as they
-    /// follow an attempt dropped on the caller's own pool.
+    /// statements is bounded by the timeout), and until then `owner`'s calls
+    /// wait (see [`Unanswered`]) — so the clean-up release follows it, as it
+    /// follows an attempt dropped on the caller's own pool.
     pub(crate) async fn at_home_for<T: Send + 'static>(
         &self,
         owner: &str,
@@ -123,31 +249,33 @@ impl<DB: sqlx::Database> Pooled<DB> {
         struct Gone<'a> {
             unanswered: &'a Unanswered,
             owner: &'a str,
-            task: tokio::task::Id,
-            done: Option<tokio::sync::watch::Receiver<()>>,
+            until: Instant,
+            answered: Option<tokio::sync::watch::Receiver<()>>,
         }
         impl Drop for Gone<'_> {
             fn drop(&mut self) {
-                if let Some(rx) = self.done.take() {
+                if let Some(rx) = self.answered.take() {
                     self.unanswered
-                        .register_receiver(self.owner, Some(self.task), rx);
+                        .owners()
+                        .insert(self.owner.to_owned(), (self.until, rx));
                 }
             }
         }
-        let (done, rx) = tokio::sync::watch::channel(());
+        let (answered, rx) = tokio::sync::watch::channel(());
         let task = crate::driver::handle().spawn(async move {
             let answer = attempt.await;
-            drop(done);
+            drop(answered);
             answer
         });
         let mut gone = Gone {
             unanswered: &self.unanswered,
             owner,
-            task: task.id(),
-            done: Some(rx),
+            // Its statements, one after the other.
+            until: Instant::now() + self.timeout * 2,
+            answered: Some(rx),
         };
         let answer = task.await;
-        gone.done = None;
+        gone.answered = None;
         match answer {
             Ok(answer) => answer,
             // The runtime never aborts its tasks: a join error is a panic.
@@ -199,7 +327,12 @@ impl<DB: sqlx::Database> Pooled<DB> {
                 // An error opening a connection ends the call: the server
                 // cannot be reached, and trying again at once would not help.
                 let conn = Checked::new(pool.acquire().await?);
-                let mut running = Running::new(conn, owner, &self.unanswered, self.timeout);
+                let mut running = Running {
+                    conn: Some(conn),
+                    owner,
+                    unanswered: &self.unanswered,
+                    timeout: self.timeout,
+                };
                 let answer = statement(running.conn()).await;
                 let conn = running.finished();
                 match answer {

@@ -596,12 +596,9 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
     }
     let ttl = mark_ttl(b);
     if !request.wait.is_zero() {
-        // Known before it is sent, so the undo of an attempt dropped while
-        // the mark is on its way (the owner-checked release, `abandon`)
-        // sends the removal; and the removal, one of the owner's
-        // statements, goes out only once this one has been answered (see
-        // `ordered`): it reaches the server after the mark, whichever
-        // connection or runtime each goes out on.
+        // Known before it is sent: an attempt dropped while the mark is on
+        // the wire is undone by an owner-checked release that removes it
+        // (ordered after the unanswered statement).
         b.marks().marked(&request.owner);
         b.call(Some(&request.owner), "mark", |c| {
             let sql = sql.clone();

@@ -58,7 +58,6 @@ use sqlx::sqlite::{
 
 use self::doorbell::Doorbells;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
-use super::ordered::{Checked, Running, Unanswered};
 use super::shared::{self, Marks, SharedSql, SharedStore, Stmt, rows_and_exec};
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
@@ -251,9 +250,6 @@ pub struct SqliteBackend {
     shared: Arc<SharedSql>,
     /// The owners whose waiting-writer marks may stand.
     marks: Arc<Marks>,
-    /// Statements of an owner's whose caller went away before they were
-    /// answered: the owner's next ones wait for them (see `ordered`).
-    unanswered: Arc<Unanswered>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -265,14 +261,6 @@ impl fmt::Debug for SqliteBackend {
             .finish_non_exhaustive()
     }
 }
-
-/// How long a statement waits for another connection's write lock.
-const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long a statement whose caller went away may take to be answered
-/// before its connection is closed: longer than the busy timeout it may
-/// wait out behind another process's write lock.
-const UNANSWERED_BOUND: Duration = Duration::from_secs(BUSY_TIMEOUT.as_secs() * 2);
 
 fn sql_error(err: sqlx::Error) -> BackendError {
     match &err {
@@ -338,7 +326,7 @@ impl SqliteBackend {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(BUSY_TIMEOUT);
+            .busy_timeout(Duration::from_secs(5));
         let shown = path.display().to_string();
         // The pool's connections belong to the runtime that opens them: open
         // them on dlock's own (see `driver`).
@@ -366,7 +354,6 @@ impl SqliteBackend {
             collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
             shared: Arc::new(shared_sql()),
             marks: Arc::default(),
-            unanswered: Arc::default(),
             path,
         })
     }
@@ -986,7 +973,7 @@ impl SharedStore for SqliteBackend {
 
     async fn call<T, F>(
         &self,
-        owner: Option<&str>,
+        _owner: Option<&str>,
         _what: &str,
         mut statement: F,
     ) -> Result<T, BackendError>
@@ -995,17 +982,8 @@ impl SharedStore for SqliteBackend {
         F: for<'c> FnMut(&'c mut sqlx::SqliteConnection) -> BoxFuture<'c, Result<T, sqlx::Error>>
             + Send,
     {
-        // A statement of `owner`'s goes out once the ones a caller dropped
-        // have been answered: each connection's worker runs a dropped
-        // statement anyway, and the next may go out on another connection.
-        if let Some(owner) = owner {
-            self.unanswered.wait_for(owner).await;
-        }
-        let conn = Checked::new(self.pool.acquire().await.map_err(sql_error)?);
-        let mut running = Running::new(conn, owner, &self.unanswered, UNANSWERED_BOUND);
-        let answer = statement(running.conn()).await;
-        running.finished().keep();
-        answer.map_err(sql_error)
+        let mut conn = self.pool.acquire().await.map_err(sql_error)?;
+        statement(&mut conn).await.map_err(sql_error)
     }
 
     rows_and_exec!(String, sqlx::SqliteConnection);
