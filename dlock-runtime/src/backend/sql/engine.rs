@@ -1187,6 +1187,10 @@ impl<D: Dialect> SharedStore for SqlBackend<D> {
         &self.marks
     }
 
+    fn unanswered(&self) -> &super::ordered::Unanswered {
+        self.db.unanswered()
+    }
+
     async fn call<T, F>(
         &self,
         owner: Option<&str>,

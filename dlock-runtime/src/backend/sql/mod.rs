@@ -67,6 +67,7 @@
 //! URL options and session flavour (`postgres/` with its `LISTEN`
 //! connection, `mysql/`), and `sqlite/` its own backend with its doorbells.
 //! Beside them: `url.rs` (URL options), `pool.rs` (bounded pooled calls),
+//! `ordered.rs` (an owner's undo after the work it undoes),
 //! `upkeep.rs` (collection, lease units, contenders), `session.rs` (session
 //! mode's locks, shared by PostgreSQL and MySQL).
 //!
@@ -83,6 +84,7 @@ mod admin;
 mod engine;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+mod ordered;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod pool;
 #[cfg(feature = "postgres")]

@@ -11,12 +11,12 @@
 //! that runtime, without a hop. A call never waits for the local pool to
 //! open: until it is ready, calls hop home.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 
+use super::ordered::Unanswered;
 use crate::backend::local::Local;
 use crate::error::BackendError;
 
@@ -83,63 +83,14 @@ pub(crate) struct Pooled<DB: sqlx::Database> {
     unanswered: Arc<Unanswered>,
 }
 
-/// Statements of an owner's that were dropped while they ran (their caller
-/// went away) and that the server has not answered yet: the owner's next
-/// call — the clean-up release — waits until it has, so that it reaches the
-/// server after the statement it undoes, never before (see
-/// [`Pooled::call_for`]). It waits one call timeout at most: a statement is
-/// answered or timed out by then (and the runtime's backstop release, sent
-/// that long after, does not wait at all).
-#[derive(Default)]
-struct Unanswered {
-    /// By owner token: when the wait ends, and a receiver that closes when
-    /// the server has answered.
-    owners: Mutex<HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>>,
-}
-
-/// Closed (dropped) when an owner's dropped statement has been answered.
-type Answered = tokio::sync::watch::Sender<()>;
-
-impl Unanswered {
-    fn owners(
-        &self,
-    ) -> MutexGuard<'_, HashMap<String, (Instant, tokio::sync::watch::Receiver<()>)>> {
-        self.owners.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Makes `owner`'s calls wait, for `timeout` at most, until `answered`
-    /// is dropped.
-    fn register(&self, owner: &str, timeout: Duration) -> Answered {
-        let (answered, rx) = tokio::sync::watch::channel(());
-        self.owners()
-            .insert(owner.to_owned(), (Instant::now() + timeout, rx));
-        answered
-    }
-
-    /// Waits until `owner`'s dropped statements have been answered, or their
-    /// time is up.
-    async fn wait_for(&self, owner: &str) {
-        let pending = self.owners().get(owner).cloned();
-        if let Some((until, mut answered)) = pending {
-            // Ends when the sender is dropped.
-            let _ = tokio::time::timeout_at(until.into(), answered.changed()).await;
-            let mut owners = self.owners();
-            if owners
-                .get(owner)
-                .is_some_and(|(until, rx)| rx.has_changed().is_err() || Instant::now() >= *until)
-            {
-                owners.remove(owner);
-            }
-        }
-    }
-}
-
 /// A connection whose statement is running. Dropped before it is answered
 /// (a caller that went away, a timeout), it is not closed: a task waits for
 /// the server's answer on it (the statement runs to its end on the server
 /// anyway), then gives the connection back — so callers that hang up cost
 /// no connections — and until then the calls of the statement's `owner`, if
-/// it has one, wait (see [`Unanswered`]).
+/// it has one, wait (see [`Unanswered`]): for as long as it takes on dlock's
+/// I/O runtime, one call timeout at most on another (whose task may never
+/// run).
 struct Running<'a, DB: sqlx::Database> {
     conn: Option<Checked<DB>>,
     owner: Option<&'a str>,
@@ -169,9 +120,12 @@ impl<DB: sqlx::Database> Drop for Running<'_, DB> {
             return;
         };
         // Dropped when the server has answered (or the task is dropped).
+        // The task is bounded by the timeout; it always runs on dlock's I/O
+        // runtime, maybe never on the caller's.
+        let until = (!crate::driver::on_io_runtime()).then(|| Instant::now() + self.timeout);
         let answered = self
             .owner
-            .map(|owner| self.unanswered.register(owner, self.timeout));
+            .map(|owner| self.unanswered.register(owner, until));
         let timeout = self.timeout;
         runtime.spawn(async move {
             // A round trip reads the dropped statement's answer first.
@@ -238,49 +192,20 @@ impl<DB: sqlx::Database> Pooled<DB> {
     /// call from a runtime whose own pool is not open yet). A caller that
     /// goes away does not stop it there: it runs to its end (each of its
     /// statements is bounded by the timeout), and until then `owner`'s calls
-    /// wait (see [`Unanswered`]) — so the clean-up release follows it, as it
-    /// follows an attempt dropped on the caller's own pool.
+    /// wait (see [`Unanswered::detached`]) — so the clean-up release, and the
+    /// removal of a waiting-writer mark the attempt may still leave, follow
+    /// it.
     pub(crate) async fn at_home_for<T: Send + 'static>(
         &self,
         owner: &str,
         attempt: impl std::future::Future<Output = T> + Send + 'static,
     ) -> T {
-        /// Registers the owner's wait if the caller goes away first.
-        struct Gone<'a> {
-            unanswered: &'a Unanswered,
-            owner: &'a str,
-            until: Instant,
-            answered: Option<tokio::sync::watch::Receiver<()>>,
-        }
-        impl Drop for Gone<'_> {
-            fn drop(&mut self) {
-                if let Some(rx) = self.answered.take() {
-                    self.unanswered
-                        .owners()
-                        .insert(self.owner.to_owned(), (self.until, rx));
-                }
-            }
-        }
-        let (answered, rx) = tokio::sync::watch::channel(());
-        let task = crate::driver::handle().spawn(async move {
-            let answer = attempt.await;
-            drop(answered);
-            answer
-        });
-        let mut gone = Gone {
-            unanswered: &self.unanswered,
-            owner,
-            // Its statements, one after the other.
-            until: Instant::now() + self.timeout * 2,
-            answered: Some(rx),
-        };
-        let answer = task.await;
-        gone.answered = None;
-        match answer {
-            Ok(answer) => answer,
-            // The runtime never aborts its tasks: a join error is a panic.
-            Err(err) => std::panic::resume_unwind(err.into_panic()),
-        }
+        self.unanswered.detached(owner, attempt).await
+    }
+
+    /// The record of `owner`s' work the server may still be doing.
+    pub(crate) fn unanswered(&self) -> &Unanswered {
+        &self.unanswered
     }
 
     /// Runs `statement` on a connection of the pool near this thread (see
@@ -417,8 +342,6 @@ pub(crate) fn timed_out(what: &str, after: Duration) -> BackendError {
 
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
-    use std::time::Instant;
-
     use sqlx::sqlite::{Sqlite, SqlitePoolOptions};
 
     use super::*;

@@ -65,6 +65,7 @@ use std::future::Future;
 use futures_util::future::BoxFuture;
 use sqlx::Connection as _;
 
+use super::ordered::Unanswered;
 use super::upkeep::millis;
 use crate::backend::{AcquireRequest, Attempt, HeldEntry, HoldMode, HolderRecord, Lease, Renewal};
 use crate::error::BackendError;
@@ -304,7 +305,7 @@ pub(super) type StoreConn<B> = <<B as SharedStore>::Db as sqlx::Database>::Conne
 
 /// A lease table that holds shares and permits: the engine's backends and
 /// SQLite's. The algorithm is written once, over this.
-pub(super) trait SharedStore: Send + Sync + 'static {
+pub(super) trait SharedStore: Clone + Send + Sync + 'static {
     /// The `sqlx` database.
     type Db: sqlx::Database;
     /// The length of one unit of the `granted_at` columns.
@@ -322,6 +323,10 @@ pub(super) trait SharedStore: Send + Sync + 'static {
 
     /// The owners of this process whose waiting-writer marks may stand.
     fn marks(&self) -> &Marks;
+
+    /// The owners' work the server may still be doing, which their later
+    /// statements wait for (see `ordered`).
+    fn unanswered(&self) -> &Unanswered;
 
     /// Runs `statement` on a connection, bounded like every call; one of
     /// `owner`'s (an attempt, a release) after its unanswered ones.
@@ -596,20 +601,28 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
     }
     let ttl = mark_ttl(b);
     if !request.wait.is_zero() {
-        // Known before it is sent: an attempt dropped while the mark is on
-        // the wire is undone by an owner-checked release that removes it
-        // (ordered after the unanswered statement).
+        // Known before it is sent, so the undo (`abandon`, the owner-checked
+        // release) removes it. It is sent from a task on dlock's I/O runtime
+        // that runs to its end whether or not this caller stays, and the
+        // owner's statements — the undo's removal among them — go out only
+        // once that task has ended (see `ordered`): the removal reaches the
+        // server after the mark, never before.
         b.marks().marked(&request.owner);
-        b.call(Some(&request.owner), "mark", |c| {
-            let sql = sql.clone();
-            let args = vec![
-                Arg::Text(request.key.clone()),
-                Arg::Text(request.owner.clone()),
-                Arg::Int(millis(ttl)),
-            ];
-            Box::pin(async move { B::exec(c, &sql.mark_writer, args).await })
-        })
-        .await?;
+        let (this, owner) = (b.clone(), request.owner.clone());
+        let args = vec![
+            Arg::Text(request.key.clone()),
+            Arg::Text(request.owner.clone()),
+            Arg::Int(millis(ttl)),
+        ];
+        b.unanswered()
+            .detached(&request.owner, async move {
+                this.call(Some(&owner), "mark", |c| {
+                    let (sql, args) = (sql.clone(), args.clone());
+                    Box::pin(async move { B::exec(c, &sql.mark_writer, args).await })
+                })
+                .await
+            })
+            .await?;
     }
     let earliest = live.iter().map(|l| ms(l.3)).min().unwrap_or_default();
     let cap = earliest.min(ttl / 3);
@@ -618,12 +631,15 @@ pub(super) async fn exclusive_busy<B: SharedStore>(
     })
 }
 
-/// Removes `owner`'s waiting-writer mark from `key`, if it left one.
+/// Removes `owner`'s waiting-writer mark from `key`, if it left one: once
+/// the owner's work that may still leave one has ended (an attempt on
+/// dlock's I/O runtime whose caller left, a mark on its way).
 pub(super) async fn unmark_writer<B: SharedStore>(
     b: &B,
     key: &str,
     owner: &str,
 ) -> Result<(), BackendError> {
+    b.unanswered().wait_for(owner).await;
     if !b.marks().forget(owner) {
         return Ok(());
     }

@@ -58,6 +58,7 @@ use sqlx::sqlite::{
 
 use self::doorbell::Doorbells;
 use super::admin::{REVOKE_ATTEMPTS, Row, prefix_successor};
+use super::ordered::Unanswered;
 use super::shared::{self, Marks, SharedSql, SharedStore, Stmt, rows_and_exec};
 use super::upkeep::{Collector, DEFAULT_RETENTION, millis};
 use super::url::UrlOptions;
@@ -250,6 +251,9 @@ pub struct SqliteBackend {
     shared: Arc<SharedSql>,
     /// The owners whose waiting-writer marks may stand.
     marks: Arc<Marks>,
+    /// The owners' work that their later statements wait for (see
+    /// `ordered`): the marks sent from dlock's I/O runtime.
+    unanswered: Arc<Unanswered>,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -354,6 +358,7 @@ impl SqliteBackend {
             collector: Arc::new(Collector::new(DEFAULT_RETENTION)),
             shared: Arc::new(shared_sql()),
             marks: Arc::default(),
+            unanswered: Arc::default(),
             path,
         })
     }
@@ -971,9 +976,13 @@ impl SharedStore for SqliteBackend {
         &self.marks
     }
 
+    fn unanswered(&self) -> &Unanswered {
+        &self.unanswered
+    }
+
     async fn call<T, F>(
         &self,
-        _owner: Option<&str>,
+        owner: Option<&str>,
         _what: &str,
         mut statement: F,
     ) -> Result<T, BackendError>
@@ -982,6 +991,12 @@ impl SharedStore for SqliteBackend {
         F: for<'c> FnMut(&'c mut sqlx::SqliteConnection) -> BoxFuture<'c, Result<T, sqlx::Error>>
             + Send,
     {
+        // After the owner's work still running on dlock's I/O runtime (a
+        // mark): a statement whose caller left still runs on its
+        // connection's worker thread, and this one may take another.
+        if let Some(owner) = owner {
+            self.unanswered.wait_for(owner).await;
+        }
         let mut conn = self.pool.acquire().await.map_err(sql_error)?;
         statement(&mut conn).await.map_err(sql_error)
     }
