@@ -171,11 +171,15 @@ fn token(lease: &Lease) -> u64 {
 }
 
 /// Writers dropped 0–10 ms (every 0.2 ms) and 10–50 ms (every 1 ms) after
-/// they start waiting behind a reader: none leaves its waiting-writer mark,
-/// so a new reader gets in at once (after the undo, sent in the background).
-/// Answers the drops after which a new reader was kept out, and for how
-/// long.
-async fn drops_that_left_a_writer_mark(db: Db) -> Vec<(Duration, Duration)> {
+/// they start waiting behind a reader: none leaves its waiting-writer mark.
+/// The owner-checked undo is sent in the background, after whatever
+/// statement of the writer's was still on its way: a new reader gets in
+/// once it has run, and the key's row is left with no mark. A mark the undo
+/// missed stays in the row (one that expires keeps its owner there; only a
+/// removal clears it). Both are bounded generously (a loaded machine may
+/// take a while to run the undo), never timed. Answers the drops after
+/// which a mark stayed, and what was seen.
+async fn drops_that_left_a_writer_mark(db: Db) -> Vec<(Duration, String)> {
     let table = new_table("dropped_writer");
     let (holding, waiting) = (
         registry_at(db, &table, "").await,
@@ -183,6 +187,10 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<(Duration, Duration)> {
     );
     let key = unique_key(&format!("sql-attack-dropped-writer-{db:?}"));
     let reader = holding.lock(&key).read().acquire().await.expect("reader");
+    let marks = format!(
+        "SELECT COUNT(*) FROM {} WHERE wwait_owner IS NOT NULL",
+        sql_name(db, &table)
+    );
     let mut left_behind = Vec::new();
     let steps = (0..50u64)
         .map(|fifth| Duration::from_micros(fifth * 200))
@@ -198,31 +206,21 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<(Duration, Duration)> {
             !matches!(out, Ok(Ok(_))),
             "{db:?}: a writer beside a reader"
         );
-        // The owner-checked undo is sent in the background: the next
-        // reader may wait for it, briefly (a mark left stands 1 s or more).
-        let started = Instant::now();
         let next = holding
             .lock(&key)
             .read()
-            .wait(Duration::from_millis(700))
+            .wait(Duration::from_secs(15))
             .acquire()
-            .await;
-        match next {
-            Ok(guard) => guard.release().await.expect("release"),
-            // Busy, or its last attempt cut at the end of the wait.
-            Err(LockError::Busy { .. } | LockError::Backend { .. }) => {
-                // How long the mark kept readers out in all.
-                let kept_out = loop {
-                    if let Ok(g) = holding.lock(&key).read().acquire().await {
-                        g.release().await.expect("release");
-                        break started.elapsed();
-                    }
-                    assert!(started.elapsed() < Duration::from_secs(10), "{db:?}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                };
-                left_behind.push((step, kept_out));
+            .await
+            .unwrap_or_else(|e| panic!("{db:?} step {step:?}: a new reader kept out: {e}"));
+        next.release().await.expect("release");
+        let started = Instant::now();
+        while count(db, &table, &marks).await > 0 {
+            if started.elapsed() > Duration::from_secs(15) {
+                left_behind.push((step, "the mark stayed in the row".to_owned()));
+                break;
             }
-            Err(other) => panic!("{db:?} step {step:?}: {other}"),
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     reader.release().await.expect("release");
@@ -232,35 +230,23 @@ async fn drops_that_left_a_writer_mark(db: Db) -> Vec<(Duration, Duration)> {
 
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a writer dropped while waiting behind a reader sometimes leaves its mark until it expires (1 s; 3 s on PostgreSQL), keeping new readers out"]
 async fn postgres_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Postgres).await;
-    assert!(
-        left.is_empty(),
-        "(drop after, new readers kept out for): {left:?}"
-    );
+    assert!(left.is_empty(), "(drop after, seen): {left:?}");
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a writer dropped while waiting behind a reader sometimes leaves its mark until it expires (1 s; 3 s on PostgreSQL), keeping new readers out"]
 async fn mysql_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Mysql).await;
-    assert!(
-        left.is_empty(),
-        "(drop after, new readers kept out for): {left:?}"
-    );
+    assert!(left.is_empty(), "(drop after, seen): {left:?}");
 }
 
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: a writer dropped while waiting behind a reader sometimes leaves its mark until it expires (1 s; 3 s on PostgreSQL), keeping new readers out"]
 async fn sqlite_a_writer_dropped_at_any_moment_leaves_no_mark_behind() {
     let left = drops_that_left_a_writer_mark(Db::Sqlite).await;
-    assert!(
-        left.is_empty(),
-        "(drop after, new readers kept out for): {left:?}"
-    );
+    assert!(left.is_empty(), "(drop after, seen): {left:?}");
 }
 
 /// Three processes asking for the same fresh key as 2-, 3- and 2-permit
