@@ -2,7 +2,8 @@
 //! caller gives up on while its one step (script, statement, transaction)
 //! is on the wire, or at any other moment, leaves no key held; a step whose
 //! answer is lost is held once, by the hold's one owner; a hold of many keys
-//! (64, 100) stays held under the watchdog; one key of a hold revoked
+//! (64, 100) stays held under the watchdog; a server that goes silent ends
+//! a waiting hold within its `wait`; one key of a hold revoked
 //! cancels the hold and frees the others; fenced and unfenced holds of the
 //! same keys exclude each other; several-key and single-key holds of
 //! overlapping fresh keys on the SQL lease tables never fail nor overlap; a
@@ -429,6 +430,45 @@ mod redis_backend {
         let keys = two_keys("redis-abandoned-step");
         abandoned_step_leaves_no_key_held(&proxied, &proxy, &observer, &keys, keys[1].as_bytes())
             .await;
+    }
+
+    /// A server that stops answering while a hold of two keys waits: the
+    /// hold is an error within its `wait` and the attempt grace, not at the
+    /// backend's own 10 s request timeout, and leaves neither key held once
+    /// the server answers again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_a_silent_server_ends_a_hold_within_its_wait() {
+        let url = url();
+        let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
+            .await
+            .expect("proxy");
+        let proxied = registry_at(&format!("redis://{}/?timeout=10s", proxy.addr())).await;
+        let observer = registry_at(&url).await;
+        let keys = two_keys("redis-silent-server-hold");
+        let warm = proxied.lock_all(&keys).acquire().await.expect("warm up");
+        warm.release().await.expect("release");
+        proxy.set(dlock_testkit::Fault::Hold);
+        let wait = Duration::from_millis(500);
+        let started = Instant::now();
+        let answer = proxied.lock_all(&keys).wait(wait).acquire().await;
+        let took = started.elapsed();
+        assert!(
+            matches!(answer, Err(LockError::Backend { .. })),
+            "a silent server is a backend error, got {:?}",
+            answer.map(|g| g.keys().to_vec())
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "the hold answered {took:?} after it began, with a 500 ms wait"
+        );
+        proxy.set(dlock_testkit::Fault::Pass);
+        let again = observer
+            .lock_all(&keys)
+            .wait(Duration::from_secs(15))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("the keys of the failed hold are not free: {e}"));
+        again.release().await.expect("release");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
