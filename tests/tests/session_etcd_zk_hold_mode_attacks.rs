@@ -599,7 +599,6 @@ mod sql {
     /// gets in.
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "open: a waiting writer whose client stalls between two slices keeps its waiting-writer mark on a connection with no server-side idle limit: new readers are kept out until its socket dies"]
     async fn postgres_session_a_stalled_waiting_writer_keeps_readers_out_no_longer_than_its_lease()
     {
         let proxy = proxy_to(&SqlDb::Postgres.host_port()).await;
