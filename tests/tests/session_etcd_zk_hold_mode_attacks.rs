@@ -1238,6 +1238,94 @@ mod etcd {
         b.release().await.expect("release");
     }
 
+    /// A permit waiter that finds a slot claim with its own owner token
+    /// under a lease not its session's — what an earlier attempt leaves
+    /// when its claim's answer was lost and its session ended before the
+    /// retry — is not granted on it (the lease takes the claim, and the
+    /// slot, with it): it deletes the claim and goes on waiting beside the
+    /// two holders, then gets the permit the first one frees.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_a_permit_waiter_is_never_granted_on_a_claim_of_an_ended_session() {
+        let holding = registry(&backend(&url()).await);
+        // A short session TTL: the waiter reads the queue again that often.
+        let waiting_etcd = backend(&dlock_tests::etcd_support::url_to(
+            &dlock_tests::etcd_support::endpoints(&url()),
+            "?session_ttl=3s",
+        ))
+        .await;
+        let waiting = registry(&waiting_etcd);
+        let key = unique_key("etcd-stale-claim");
+        let stored = format!("dlock:{key}");
+        let take = |r: &Registry| r.lock(&key).permits(2).lease(Duration::from_secs(30));
+        let a = take(&holding).acquire().await.expect("first");
+        let b = take(&holding).acquire().await.expect("second");
+        let waiter = tokio::spawn({
+            let builder = take(&waiting).wait(Duration::from_secs(60));
+            async move { builder.acquire().await }
+        });
+        let [queue, slots, _] = dlock_tests::etcd_support::kept_under(&waiting_etcd, &stored);
+        let mut client = admin(&url()).await;
+        let started = Instant::now();
+        let entry = loop {
+            let entries = dlock_tests::etcd_support::entries(&client, &format!("{queue}/")).await;
+            if entries.len() == 3 {
+                break entries[2].0.clone();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the waiter never queued: {entries:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        // `{queue}/%P2:{owner}`: owner tokens need no escaping.
+        let owner = entry
+            .rsplit_once('/')
+            .and_then(|(_, name)| name.split_once(':'))
+            .map(|(_, owner)| owner.to_owned())
+            .expect("a permit entry's name");
+        let other_lease = client.lease_grant(60, None).await.expect("lease").id();
+        let stale = format!("{slots}/7");
+        client
+            .put(
+                stale.as_str(),
+                owner,
+                Some(etcd_client::PutOptions::new().with_lease(other_lease)),
+            )
+            .await
+            .expect("put");
+        let started = Instant::now();
+        while !dlock_tests::etcd_support::entries(&client, &stale)
+            .await
+            .is_empty()
+        {
+            assert!(
+                !waiter.is_finished(),
+                "a permit granted beside two holders of two"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "the waiter never read the slots again"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !waiter.is_finished(),
+            "a permit granted beside two holders of two"
+        );
+        let slot = a.permit();
+        a.release().await.expect("release");
+        let next = tokio::time::timeout(Duration::from_secs(15), waiter)
+            .await
+            .expect("the waiter is served")
+            .expect("task")
+            .expect("the waiter gets the freed permit");
+        assert_eq!(next.permit(), slot);
+        next.release().await.expect("release");
+        b.release().await.expect("release");
+        let _ = client.lease_revoke(other_lease).await;
+    }
+
     /// After a revocation of a semaphore's holders and of a key's readers,
     /// the next grant of each slot, and the next reader, has a larger token.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
