@@ -626,3 +626,215 @@ async fn an_old_mysql_lease_table_keeps_working() {
     ))
     .await;
 }
+
+/// A MySQL lease table of its own (`dlock_<name>_<pid>`), dropped with its
+/// companions before and after.
+#[cfg(feature = "mysql")]
+struct MyTable {
+    name: String,
+}
+
+#[cfg(feature = "mysql")]
+impl MyTable {
+    async fn new(name: &str) -> MyTable {
+        let table = MyTable {
+            name: format!("dlock_{name}_{}", std::process::id()),
+        };
+        table.drop_all().await;
+        table
+    }
+
+    async fn drop_all(&self) {
+        let t = &self.name;
+        SqlDb::Mysql
+            .execute(&format!(
+                "DROP TABLE IF EXISTS {t}, {t}_holders, {t}_procs, {t}_fence"
+            ))
+            .await;
+    }
+
+    fn url(&self, options: &str) -> String {
+        format!("{}?table={}{options}", SqlDb::Mysql.url(), self.name)
+    }
+}
+
+/// On MySQL, a grant whose registry's `<table>_procs` row is gone (deleted
+/// by hand, or collected) is never shown with the record the key's row
+/// kept from an earlier grant: here one made by a process of the earlier
+/// owner format (32 random hex digits, the record in the row), which is
+/// itself shown with its record and revoked, during a rolling deploy.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_grant_without_its_record_row_is_never_shown_with_an_earlier_record() {
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("stale_record").await;
+    let registry = Registry::builder()
+        .default_backend(
+            dlock_runtime::connect(&table.url(""))
+                .await
+                .expect("connect"),
+        )
+        .holder_name("payments blue")
+        .build();
+    // An earlier version's grant: its owner is 32 random hex digits and its
+    // row keeps its record.
+    let t = &table.name;
+    db.execute(&format!(
+        "INSERT INTO {t} (k, owner, token, expires_us, holder, granted_us) VALUES \
+         ('dlock:handed', '0123456789abcdef0123456789abcdef', 7, \
+          TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 600000000, \
+          'h1 1 old-host', \
+          TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)))"
+    ))
+    .await;
+    let old = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("the earlier version's grant is shown");
+    assert_eq!(old.holders()[0].host(), Some("old-host"), "{old:?}");
+    assert_eq!(old.holders()[0].pid(), Some(1), "{old:?}");
+    let revoked = registry.revoke("handed").await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    assert_eq!(revoked[0].pid(), Some(1), "{revoked:?}");
+    let guard = registry
+        .lock("handed")
+        .acquire()
+        .await
+        .expect("the revoked key is free");
+    assert!(guard.fencing_token().map(u64::from) > Some(7));
+    let shown = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("held");
+    assert_eq!(
+        shown.holders()[0].name(),
+        Some("payments blue"),
+        "{shown:?}"
+    );
+    assert_eq!(shown.holders()[0].pid(), Some(std::process::id()));
+    // The registry's record row deleted behind its back: the grant is shown
+    // without a record, or with its own, never with the earlier one.
+    assert_eq!(
+        db.fetch_count(&format!("SELECT COUNT(*) FROM {t}_procs"))
+            .await,
+        1,
+        "the registry's one record row"
+    );
+    db.execute(&format!("DELETE FROM {t}_procs")).await;
+    let shown = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("held");
+    let holder = &shown.holders()[0];
+    assert!(
+        holder.pid().is_none() || holder.pid() == Some(std::process::id()),
+        "an earlier grant's record shown for the live one: {holder:?}"
+    );
+    assert_ne!(holder.host(), Some("old-host"), "{holder:?}");
+    assert!(holder.granted_at().is_some(), "{holder:?}");
+    let listed = registry.list("", 10).await.expect("list");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_ne!(
+        listed[0].holders()[0].host(),
+        Some("old-host"),
+        "{listed:?}"
+    );
+    guard.release().await.expect("release");
+    table.drop_all().await;
+}
+
+/// On MySQL, a registry whose record row could not be extended for longer
+/// than the row's cover (its row locked by another transaction, so each
+/// extension failed while the renewals went on) writes it again once it
+/// can, even after the row was collected: a grant held for long is shown
+/// with its record.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_record_row_that_could_not_be_extended_is_written_again() {
+    use sqlx::Connection as _;
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("record_rewritten").await;
+    let t = &table.name;
+    let backend = dlock_runtime::connect(&table.url("&retention=1s&timeout=1s"))
+        .await
+        .expect("connect");
+    let name = unique_key("record-rewritten");
+    let holder = Registry::builder()
+        .default_backend(backend.clone())
+        .holder_name(&name)
+        .build();
+    let other = Registry::builder().default_backend(backend.clone()).build();
+    let lease = 4 * SECOND;
+    let guard = holder
+        .lock("held")
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    let id: String = {
+        let mut conn = sqlx::MySqlConnection::connect(&db.url())
+            .await
+            .expect("connect");
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT CAST(id AS CHAR) FROM {t}_procs WHERE holder LIKE '%{name}'"
+        )))
+        .fetch_one(&mut conn)
+        .await
+        .expect("the registry's record row")
+    };
+    // Another transaction locks the row past its cover, twice (lease +
+    // timeout) from its last extension, so every extension fails meanwhile.
+    let mut locker = sqlx::MySqlConnection::connect(&db.url())
+        .await
+        .expect("connect");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET SESSION innodb_lock_wait_timeout = 1; BEGIN; \
+         SELECT * FROM {t}_procs WHERE id = '{id}' FOR UPDATE"
+    )))
+    .execute(&mut locker)
+    .await
+    .expect("lock the record row");
+    let locked_until = tokio::time::Instant::now() + 2 * (lease + SECOND) + 2 * SECOND;
+    while tokio::time::Instant::now() < locked_until {
+        // Other registries' records and releases go on meanwhile, each a
+        // new registry, so a new record row.
+        let fresh = Registry::builder().default_backend(backend.clone()).build();
+        let g = fresh.lock("other").acquire().await.expect("acquire other");
+        g.release().await.expect("release other");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("unlock");
+    assert!(!guard.is_lost(), "the renewals went on");
+    // The row's cover ended while locked (the collection may delete it):
+    // the holder's renewals write it again.
+    let deadline = tokio::time::Instant::now() + 60 * SECOND;
+    loop {
+        let g = other.lock("other").acquire().await.expect("acquire other");
+        g.release().await.expect("release other");
+        let rows = db
+            .fetch_count(&format!(
+                "SELECT COUNT(*) FROM {t}_procs WHERE id = '{id}' AND until_us > \
+                 TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+            ))
+            .await;
+        if rows == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record row was not written again within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!guard.is_lost(), "the renewals went on");
+    let info = other.inspect("held").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some(name.as_str()), "{info:?}");
+    guard.release().await.expect("release");
+    table.drop_all().await;
+}
