@@ -838,3 +838,170 @@ async fn mysql_a_record_row_that_could_not_be_extended_is_written_again() {
     guard.release().await.expect("release");
     table.drop_all().await;
 }
+
+/// On MySQL lease mode, permits and readers of registries with different
+/// names are shown each with its own record, beside a plain lock of one of
+/// them (its record in `<table>_procs`) under one prefix; a revocation
+/// takes every permit, and a writer after the readers is shown as itself.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_permits_readers_and_a_plain_lock_are_shown_with_their_own_records() {
+    let table = MyTable::new("shared_records").await;
+    let backend = dlock_runtime::connect(&table.url(""))
+        .await
+        .expect("connect");
+    let named = |name: &str| {
+        Registry::builder()
+            .default_backend(backend.clone())
+            .holder_name(name)
+            .build()
+    };
+    let (blue, green) = (named("payments blue"), named("payments green"));
+    let names = |info: &dlock_runtime::LockInfo| -> Vec<(Option<String>, Option<u32>, bool)> {
+        info.holders()
+            .iter()
+            .map(|h| (h.name().map(str::to_owned), h.slot(), h.is_reader()))
+            .collect()
+    };
+    let b1 = blue
+        .lock("s:sem")
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let g1 = green
+        .lock("s:sem")
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let plain = green.lock("s:plain").acquire().await.expect("plain");
+    let br = blue.lock("s:rw").read().acquire().await.expect("read");
+    let gr = green.lock("s:rw").read().acquire().await.expect("read");
+    let listed = green.list("s:", 10).await.expect("list");
+    let shown: Vec<_> = listed
+        .iter()
+        .map(|k| (k.key().to_owned(), names(k)))
+        .collect();
+    let blue_name = Some("payments blue".to_owned());
+    let green_name = Some("payments green".to_owned());
+    assert_eq!(
+        shown,
+        [
+            (
+                "s:plain".to_owned(),
+                vec![(green_name.clone(), None, false)]
+            ),
+            (
+                "s:rw".to_owned(),
+                vec![
+                    (blue_name.clone(), None, true),
+                    (green_name.clone(), None, true)
+                ]
+            ),
+            (
+                "s:sem".to_owned(),
+                vec![
+                    (blue_name.clone(), Some(0), false),
+                    (green_name.clone(), Some(1), false)
+                ]
+            ),
+        ],
+        "{listed:?}"
+    );
+    for info in &listed {
+        for h in info.holders() {
+            assert_eq!(h.pid(), Some(std::process::id()), "{info:?}");
+            assert!(h.granted_at().is_some(), "{info:?}");
+        }
+    }
+    let revoked = blue.revoke("s:sem").await.expect("revoke");
+    assert_eq!(revoked.len(), 2, "{revoked:?}");
+    for guard in [&b1, &g1] {
+        tokio::time::timeout(20 * SECOND, guard.lost())
+            .await
+            .expect("a revoked permit is told");
+    }
+    br.release().await.expect("release");
+    gr.release().await.expect("release");
+    let writer = blue.lock("s:rw").write().acquire().await.expect("write");
+    let info = green.inspect("s:rw").await.expect("inspect").expect("held");
+    assert_eq!(names(&info), [(blue_name, None, false)], "{info:?}");
+    writer.release().await.expect("release");
+    plain.release().await.expect("release");
+    assert!(green.list("s:", 10).await.expect("list").is_empty());
+    table.drop_all().await;
+}
+
+/// On MySQL, a process that connected (`create=false`) while the schema had
+/// no `<table>_procs` keeps records in the lease rows, and one that
+/// connected after a DBA added it keeps them in `_procs`, on one table:
+/// each shows the other's grants without taking the record an earlier
+/// grant left in a key's row for the live grant's.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_processes_before_and_after_the_record_table_show_each_others_grants() {
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("late_records").await;
+    let t = &table.name;
+    let ddl: Vec<String> = dlock_runtime::MysqlBackend::DDL
+        .split_inclusive(';')
+        .map(|s| s.replace("dlock_leases", t))
+        .collect();
+    let (procs, others): (Vec<String>, Vec<String>) = ddl
+        .into_iter()
+        .partition(|s| s.contains(&format!("{t}_procs")));
+    db.execute(&others.concat()).await;
+    let named = |url: String, name: &'static str| async move {
+        Registry::builder()
+            .default_backend(dlock_runtime::connect(&url).await.expect("connect"))
+            .holder_name(name)
+            .build()
+    };
+    let before = named(table.url("&create=false"), "alpha").await;
+    let a = before.lock("a").acquire().await.expect("acquire");
+    db.execute(&procs.concat()).await;
+    let after = named(table.url("&create=false"), "beta").await;
+    let b = after.lock("b").acquire().await.expect("acquire");
+    assert_eq!(
+        db.fetch_count(&format!("SELECT COUNT(*) FROM {t}_procs"))
+            .await,
+        1,
+        "only the later process writes a record row"
+    );
+    let shown = |listed: Vec<dlock_runtime::LockInfo>| -> Vec<(String, Option<String>)> {
+        listed
+            .iter()
+            .map(|k| (k.key().to_owned(), k.holders()[0].name().map(str::to_owned)))
+            .collect()
+    };
+    let both = [
+        ("a".to_owned(), Some("alpha".to_owned())),
+        ("b".to_owned(), Some("beta".to_owned())),
+    ];
+    assert_eq!(shown(after.list("", 10).await.expect("list")), both);
+    let seen_before = shown(before.list("", 10).await.expect("list"));
+    assert_eq!(seen_before[0], both[0]);
+    assert_ne!(
+        seen_before[1].1.as_deref(),
+        Some("alpha"),
+        "{seen_before:?}"
+    );
+    // The key handed from the earlier process to the later one: its row
+    // still holds the earlier grant's record, never shown for the new one.
+    a.release().await.expect("release");
+    let a = after.lock("a").acquire().await.expect("acquire");
+    let info = after.inspect("a").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some("beta"), "{info:?}");
+    let info = before.inspect("a").await.expect("inspect").expect("held");
+    assert_ne!(info.holders()[0].name(), Some("alpha"), "{info:?}");
+    assert!(info.holders()[0].granted_at().is_some(), "{info:?}");
+    // And back: the earlier process's grant carries its own record.
+    a.release().await.expect("release");
+    let a = before.lock("a").acquire().await.expect("acquire");
+    let info = after.inspect("a").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some("alpha"), "{info:?}");
+    a.release().await.expect("release");
+    b.release().await.expect("release");
+    table.drop_all().await;
+}
