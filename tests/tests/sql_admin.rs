@@ -13,9 +13,9 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use dlock_runtime::{LockError, Registry};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-use dlock_runtime::{LockGuard, LossReason};
+use dlock_runtime::LockGuard;
+use dlock_runtime::{LockError, LossReason, Registry};
 use dlock_tests::sql_db::SqlDb;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use dlock_tests::sql_support::SqlMode;
@@ -1004,4 +1004,93 @@ async fn mysql_processes_before_and_after_the_record_table_show_each_others_gran
     a.release().await.expect("release");
     b.release().await.expect("release");
     table.drop_all().await;
+}
+
+/// On MySQL, the first grants of new registries, many at once, all write
+/// the same record row (the registry's) at once: a free key is still taken
+/// by one try each (no deadlock or lock wait surfaces as an error).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_many_first_grants_of_a_registry_at_once_each_take_their_free_key() {
+    let table = MyTable::new("first_grants").await;
+    let backend = dlock_runtime::connect(&table.url(""))
+        .await
+        .expect("connect");
+    for round in 0..8 {
+        let registry = Registry::builder()
+            .default_backend(backend.clone())
+            .holder_name(format!("round {round}"))
+            .build();
+        let grants = futures_util::future::join_all((0..24).map(|i| {
+            let registry = registry.clone();
+            async move {
+                registry
+                    .lock(format!("first:{round}:{i}"))
+                    .wait(Duration::ZERO)
+                    .acquire()
+                    .await
+            }
+        }))
+        .await;
+        let mut guards = Vec::new();
+        for grant in grants {
+            guards.push(grant.unwrap_or_else(|e| panic!("round {round}: {e}")));
+        }
+        let listed = registry
+            .list(&format!("first:{round}:"), 100)
+            .await
+            .expect("list");
+        assert_eq!(listed.len(), 24);
+        let name = format!("round {round}");
+        for info in &listed {
+            assert_eq!(info.holders()[0].name(), Some(name.as_str()), "{info:?}");
+        }
+        for guard in guards {
+            guard.release().await.expect("release");
+        }
+    }
+    table.drop_all().await;
+}
+
+/// A key revoked from one registry and taken by another of other name on
+/// one table: the revocation answers the first's record, the new grant is
+/// shown with the second's, and the first is told it was revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_revoked_and_taken_by_another_registry_is_shown_with_the_new_record() {
+    for url in urls() {
+        let backend = dlock_runtime::connect(&url).await.expect("connect");
+        let named = |name: &str| {
+            Registry::builder()
+                .default_backend(backend.clone())
+                .holder_name(name)
+                .build()
+        };
+        let (blue, green) = (named("payments blue"), named("payments green"));
+        let key = unique_key("admin-revoked-taken");
+        let first = blue
+            .lock(&key)
+            .lease(5 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let revoked = green.revoke(&key).await.expect("revoke");
+        let names: Vec<_> = revoked.iter().map(|h| h.name()).collect();
+        assert_eq!(names, [Some("payments blue")], "{url}: {revoked:?}");
+        let second = green.lock(&key).acquire().await.expect("acquire");
+        assert!(second.fencing_token() > first.fencing_token(), "{url}");
+        for registry in [&blue, &green] {
+            let info = registry
+                .inspect(&key)
+                .await
+                .expect("inspect")
+                .unwrap_or_else(|| panic!("{url}: held"));
+            assert_eq!(info.holders().len(), 1, "{url}: {info:?}");
+            assert_eq!(info.holders()[0].name(), Some("payments green"), "{url}");
+        }
+        tokio::time::timeout(20 * SECOND, first.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{url}: the revoked holder is told"));
+        assert_eq!(first.loss_reason(), Some(LossReason::Revoked), "{url}");
+        second.release().await.expect("release");
+    }
 }
