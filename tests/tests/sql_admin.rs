@@ -1094,3 +1094,69 @@ async fn a_key_revoked_and_taken_by_another_registry_is_shown_with_the_new_recor
         second.release().await.expect("release");
     }
 }
+
+/// On MySQL, a registry's record row locked by another transaction (so
+/// that extending it waits up to the URL's `timeout`) costs its holder no
+/// lease, even one as short as the `timeout`: the renewals do not wait for
+/// the record.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_locked_record_row_does_not_hold_up_the_renewals() {
+    use sqlx::Connection as _;
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("record_locked").await;
+    let t = &table.name;
+    let backend = dlock_runtime::connect(&table.url("&timeout=3s"))
+        .await
+        .expect("connect");
+    let name = unique_key("record-locked");
+    let holder = Registry::builder()
+        .default_backend(backend)
+        .holder_name(&name)
+        .build();
+    let guard = holder
+        .lock("held")
+        .lease(3 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let mut locker = sqlx::MySqlConnection::connect(&db.url())
+        .await
+        .expect("connect");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT * FROM {t}_procs WHERE holder LIKE '%{name}' FOR UPDATE"
+    )))
+    .execute(&mut locker)
+    .await
+    .expect("lock the record row");
+    // Past the row's first cover, twice (lease + timeout): several
+    // extensions wait for the lock meanwhile.
+    tokio::time::sleep(16 * SECOND).await;
+    assert!(
+        !guard.is_lost(),
+        "the holder lost its lease: {:?}",
+        guard.loss_reason()
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("unlock");
+    let deadline = tokio::time::Instant::now() + 30 * SECOND;
+    while db
+        .fetch_count(&format!(
+            "SELECT COUNT(*) FROM {t}_procs WHERE holder LIKE '%{name}' AND until_us > \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 3000000"
+        ))
+        .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record row was not extended once unlocked"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!guard.is_lost());
+    guard.release().await.expect("release");
+    table.drop_all().await;
+}

@@ -35,9 +35,11 @@
 //! prepares all of `ON DUPLICATE KEY UPDATE` even for an insert), so one
 //! `holder = IF(F, …)` per grant cost as much server CPU as the grant time's.
 //! The `_procs` row says until when (`until_us`, the database's clock) it
-//! covers the grants and renewals of its registry: a grant or renewal that
-//! would outlast it first extends it to twice (lease + `timeout`) from now,
-//! so in steady state one upsert per registry every lease or so. Collection
+//! covers the grants and renewals of its registry: a grant that would
+//! outlast it first extends it to twice (lease + `timeout`) from now, and a
+//! renewal that would extends it in the background (the row still covers
+//! that renewal, so a slow or locked row never holds a renewal up), so in
+//! steady state one upsert per registry every lease or so. Collection
 //! deletes rows whose `until_us` passed the retention ago: a registry that
 //! holds nothing is forgotten a retention after its last grant's lease
 //! would have ended, at most twice (lease + `timeout`) later. Owners of
@@ -111,7 +113,7 @@
 //! `poll=50ms`, `retention=10m`, `timeout=3s`; the others (`ssl-mode`, …) go
 //! to the driver.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -306,11 +308,32 @@ pub struct Mysql {
 #[derive(Debug, Default)]
 struct Records {
     covered: Mutex<HashMap<String, (Arc<HolderRecord>, Instant)>>,
+    /// The ids whose rows a renewal is extending in the background.
+    extending: Mutex<HashSet<String>>,
+}
+
+/// An extension of the row of `id` in flight: clears its mark when it
+/// ends, however it ends.
+struct Extending {
+    backend: MysqlBackend,
+    id: String,
+}
+
+impl Drop for Extending {
+    fn drop(&mut self) {
+        if let Some(records) = &self.backend.dialect.records {
+            records.extending().remove(&self.id);
+        }
+    }
 }
 
 impl Records {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Arc<HolderRecord>, Instant)>> {
         self.covered.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn extending(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.extending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether the row of `id` holds `holder` and covers until `until`.
@@ -573,10 +596,15 @@ impl MysqlBackend {
         Ok((sql.acquire.clone(), None))
     }
 
-    /// Extends the `_procs` rows of a renewal batch's holder ids that this
-    /// process wrote, where the renewals would outlast them. A failure is
-    /// only logged: the renewal goes on, and `inspect` may show no record.
-    async fn records_for_renewal(&self, chunk: &[(&Lease, Duration)]) {
+    /// Extends the `_procs` rows of a renewal batch's holder ids where the
+    /// renewals would outlast them, in the background: a row still covers
+    /// the renewal's lease when its extension starts (it is extended once
+    /// less than a lease and `timeout` is left), so the renewal does not
+    /// wait for it — a slow or locked row would otherwise hold up every
+    /// renewal of its registry by up to `timeout`, enough to lose a short
+    /// lease. One extension per id at a time; a failure is only logged,
+    /// and the next renewal tries again.
+    fn extend_records(&self, chunk: &[(&Lease, Duration)]) {
         let Some(records) = &self.dialect.records else {
             return;
         };
@@ -595,14 +623,24 @@ impl MysqlBackend {
             }
         }
         for (id, (holder, cover)) in stale {
+            if !records.extending().insert(id.to_owned()) {
+                continue;
+            }
+            let extending = Extending {
+                backend: self.clone(),
+                id: id.to_owned(),
+            };
             let owner = chunk
                 .iter()
-                .map(|(lease, _)| lease.owner.as_str())
+                .map(|(lease, _)| lease.owner.clone())
                 .find(|owner| owner.starts_with(id))
-                .unwrap_or(id);
-            if let Err(err) = self.write_record(owner, id, holder, cover).await {
-                tracing::debug!(error = %err, "dlock: mysql: extending a holder record failed");
-            }
+                .unwrap_or_else(|| id.to_owned());
+            crate::driver::handle().spawn(async move {
+                let Extending { backend, id } = &extending;
+                if let Err(err) = backend.write_record(&owner, id, holder, cover).await {
+                    tracing::debug!(error = %err, "dlock: mysql: extending a holder record failed");
+                }
+            });
         }
     }
 
@@ -1077,7 +1115,7 @@ impl Dialect for Mysql {
     ) -> Result<Vec<Renewal>, BackendError> {
         let mut answers = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(MAX_BATCH) {
-            backend.records_for_renewal(chunk).await;
+            backend.extend_records(chunk);
             answers.extend(backend.renew_chunk(chunk).await?);
         }
         Ok(answers)
