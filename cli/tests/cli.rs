@@ -246,6 +246,8 @@ async fn revoke_without_an_answer_revokes_nothing() {
 async fn the_url_comes_from_dlock_url_or_the_command_fails_as_a_usage_error() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    // The applications' database, which the command never makes.
+    let _applications = registry(&url).await;
     let out = tokio::task::spawn_blocking(move || {
         Command::new(DLOCK)
             .args(["list"])
@@ -503,6 +505,7 @@ async fn operates_a_held_key_on_etcd() {
 async fn watch_ends_on_sigterm_with_the_terminal_restored() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let _applications = registry(&url).await;
     let out = tokio::task::spawn_blocking(move || {
         let child = Command::new(DLOCK)
             .args(["--url", &url, "watch", "--interval", "100ms"])
