@@ -1078,6 +1078,10 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
     }
 }
 
+/// A lease a revoked holder may be: when it was acquired, its id
+/// (worker slot, incarnation, lease number) and its trace events.
+type LeaseCandidate<'a> = (u64, (usize, u32, u64), &'a Vec<&'a TraceEvent>);
+
 /// Checks every revocation the nemesis made: each holder it reported was
 /// told of its loss within [`revocation_bound`] of its lease after
 /// `revoke` answered (the bound restarts when a pause of that worker
@@ -1125,7 +1129,7 @@ fn check_revocations(
             // Its lease: that worker process's (or, without one, any
             // process's lease with that token) latest on the key.
             let process = h.w.zip(h.inc);
-            let candidates: Vec<(u64, (usize, u32, u64), &Vec<&TraceEvent>)> = leases
+            let candidates: Vec<LeaseCandidate<'_>> = leases
                 .iter()
                 .filter(|((lw, linc, _), _)| process.is_none_or(|p| p == (*lw, *linc)))
                 .filter_map(|(id, events)| {
