@@ -245,6 +245,11 @@ mod zookeeper {
         }
     }
 
+    /// One of two permits on `key` from `locks`, at once: `what` if not.
+    async fn one_of_two(locks: &Registry, key: &str, what: &str) -> dlock_runtime::LockGuard {
+        locks.lock(key).permits(2).acquire().await.expect(what)
+    }
+
     /// A backend on the test server through `proxy`, `?query` (or nothing)
     /// on its URL.
     async fn through(proxy: &ZkProxy, query: &str) -> ZooKeeperBackend {
@@ -329,14 +334,7 @@ mod zookeeper {
         let key = unique_key("zk-sem-dropped");
         let mut holders = Vec::new();
         for _ in 0..2 {
-            holders.push(
-                holding
-                    .lock(&key)
-                    .permits(2)
-                    .acquire()
-                    .await
-                    .expect("holder"),
-            );
+            holders.push(one_of_two(&holding, &key, "holder").await);
         }
         for step in 0..26u64 {
             let delay = Duration::from_millis(step * 2);
@@ -494,18 +492,8 @@ mod zookeeper {
         let cut_zk = through(&proxy, "?session_timeout=4s").await;
         let (stays_zk, next_zk) = (backend().await, backend().await);
         let key = unique_key("zk-sem-partitioned");
-        let cut = registry(&cut_zk)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the holder cut off");
-        let stays = registry(&stays_zk)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the holder that stays");
+        let cut = one_of_two(&registry(&cut_zk), &key, "the holder cut off").await;
+        let stays = one_of_two(&registry(&stays_zk), &key, "the holder that stays").await;
         proxy.set(Fault::Hold);
         let next = registry(&next_zk)
             .lock(&key)
@@ -533,12 +521,7 @@ mod zookeeper {
     async fn a_plain_lock_is_granted_right_after_a_semaphore_emptied() {
         let (a, b) = (backend().await, backend().await);
         let key = unique_key("zk-sem-then-plain");
-        let p = registry(&a)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("permit");
+        let p = one_of_two(&registry(&a), &key, "permit").await;
         p.release().await.expect("release");
         let plain = registry(&b).lock(&key).acquire().await.expect("plain lock");
         let reader_busy = registry(&a).lock(&key).read().acquire().await;
@@ -601,18 +584,8 @@ mod zookeeper {
         }
         assert!(leases(&a, &key).await.is_empty());
         let top = g1.fencing_token().max(g2.fencing_token());
-        let n1 = registry(&b)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("n1");
-        let n2 = registry(&b)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("n2");
+        let n1 = one_of_two(&registry(&b), &key, "n1").await;
+        let n2 = one_of_two(&registry(&b), &key, "n2").await;
         assert!(n1.fencing_token() > top && n2.fencing_token() > top);
         n1.release().await.expect("release");
         n2.release().await.expect("release");
@@ -628,18 +601,8 @@ mod zookeeper {
         let waiting_zk = [backend().await, backend().await];
         let key = unique_key("zk-sem-wake-one");
         let holding = registry(&holding_zk);
-        let first = holding
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("first");
-        let second = holding
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("second");
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let granted = Arc::new(AtomicUsize::new(0));
         let tasks: Vec<_> = (0..10)
@@ -711,23 +674,13 @@ mod zookeeper {
         assert_eq!(proxy.creates_cut(), 1);
         let held = leases(&other_zk, &key).await;
         assert_eq!(held.len(), 1, "{held:?}");
-        let second = others
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the other permit is free");
+        let second = one_of_two(&others, &key, "the other permit is free").await;
         guard.release().await.expect("release");
         second.release().await.expect("release");
         assert!(leases(&other_zk, &key).await.is_empty());
 
         // The same, with the acquisition dropped right after the cut.
-        let filler = others
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("filler");
+        let filler = one_of_two(&others, &key, "filler").await;
         proxy.cut_after_next_create();
         let dropped = tokio::time::timeout(
             Duration::from_millis(200),
