@@ -364,13 +364,25 @@ async fn revoked_key_cancels_the_hold(registry: &Registry, observer: &Registry) 
         .await
         .expect("the loss of one key is the loss of the hold");
     let _ = guard.release().await;
-    let other = observer
-        .lock(&keys[0])
-        .wait(Duration::from_secs(1))
+    assert_free(
+        observer,
+        &keys[0],
+        Duration::from_secs(1),
+        "the key not revoked stayed held after a lost hold",
+    )
+    .await;
+}
+
+/// Takes `key` on `registry` within `wait` and releases it: a panic saying
+/// `kept` (what left it held) if it is not free.
+async fn assert_free(registry: &Registry, key: &str, wait: Duration, kept: &str) {
+    let guard = registry
+        .lock(key)
+        .wait(wait)
         .acquire()
         .await
-        .unwrap_or_else(|e| panic!("the key not revoked stayed held after a lost hold: {e}"));
-    other.release().await.expect("release");
+        .unwrap_or_else(|e| panic!("{kept}: {e}"));
+    guard.release().await.expect("release");
 }
 
 /// Asserts `answer` is a busy answer.
@@ -416,13 +428,13 @@ async fn fenced_and_unfenced_exclude(first: &Registry, second: &Registry) {
                 .await,
             "a single-key hold of a held key",
         );
-        let free = second
-            .lock(&c)
-            .wait(Duration::ZERO)
-            .acquire()
-            .await
-            .unwrap_or_else(|e| panic!("`{c}` was left taken by a refused hold: {e}"));
-        free.release().await.expect("release");
+        assert_free(
+            second,
+            &c,
+            Duration::ZERO,
+            &format!("`{c}` was left taken by a refused hold"),
+        )
+        .await;
         held.release().await.expect("release");
     }
 }
@@ -496,13 +508,13 @@ async fn busy_second_key_leaves_first_free(registry: &Registry, other: &Registry
             .await,
         "a hold whose second key is held elsewhere",
     );
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::ZERO)
-        .acquire()
-        .await
-        .unwrap_or_else(|e| panic!("the first key was left taken by a busy hold: {e}"));
-    first.release().await.expect("release");
+    assert_free(
+        other,
+        &keys[0],
+        Duration::ZERO,
+        "the first key was left taken by a busy hold",
+    )
+    .await;
     elsewhere.release().await.expect("release");
     // And the other way round: a hold of both by this registry is refused
     // to the other process key by key.
@@ -735,13 +747,13 @@ async fn waiter_keeps_its_budget(waiter: &Registry, holder: &Registry) {
         took >= Duration::from_millis(950) && took < Duration::from_millis(1500),
         "a 1 s wait gave up after {took:?}"
     );
-    let first = holder
-        .lock(&keys[0])
-        .wait(Duration::ZERO)
-        .acquire()
-        .await
-        .unwrap_or_else(|e| panic!("the first key was left taken by a busy waiter: {e}"));
-    first.release().await.expect("release");
+    assert_free(
+        holder,
+        &keys[0],
+        Duration::ZERO,
+        "the first key was left taken by a busy waiter",
+    )
+    .await;
     held.release().await.expect("release");
 }
 
@@ -1062,15 +1074,13 @@ async fn busy_hold_keeps_nothing_at_least(registry: &Registry, other: &Registry,
             .await,
         "a hold whose second key is held elsewhere",
     );
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::from_millis(500))
-        .acquire()
-        .await
-        .unwrap_or_else(|e| {
-            panic!("the first key stayed held after a busy acquisition with hold_at_least: {e}")
-        });
-    first.release().await.expect("release");
+    assert_free(
+        other,
+        &keys[0],
+        Duration::from_millis(500),
+        "the first key stayed held after a busy acquisition with hold_at_least",
+    )
+    .await;
     elsewhere.release().await.expect("release");
 }
 
@@ -1093,17 +1103,13 @@ async fn abandoned_hold_keeps_nothing_at_least(
     )
     .await;
     assert!(gave_up.is_err(), "the caller gave up while the hold waited");
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::from_millis(500))
-        .acquire()
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "the first key stayed held after an abandoned acquisition with hold_at_least: {e}"
-            )
-        });
-    first.release().await.expect("release");
+    assert_free(
+        other,
+        &keys[0],
+        Duration::from_millis(500),
+        "the first key stayed held after an abandoned acquisition with hold_at_least",
+    )
+    .await;
     elsewhere.release().await.expect("release");
 }
 
