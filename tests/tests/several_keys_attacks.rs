@@ -682,6 +682,35 @@ async fn mysql_abandoned_one_step_at_its_commit_leaves_no_key_held() {
     sql_abandoned_step(dlock_tests::sql_db::SqlDb::Mysql, Some(b"COMMIT")).await;
 }
 
+/// A hold given up while its transaction's `BEGIN` is on the wire: the
+/// server starts the transaction after the caller left. The connection
+/// must not go back to the pool inside it (every later statement on it
+/// would run there uncommitted, its row locks held), so each key the
+/// registry takes and releases afterwards is free for another process.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_abandoned_one_step_at_its_begin_leaves_no_transaction_open() {
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
+    let (registry, proxy) = sql_proxied(db).await;
+    let observer = db.registry("").await;
+    let keys = two_keys("sql-abandoned-step-begin");
+    abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, b"BEGIN").await;
+    for round in 0..8 {
+        let key = unique_key(&format!("after-abandoned-begin-{round}"));
+        let guard = registry.lock(&key).acquire().await.expect("free key");
+        guard.release().await.expect("release");
+        let again = observer
+            .lock(&key)
+            .wait(Duration::from_secs(2))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| {
+                panic!("a key the registry released is not free elsewhere (round {round}): {e}")
+            });
+        again.release().await.expect("release");
+    }
+}
+
 /// A one-step waiter for `[a, b]`: `a` held by one process for a moment,
 /// `b` by another for 30 s. Once `a` is released the waiter finds `b` busy
 /// and sleeps on `b`; `b`'s release, 1 s later, wakes it at once (not after
