@@ -6,15 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock_runtime::{LockError, MemoryBackend, Registry};
+use dlock_runtime::{LockError, Registry};
+use dlock_tests::memory_support::memory_registry;
 use dlock_tests::unique_key;
 
 /// A permit holder that is not renewed frees its own slot after its lease,
 /// and only that slot: the other holder keeps its permit and its slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unrenewed_permit_holder_frees_only_its_slot_after_its_lease() {
-    let memory = MemoryBackend::new();
-    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let (_memory, locks) = memory_registry();
     let key = unique_key("mem-unrenewed-permit");
     let short = locks
         .lock(&key)
@@ -58,8 +58,7 @@ async fn an_unrenewed_permit_holder_frees_only_its_slot_after_its_lease() {
 /// at once, never a wait for itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nested_acquisitions_inside_a_permit_hold_share_it_or_are_refused_at_once() {
-    let memory = MemoryBackend::new();
-    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let (_memory, locks) = memory_registry();
     let key = unique_key("mem-nested-permit");
     let outer = locks.lock(&key).permits(2).acquire().await.expect("outer");
     outer
@@ -108,8 +107,7 @@ async fn nested_acquisitions_inside_a_permit_hold_share_it_or_are_refused_at_onc
 /// them inside at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn siblings_inside_a_permit_hold_take_turns() {
-    let memory = MemoryBackend::new();
-    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let (_memory, locks) = memory_registry();
     let key = unique_key("mem-sibling-permits");
     let outer = locks.lock(&key).permits(3).acquire().await.expect("outer");
     let inside = AtomicUsize::new(0);
@@ -141,8 +139,7 @@ async fn siblings_inside_a_permit_hold_take_turns() {
 /// at once (a `Config` error), not after its wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_mismatched_request_is_refused_at_once() {
-    let memory = MemoryBackend::new();
-    let locks = Registry::builder().default_backend(memory.clone()).build();
+    let (_memory, locks) = memory_registry();
     mismatched_requests_are_refused_at_once(&locks, &locks).await;
 }
 
@@ -228,6 +225,89 @@ mod zookeeper {
         children(&admin, &format!("{container}/leases")).await
     }
 
+    /// Waits up to `within` for `key` to have `n` lease nodes: `what` once
+    /// it is past.
+    async fn leases_come_to(
+        zk: &ZooKeeperBackend,
+        key: &str,
+        n: usize,
+        within: Duration,
+        what: &str,
+    ) {
+        let until = Instant::now() + within;
+        loop {
+            let now = leases(zk, key).await;
+            if now.len() == n {
+                return;
+            }
+            assert!(Instant::now() < until, "{what}: {now:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// One of two permits on `key` from `locks`, at once: `what` if not.
+    async fn one_of_two(locks: &Registry, key: &str, what: &str) -> dlock_runtime::LockGuard {
+        locks.lock(key).permits(2).acquire().await.expect(what)
+    }
+
+    /// A backend on the test server through `proxy`, `?query` (or nothing)
+    /// on its URL.
+    async fn through(proxy: &ZkProxy, query: &str) -> ZooKeeperBackend {
+        let url = format!("zk://127.0.0.1:{}/dlock-test{query}", proxy.port());
+        ZooKeeperBackend::connect(&url)
+            .await
+            .unwrap_or_else(|e| servers_missing(&url, e))
+    }
+
+    /// `tasks` tasks, task `i` on a registry of `sessions[i % len]`, each
+    /// taking one of two permits on `key` three times (a 60 s wait) and
+    /// holding it for `hold`: never more than two inside at once, never two
+    /// on one slot. Each task's time for its three holds.
+    async fn permits_in_turns(
+        sessions: &[ZooKeeperBackend],
+        key: &str,
+        tasks: usize,
+        hold: Duration,
+    ) -> Vec<Duration> {
+        let inside = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
+        let tasks: Vec<_> = (0..tasks)
+            .map(|i| {
+                let locks = registry(&sessions[i % sessions.len()]);
+                let (key, inside) = (key.to_owned(), inside.clone());
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    for _ in 0..3 {
+                        let g = locks
+                            .lock(&key)
+                            .permits(2)
+                            .wait(Duration::from_secs(60))
+                            .acquire()
+                            .await
+                            .expect("a permit within the wait");
+                        let slot = g.permit().expect("slot");
+                        {
+                            let mut now = inside.lock().unwrap();
+                            assert!(
+                                !now.contains(&slot) && now.len() < 2,
+                                "{slot} beside {now:?}"
+                            );
+                            now.push(slot);
+                        }
+                        tokio::time::sleep(hold).await;
+                        inside.lock().unwrap().retain(|s| *s != slot);
+                        g.release().await.expect("release");
+                    }
+                    started.elapsed()
+                })
+            })
+            .collect();
+        let mut took = Vec::new();
+        for task in tasks {
+            took.push(task.await.expect("task"));
+        }
+        took
+    }
+
     /// Sixteen tasks on two sessions competing for two permits, several
     /// rounds each: never more than two inside, never two on one slot, and
     /// everyone gets their turns well within their waits (the contenders for
@@ -236,41 +316,9 @@ mod zookeeper {
     async fn permit_contenders_on_two_sessions_all_get_their_turns_promptly() {
         let sessions = [backend().await, backend().await];
         let key = unique_key("zk-sem-herd");
-        let inside = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
-        let most = Arc::new(AtomicUsize::new(0));
         let started = Instant::now();
-        let tasks: Vec<_> = (0..16)
-            .map(|i| {
-                let locks = registry(&sessions[i % 2]);
-                let (key, inside, most) = (key.clone(), inside.clone(), most.clone());
-                tokio::spawn(async move {
-                    for _ in 0..3 {
-                        let guard = locks
-                            .lock(&key)
-                            .permits(2)
-                            .wait(Duration::from_secs(60))
-                            .acquire()
-                            .await
-                            .expect("a permit within the wait");
-                        let slot = guard.permit().expect("slot");
-                        {
-                            let mut now = inside.lock().unwrap();
-                            assert!(!now.contains(&slot), "slot {slot} twice: {now:?}");
-                            now.push(slot);
-                            most.fetch_max(now.len(), Ordering::SeqCst);
-                        }
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        inside.lock().unwrap().retain(|s| *s != slot);
-                        guard.release().await.expect("release");
-                    }
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.expect("task");
-        }
+        permits_in_turns(&sessions, &key, 16, Duration::from_millis(10)).await;
         let took = started.elapsed();
-        assert!(most.load(Ordering::SeqCst) <= 2);
         // 48 holds of 10 ms, two at a time: a quarter of a second of holding.
         assert!(took < Duration::from_secs(15), "48 holds took {took:?}");
         assert!(leases(&sessions[0], &key).await.is_empty());
@@ -286,14 +334,7 @@ mod zookeeper {
         let key = unique_key("zk-sem-dropped");
         let mut holders = Vec::new();
         for _ in 0..2 {
-            holders.push(
-                holding
-                    .lock(&key)
-                    .permits(2)
-                    .acquire()
-                    .await
-                    .expect("holder"),
-            );
+            holders.push(one_of_two(&holding, &key, "holder").await);
         }
         for step in 0..26u64 {
             let delay = Duration::from_millis(step * 2);
@@ -325,15 +366,8 @@ mod zookeeper {
                 assert!(!matches!(out, Ok(Ok(_))), "granted beside two holders");
             }
         }
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            let now = leases(&holding_zk, &key).await;
-            if now.len() == 2 {
-                break;
-            }
-            assert!(Instant::now() < until, "leases left behind: {now:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let within = Duration::from_secs(5);
+        leases_come_to(&holding_zk, &key, 2, within, "leases left behind").await;
         for holder in holders {
             holder.release().await.expect("release");
         }
@@ -455,27 +489,11 @@ mod zookeeper {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_partitioned_permit_holder_hears_of_its_loss_before_its_slot_is_granted_again() {
         let proxy = ZkProxy::start(port(&url())).await;
-        let cut_url = format!(
-            "zk://127.0.0.1:{}/dlock-test?session_timeout=4s",
-            proxy.port()
-        );
-        let cut_zk = ZooKeeperBackend::connect(&cut_url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&cut_url, e));
+        let cut_zk = through(&proxy, "?session_timeout=4s").await;
         let (stays_zk, next_zk) = (backend().await, backend().await);
         let key = unique_key("zk-sem-partitioned");
-        let cut = registry(&cut_zk)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the holder cut off");
-        let stays = registry(&stays_zk)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the holder that stays");
+        let cut = one_of_two(&registry(&cut_zk), &key, "the holder cut off").await;
+        let stays = one_of_two(&registry(&stays_zk), &key, "the holder that stays").await;
         proxy.set(Fault::Hold);
         let next = registry(&next_zk)
             .lock(&key)
@@ -503,12 +521,7 @@ mod zookeeper {
     async fn a_plain_lock_is_granted_right_after_a_semaphore_emptied() {
         let (a, b) = (backend().await, backend().await);
         let key = unique_key("zk-sem-then-plain");
-        let p = registry(&a)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("permit");
+        let p = one_of_two(&registry(&a), &key, "permit").await;
         p.release().await.expect("release");
         let plain = registry(&b).lock(&key).acquire().await.expect("plain lock");
         let reader_busy = registry(&a).lock(&key).read().acquire().await;
@@ -533,29 +546,7 @@ mod zookeeper {
         let sessions = [backend().await, backend().await, backend().await];
         let key = unique_key("zk-sem-herd-fast");
         let started = Instant::now();
-        let tasks: Vec<_> = (0..30)
-            .map(|i| {
-                let locks = registry(&sessions[i % 3]);
-                let key = key.clone();
-                tokio::spawn(async move {
-                    for _ in 0..3 {
-                        locks
-                            .lock(&key)
-                            .permits(2)
-                            .wait(Duration::from_secs(60))
-                            .acquire()
-                            .await
-                            .expect("a permit within the wait")
-                            .release()
-                            .await
-                            .expect("release");
-                    }
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.expect("task");
-        }
+        permits_in_turns(&sessions, &key, 30, Duration::ZERO).await;
         let took = started.elapsed();
         let created: u64 = sessions.iter().map(|s| s.stats().nodes_created).sum();
         eprintln!("90 holds took {took:?}, {created} lease nodes created");
@@ -593,18 +584,8 @@ mod zookeeper {
         }
         assert!(leases(&a, &key).await.is_empty());
         let top = g1.fencing_token().max(g2.fencing_token());
-        let n1 = registry(&b)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("n1");
-        let n2 = registry(&b)
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("n2");
+        let n1 = one_of_two(&registry(&b), &key, "n1").await;
+        let n2 = one_of_two(&registry(&b), &key, "n2").await;
         assert!(n1.fencing_token() > top && n2.fencing_token() > top);
         n1.release().await.expect("release");
         n2.release().await.expect("release");
@@ -620,18 +601,8 @@ mod zookeeper {
         let waiting_zk = [backend().await, backend().await];
         let key = unique_key("zk-sem-wake-one");
         let holding = registry(&holding_zk);
-        let first = holding
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("first");
-        let second = holding
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("second");
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let granted = Arc::new(AtomicUsize::new(0));
         let tasks: Vec<_> = (0..10)
@@ -684,13 +655,7 @@ mod zookeeper {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lost_lease_create_reply_leaves_no_ghost_lease() {
         let proxy = ZkProxy::start(port(&url())).await;
-        let cut_url = format!(
-            "zk://127.0.0.1:{}/dlock-test?session_timeout=5s",
-            proxy.port()
-        );
-        let cut_zk = ZooKeeperBackend::connect(&cut_url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&cut_url, e));
+        let cut_zk = through(&proxy, "?session_timeout=5s").await;
         let locks = registry(&cut_zk);
         let other_zk = backend().await;
         let others = registry(&other_zk);
@@ -709,23 +674,13 @@ mod zookeeper {
         assert_eq!(proxy.creates_cut(), 1);
         let held = leases(&other_zk, &key).await;
         assert_eq!(held.len(), 1, "{held:?}");
-        let second = others
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("the other permit is free");
+        let second = one_of_two(&others, &key, "the other permit is free").await;
         guard.release().await.expect("release");
         second.release().await.expect("release");
         assert!(leases(&other_zk, &key).await.is_empty());
 
         // The same, with the acquisition dropped right after the cut.
-        let filler = others
-            .lock(&key)
-            .permits(2)
-            .acquire()
-            .await
-            .expect("filler");
+        let filler = one_of_two(&others, &key, "filler").await;
         proxy.cut_after_next_create();
         let dropped = tokio::time::timeout(
             Duration::from_millis(200),
@@ -739,15 +694,7 @@ mod zookeeper {
         if let Ok(Ok(g)) = dropped {
             g.release().await.expect("release");
         }
-        let until = Instant::now() + Duration::from_secs(10);
-        loop {
-            let now = leases(&other_zk, &key).await;
-            if now.len() == 1 {
-                break;
-            }
-            assert!(Instant::now() < until, "a ghost lease: {now:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        leases_come_to(&other_zk, &key, 1, Duration::from_secs(10), "a ghost lease").await;
         filler.release().await.expect("release");
     }
 
@@ -757,56 +704,18 @@ mod zookeeper {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn permit_holders_on_three_sessions_one_slow_stay_within_the_permits() {
         let proxy = ZkProxy::start(port(&url())).await;
-        let slow_url = format!("zk://127.0.0.1:{}/dlock-test", proxy.port());
-        let slow_zk = ZooKeeperBackend::connect(&slow_url)
-            .await
-            .unwrap_or_else(|e| servers_missing(&slow_url, e));
+        let slow_zk = through(&proxy, "").await;
         proxy.set(Fault::Delay(Duration::from_millis(30)));
         let sessions = [slow_zk, backend().await, backend().await];
         let key = unique_key("zk-sem-slow");
-        let inside = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
-        let tasks: Vec<_> = (0..9)
-            .map(|i| {
-                let locks = registry(&sessions[i % 3]);
-                let (key, inside) = (key.clone(), inside.clone());
-                tokio::spawn(async move {
-                    let started = Instant::now();
-                    for _ in 0..3 {
-                        let g = locks
-                            .lock(&key)
-                            .permits(2)
-                            .wait(Duration::from_secs(60))
-                            .acquire()
-                            .await
-                            .expect("a permit");
-                        let slot = g.permit().expect("slot");
-                        {
-                            let mut now = inside.lock().unwrap();
-                            assert!(
-                                !now.contains(&slot) && now.len() < 2,
-                                "{slot} beside {now:?}"
-                            );
-                            now.push(slot);
-                        }
-                        tokio::time::sleep(Duration::from_millis(15)).await;
-                        inside.lock().unwrap().retain(|s| *s != slot);
-                        g.release().await.expect("release");
-                    }
-                    (i % 3 == 0, started.elapsed())
-                })
-            })
-            .collect();
-        let mut took = Vec::new();
-        for task in tasks {
-            took.push(task.await.expect("task"));
-        }
+        let took = permits_in_turns(&sessions, &key, 9, Duration::from_millis(15)).await;
         proxy.set(Fault::Pass);
         eprintln!(
-            "(slow session, time for three holds): {took:?}; slow session: {:?}",
+            "time for three holds, task i on session i % 3 (0: slow): {took:?}; slow session: {:?}",
             sessions[0].stats()
         );
         // 27 holds of 15 ms, two at a time: well under a second of holding.
-        let longest = took.iter().map(|(_, t)| *t).max().expect("tasks");
+        let longest = took.iter().max().copied().expect("tasks");
         assert!(
             longest < Duration::from_secs(15),
             "three holds took up to {longest:?}: {took:?}"
@@ -820,30 +729,7 @@ mod zookeeper {
     async fn permit_waiters_of_one_session_are_woken_by_each_release() {
         let zk = backend().await;
         let key = unique_key("zk-sem-one-session");
-        let tasks: Vec<_> = (0..3)
-            .map(|_| {
-                let (locks, key) = (registry(&zk), key.clone());
-                tokio::spawn(async move {
-                    let started = Instant::now();
-                    for _ in 0..3 {
-                        let g = locks
-                            .lock(&key)
-                            .permits(2)
-                            .wait(Duration::from_secs(60))
-                            .acquire()
-                            .await
-                            .expect("a permit");
-                        tokio::time::sleep(Duration::from_millis(15)).await;
-                        g.release().await.expect("release");
-                    }
-                    started.elapsed()
-                })
-            })
-            .collect();
-        let mut took = Vec::new();
-        for task in tasks {
-            took.push(task.await.expect("task"));
-        }
+        let took = permits_in_turns(&[zk], &key, 3, Duration::from_millis(15)).await;
         let longest = took.iter().max().copied().expect("tasks");
         assert!(
             longest < Duration::from_secs(5),

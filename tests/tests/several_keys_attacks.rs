@@ -29,83 +29,212 @@ use dlock_tests::unique_key;
 /// How long the proxy holds the acquisition's step back.
 const HELD_BACK: Duration = Duration::from_millis(800);
 
-/// Two registries on one backend that takes several keys in one step, as
-/// two processes would have (and the SQLite file's directory, kept while
-/// they are used).
-mod two_registries {
-    use dlock_runtime::Registry;
+/// A backend the cases run on, reached as separate processes would reach it
+/// (each [`Backend::registry`] its own connections), and where its cases'
+/// keys lie. Named as the module of its tests is.
+struct Backend {
+    name: &'static str,
+    reach: Reach,
+    /// The keys of a case in different Redis Cluster hash slots.
+    across_slots: bool,
+}
+
+/// How a [`Backend`]'s registries are made.
+enum Reach {
+    #[cfg(feature = "redis")]
+    Redis(String),
+    #[cfg(feature = "redis")]
+    Redlock(String),
+    /// A database server, with `?options` on its URL.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    Sql(dlock_tests::sql_db::SqlDb, &'static str),
+    /// A SQLite file in this directory (kept while the test runs).
+    #[cfg(feature = "sqlite")]
+    Sqlite(tempfile::TempDir),
+}
+
+#[cfg(feature = "redis")]
+fn redis_url() -> String {
+    dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
+}
+
+/// A registry on the Redis (or Redis Cluster) server at `url`.
+#[cfg(feature = "redis")]
+async fn redis_at(url: &str) -> Registry {
+    let backend = dlock_runtime::RedisBackend::connect(url).await;
+    Registry::builder()
+        .default_backend(backend.unwrap_or_else(|e| dlock_tests::servers_missing(url, e)))
+        .build()
+}
+
+impl Backend {
+    fn new(name: &'static str, reach: Reach) -> Backend {
+        Backend {
+            name,
+            reach,
+            across_slots: false,
+        }
+    }
 
     #[cfg(feature = "redis")]
-    pub(super) async fn redis() -> (Registry, Registry) {
-        let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        let registry = || async {
-            let backend = dlock_runtime::RedisBackend::connect(&url).await;
-            Registry::builder()
-                .default_backend(backend.unwrap_or_else(|e| dlock_tests::servers_missing(&url, e)))
-                .build()
-        };
-        (registry().await, registry().await)
+    fn redis() -> Backend {
+        Backend::new("redis", Reach::Redis(redis_url()))
+    }
+
+    #[cfg(feature = "redis")]
+    fn redis_cluster() -> Backend {
+        let url = dlock_tests::server_url(
+            "DLOCK_TEST_REDIS_CLUSTER_URL",
+            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
+        );
+        Backend::new("redis-cluster", Reach::Redis(url))
+    }
+
+    /// Redis Cluster, each case's keys in different hash slots (so taken one
+    /// by one).
+    #[cfg(feature = "redis")]
+    fn redis_cluster_across_slots() -> Backend {
+        Backend {
+            name: "redis-cluster-across-slots",
+            across_slots: true,
+            ..Backend::redis_cluster()
+        }
+    }
+
+    #[cfg(feature = "redis")]
+    fn redlock() -> Backend {
+        let url = dlock_tests::server_url(
+            "DLOCK_TEST_REDLOCK_URL",
+            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
+        );
+        Backend::new("redlock", Reach::Redlock(url))
     }
 
     #[cfg(feature = "postgres")]
-    pub(super) async fn postgres() -> (Registry, Registry) {
+    fn postgres() -> Backend {
         let db = dlock_tests::sql_db::SqlDb::Postgres;
-        (db.registry("").await, db.registry("").await)
+        Backend::new("postgres", Reach::Sql(db, ""))
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres_session() -> Backend {
+        let db = dlock_tests::sql_db::SqlDb::Postgres;
+        Backend::new("postgres-session", Reach::Sql(db, "mode=session"))
     }
 
     #[cfg(feature = "mysql")]
-    pub(super) async fn mysql() -> (Registry, Registry) {
+    fn mysql() -> Backend {
         let db = dlock_tests::sql_db::SqlDb::Mysql;
-        (db.registry("").await, db.registry("").await)
+        Backend::new("mysql", Reach::Sql(db, ""))
+    }
+
+    #[cfg(feature = "mysql")]
+    fn mysql_session() -> Backend {
+        let db = dlock_tests::sql_db::SqlDb::Mysql;
+        Backend::new("mysql-session", Reach::Sql(db, "mode=session"))
     }
 
     #[cfg(feature = "sqlite")]
-    pub(super) async fn sqlite(dir: &tempfile::TempDir) -> (Registry, Registry) {
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let registry = || async {
-            let backend = dlock_runtime::SqliteBackend::connect(&url).await;
-            Registry::builder()
-                .default_backend(backend.expect("open"))
-                .build()
-        };
-        (registry().await, registry().await)
+    fn sqlite() -> Backend {
+        let dir = tempfile::tempdir().expect("tempdir");
+        Backend::new("sqlite", Reach::Sqlite(dir))
+    }
+
+    /// A new registry on this backend, as another process would have.
+    async fn registry(&self) -> Registry {
+        match &self.reach {
+            #[cfg(feature = "redis")]
+            Reach::Redis(url) => redis_at(url).await,
+            #[cfg(feature = "redis")]
+            Reach::Redlock(url) => {
+                let backend = dlock_runtime::RedlockBackend::connect(url).await;
+                Registry::builder()
+                    .default_backend(
+                        backend.unwrap_or_else(|e| dlock_tests::servers_missing(url, e)),
+                    )
+                    .build()
+            }
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Reach::Sql(db, options) => db.registry(options).await,
+            #[cfg(feature = "sqlite")]
+            Reach::Sqlite(dir) => {
+                let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+                let backend = dlock_runtime::SqliteBackend::connect(&url).await;
+                Registry::builder()
+                    .default_backend(backend.expect("open"))
+                    .build()
+            }
+        }
+    }
+
+    /// Where this backend's cases put their keys.
+    fn keys(&self) -> Keys {
+        Keys {
+            backend: self.name,
+            across_slots: self.across_slots,
+        }
     }
 }
 
-/// One test per backend that takes several keys in one step (a module named
-/// after `$case`, a test per backend in it), each running
-/// `$case(&first, &second)` on two registries of that backend.
-macro_rules! on_each_one_step_backend {
-    ($case:ident) => {
-        mod $case {
-            #[cfg(feature = "redis")]
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let (first, second) = super::two_registries::redis().await;
-                super::$case(&first, &second).await;
-            }
+/// The keys of a case on one backend: named after the backend and the case
+/// (backends sharing a server never meet), sharing a hash tag (one Redis
+/// Cluster slot) or, across slots, each in a slot of its own.
+#[derive(Clone, Copy)]
+struct Keys {
+    backend: &'static str,
+    across_slots: bool,
+}
 
-            #[cfg(feature = "postgres")]
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                let (first, second) = super::two_registries::postgres().await;
-                super::$case(&first, &second).await;
+impl Keys {
+    fn named<const N: usize>(self, case: &str) -> [String; N] {
+        let base = unique_key(&format!("{}-{case}", self.backend));
+        std::array::from_fn(|i| {
+            let name = char::from(b'a' + u8::try_from(i).expect("a few keys"));
+            if self.across_slots {
+                format!("{base}:{name}")
+            } else {
+                format!("{{{base}}}:{name}")
             }
+        })
+    }
 
-            #[cfg(feature = "mysql")]
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn mysql() {
-                let (first, second) = super::two_registries::mysql().await;
-                super::$case(&first, &second).await;
-            }
+    /// Two keys of `case`.
+    fn two(self, case: &str) -> [String; 2] {
+        self.named(case)
+    }
 
-            #[cfg(feature = "sqlite")]
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                let dir = tempfile::tempdir().expect("tempdir");
-                let (first, second) = super::two_registries::sqlite(&dir).await;
-                super::$case(&first, &second).await;
-            }
+    /// Four keys of `case`.
+    fn four(self, case: &str) -> [String; 4] {
+        self.named(case)
+    }
+}
+
+/// The tests of one backend: a module named after `$backend` (a constructor
+/// of [`Backend`]), a test in it per case, named after the case. Each test
+/// runs `$case` with a new registry of the backend for each name in its
+/// parentheses (as separate processes would have them) and, after a `;`,
+/// the backend's [`Keys`]; a case followed by `on_one_thread` runs on a
+/// current-thread runtime.
+macro_rules! on_backend {
+    ($backend:ident: $($case:ident($($registry:ident),+ $(; $keys:ident)?) $($one_thread:ident)?),+ $(,)?) => {
+        mod $backend {
+            $(on_backend!(@test $backend [$($one_thread)?] $case ($($registry),+) $(; $keys)?);)+
+        }
+    };
+    (@test $backend:ident [] $($case:tt)*) => {
+        on_backend!(@fn $backend
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)] $($case)*);
+    };
+    (@test $backend:ident [on_one_thread] $($case:tt)*) => {
+        on_backend!(@fn $backend #[tokio::test(flavor = "current_thread")] $($case)*);
+    };
+    (@fn $backend:ident #[$runtime:meta] $case:ident ($($registry:ident),+) $(; $keys:ident)?) => {
+        #[$runtime]
+        async fn $case() {
+            let backend = super::Backend::$backend();
+            $(let $registry = backend.registry().await;)+
+            $(let $keys = backend.keys();)?
+            super::$case($(&$registry),+ $(, $keys)?).await;
         }
     };
 }
@@ -235,13 +364,25 @@ async fn revoked_key_cancels_the_hold(registry: &Registry, observer: &Registry) 
         .await
         .expect("the loss of one key is the loss of the hold");
     let _ = guard.release().await;
-    let other = observer
-        .lock(&keys[0])
-        .wait(Duration::from_secs(1))
+    assert_free(
+        observer,
+        &keys[0],
+        Duration::from_secs(1),
+        "the key not revoked stayed held after a lost hold",
+    )
+    .await;
+}
+
+/// Takes `key` on `registry` within `wait` and releases it: a panic saying
+/// `kept` (what left it held) if it is not free.
+async fn assert_free(registry: &Registry, key: &str, wait: Duration, kept: &str) {
+    let guard = registry
+        .lock(key)
+        .wait(wait)
         .acquire()
         .await
-        .unwrap_or_else(|e| panic!("the key not revoked stayed held after a lost hold: {e}"));
-    other.release().await.expect("release");
+        .unwrap_or_else(|e| panic!("{kept}: {e}"));
+    guard.release().await.expect("release");
 }
 
 /// Asserts `answer` is a busy answer.
@@ -287,25 +428,27 @@ async fn fenced_and_unfenced_exclude(first: &Registry, second: &Registry) {
                 .await,
             "a single-key hold of a held key",
         );
-        let free = second
-            .lock(&c)
-            .wait(Duration::ZERO)
-            .acquire()
-            .await
-            .unwrap_or_else(|e| panic!("`{c}` was left taken by a refused hold: {e}"));
-        free.release().await.expect("release");
+        assert_free(
+            second,
+            &c,
+            Duration::ZERO,
+            &format!("`{c}` was left taken by a refused hold"),
+        )
+        .await;
         held.release().await.expect("release");
     }
 }
 
-/// Several tasks on registries of their own take random pairs (in random
-/// order) and single keys of fresh keys (new rows each round): every
-/// acquisition succeeds within its wait (a deadlock the server detects is
-/// retried, never surfaced), and no two holds of a key overlap.
-async fn overlapping_fresh_keys_never_fail(registries: Vec<Registry>, rounds: usize) {
+/// Four tasks on registries of their own take random pairs (in random
+/// order) and single keys of fresh keys (new rows each round), 40 rounds:
+/// every acquisition succeeds within its wait (a deadlock the server detects
+/// is retried, never surfaced), and no two holds of a key overlap.
+async fn overlapping_fresh_keys_never_fail(a: &Registry, b: &Registry, c: &Registry, d: &Registry) {
+    let rounds = 40;
     let base = unique_key("overlapping-fresh");
     let held: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let tasks: Vec<_> = registries
+    let tasks: Vec<_> = [a, b, c, d]
+        .map(Registry::clone)
         .into_iter()
         .enumerate()
         .map(|(t, registry)| {
@@ -365,13 +508,13 @@ async fn busy_second_key_leaves_first_free(registry: &Registry, other: &Registry
             .await,
         "a hold whose second key is held elsewhere",
     );
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::ZERO)
-        .acquire()
-        .await
-        .unwrap_or_else(|e| panic!("the first key was left taken by a busy hold: {e}"));
-    first.release().await.expect("release");
+    assert_free(
+        other,
+        &keys[0],
+        Duration::ZERO,
+        "the first key was left taken by a busy hold",
+    )
+    .await;
     elsewhere.release().await.expect("release");
     // And the other way round: a hold of both by this registry is refused
     // to the other process key by key.
@@ -390,277 +533,181 @@ async fn busy_second_key_leaves_first_free(registry: &Registry, other: &Registry
     both.release().await.expect("release");
 }
 
+/// `host:port` of a Redis URL (no credentials, no path).
 #[cfg(feature = "redis")]
-mod redis_backend {
-    use super::*;
-    use dlock_runtime::RedisBackend;
-    use dlock_tests::{server_url, servers_missing};
+fn host_port(url: &str) -> String {
+    let rest = url.split("://").nth(1).expect("a URL");
+    rest.trim_end_matches('/')
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned()
+}
 
-    fn url() -> String {
-        server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/")
-    }
+/// A proxy to the Redis server, a registry through it with `?query` on its
+/// URL, and an observer registry on the server itself.
+#[cfg(feature = "redis")]
+async fn redis_proxied(query: &str) -> (dlock_testkit::FaultProxy, Registry, Registry) {
+    let url = redis_url();
+    let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
+        .await
+        .expect("proxy");
+    let proxied = redis_at(&format!("redis://{}/{query}", proxy.addr())).await;
+    (proxy, proxied, redis_at(&url).await)
+}
 
-    async fn registry_at(url: &str) -> Registry {
-        Registry::builder()
-            .default_backend(
-                RedisBackend::connect(url)
-                    .await
-                    .unwrap_or_else(|e| servers_missing(url, e)),
-            )
-            .build()
-    }
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_abandoned_one_step_leaves_no_key_held() {
+    let (proxy, proxied, observer) = redis_proxied("").await;
+    let keys = two_keys("redis-abandoned-step");
+    abandoned_step_leaves_no_key_held(&proxied, &proxy, &observer, &keys, keys[1].as_bytes()).await;
+}
 
-    fn host_port(url: &str) -> String {
-        let rest = url.split("://").nth(1).expect("a URL");
-        rest.trim_end_matches('/')
-            .rsplit('@')
-            .next()
-            .unwrap()
-            .to_owned()
-    }
+/// A server that stops answering while a hold of two keys waits: the
+/// hold is an error within its `wait` and the attempt grace, not at the
+/// backend's own 10 s request timeout, and leaves neither key held once
+/// the server answers again.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_silent_server_ends_a_hold_within_its_wait() {
+    let (proxy, proxied, observer) = redis_proxied("?timeout=10s").await;
+    let keys = two_keys("redis-silent-server-hold");
+    let warm = proxied.lock_all(&keys).acquire().await.expect("warm up");
+    warm.release().await.expect("release");
+    proxy.set(dlock_testkit::Fault::Hold);
+    let wait = Duration::from_millis(500);
+    let started = Instant::now();
+    let answer = proxied.lock_all(&keys).wait(wait).acquire().await;
+    let took = started.elapsed();
+    assert!(
+        matches!(answer, Err(LockError::Backend { .. })),
+        "a silent server is a backend error, got {:?}",
+        answer.map(|g| g.keys().to_vec())
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the hold answered {took:?} after it began, with a 500 ms wait"
+    );
+    proxy.set(dlock_testkit::Fault::Pass);
+    let again = observer
+        .lock_all(&keys)
+        .wait(Duration::from_secs(15))
+        .acquire()
+        .await
+        .unwrap_or_else(|e| panic!("the keys of the failed hold are not free: {e}"));
+    again.release().await.expect("release");
+}
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_abandoned_one_step_leaves_no_key_held() {
-        let url = url();
-        let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
-            .await
-            .expect("proxy");
-        let proxied = registry_at(&format!("redis://{}/", proxy.addr())).await;
-        let observer = registry_at(&url).await;
-        let keys = two_keys("redis-abandoned-step");
-        abandoned_step_leaves_no_key_held(&proxied, &proxy, &observer, &keys, keys[1].as_bytes())
-            .await;
-    }
-
-    /// A server that stops answering while a hold of two keys waits: the
-    /// hold is an error within its `wait` and the attempt grace, not at the
-    /// backend's own 10 s request timeout, and leaves neither key held once
-    /// the server answers again.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_a_silent_server_ends_a_hold_within_its_wait() {
-        let url = url();
-        let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
-            .await
-            .expect("proxy");
-        let proxied = registry_at(&format!("redis://{}/?timeout=10s", proxy.addr())).await;
-        let observer = registry_at(&url).await;
-        let keys = two_keys("redis-silent-server-hold");
-        let warm = proxied.lock_all(&keys).acquire().await.expect("warm up");
-        warm.release().await.expect("release");
-        proxy.set(dlock_testkit::Fault::Hold);
-        let wait = Duration::from_millis(500);
-        let started = Instant::now();
-        let answer = proxied.lock_all(&keys).wait(wait).acquire().await;
-        let took = started.elapsed();
+/// Shutdown while a one-step acquisition's script is held back by a
+/// proxy: once shutdown returns, neither key is held.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_shutdown_during_a_one_step_on_the_wire_frees_both_keys() {
+    let (proxy, proxied, observer) = redis_proxied("").await;
+    let warm = two_keys("shutdown-wire-warm");
+    proxied
+        .lock_all(&warm)
+        .acquire()
+        .await
+        .expect("warm up")
+        .release()
+        .await
+        .expect("release");
+    let keys = two_keys("shutdown-wire");
+    proxy.hold_next(&[keys[1].as_bytes()], Duration::from_millis(800));
+    let acquiring = tokio::spawn({
+        let (proxied, keys) = (proxied.clone(), keys.clone());
+        async move {
+            proxied
+                .lock_all(&keys)
+                .lease(Duration::from_secs(60))
+                .acquire()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(proxy.held_on().is_some(), "the step was held back");
+    let report = proxied.shutdown(Duration::from_secs(10)).await;
+    assert_eq!(report.unfinished, 0, "{report:?}");
+    let _ = acquiring.await;
+    for key in &keys {
         assert!(
-            matches!(answer, Err(LockError::Backend { .. })),
-            "a silent server is a backend error, got {:?}",
-            answer.map(|g| g.keys().to_vec())
+            observer.inspect(key).await.expect("inspect").is_none(),
+            "`{key}` held once shutdown returned"
         );
-        assert!(
-            took < Duration::from_secs(3),
-            "the hold answered {took:?} after it began, with a 500 ms wait"
-        );
-        proxy.set(dlock_testkit::Fault::Pass);
-        let again = observer
-            .lock_all(&keys)
-            .wait(Duration::from_secs(15))
-            .acquire()
-            .await
-            .unwrap_or_else(|e| panic!("the keys of the failed hold are not free: {e}"));
-        again.release().await.expect("release");
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_many_keys_stay_held() {
-        let url = url();
-        many_keys_stay_held(&registry_at(&url).await, &registry_at(&url).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_revoked_key_cancels_the_hold() {
-        let url = url();
-        revoked_key_cancels_the_hold(&registry_at(&url).await, &registry_at(&url).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_fenced_and_unfenced_holds_exclude_each_other() {
-        let url = url();
-        fenced_and_unfenced_exclude(&registry_at(&url).await, &registry_at(&url).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_many_keys_stay_held() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        many_keys_stay_held(&registry_at(&url).await, &registry_at(&url).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_fenced_and_unfenced_holds_exclude_each_other() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        fenced_and_unfenced_exclude(&registry_at(&url).await, &registry_at(&url).await).await;
     }
 }
 
+/// A registry through a new proxy to `db`'s server, and the proxy.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-mod sql_backends {
-    use super::*;
-    use dlock_tests::sql_db::SqlDb;
-    use dlock_tests::sql_support::{SqlMode, proxy_to};
+async fn sql_proxied(db: dlock_tests::sql_db::SqlDb) -> (Registry, dlock_testkit::FaultProxy) {
+    let proxy = dlock_tests::sql_support::proxy_to(&db.host_port()).await;
+    let url = db.url().replace(&db.host_port(), &proxy.addr().to_string());
+    let registry = db.connect_url(&url).await.expect("connect").registry();
+    (registry, proxy)
+}
 
-    async fn proxied(db: SqlDb) -> (Registry, dlock_testkit::FaultProxy) {
-        let proxy = proxy_to(&db.host_port()).await;
-        let url = db.url().replace(&db.host_port(), &proxy.addr().to_string());
-        let registry = db.connect_url(&url).await.expect("connect").registry();
-        (registry, proxy)
-    }
+/// [`abandoned_step_leaves_no_key_held`] on `db`, the step held back at
+/// `needle` (or at its second key).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn sql_abandoned_step(db: dlock_tests::sql_db::SqlDb, needle: Option<&[u8]>) {
+    let (registry, proxy) = sql_proxied(db).await;
+    let observer = db.registry("").await;
+    // Keys of this case alone: the cases of one database run at once.
+    let case = match needle {
+        None => "sql-abandoned-step-second-key",
+        Some(n) => &format!("sql-abandoned-step-{}", String::from_utf8_lossy(n)),
+    };
+    let keys = two_keys(case);
+    let needle = needle.unwrap_or(keys[1].as_bytes());
+    abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, needle).await;
+}
 
-    async fn abandoned(db: SqlDb, needle: Option<&[u8]>) {
-        let (registry, proxy) = proxied(db).await;
-        let observer = db.registry("").await;
-        // Keys of this case alone: the cases of one database run at once.
-        let case = match needle {
-            None => "sql-abandoned-step-second-key",
-            Some(n) => &format!("sql-abandoned-step-{}", String::from_utf8_lossy(n)),
-        };
-        let keys = two_keys(case);
-        let needle = needle.unwrap_or(keys[1].as_bytes());
-        abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, needle).await;
-    }
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_abandoned_one_step_leaves_no_key_held() {
+    sql_abandoned_step(dlock_tests::sql_db::SqlDb::Postgres, None).await;
+}
 
-    async fn registries(db: SqlDb, mode: SqlMode, n: usize) -> Vec<Registry> {
-        let mut all = Vec::new();
-        for _ in 0..n {
-            all.push(db.connect(mode.query()).await.registry());
-        }
-        all
-    }
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_abandoned_one_step_at_its_second_key_leaves_no_key_held() {
+    sql_abandoned_step(dlock_tests::sql_db::SqlDb::Mysql, None).await;
+}
 
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_abandoned_one_step_leaves_no_key_held() {
-        abandoned(SqlDb::Postgres, None).await;
-    }
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_abandoned_one_step_at_its_commit_leaves_no_key_held() {
+    sql_abandoned_step(dlock_tests::sql_db::SqlDb::Mysql, Some(b"COMMIT")).await;
+}
 
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_abandoned_one_step_at_its_second_key_leaves_no_key_held() {
-        abandoned(SqlDb::Mysql, None).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_abandoned_one_step_at_its_commit_leaves_no_key_held() {
-        abandoned(SqlDb::Mysql, Some(b"COMMIT")).await;
-    }
-
-    /// A hold given up while its transaction's `BEGIN` is on the wire: the
-    /// server starts the transaction after the caller left. The connection
-    /// must not go back to the pool inside it (every later statement on it
-    /// would run there uncommitted, its row locks held), so each key the
-    /// registry takes and releases afterwards is free for another process.
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_abandoned_one_step_at_its_begin_leaves_no_transaction_open() {
-        let db = SqlDb::Mysql;
-        let (registry, proxy) = proxied(db).await;
-        let observer = db.registry("").await;
-        let keys = two_keys("sql-abandoned-step-begin");
-        abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, b"BEGIN").await;
-        for round in 0..8 {
-            let key = unique_key(&format!("after-abandoned-begin-{round}"));
-            let guard = registry.lock(&key).acquire().await.expect("free key");
-            guard.release().await.expect("release");
-            let again = observer
-                .lock(&key)
-                .wait(Duration::from_secs(2))
-                .acquire()
-                .await
-                .unwrap_or_else(|e| {
-                    panic!("a key the registry released is not free elsewhere (round {round}): {e}")
-                });
-            again.release().await.expect("release");
-        }
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_many_keys_stay_held() {
-        let db = SqlDb::Postgres;
-        many_keys_stay_held(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_many_keys_stay_held() {
-        let db = SqlDb::Mysql;
-        many_keys_stay_held(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_revoked_key_cancels_the_hold() {
-        let db = SqlDb::Postgres;
-        revoked_key_cancels_the_hold(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_revoked_key_cancels_the_hold() {
-        let db = SqlDb::Mysql;
-        revoked_key_cancels_the_hold(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_overlapping_fresh_keys_never_fail() {
-        let db = SqlDb::Postgres;
-        overlapping_fresh_keys_never_fail(registries(db, SqlMode::Lease, 4).await, 40).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_overlapping_fresh_keys_never_fail() {
-        let db = SqlDb::Mysql;
-        overlapping_fresh_keys_never_fail(registries(db, SqlMode::Lease, 4).await, 40).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_session_busy_second_key_leaves_first_free() {
-        let db = SqlDb::Postgres;
-        let r = registries(db, SqlMode::Session, 2).await;
-        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_session_busy_second_key_leaves_first_free() {
-        let db = SqlDb::Mysql;
-        let r = registries(db, SqlMode::Session, 2).await;
-        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_busy_second_key_leaves_first_free() {
-        let db = SqlDb::Postgres;
-        let r = registries(db, SqlMode::Lease, 2).await;
-        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_busy_second_key_leaves_first_free() {
-        let db = SqlDb::Mysql;
-        let r = registries(db, SqlMode::Lease, 2).await;
-        busy_second_key_leaves_first_free(&r[0], &r[1]).await;
+/// A hold given up while its transaction's `BEGIN` is on the wire: the
+/// server starts the transaction after the caller left. The connection
+/// must not go back to the pool inside it (every later statement on it
+/// would run there uncommitted, its row locks held), so each key the
+/// registry takes and releases afterwards is free for another process.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_abandoned_one_step_at_its_begin_leaves_no_transaction_open() {
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
+    let (registry, proxy) = sql_proxied(db).await;
+    let observer = db.registry("").await;
+    let keys = two_keys("sql-abandoned-step-begin");
+    abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, b"BEGIN").await;
+    for round in 0..8 {
+        let key = unique_key(&format!("after-abandoned-begin-{round}"));
+        let guard = registry.lock(&key).acquire().await.expect("free key");
+        guard.release().await.expect("release");
+        let again = observer
+            .lock(&key)
+            .wait(Duration::from_secs(2))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| {
+                panic!("a key the registry released is not free elsewhere (round {round}): {e}")
+            });
+        again.release().await.expect("release");
     }
 }
 
@@ -729,108 +776,14 @@ async fn waiter_keeps_its_budget(waiter: &Registry, holder: &Registry) {
         took >= Duration::from_millis(950) && took < Duration::from_millis(1500),
         "a 1 s wait gave up after {took:?}"
     );
-    let first = holder
-        .lock(&keys[0])
-        .wait(Duration::ZERO)
-        .acquire()
-        .await
-        .unwrap_or_else(|e| panic!("the first key was left taken by a busy waiter: {e}"));
-    first.release().await.expect("release");
+    assert_free(
+        holder,
+        &keys[0],
+        Duration::ZERO,
+        "the first key was left taken by a busy waiter",
+    )
+    .await;
     held.release().await.expect("release");
-}
-
-#[cfg(feature = "redis")]
-mod redis_waits {
-    use super::*;
-    use dlock_runtime::RedisBackend;
-    use dlock_tests::{server_url, servers_missing};
-
-    async fn registry() -> Registry {
-        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        Registry::builder()
-            .default_backend(
-                RedisBackend::connect(&url)
-                    .await
-                    .unwrap_or_else(|e| servers_missing(&url, e)),
-            )
-            .build()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_one_step_waiter_follows_the_busy_key() {
-        waiter_follows_the_busy_key(&registry().await, &registry().await, &registry().await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_one_step_waiter_keeps_its_budget() {
-        waiter_keeps_its_budget(&registry().await, &registry().await).await;
-    }
-}
-
-#[cfg(feature = "postgres")]
-mod postgres_waits {
-    use super::*;
-    use dlock_tests::sql_db::SqlDb;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_one_step_waiter_follows_the_busy_key() {
-        let db = SqlDb::Postgres;
-        waiter_follows_the_busy_key(
-            &db.registry("").await,
-            &db.registry("").await,
-            &db.registry("").await,
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_one_step_waiter_keeps_its_budget() {
-        let db = SqlDb::Postgres;
-        waiter_keeps_its_budget(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_session_waiter_keeps_its_budget() {
-        let db = SqlDb::Postgres;
-        waiter_keeps_its_budget(
-            &db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-        )
-        .await;
-    }
-}
-
-#[cfg(feature = "mysql")]
-mod mysql_waits {
-    use super::*;
-    use dlock_tests::sql_db::SqlDb;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_one_step_waiter_follows_the_busy_key() {
-        let db = SqlDb::Mysql;
-        waiter_follows_the_busy_key(
-            &db.registry("").await,
-            &db.registry("").await,
-            &db.registry("").await,
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_one_step_waiter_keeps_its_budget() {
-        let db = SqlDb::Mysql;
-        waiter_keeps_its_budget(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_session_waiter_keeps_its_budget() {
-        let db = SqlDb::Mysql;
-        waiter_keeps_its_budget(
-            &db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-        )
-        .await;
-    }
 }
 
 /// Cuts the connection just after the first request carrying every one of
@@ -840,6 +793,17 @@ struct CutOnce {
     needles: Vec<Vec<u8>>,
     frame_len: fn(&[u8]) -> Option<usize>,
     cut: std::sync::atomic::AtomicBool,
+}
+
+impl CutOnce {
+    /// A filter that cuts nothing until armed (once the connections are up).
+    fn disarmed(needles: Vec<Vec<u8>>, frame_len: fn(&[u8]) -> Option<usize>) -> Arc<CutOnce> {
+        Arc::new(CutOnce {
+            needles,
+            frame_len,
+            cut: std::sync::atomic::AtomicBool::new(true),
+        })
+    }
 }
 
 impl dlock_testkit::RequestFilter for CutOnce {
@@ -900,10 +864,18 @@ async fn warm_up(registry: &Registry) {
 }
 
 /// A hold of two keys whose one step ran on the server but whose answer was
-/// lost (the connection cut just after it): the acquisition goes on and gets
-/// both keys, each held by the hold's one owner; once released both are
-/// free, and no key is left held without a holder.
-async fn lost_answer_then_retry(proxied: &Registry, observer: &Registry, keys: &[String]) {
+/// lost (`filter` cuts the connection just after it, armed once `proxied`'s
+/// connections are up): the acquisition goes on and gets both keys, each
+/// held by the hold's one owner; once released both are free, and no key is
+/// left held without a holder.
+async fn lost_answer_then_retry(
+    proxied: &Registry,
+    observer: &Registry,
+    filter: &CutOnce,
+    keys: &[String],
+) {
+    warm_up(proxied).await;
+    filter.cut.store(false, std::sync::atomic::Ordering::SeqCst);
     let guard = proxied
         .lock_all(keys)
         .wait(Duration::from_secs(10))
@@ -932,87 +904,48 @@ async fn lost_answer_then_retry(proxied: &Registry, observer: &Registry, keys: &
             "`{key}` still held after the hold was released"
         );
     }
+    assert!(
+        filter.cut.load(std::sync::atomic::Ordering::SeqCst),
+        "the answer was cut"
+    );
 }
 
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_one_step_with_a_lost_answer_is_held_once() {
-    use dlock_runtime::RedisBackend;
-    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
+    let url = redis_url();
     let keys = two_keys("redis-lost-answer");
-    let filter = Arc::new(CutOnce {
-        needles: vec![keys[0].as_bytes().to_vec(), keys[1].as_bytes().to_vec()],
-        frame_len: resp_frame_len,
-        // Armed below, once the connections are up.
-        cut: std::sync::atomic::AtomicBool::new(true),
-    });
-    let upstream = url
-        .trim_start_matches("redis://")
-        .trim_end_matches('/')
-        .to_owned();
-    let proxy = dlock_testkit::FaultProxy::start_filtered(upstream, filter.clone())
+    let needles = vec![keys[0].as_bytes().to_vec(), keys[1].as_bytes().to_vec()];
+    let filter = CutOnce::disarmed(needles, resp_frame_len);
+    let proxy = dlock_testkit::FaultProxy::start_filtered(host_port(&url), filter.clone())
         .await
         .expect("proxy");
-    let registry_at = |url: String| async move {
-        Registry::builder()
-            .default_backend(RedisBackend::connect(&url).await.expect("connect"))
-            .build()
-    };
-    let proxied = registry_at(format!("redis://{}/", proxy.addr())).await;
-    let observer = registry_at(url.clone()).await;
-    warm_up(&proxied).await;
-    filter.cut.store(false, std::sync::atomic::Ordering::SeqCst);
-    lost_answer_then_retry(&proxied, &observer, &keys).await;
-    assert!(
-        filter.cut.load(std::sync::atomic::Ordering::SeqCst),
-        "the answer was cut"
-    );
+    let proxied = redis_at(&format!("redis://{}/", proxy.addr())).await;
+    lost_answer_then_retry(&proxied, &redis_at(&url).await, &filter, &keys).await;
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_one_step_with_a_lost_commit_answer_is_held_once() {
-    use dlock_tests::sql_db::SqlDb;
-    let db = SqlDb::Mysql;
+    let db = dlock_tests::sql_db::SqlDb::Mysql;
     let keys = two_keys("mysql-lost-answer");
-    let filter = Arc::new(CutOnce {
-        needles: vec![b"\x03COMMIT".to_vec()],
-        frame_len: mysql_frame_len,
-        // Armed below, once the connections are up.
-        cut: std::sync::atomic::AtomicBool::new(true),
-    });
+    let filter = CutOnce::disarmed(vec![b"\x03COMMIT".to_vec()], mysql_frame_len);
     let proxy = dlock_testkit::FaultProxy::start_filtered(db.host_port(), filter.clone())
         .await
         .expect("proxy");
     let url = db.url().replace(&db.host_port(), &proxy.addr().to_string());
     let proxied = db.connect_url(&url).await.expect("connect").registry();
-    let observer = db.registry("").await;
-    warm_up(&proxied).await;
-    filter.cut.store(false, std::sync::atomic::Ordering::SeqCst);
-    lost_answer_then_retry(&proxied, &observer, &keys).await;
-    assert!(
-        filter.cut.load(std::sync::atomic::Ordering::SeqCst),
-        "the answer was cut"
-    );
+    lost_answer_then_retry(&proxied, &db.registry("").await, &filter, &keys).await;
 }
 
 /// Hold acquisitions of two keys given up at many moments (every 250 µs of
 /// their first 10 ms, so at each of their awaits), with both keys free and
 /// with the second held elsewhere: afterwards another process takes both
 /// within 5 s — never a key left held for the 30 s lease.
-async fn abandoned_at_every_moment(registry: &Registry, observer: &Registry) {
-    abandoned_at_every_moment_of(registry, observer, two_keys).await;
-}
-
-/// [`abandoned_at_every_moment`] with the keys `keys` makes for a case.
-async fn abandoned_at_every_moment_of(
-    registry: &Registry,
-    observer: &Registry,
-    keys: fn(&str) -> [String; 2],
-) {
+async fn abandoned_at_every_moment(registry: &Registry, observer: &Registry, layout: Keys) {
     for busy in [false, true] {
         for i in 0..40u64 {
-            let keys = keys(&format!("abandoned-moment-{busy}-{i}"));
+            let keys = layout.two(&format!("abandoned-moment-{busy}-{i}"));
             let elsewhere = if busy {
                 Some(observer.lock(&keys[1]).acquire().await.expect("free key"))
             } else {
@@ -1059,176 +992,6 @@ async fn abandoned_at_every_moment_of(
         0,
         "leases still tracked after every abandoned hold was undone"
     );
-}
-
-#[cfg(feature = "redis")]
-mod redis_abandoned {
-    use super::*;
-    use dlock_runtime::RedisBackend;
-    use dlock_tests::{server_url, servers_missing};
-
-    async fn registry(var: &str, default: &str) -> Registry {
-        let url = server_url(var, default);
-        Registry::builder()
-            .default_backend(
-                RedisBackend::connect(&url)
-                    .await
-                    .unwrap_or_else(|e| servers_missing(&url, e)),
-            )
-            .build()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let (var, default) = ("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        abandoned_at_every_moment(&registry(var, default).await, &registry(var, default).await)
-            .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let (var, default) = (
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        abandoned_at_every_moment(&registry(var, default).await, &registry(var, default).await)
-            .await;
-    }
-
-    /// Two keys in different hash slots (no shared tag).
-    fn two_slots(case: &str) -> [String; 2] {
-        let key = unique_key(case);
-        [format!("{key}:a"), format!("{key}:b")]
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_hold_across_slots_abandoned_at_every_moment_leaves_no_key_held() {
-        let (var, default) = (
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        abandoned_at_every_moment_of(
-            &registry(var, default).await,
-            &registry(var, default).await,
-            two_slots,
-        )
-        .await;
-    }
-}
-
-#[cfg(feature = "sqlite")]
-mod sqlite_backend {
-    use super::*;
-    use dlock_runtime::SqliteBackend;
-
-    async fn registry(path: &std::path::Path) -> Registry {
-        let url = format!("sqlite://{}", path.display());
-        Registry::builder()
-            .default_backend(SqliteBackend::connect(&url).await.expect("open"))
-            .build()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("several.db");
-        let first = registry(&path).await;
-        abandoned_at_every_moment(&first, &registry(&path).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_many_keys_stay_held() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("several.db");
-        let first = registry(&path).await;
-        many_keys_stay_held(&first, &registry(&path).await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_one_step_waiter_follows_the_busy_key() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("several.db");
-        let first = registry(&path).await;
-        waiter_follows_the_busy_key(&first, &registry(&path).await, &registry(&path).await).await;
-    }
-}
-
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod sql_abandoned {
-    use super::*;
-    use dlock_tests::sql_db::SqlDb;
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let db = SqlDb::Postgres;
-        abandoned_at_every_moment(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_session_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let db = SqlDb::Postgres;
-        abandoned_at_every_moment(
-            &db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-        )
-        .await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let db = SqlDb::Mysql;
-        abandoned_at_every_moment(&db.registry("").await, &db.registry("").await).await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_session_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        let db = SqlDb::Mysql;
-        abandoned_at_every_moment(
-            &db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-        )
-        .await;
-    }
-}
-
-#[cfg(feature = "redis")]
-mod redlock_backend {
-    use super::*;
-    use dlock_runtime::RedlockBackend;
-    use dlock_tests::{server_url, servers_missing};
-
-    async fn registry() -> Registry {
-        let url = server_url(
-            "DLOCK_TEST_REDLOCK_URL",
-            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
-        );
-        Registry::builder()
-            .default_backend(
-                RedlockBackend::connect(&url)
-                    .await
-                    .unwrap_or_else(|e| servers_missing(&url, e)),
-            )
-            .build()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_hold_abandoned_at_every_moment_leaves_no_key_held() {
-        abandoned_at_every_moment(&registry().await, &registry().await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_waiter_keeps_its_budget() {
-        waiter_keeps_its_budget(&registry().await, &registry().await).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_busy_second_key_leaves_first_free() {
-        busy_second_key_leaves_first_free(&registry().await, &registry().await).await;
-    }
 }
 
 /// Inside a hold of `[a, b]`, sibling futures asking for `[b, a]`, `[a, b]`
@@ -1283,26 +1046,12 @@ async fn memory_several_key_siblings_take_turns() {
     siblings_take_turns(&registry).await;
 }
 
-#[cfg(feature = "redis")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_several_key_siblings_take_turns() {
-    let url = dlock_tests::server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-    let registry = Registry::builder()
-        .default_backend(
-            dlock_runtime::RedisBackend::connect(&url)
-                .await
-                .expect("connect"),
-        )
-        .build();
-    siblings_take_turns(&registry).await;
-}
-
 /// Shutdown while this registry holds `[c, d]` and waits for `[a, b]` (`b`
 /// held elsewhere): the waiter answers `ShutDown`, nothing is left
 /// unfinished, and once shutdown has returned another process takes every
 /// key at once.
-async fn shutdown_frees_every_key(registry: Registry, observer: &Registry, keys: [String; 4]) {
-    let [a, b, c, d] = keys;
+async fn shutdown_frees_every_key(registry: &Registry, observer: &Registry, layout: Keys) {
+    let [a, b, c, d] = layout.four("shutdown");
     let elsewhere = observer.lock(&b).acquire().await.expect("free key");
     let held = registry
         .lock_all([&c, &d])
@@ -1339,169 +1088,11 @@ async fn shutdown_frees_every_key(registry: Registry, observer: &Registry, keys:
     }
 }
 
-/// Four keys sharing a hash tag.
-fn four_keys(case: &str) -> [String; 4] {
-    let tag = unique_key(case);
-    ["a", "b", "c", "d"].map(|s| format!("{{{tag}}}:{s}"))
-}
-
-/// Four keys in different hash slots.
-fn four_slots(case: &str) -> [String; 4] {
-    let key = unique_key(case);
-    ["a", "b", "c", "d"].map(|s| format!("{key}:{s}"))
-}
-
-#[cfg(feature = "redis")]
-mod redis_shutdown {
-    use super::*;
-    use dlock_runtime::RedisBackend;
-    use dlock_tests::server_url;
-
-    async fn registry(url: &str) -> Registry {
-        Registry::builder()
-            .default_backend(RedisBackend::connect(url).await.expect("connect"))
-            .build()
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_shutdown_frees_every_key_of_several_key_holds() {
-        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        shutdown_frees_every_key(
-            registry(&url).await,
-            &registry(&url).await,
-            four_keys("redis-shutdown"),
-        )
-        .await;
-    }
-
-    // One thread: shutdown runs from start to end before the waiter is polled.
-    #[tokio::test(flavor = "current_thread")]
-    async fn redis_cluster_across_slots_shutdown_frees_every_key_of_several_key_holds() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        shutdown_frees_every_key(
-            registry(&url).await,
-            &registry(&url).await,
-            four_slots("cluster-shutdown"),
-        )
-        .await;
-    }
-
-    /// Shutdown while a one-step acquisition's script is held back by a
-    /// proxy: once shutdown returns, neither key is held.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_shutdown_during_a_one_step_on_the_wire_frees_both_keys() {
-        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        let upstream = url
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .to_owned();
-        let proxy = dlock_testkit::FaultProxy::start(upstream)
-            .await
-            .expect("proxy");
-        let proxied = registry(&format!("redis://{}/", proxy.addr())).await;
-        let observer = registry(&url).await;
-        let warm = two_keys("shutdown-wire-warm");
-        proxied
-            .lock_all(&warm)
-            .acquire()
-            .await
-            .expect("warm up")
-            .release()
-            .await
-            .expect("release");
-        let keys = two_keys("shutdown-wire");
-        proxy.hold_next(&[keys[1].as_bytes()], Duration::from_millis(800));
-        let acquiring = tokio::spawn({
-            let (proxied, keys) = (proxied.clone(), keys.clone());
-            async move {
-                proxied
-                    .lock_all(&keys)
-                    .lease(Duration::from_secs(60))
-                    .acquire()
-                    .await
-            }
-        });
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        assert!(proxy.held_on().is_some(), "the step was held back");
-        let report = proxied.shutdown(Duration::from_secs(10)).await;
-        assert_eq!(report.unfinished, 0, "{report:?}");
-        let _ = acquiring.await;
-        for key in &keys {
-            assert!(
-                observer.inspect(key).await.expect("inspect").is_none(),
-                "`{key}` held once shutdown returned"
-            );
-        }
-    }
-}
-
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod sql_shutdown {
-    use super::*;
-    use dlock_tests::sql_db::SqlDb;
-
-    #[cfg(feature = "postgres")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_shutdown_frees_every_key_of_several_key_holds() {
-        let db = SqlDb::Postgres;
-        shutdown_frees_every_key(
-            db.registry("").await,
-            &db.registry("").await,
-            four_keys("pg-shutdown"),
-        )
-        .await;
-    }
-
-    #[cfg(feature = "postgres")]
-    // One thread: shutdown runs from start to end before the waiter is polled.
-    #[tokio::test(flavor = "current_thread")]
-    async fn postgres_session_shutdown_frees_every_key_of_several_key_holds() {
-        let db = SqlDb::Postgres;
-        shutdown_frees_every_key(
-            db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-            four_keys("pg-session-shutdown"),
-        )
-        .await;
-    }
-
-    #[cfg(feature = "mysql")]
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql_shutdown_frees_every_key_of_several_key_holds() {
-        let db = SqlDb::Mysql;
-        shutdown_frees_every_key(
-            db.registry("").await,
-            &db.registry("").await,
-            four_keys("mysql-shutdown"),
-        )
-        .await;
-    }
-
-    #[cfg(feature = "mysql")]
-    // One thread: shutdown runs from start to end before the waiter is polled.
-    #[tokio::test(flavor = "current_thread")]
-    async fn mysql_session_shutdown_frees_every_key_of_several_key_holds() {
-        let db = SqlDb::Mysql;
-        shutdown_frees_every_key(
-            db.registry("mode=session").await,
-            &db.registry("mode=session").await,
-            four_keys("mysql-session-shutdown"),
-        )
-        .await;
-    }
-}
-
 /// With `hold_at_least`, a hold of `[a, b]` that finds `b` busy (wait 0)
 /// never had a body to keep the keys after: `a`, taken first where the keys
 /// go one by one, is free for another process at once.
-async fn busy_hold_keeps_nothing_at_least(
-    registry: &Registry,
-    other: &Registry,
-    keys: [String; 2],
-) {
+async fn busy_hold_keeps_nothing_at_least(registry: &Registry, other: &Registry, layout: Keys) {
+    let keys = layout.two("busy-at-least");
     let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
     assert_busy(
         registry
@@ -1512,95 +1103,14 @@ async fn busy_hold_keeps_nothing_at_least(
             .await,
         "a hold whose second key is held elsewhere",
     );
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::from_millis(500))
-        .acquire()
-        .await
-        .unwrap_or_else(|e| {
-            panic!("the first key stayed held after a busy acquisition with hold_at_least: {e}")
-        });
-    first.release().await.expect("release");
-    elsewhere.release().await.expect("release");
-}
-
-/// Two keys in different Redis Cluster hash slots.
-fn two_slots_apart(case: &str) -> [String; 2] {
-    let key = unique_key(case);
-    [format!("{key}:a"), format!("{key}:b")]
-}
-
-#[cfg(feature = "redis")]
-mod redis_hold_at_least {
-    use super::*;
-    use dlock_runtime::{RedisBackend, RedlockBackend};
-    use dlock_tests::server_url;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_busy_hold_keeps_nothing_at_least() {
-        let url = server_url("DLOCK_TEST_REDIS_URL", "redis://127.0.0.1:46379/");
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        busy_hold_keeps_nothing_at_least(
-            &registry().await,
-            &registry().await,
-            two_keys("redis-at-least"),
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_across_slots_busy_hold_keeps_nothing_at_least() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        busy_hold_keeps_nothing_at_least(
-            &registry().await,
-            &registry().await,
-            two_slots_apart("cluster-at-least"),
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_busy_hold_keeps_nothing_at_least() {
-        let url = server_url(
-            "DLOCK_TEST_REDLOCK_URL",
-            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        busy_hold_keeps_nothing_at_least(
-            &registry().await,
-            &registry().await,
-            two_keys("redlock-at-least"),
-        )
-        .await;
-    }
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_busy_hold_keeps_nothing_at_least() {
-    let db = dlock_tests::sql_db::SqlDb::Postgres;
-    busy_hold_keeps_nothing_at_least(
-        &db.registry("").await,
-        &db.registry("").await,
-        two_keys("pg-at-least"),
+    assert_free(
+        other,
+        &keys[0],
+        Duration::from_millis(500),
+        "the first key stayed held after a busy acquisition with hold_at_least",
     )
     .await;
+    elsewhere.release().await.expect("release");
 }
 
 /// With `hold_at_least`, a hold of `[a, b]` given up while it waits for `b`
@@ -1608,8 +1118,9 @@ async fn postgres_busy_hold_keeps_nothing_at_least() {
 async fn abandoned_hold_keeps_nothing_at_least(
     registry: &Registry,
     other: &Registry,
-    keys: [String; 2],
+    layout: Keys,
 ) {
+    let keys = layout.two("abandoned-at-least");
     let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
     let gave_up = tokio::time::timeout(
         Duration::from_millis(300),
@@ -1621,98 +1132,22 @@ async fn abandoned_hold_keeps_nothing_at_least(
     )
     .await;
     assert!(gave_up.is_err(), "the caller gave up while the hold waited");
-    let first = other
-        .lock(&keys[0])
-        .wait(Duration::from_millis(500))
-        .acquire()
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "the first key stayed held after an abandoned acquisition with hold_at_least: {e}"
-            )
-        });
-    first.release().await.expect("release");
+    assert_free(
+        other,
+        &keys[0],
+        Duration::from_millis(500),
+        "the first key stayed held after an abandoned acquisition with hold_at_least",
+    )
+    .await;
     elsewhere.release().await.expect("release");
-}
-
-#[cfg(feature = "redis")]
-mod redis_abandoned_at_least {
-    use super::*;
-    use dlock_runtime::{RedisBackend, RedlockBackend};
-    use dlock_tests::server_url;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_across_slots_abandoned_hold_keeps_nothing_at_least() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        abandoned_hold_keeps_nothing_at_least(
-            &registry().await,
-            &registry().await,
-            two_slots_apart("cluster-abandoned-at-least"),
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_abandoned_hold_keeps_nothing_at_least() {
-        let url = server_url(
-            "DLOCK_TEST_REDLOCK_URL",
-            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        abandoned_hold_keeps_nothing_at_least(
-            &registry().await,
-            &registry().await,
-            two_keys("redlock-abandoned-at-least"),
-        )
-        .await;
-    }
-}
-
-#[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_session_busy_hold_keeps_nothing_at_least() {
-    let db = dlock_tests::sql_db::SqlDb::Postgres;
-    busy_hold_keeps_nothing_at_least(
-        &db.registry("mode=session").await,
-        &db.registry("mode=session").await,
-        two_keys("pg-session-at-least"),
-    )
-    .await;
-}
-
-#[cfg(feature = "mysql")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_session_busy_hold_keeps_nothing_at_least() {
-    let db = dlock_tests::sql_db::SqlDb::Mysql;
-    busy_hold_keeps_nothing_at_least(
-        &db.registry("mode=session").await,
-        &db.registry("mode=session").await,
-        two_keys("mysql-session-at-least"),
-    )
-    .await;
 }
 
 /// Without the watchdog (1 s lease), a hold of `[a, b]` that waits 2 s for
 /// `b`: `a`, taken first where the keys go one by one, has run out by then
 /// and another process took it. The hold must not be granted as if `a` were
 /// still its own.
-async fn expired_first_key_is_not_granted(
-    registry: &Registry,
-    other: &Registry,
-    keys: [String; 2],
-) {
+async fn expired_first_key_is_not_granted(registry: &Registry, other: &Registry, layout: Keys) {
+    let keys = layout.two("expired-first");
     let elsewhere = other.lock(&keys[1]).acquire().await.expect("free key");
     let waiting = tokio::spawn({
         let (registry, keys) = (registry.clone(), keys.clone());
@@ -1747,51 +1182,6 @@ async fn expired_first_key_is_not_granted(
     );
 }
 
-#[cfg(feature = "redis")]
-mod redis_expired_first_key {
-    use super::*;
-    use dlock_runtime::{RedisBackend, RedlockBackend};
-    use dlock_tests::server_url;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster_across_slots_expired_first_key_is_not_granted() {
-        let url = server_url(
-            "DLOCK_TEST_REDIS_CLUSTER_URL",
-            "redis+cluster://127.0.0.1:47001,127.0.0.1:47002,127.0.0.1:47003",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedisBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        expired_first_key_is_not_granted(
-            &registry().await,
-            &registry().await,
-            two_slots_apart("cluster-expired-first"),
-        )
-        .await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redlock_expired_first_key_is_not_granted() {
-        let url = server_url(
-            "DLOCK_TEST_REDLOCK_URL",
-            "redlock://127.0.0.1:46379,127.0.0.1:46380,127.0.0.1:46381,127.0.0.1:46382,127.0.0.1:46383",
-        );
-        let registry = || async {
-            Registry::builder()
-                .default_backend(RedlockBackend::connect(&url).await.expect("connect"))
-                .build()
-        };
-        expired_first_key_is_not_granted(
-            &registry().await,
-            &registry().await,
-            two_keys("redlock-expired-first"),
-        )
-        .await;
-    }
-}
-
 /// A one-step waiter whose busy key's holder never releases (a 1.5 s lease
 /// without the watchdog, as a crashed holder leaves it): the waiter takes
 /// both keys soon after that lease runs out, not at the end of its wait.
@@ -1819,8 +1209,6 @@ async fn waiter_takes_over_an_expired_holder(waiter: &Registry, holder: &Registr
         "the waiter took the keys {took:?} after it began, for a holder's 1.5 s lease"
     );
 }
-
-on_each_one_step_backend!(waiter_takes_over_an_expired_holder);
 
 /// Tokens per key across one-step and single-key grants and a revocation:
 /// a single-key grant after a one-step hold, a one-step grant after a
@@ -1856,4 +1244,105 @@ async fn tokens_rise_across_grants_and_revocation(registry: &Registry, observer:
     drop(single);
 }
 
-on_each_one_step_backend!(tokens_rise_across_grants_and_revocation);
+#[cfg(feature = "redis")]
+on_backend!(redis:
+    many_keys_stay_held(registry, observer),
+    revoked_key_cancels_the_hold(registry, observer),
+    fenced_and_unfenced_exclude(first, second),
+    waiter_follows_the_busy_key(waiter, first, second),
+    waiter_keeps_its_budget(waiter, holder),
+    waiter_takes_over_an_expired_holder(waiter, holder),
+    tokens_rise_across_grants_and_revocation(registry, observer),
+    abandoned_at_every_moment(registry, observer; keys),
+    siblings_take_turns(registry),
+    shutdown_frees_every_key(registry, observer; keys),
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+);
+
+#[cfg(feature = "redis")]
+on_backend!(redis_cluster:
+    many_keys_stay_held(registry, observer),
+    fenced_and_unfenced_exclude(first, second),
+    abandoned_at_every_moment(registry, observer; keys),
+);
+
+// One thread for shutdown: it runs from start to end before the waiter is
+// polled.
+#[cfg(feature = "redis")]
+on_backend!(redis_cluster_across_slots:
+    abandoned_at_every_moment(registry, observer; keys),
+    shutdown_frees_every_key(registry, observer; keys) on_one_thread,
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+    abandoned_hold_keeps_nothing_at_least(registry, other; keys),
+    expired_first_key_is_not_granted(registry, other; keys),
+);
+
+#[cfg(feature = "redis")]
+on_backend!(redlock:
+    busy_second_key_leaves_first_free(registry, other),
+    waiter_keeps_its_budget(waiter, holder),
+    abandoned_at_every_moment(registry, observer; keys),
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+    abandoned_hold_keeps_nothing_at_least(registry, other; keys),
+    expired_first_key_is_not_granted(registry, other; keys),
+);
+
+#[cfg(feature = "postgres")]
+on_backend!(postgres:
+    many_keys_stay_held(registry, observer),
+    revoked_key_cancels_the_hold(registry, observer),
+    overlapping_fresh_keys_never_fail(a, b, c, d),
+    busy_second_key_leaves_first_free(registry, other),
+    waiter_follows_the_busy_key(waiter, first, second),
+    waiter_keeps_its_budget(waiter, holder),
+    waiter_takes_over_an_expired_holder(waiter, holder),
+    tokens_rise_across_grants_and_revocation(registry, observer),
+    abandoned_at_every_moment(registry, observer; keys),
+    shutdown_frees_every_key(registry, observer; keys),
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+);
+
+// One thread for shutdown: it runs from start to end before the waiter is
+// polled.
+#[cfg(feature = "postgres")]
+on_backend!(postgres_session:
+    busy_second_key_leaves_first_free(registry, other),
+    waiter_keeps_its_budget(waiter, holder),
+    abandoned_at_every_moment(registry, observer; keys),
+    shutdown_frees_every_key(registry, observer; keys) on_one_thread,
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+);
+
+#[cfg(feature = "mysql")]
+on_backend!(mysql:
+    many_keys_stay_held(registry, observer),
+    revoked_key_cancels_the_hold(registry, observer),
+    overlapping_fresh_keys_never_fail(a, b, c, d),
+    busy_second_key_leaves_first_free(registry, other),
+    waiter_follows_the_busy_key(waiter, first, second),
+    waiter_keeps_its_budget(waiter, holder),
+    waiter_takes_over_an_expired_holder(waiter, holder),
+    tokens_rise_across_grants_and_revocation(registry, observer),
+    abandoned_at_every_moment(registry, observer; keys),
+    shutdown_frees_every_key(registry, observer; keys),
+);
+
+// One thread for shutdown: it runs from start to end before the waiter is
+// polled.
+#[cfg(feature = "mysql")]
+on_backend!(mysql_session:
+    busy_second_key_leaves_first_free(registry, other),
+    waiter_keeps_its_budget(waiter, holder),
+    abandoned_at_every_moment(registry, observer; keys),
+    shutdown_frees_every_key(registry, observer; keys) on_one_thread,
+    busy_hold_keeps_nothing_at_least(registry, other; keys),
+);
+
+#[cfg(feature = "sqlite")]
+on_backend!(sqlite:
+    many_keys_stay_held(registry, observer),
+    waiter_follows_the_busy_key(waiter, first, second),
+    waiter_takes_over_an_expired_holder(waiter, holder),
+    tokens_rise_across_grants_and_revocation(registry, observer),
+    abandoned_at_every_moment(registry, observer; keys),
+);
