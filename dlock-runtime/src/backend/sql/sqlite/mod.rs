@@ -857,26 +857,21 @@ fn shared_sql() -> SharedSql {
                                        ELSE excluded.granted_at END, \
                      permits = excluded.permits, owner = excluded.owner, \
                      token = CASE WHEN ?7 >= 0 THEN ?7 ELSE MAX({h}.token + 1, excluded.token) END, \
-                     expires_at = excluded.expires_at, holder = excluded.holder"
+                     expires_at = excluded.expires_at, holder = excluded.holder \
+                 RETURNING token"
             ),
             &ids(7),
         ),
-        slot_token: Stmt::new(
-            format!("SELECT token FROM {h} WHERE key = ?1 AND slot = ?2"),
-            &ids(2),
-        ),
+        slot_token: None,
         share: Stmt::new(
             format!(
                 "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?2), \
                  token = CASE WHEN ?3 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
-                 WHERE key = ?1"
+                 WHERE key = ?1 RETURNING token"
             ),
             &ids(3),
         ),
-        key_token: Stmt::new(
-            "SELECT token FROM dlock_leases WHERE key = ?1".into(),
-            &ids(1),
-        ),
+        key_token: None,
         wanted: None,
         mark_writer: Stmt::new(
             format!(
