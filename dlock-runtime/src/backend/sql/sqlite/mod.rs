@@ -333,6 +333,10 @@ impl SqliteBackend {
         let pool = crate::driver::run(async move {
             let pool = SqlitePoolOptions::new()
                 .max_connections(4)
+                // A connection is a thread of this process: a ping before
+                // each call (a round trip to that thread) would test nothing
+                // the call itself does not.
+                .test_before_acquire(false)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_with(options)
                 .await?;
@@ -524,6 +528,13 @@ impl LockBackend for SqliteBackend {
 
     fn offers(&self, _mode: HoldMode) -> Result<(), String> {
         Ok(())
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // A connection is a thread of this process that answers calls from
+        // any runtime (no socket tied to the runtime that opened it): calls
+        // run where they are made, without a hop to dlock's I/O runtime.
+        false
     }
 
     fn try_acquire<'a>(
