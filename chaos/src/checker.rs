@@ -1078,6 +1078,10 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
     }
 }
 
+/// A lease a revoked holder may be: when it was acquired, its id
+/// (worker slot, incarnation, lease number) and its trace events.
+type LeaseCandidate<'a> = (u64, (usize, u32, u64), &'a Vec<&'a TraceEvent>);
+
 /// Checks every revocation the nemesis made: each holder it reported was
 /// told of its loss within [`revocation_bound`] of its lease after
 /// `revoke` answered (the bound restarts when a pause of that worker
@@ -1090,7 +1094,9 @@ fn check_traces(s: &mut Summary, traces: &[&TraceEvent], faults: &[&FaultEvent],
 /// A holder is matched to its lease by the runtime's trace: the latest
 /// `dlock.lock` span of that worker process on that key (main backend)
 /// acquired before `revoke` answered, with the revoked token where the
-/// backend has one.
+/// backend has one; without such a span, where the backend has a token,
+/// the first span with that token acquired after the revocation began (a
+/// grant `revoke` took while the grant's answer was on its way).
 fn check_revocations(
     s: &mut Summary,
     revocations: &[&RevocationEvent],
@@ -1123,7 +1129,7 @@ fn check_revocations(
             // Its lease: that worker process's (or, without one, any
             // process's lease with that token) latest on the key.
             let process = h.w.zip(h.inc);
-            let lease = leases
+            let candidates: Vec<LeaseCandidate<'_>> = leases
                 .iter()
                 .filter(|((lw, linc, _), _)| process.is_none_or(|p| p == (*lw, *linc)))
                 .filter_map(|(id, events)| {
@@ -1135,9 +1141,23 @@ fn check_revocations(
                         (Some(_), None) => true,
                         (None, None) => false,
                     };
-                    (same && acquired.t <= r.answered).then_some((acquired.t, *id, events))
+                    same.then_some((acquired.t, *id, events))
                 })
-                .max_by_key(|(t, ..)| *t);
+                .collect();
+            // A grant `revoke` took while its answer was on its way traces
+            // its acquisition after `revoke` answered: with the revoked
+            // token, the first such grant after the revocation began.
+            let lease = candidates
+                .iter()
+                .filter(|(t, ..)| *t <= r.answered)
+                .max_by_key(|(t, ..)| *t)
+                .or_else(|| {
+                    candidates
+                        .iter()
+                        .filter(|(t, ..)| h.token.is_some() && *t >= r.t)
+                        .min_by_key(|(t, ..)| *t)
+                })
+                .copied();
             let Some((acquired_at, id, events)) = lease else {
                 // A live worker process leaves a trace of its lease, unless
                 // killed; a pid no worker had any more was a process gone.
@@ -1147,7 +1167,13 @@ fn check_revocations(
                         .any(|&(start, _)| start >= r.t),
                     None => h.pid.is_some(),
                 };
-                if gone {
+                // A live process that never traced a grant with the revoked
+                // token was never granted it: `revoke` deleted the lease of
+                // an attempt between its create and the read that would
+                // have granted it (a semaphore's lease looks held before its
+                // attempt has read the others), and the attempt went on.
+                let never_granted = process.is_some() && h.token.is_some();
+                if gone || never_granted {
                     s.revoked_ended_first += 1;
                 } else {
                     s.revoked_unsignalled += 1;
@@ -2539,6 +2565,91 @@ mod tests {
             TraceKind::ReleaseRequested,
         )));
         let s = check(&renewed, &[], &with_backend("redis"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
+    }
+
+    /// Worker 1 is granted token 7 while `revoke` (100 ms, answered at
+    /// 101 ms) takes it: the grant's acquisition is traced at 120 ms.
+    fn granted_while_revoked_history() -> Vec<Record> {
+        let mut records = revoked_history(8);
+        records.retain(|r| !matches!(r, Record::Trace(e) if e.w == 1));
+        records.retain(|r| !matches!(r, Record::Worker(e) if e.w == 1));
+        records.push(worker(119 * MS, 1, Step::acquired(Some(7))));
+        records.push(Record::Trace(on_key(
+            120 * MS,
+            1,
+            1,
+            7,
+            TraceKind::Acquired,
+        )));
+        records
+    }
+
+    #[test]
+    fn a_holder_granted_while_revoke_ran_is_matched_by_its_token() {
+        // Released before a renewal could find its lease gone.
+        let mut released = granted_while_revoked_history();
+        released.push(Record::Trace(on_key(
+            150 * MS,
+            1,
+            1,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&released, &[], &with_backend("zk"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.revoked_ended_first, s.revoked_unsignalled), (1, 0));
+        // Told by its first renewal.
+        let mut told = granted_while_revoked_history();
+        told.push(lost_as(260 * MS, 1, 1, 7, "revoked"));
+        let s = check(&told, &[], &with_backend("zk"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.revoked_signalled, s.revoked_unsignalled), (1, 0));
+        // Still holding, never told.
+        let s = check(&granted_while_revoked_history(), &[], &with_backend("zk"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
+        // A grant before the revocation answered is the one it took; a later
+        // grant with the same token (a permit's tokens grow per slot) is
+        // another hold.
+        let mut later = revoked_history(8);
+        later.push(Record::Trace(on_key(
+            120 * MS,
+            1,
+            2,
+            7,
+            TraceKind::Acquired,
+        )));
+        later.push(Record::Trace(on_key(
+            150 * MS,
+            1,
+            2,
+            7,
+            TraceKind::ReleaseRequested,
+        )));
+        let s = check(&later, &[], &with_backend("zk"));
+        assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
+    }
+
+    #[test]
+    fn a_revoked_lease_its_live_process_was_never_granted_needs_no_signal() {
+        let mut records = revoked_history(8);
+        for r in &mut records {
+            if let Record::Revocation(rev) = r {
+                rev.holders[0].token = Some(5);
+            }
+        }
+        let s = check(&records, &[], &with_backend("zk"));
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert_eq!((s.revoked_ended_first, s.revoked_unsignalled), (1, 0));
+        // Without a token to tell its grants apart, a live holder with no
+        // traced lease was not told.
+        for r in &mut records {
+            if let Record::Revocation(rev) = r {
+                rev.holders[0].token = None;
+                rev.holders[0].w = Some(3);
+            }
+        }
+        let s = check(&records, &[], &with_backend("zk"));
         assert_eq!(s.revoked_unsignalled, 1, "{:?}", s.violations);
     }
 

@@ -11,6 +11,7 @@ mod watch;
 
 use std::future::Future;
 use std::io::{BufRead as _, IsTerminal as _, Write as _};
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -23,8 +24,9 @@ use dlock_runtime::{Admin, HolderInfo, Registry};
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success (also `show` of a free key, which prints `free` / JSON `null`)
-  1  error: bad or unreachable URL, a server error or no answer within --timeout,
-     or `revoke` not confirmed
+  1  error: bad or unreachable URL, no lock table or SQLite file there (never
+     created here: add `?create=true` to a SQL URL to let it), a server error or
+     no answer within --timeout, or `revoke` not confirmed
   2  usage error (unknown command or option, missing --url)";
 
 /// Who holds which distributed lock, and taking one back.
@@ -210,16 +212,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Connects within the timeout.
+/// Connects within the timeout, to lock tables that must already be there
+/// (see [`without_creating`]).
 async fn open(url: &str, global: &Global) -> Result<Session, Failure> {
     let shown_url = redact_url(url);
     let secrets = Arc::new(secrets_of(url));
+    let opened = without_creating(url)
+        .map_err(|e| Failure::new(format!("connect on {shown_url}: {}", scrub(&e, &secrets))))?;
     let backend = bounded(
         global.timeout,
         &shown_url,
         &secrets,
         "connect",
-        dlock_runtime::connect(url),
+        dlock_runtime::connect(&opened),
     )
     .await?;
     let registry = Registry::builder()
@@ -235,6 +240,45 @@ async fn open(url: &str, global: &Global) -> Result<Session, Failure> {
         timeout: global.timeout,
         secrets,
     })
+}
+
+/// The URL the commands open: one that reads the lock tables the
+/// applications made, never makes them. A misspelt `?table=` or SQLite path
+/// would otherwise be created empty and every key shown free. PostgreSQL
+/// and MySQL URLs get `create=false` unless they say `create` themselves
+/// (`?create=true` lets the command add what an older table lacks); a
+/// SQLite file must exist.
+fn without_creating(url: &str) -> Result<String, String> {
+    let Some((scheme, rest)) = url.split_once(':') else {
+        return Ok(url.to_owned());
+    };
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    match scheme.to_ascii_lowercase().as_str() {
+        "postgres" | "postgresql" | "mysql" | "mariadb" => {
+            if query
+                .split('&')
+                .any(|option| option.split('=').next() == Some("create"))
+            {
+                Ok(url.to_owned())
+            } else if url.contains('?') {
+                Ok(format!("{url}&create=false"))
+            } else {
+                Ok(format!("{url}?create=false"))
+            }
+        }
+        "sqlite" => {
+            let file = path.strip_prefix("//").unwrap_or(path);
+            if file.is_empty() || Path::new(file).is_file() {
+                Ok(url.to_owned())
+            } else {
+                Err(format!(
+                    "no SQLite lock database at `{file}` (the applications that lock make it; \
+                     is the path right?)"
+                ))
+            }
+        }
+        _ => Ok(url.to_owned()),
+    }
 }
 
 /// `request` within `timeout`; its error, or the timeout, as a message
@@ -455,6 +499,31 @@ mod tests {
             assert!(cli.global.json, "{args:?}");
             assert_eq!(cli.global.url.as_deref(), Some("memory://"), "{args:?}");
         }
+    }
+
+    #[test]
+    fn sql_urls_are_opened_without_creating_tables() {
+        let url = |u: &str| without_creating(u).unwrap();
+        assert_eq!(url("mysql://h/db"), "mysql://h/db?create=false");
+        assert_eq!(
+            url("postgres://h/db?table=t"),
+            "postgres://h/db?table=t&create=false"
+        );
+        assert_eq!(
+            url("MariaDB://h/db?create=true"),
+            "MariaDB://h/db?create=true"
+        );
+        assert_eq!(
+            url("postgresql://h/db?create=false"),
+            "postgresql://h/db?create=false"
+        );
+        assert_eq!(url("redis://h/?table=x"), "redis://h/?table=x");
+        let missing = without_creating("sqlite:///nonexistent-dir/locks.db?poll=5ms").unwrap_err();
+        assert!(missing.contains("`/nonexistent-dir/locks.db`"), "{missing}");
+        assert!(without_creating("sqlite://nonexistent.db").is_err());
+        let existing = std::env::current_exe().unwrap();
+        let existing = format!("sqlite://{}", existing.display());
+        assert_eq!(url(&existing), existing);
     }
 
     #[test]

@@ -246,6 +246,8 @@ async fn revoke_without_an_answer_revokes_nothing() {
 async fn the_url_comes_from_dlock_url_or_the_command_fails_as_a_usage_error() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    // The applications' database, which the command never makes.
+    let _applications = registry(&url).await;
     let out = tokio::task::spawn_blocking(move || {
         Command::new(DLOCK)
             .args(["list"])
@@ -503,6 +505,7 @@ async fn operates_a_held_key_on_etcd() {
 async fn watch_ends_on_sigterm_with_the_terminal_restored() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let _applications = registry(&url).await;
     let out = tokio::task::spawn_blocking(move || {
         let child = Command::new(DLOCK)
             .args(["--url", &url, "watch", "--interval", "100ms"])
@@ -528,4 +531,146 @@ async fn watch_ends_on_sigterm_with_the_terminal_restored() {
         text.ends_with("\x1b[?25h\x1b[?1049l"),
         "the terminal is restored: {text:?}"
     );
+}
+
+/// A misspelt lock table or SQLite path is an error (exit 1) naming it,
+/// never created and shown as "no held keys": the command reads the tables
+/// the applications made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misspelt_table_or_database_is_an_error_and_never_created() {
+    let mysql = server_url(
+        "DLOCK_TEST_MYSQL_URL",
+        "mysql://dlock:dlock@127.0.0.1:43306/dlock",
+    );
+    // Without the test servers' password (`dlock`) in it: that is scrubbed.
+    let table = format!("locks_misspelt_{}", std::process::id());
+    let url = format!("{mysql}?table={table}");
+    for command in [&["list"][..], &["show", "k"], &["revoke", "--yes", "k"]] {
+        let out = dlock(&[&["--url", url.as_str()][..], command].concat(), None).await;
+        assert_exit(&out, 1, &format!("{command:?} on a missing table"));
+        let err = stderr(&out);
+        assert!(err.contains(&format!("`{table}`")), "{err}");
+        assert!(err.contains("create=true"), "{err}");
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("misspelt").join("locks.db");
+    let url = format!("sqlite://{}", file.display());
+    for command in [&["list"][..], &["show", "k"]] {
+        let out = dlock(&[&["--url", url.as_str()][..], command].concat(), None).await;
+        assert_exit(&out, 1, &format!("{command:?} on a missing SQLite file"));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("no SQLite lock database at `{}`", file.display())),
+            "{err}"
+        );
+    }
+    assert!(!dir.path().join("misspelt").exists(), "nothing created");
+}
+
+/// Permits and readers of one key, on MySQL and SQLite: `show` and `list`
+/// name every holder, `--json` gives each its slot or reader flag, and a
+/// revocation answers them all.
+async fn shows_every_holder_of_a_shared_key(url: &str) {
+    let registry = registry(url).await;
+    let sem = unique_key("permits");
+    let rw = format!("{sem}:rw");
+    let hold_as =
+        |key: String, lock: fn(dlock_runtime::LockBuilder) -> dlock_runtime::LockBuilder| {
+            let registry = registry.clone();
+            async move {
+                lock(registry.lock(key).lease(Duration::from_secs(3)))
+                    .acquire()
+                    .await
+                    .expect("acquire")
+            }
+        };
+    let p1 = hold_as(sem.clone(), |l| l.permits(3)).await;
+    let p2 = hold_as(sem.clone(), |l| l.permits(3)).await;
+    let r1 = hold_as(rw.clone(), |l| l.read()).await;
+    let r2 = hold_as(rw.clone(), |l| l.read()).await;
+    let out = dlock(&["--url", url, "show", &sem, "--json"], None).await;
+    assert_exit(&out, 0, "show --json");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let slots: Vec<_> = doc["holders"]
+        .as_array()
+        .expect("holders")
+        .iter()
+        .map(|h| {
+            (
+                h["slot"].as_u64(),
+                h["reader"].as_bool(),
+                h["name"].as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        slots,
+        [
+            (Some(0), Some(false), Some("cli-test")),
+            (Some(1), Some(false), Some("cli-test"))
+        ],
+        "{doc}"
+    );
+    let prefix = sem.rsplit_once(':').expect("key has a suffix").0.to_owned();
+    let out = dlock(&["--url", url, "list", &prefix, "--json"], None).await;
+    assert_exit(&out, 0, "list --json");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let listed: Vec<_> = doc
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|k| {
+            let readers = k["holders"]
+                .as_array()
+                .expect("holders")
+                .iter()
+                .filter(|h| h["reader"] == true)
+                .count();
+            (k["key"].as_str().map(str::to_owned), readers)
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [(Some(sem.clone()), 0), (Some(rw.clone()), 2)],
+        "{doc}"
+    );
+    let out = dlock(&["--url", url, "show", &rw], None).await;
+    assert_exit(&out, 0, "show");
+    let pid = format!("pid {}", std::process::id());
+    assert_eq!(stdout(&out).matches(&pid).count(), 2, "{}", stdout(&out));
+    let out = dlock(&["--url", url, "revoke", &sem, "--json"], Some("y\n")).await;
+    assert_exit(&out, 0, "revoke");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(doc.as_array().map(Vec::len), Some(2), "{doc}");
+    assert!(
+        !stderr(&out).contains("changed hands"),
+        "the holders asked about are the ones revoked: {}",
+        stderr(&out)
+    );
+    for guard in [&p1, &p2] {
+        tokio::time::timeout(Duration::from_secs(15), guard.lost())
+            .await
+            .expect("a revoked permit learns it lost the key");
+    }
+    r1.release().await.expect("release");
+    r2.release().await.expect("release");
+    let out = dlock(&["--url", url, "list", &prefix], None).await;
+    assert_exit(&out, 0, "list");
+    assert_eq!(stdout(&out), format!("no held keys under `{prefix}`\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shows_every_holder_of_a_shared_key_on_mysql() {
+    shows_every_holder_of_a_shared_key(&server_url(
+        "DLOCK_TEST_MYSQL_URL",
+        "mysql://dlock:dlock@127.0.0.1:43306/dlock",
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shows_every_holder_of_a_shared_key_on_sqlite() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    shows_every_holder_of_a_shared_key(&url).await;
 }

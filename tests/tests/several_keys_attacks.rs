@@ -2,7 +2,8 @@
 //! caller gives up on while its one step (script, statement, transaction)
 //! is on the wire, or at any other moment, leaves no key held; a step whose
 //! answer is lost is held once, by the hold's one owner; a hold of many keys
-//! (64, 100) stays held under the watchdog; one key of a hold revoked
+//! (64, 100) stays held under the watchdog; a server that goes silent ends
+//! a waiting hold within its `wait`; one key of a hold revoked
 //! cancels the hold and frees the others; fenced and unfenced holds of the
 //! same keys exclude each other; several-key and single-key holds of
 //! overlapping fresh keys on the SQL lease tables never fail nor overlap; a
@@ -431,6 +432,45 @@ mod redis_backend {
             .await;
     }
 
+    /// A server that stops answering while a hold of two keys waits: the
+    /// hold is an error within its `wait` and the attempt grace, not at the
+    /// backend's own 10 s request timeout, and leaves neither key held once
+    /// the server answers again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_a_silent_server_ends_a_hold_within_its_wait() {
+        let url = url();
+        let proxy = dlock_testkit::FaultProxy::start(host_port(&url))
+            .await
+            .expect("proxy");
+        let proxied = registry_at(&format!("redis://{}/?timeout=10s", proxy.addr())).await;
+        let observer = registry_at(&url).await;
+        let keys = two_keys("redis-silent-server-hold");
+        let warm = proxied.lock_all(&keys).acquire().await.expect("warm up");
+        warm.release().await.expect("release");
+        proxy.set(dlock_testkit::Fault::Hold);
+        let wait = Duration::from_millis(500);
+        let started = Instant::now();
+        let answer = proxied.lock_all(&keys).wait(wait).acquire().await;
+        let took = started.elapsed();
+        assert!(
+            matches!(answer, Err(LockError::Backend { .. })),
+            "a silent server is a backend error, got {:?}",
+            answer.map(|g| g.keys().to_vec())
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "the hold answered {took:?} after it began, with a 500 ms wait"
+        );
+        proxy.set(dlock_testkit::Fault::Pass);
+        let again = observer
+            .lock_all(&keys)
+            .wait(Duration::from_secs(15))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("the keys of the failed hold are not free: {e}"));
+        again.release().await.expect("release");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redis_many_keys_stay_held() {
         let url = url();
@@ -518,6 +558,35 @@ mod sql_backends {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_abandoned_one_step_at_its_commit_leaves_no_key_held() {
         abandoned(SqlDb::Mysql, Some(b"COMMIT")).await;
+    }
+
+    /// A hold given up while its transaction's `BEGIN` is on the wire: the
+    /// server starts the transaction after the caller left. The connection
+    /// must not go back to the pool inside it (every later statement on it
+    /// would run there uncommitted, its row locks held), so each key the
+    /// registry takes and releases afterwards is free for another process.
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_abandoned_one_step_at_its_begin_leaves_no_transaction_open() {
+        let db = SqlDb::Mysql;
+        let (registry, proxy) = proxied(db).await;
+        let observer = db.registry("").await;
+        let keys = two_keys("sql-abandoned-step-begin");
+        abandoned_step_leaves_no_key_held(&registry, &proxy, &observer, &keys, b"BEGIN").await;
+        for round in 0..8 {
+            let key = unique_key(&format!("after-abandoned-begin-{round}"));
+            let guard = registry.lock(&key).acquire().await.expect("free key");
+            guard.release().await.expect("release");
+            let again = observer
+                .lock(&key)
+                .wait(Duration::from_secs(2))
+                .acquire()
+                .await
+                .unwrap_or_else(|e| {
+                    panic!("a key the registry released is not free elsewhere (round {round}): {e}")
+                });
+            again.release().await.expect("release");
+        }
     }
 
     #[cfg(feature = "postgres")]

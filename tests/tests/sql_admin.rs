@@ -13,9 +13,9 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use dlock_runtime::{LockError, Registry};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-use dlock_runtime::{LockGuard, LossReason};
+use dlock_runtime::LockGuard;
+use dlock_runtime::{LockError, LossReason, Registry};
 use dlock_tests::sql_db::SqlDb;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use dlock_tests::sql_support::SqlMode;
@@ -625,4 +625,538 @@ async fn an_old_mysql_lease_table_keeps_working() {
         "DROP TABLE IF EXISTS {table}, {table}_holders, {table}_procs"
     ))
     .await;
+}
+
+/// A MySQL lease table of its own (`dlock_<name>_<pid>`), dropped with its
+/// companions before and after.
+#[cfg(feature = "mysql")]
+struct MyTable {
+    name: String,
+}
+
+#[cfg(feature = "mysql")]
+impl MyTable {
+    async fn new(name: &str) -> MyTable {
+        let table = MyTable {
+            name: format!("dlock_{name}_{}", std::process::id()),
+        };
+        table.drop_all().await;
+        table
+    }
+
+    async fn drop_all(&self) {
+        let t = &self.name;
+        SqlDb::Mysql
+            .execute(&format!(
+                "DROP TABLE IF EXISTS {t}, {t}_holders, {t}_procs, {t}_fence"
+            ))
+            .await;
+    }
+
+    fn url(&self, options: &str) -> String {
+        format!("{}?table={}{options}", SqlDb::Mysql.url(), self.name)
+    }
+}
+
+/// On MySQL, a grant whose registry's `<table>_procs` row is gone (deleted
+/// by hand, or collected) is never shown with the record the key's row
+/// kept from an earlier grant: here one made by a process of the earlier
+/// owner format (32 random hex digits, the record in the row), which is
+/// itself shown with its record and revoked, during a rolling deploy.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_grant_without_its_record_row_is_never_shown_with_an_earlier_record() {
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("stale_record").await;
+    let registry = Registry::builder()
+        .default_backend(
+            dlock_runtime::connect(&table.url(""))
+                .await
+                .expect("connect"),
+        )
+        .holder_name("payments blue")
+        .build();
+    // An earlier version's grant: its owner is 32 random hex digits and its
+    // row keeps its record.
+    let t = &table.name;
+    db.execute(&format!(
+        "INSERT INTO {t} (k, owner, token, expires_us, holder, granted_us) VALUES \
+         ('dlock:handed', '0123456789abcdef0123456789abcdef', 7, \
+          TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 600000000, \
+          'h1 1 old-host', \
+          TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)))"
+    ))
+    .await;
+    let old = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("the earlier version's grant is shown");
+    assert_eq!(old.holders()[0].host(), Some("old-host"), "{old:?}");
+    assert_eq!(old.holders()[0].pid(), Some(1), "{old:?}");
+    let revoked = registry.revoke("handed").await.expect("revoke");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    assert_eq!(revoked[0].pid(), Some(1), "{revoked:?}");
+    let guard = registry
+        .lock("handed")
+        .acquire()
+        .await
+        .expect("the revoked key is free");
+    assert!(guard.fencing_token().map(u64::from) > Some(7));
+    let shown = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("held");
+    assert_eq!(
+        shown.holders()[0].name(),
+        Some("payments blue"),
+        "{shown:?}"
+    );
+    assert_eq!(shown.holders()[0].pid(), Some(std::process::id()));
+    // The registry's record row deleted behind its back: the grant is shown
+    // without a record, or with its own, never with the earlier one.
+    assert_eq!(
+        db.fetch_count(&format!("SELECT COUNT(*) FROM {t}_procs"))
+            .await,
+        1,
+        "the registry's one record row"
+    );
+    db.execute(&format!("DELETE FROM {t}_procs")).await;
+    let shown = registry
+        .inspect("handed")
+        .await
+        .expect("inspect")
+        .expect("held");
+    let holder = &shown.holders()[0];
+    assert!(
+        holder.pid().is_none() || holder.pid() == Some(std::process::id()),
+        "an earlier grant's record shown for the live one: {holder:?}"
+    );
+    assert_ne!(holder.host(), Some("old-host"), "{holder:?}");
+    assert!(holder.granted_at().is_some(), "{holder:?}");
+    let listed = registry.list("", 10).await.expect("list");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_ne!(
+        listed[0].holders()[0].host(),
+        Some("old-host"),
+        "{listed:?}"
+    );
+    guard.release().await.expect("release");
+    table.drop_all().await;
+}
+
+/// On MySQL, a registry whose record row could not be extended for longer
+/// than the row's cover (its row locked by another transaction, so each
+/// extension failed while the renewals went on) writes it again once it
+/// can, even after the row was collected: a grant held for long is shown
+/// with its record.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_record_row_that_could_not_be_extended_is_written_again() {
+    use sqlx::Connection as _;
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("record_rewritten").await;
+    let t = &table.name;
+    let backend = dlock_runtime::connect(&table.url("&retention=1s&timeout=1s"))
+        .await
+        .expect("connect");
+    let name = unique_key("record-rewritten");
+    let holder = Registry::builder()
+        .default_backend(backend.clone())
+        .holder_name(&name)
+        .build();
+    let other = Registry::builder().default_backend(backend.clone()).build();
+    let lease = 4 * SECOND;
+    let guard = holder
+        .lock("held")
+        .lease(lease)
+        .acquire()
+        .await
+        .expect("acquire");
+    let id: String = {
+        let mut conn = sqlx::MySqlConnection::connect(&db.url())
+            .await
+            .expect("connect");
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT CAST(id AS CHAR) FROM {t}_procs WHERE holder LIKE '%{name}'"
+        )))
+        .fetch_one(&mut conn)
+        .await
+        .expect("the registry's record row")
+    };
+    // Another transaction locks the row past its cover, twice (lease +
+    // timeout) from its last extension, so every extension fails meanwhile.
+    let mut locker = sqlx::MySqlConnection::connect(&db.url())
+        .await
+        .expect("connect");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET SESSION innodb_lock_wait_timeout = 1; BEGIN; \
+         SELECT * FROM {t}_procs WHERE id = '{id}' FOR UPDATE"
+    )))
+    .execute(&mut locker)
+    .await
+    .expect("lock the record row");
+    let locked_until = tokio::time::Instant::now() + 2 * (lease + SECOND) + 2 * SECOND;
+    while tokio::time::Instant::now() < locked_until {
+        // Other registries' records and releases go on meanwhile, each a
+        // new registry, so a new record row.
+        let fresh = Registry::builder().default_backend(backend.clone()).build();
+        let g = fresh.lock("other").acquire().await.expect("acquire other");
+        g.release().await.expect("release other");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("unlock");
+    assert!(!guard.is_lost(), "the renewals went on");
+    // The row's cover ended while locked (the collection may delete it):
+    // the holder's renewals write it again.
+    let deadline = tokio::time::Instant::now() + 60 * SECOND;
+    loop {
+        let g = other.lock("other").acquire().await.expect("acquire other");
+        g.release().await.expect("release other");
+        let rows = db
+            .fetch_count(&format!(
+                "SELECT COUNT(*) FROM {t}_procs WHERE id = '{id}' AND until_us > \
+                 TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+            ))
+            .await;
+        if rows == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record row was not written again within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!guard.is_lost(), "the renewals went on");
+    let info = other.inspect("held").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some(name.as_str()), "{info:?}");
+    guard.release().await.expect("release");
+    table.drop_all().await;
+}
+
+/// On MySQL lease mode, permits and readers of registries with different
+/// names are shown each with its own record, beside a plain lock of one of
+/// them (its record in `<table>_procs`) under one prefix; a revocation
+/// takes every permit, and a writer after the readers is shown as itself.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_permits_readers_and_a_plain_lock_are_shown_with_their_own_records() {
+    let table = MyTable::new("shared_records").await;
+    let backend = dlock_runtime::connect(&table.url(""))
+        .await
+        .expect("connect");
+    let named = |name: &str| {
+        Registry::builder()
+            .default_backend(backend.clone())
+            .holder_name(name)
+            .build()
+    };
+    let (blue, green) = (named("payments blue"), named("payments green"));
+    let names = |info: &dlock_runtime::LockInfo| -> Vec<(Option<String>, Option<u32>, bool)> {
+        info.holders()
+            .iter()
+            .map(|h| (h.name().map(str::to_owned), h.slot(), h.is_reader()))
+            .collect()
+    };
+    let b1 = blue
+        .lock("s:sem")
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let g1 = green
+        .lock("s:sem")
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let plain = green.lock("s:plain").acquire().await.expect("plain");
+    let br = blue.lock("s:rw").read().acquire().await.expect("read");
+    let gr = green.lock("s:rw").read().acquire().await.expect("read");
+    let listed = green.list("s:", 10).await.expect("list");
+    let shown: Vec<_> = listed
+        .iter()
+        .map(|k| (k.key().to_owned(), names(k)))
+        .collect();
+    let blue_name = Some("payments blue".to_owned());
+    let green_name = Some("payments green".to_owned());
+    assert_eq!(
+        shown,
+        [
+            (
+                "s:plain".to_owned(),
+                vec![(green_name.clone(), None, false)]
+            ),
+            (
+                "s:rw".to_owned(),
+                vec![
+                    (blue_name.clone(), None, true),
+                    (green_name.clone(), None, true)
+                ]
+            ),
+            (
+                "s:sem".to_owned(),
+                vec![
+                    (blue_name.clone(), Some(0), false),
+                    (green_name.clone(), Some(1), false)
+                ]
+            ),
+        ],
+        "{listed:?}"
+    );
+    for info in &listed {
+        for h in info.holders() {
+            assert_eq!(h.pid(), Some(std::process::id()), "{info:?}");
+            assert!(h.granted_at().is_some(), "{info:?}");
+        }
+    }
+    let revoked = blue.revoke("s:sem").await.expect("revoke");
+    assert_eq!(revoked.len(), 2, "{revoked:?}");
+    for guard in [&b1, &g1] {
+        tokio::time::timeout(20 * SECOND, guard.lost())
+            .await
+            .expect("a revoked permit is told");
+    }
+    br.release().await.expect("release");
+    gr.release().await.expect("release");
+    let writer = blue.lock("s:rw").write().acquire().await.expect("write");
+    let info = green.inspect("s:rw").await.expect("inspect").expect("held");
+    assert_eq!(names(&info), [(blue_name, None, false)], "{info:?}");
+    writer.release().await.expect("release");
+    plain.release().await.expect("release");
+    assert!(green.list("s:", 10).await.expect("list").is_empty());
+    table.drop_all().await;
+}
+
+/// On MySQL, a process that connected (`create=false`) while the schema had
+/// no `<table>_procs` keeps records in the lease rows, and one that
+/// connected after a DBA added it keeps them in `_procs`, on one table:
+/// each shows the other's grants without taking the record an earlier
+/// grant left in a key's row for the live grant's.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_processes_before_and_after_the_record_table_show_each_others_grants() {
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("late_records").await;
+    let t = &table.name;
+    let ddl: Vec<String> = dlock_runtime::MysqlBackend::DDL
+        .split_inclusive(';')
+        .map(|s| s.replace("dlock_leases", t))
+        .collect();
+    let (procs, others): (Vec<String>, Vec<String>) = ddl
+        .into_iter()
+        .partition(|s| s.contains(&format!("{t}_procs")));
+    db.execute(&others.concat()).await;
+    let named = |url: String, name: &'static str| async move {
+        Registry::builder()
+            .default_backend(dlock_runtime::connect(&url).await.expect("connect"))
+            .holder_name(name)
+            .build()
+    };
+    let before = named(table.url("&create=false"), "alpha").await;
+    let a = before.lock("a").acquire().await.expect("acquire");
+    db.execute(&procs.concat()).await;
+    let after = named(table.url("&create=false"), "beta").await;
+    let b = after.lock("b").acquire().await.expect("acquire");
+    assert_eq!(
+        db.fetch_count(&format!("SELECT COUNT(*) FROM {t}_procs"))
+            .await,
+        1,
+        "only the later process writes a record row"
+    );
+    let shown = |listed: Vec<dlock_runtime::LockInfo>| -> Vec<(String, Option<String>)> {
+        listed
+            .iter()
+            .map(|k| (k.key().to_owned(), k.holders()[0].name().map(str::to_owned)))
+            .collect()
+    };
+    let both = [
+        ("a".to_owned(), Some("alpha".to_owned())),
+        ("b".to_owned(), Some("beta".to_owned())),
+    ];
+    assert_eq!(shown(after.list("", 10).await.expect("list")), both);
+    let seen_before = shown(before.list("", 10).await.expect("list"));
+    assert_eq!(seen_before[0], both[0]);
+    assert_ne!(
+        seen_before[1].1.as_deref(),
+        Some("alpha"),
+        "{seen_before:?}"
+    );
+    // The key handed from the earlier process to the later one: its row
+    // still holds the earlier grant's record, never shown for the new one.
+    a.release().await.expect("release");
+    let a = after.lock("a").acquire().await.expect("acquire");
+    let info = after.inspect("a").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some("beta"), "{info:?}");
+    let info = before.inspect("a").await.expect("inspect").expect("held");
+    assert_ne!(info.holders()[0].name(), Some("alpha"), "{info:?}");
+    assert!(info.holders()[0].granted_at().is_some(), "{info:?}");
+    // And back: the earlier process's grant carries its own record.
+    a.release().await.expect("release");
+    let a = before.lock("a").acquire().await.expect("acquire");
+    let info = after.inspect("a").await.expect("inspect").expect("held");
+    assert_eq!(info.holders()[0].name(), Some("alpha"), "{info:?}");
+    a.release().await.expect("release");
+    b.release().await.expect("release");
+    table.drop_all().await;
+}
+
+/// On MySQL, the first grants of new registries, many at once, all write
+/// the same record row (the registry's) at once: a free key is still taken
+/// by one try each (no deadlock or lock wait surfaces as an error).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_many_first_grants_of_a_registry_at_once_each_take_their_free_key() {
+    let table = MyTable::new("first_grants").await;
+    let backend = dlock_runtime::connect(&table.url(""))
+        .await
+        .expect("connect");
+    for round in 0..8 {
+        let registry = Registry::builder()
+            .default_backend(backend.clone())
+            .holder_name(format!("round {round}"))
+            .build();
+        let grants = futures_util::future::join_all((0..24).map(|i| {
+            let registry = registry.clone();
+            async move {
+                registry
+                    .lock(format!("first:{round}:{i}"))
+                    .wait(Duration::ZERO)
+                    .acquire()
+                    .await
+            }
+        }))
+        .await;
+        let mut guards = Vec::new();
+        for grant in grants {
+            guards.push(grant.unwrap_or_else(|e| panic!("round {round}: {e}")));
+        }
+        let listed = registry
+            .list(&format!("first:{round}:"), 100)
+            .await
+            .expect("list");
+        assert_eq!(listed.len(), 24);
+        let name = format!("round {round}");
+        for info in &listed {
+            assert_eq!(info.holders()[0].name(), Some(name.as_str()), "{info:?}");
+        }
+        for guard in guards {
+            guard.release().await.expect("release");
+        }
+    }
+    table.drop_all().await;
+}
+
+/// A key revoked from one registry and taken by another of other name on
+/// one table: the revocation answers the first's record, the new grant is
+/// shown with the second's, and the first is told it was revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_revoked_and_taken_by_another_registry_is_shown_with_the_new_record() {
+    for url in urls() {
+        let backend = dlock_runtime::connect(&url).await.expect("connect");
+        let named = |name: &str| {
+            Registry::builder()
+                .default_backend(backend.clone())
+                .holder_name(name)
+                .build()
+        };
+        let (blue, green) = (named("payments blue"), named("payments green"));
+        let key = unique_key("admin-revoked-taken");
+        let first = blue
+            .lock(&key)
+            .lease(5 * SECOND)
+            .acquire()
+            .await
+            .expect("acquire");
+        let revoked = green.revoke(&key).await.expect("revoke");
+        let names: Vec<_> = revoked.iter().map(|h| h.name()).collect();
+        assert_eq!(names, [Some("payments blue")], "{url}: {revoked:?}");
+        let second = green.lock(&key).acquire().await.expect("acquire");
+        assert!(second.fencing_token() > first.fencing_token(), "{url}");
+        for registry in [&blue, &green] {
+            let info = registry
+                .inspect(&key)
+                .await
+                .expect("inspect")
+                .unwrap_or_else(|| panic!("{url}: held"));
+            assert_eq!(info.holders().len(), 1, "{url}: {info:?}");
+            assert_eq!(info.holders()[0].name(), Some("payments green"), "{url}");
+        }
+        tokio::time::timeout(20 * SECOND, first.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{url}: the revoked holder is told"));
+        assert_eq!(first.loss_reason(), Some(LossReason::Revoked), "{url}");
+        second.release().await.expect("release");
+    }
+}
+
+/// On MySQL, a registry's record row locked by another transaction (so
+/// that extending it waits up to the URL's `timeout`) costs its holder no
+/// lease, even one as short as the `timeout`: the renewals do not wait for
+/// the record.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_locked_record_row_does_not_hold_up_the_renewals() {
+    use sqlx::Connection as _;
+    let db = SqlDb::Mysql;
+    let table = MyTable::new("record_locked").await;
+    let t = &table.name;
+    let backend = dlock_runtime::connect(&table.url("&timeout=3s"))
+        .await
+        .expect("connect");
+    let name = unique_key("record-locked");
+    let holder = Registry::builder()
+        .default_backend(backend)
+        .holder_name(&name)
+        .build();
+    let guard = holder
+        .lock("held")
+        .lease(3 * SECOND)
+        .acquire()
+        .await
+        .expect("acquire");
+    let mut locker = sqlx::MySqlConnection::connect(&db.url())
+        .await
+        .expect("connect");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT * FROM {t}_procs WHERE holder LIKE '%{name}' FOR UPDATE"
+    )))
+    .execute(&mut locker)
+    .await
+    .expect("lock the record row");
+    // Past the row's first cover, twice (lease + timeout): several
+    // extensions wait for the lock meanwhile.
+    tokio::time::sleep(16 * SECOND).await;
+    assert!(
+        !guard.is_lost(),
+        "the holder lost its lease: {:?}",
+        guard.loss_reason()
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("unlock");
+    let deadline = tokio::time::Instant::now() + 30 * SECOND;
+    while db
+        .fetch_count(&format!(
+            "SELECT COUNT(*) FROM {t}_procs WHERE holder LIKE '%{name}' AND until_us > \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) + 3000000"
+        ))
+        .await
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record row was not extended once unlocked"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!guard.is_lost());
+    guard.release().await.expect("release");
+    table.drop_all().await;
 }

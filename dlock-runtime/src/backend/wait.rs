@@ -267,7 +267,8 @@ pub(crate) async fn acquire_watched(
                     Err(_) => {
                         return Err(unanswered(
                             backend,
-                            request,
+                            &request.key,
+                            request.wait,
                             sent,
                             last_unavailable.as_deref(),
                         ));
@@ -373,17 +374,16 @@ fn busy_at_the_end(busy_before: bool, sent: Instant, deadline: Instant) -> bool 
 /// error.
 fn unanswered(
     backend: &dyn LockBackend,
-    request: &AcquireRequest,
+    keys: &str,
+    wait: Duration,
     sent: Instant,
     before: Option<&str>,
 ) -> BackendError {
     let mut text = format!(
-        "the {} backend did not answer an attempt on {} within {:?} (the wait was {:?}); \
+        "the {} backend did not answer an attempt on {keys} within {:?} (the wait was {wait:?}); \
          the attempt was dropped",
         backend.kind(),
-        request.key,
         sent.elapsed(),
-        request.wait
     );
     if let Some(before) = before {
         text.push_str("; the attempt before it failed: ");
@@ -499,6 +499,7 @@ impl Drop for Registration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::AttemptAll;
 
     #[test]
     fn waiter_entries_are_dropped_with_their_last_waiter() {
@@ -580,6 +581,22 @@ mod tests {
                 }
                 Ok(Attempt::Busy { retry_in: None })
             })
+        }
+
+        /// Several keys answer as one key does, the first key named busy.
+        fn try_acquire_all<'a>(
+            &'a self,
+            requests: &'a [AcquireRequest],
+        ) -> Option<futures_util::future::BoxFuture<'a, Result<AttemptAll, BackendError>>> {
+            Some(Box::pin(async move {
+                Ok(match self.try_acquire(&requests[0]).await? {
+                    Attempt::Held(_) => unreachable!("the slow backend never grants"),
+                    Attempt::Busy { retry_in } => AttemptAll::Busy { key: 0, retry_in },
+                    Attempt::Unavailable { error, retry_in } => {
+                        AttemptAll::Unavailable { error, retry_in }
+                    }
+                })
+            }))
         }
 
         fn renew_all<'a>(
@@ -672,6 +689,56 @@ mod tests {
         let answer = acquire(&slow, &request(wait)).await;
         let error = answer.expect_err("a server silent for most of the wait is an error");
         assert!(error.to_string().contains("did not answer"), "{error}");
+    }
+
+    fn two_keys(wait: Duration) -> [AcquireRequest; 2] {
+        [
+            request(wait),
+            AcquireRequest::new("k2", "owner", Duration::from_secs(5)).with_wait(wait),
+        ]
+    }
+
+    #[tokio::test]
+    async fn an_unanswered_step_on_several_keys_is_an_error_just_after_the_deadline() {
+        let silent = Slow {
+            first_fails: Some("the first step failed"),
+            ..Slow::default()
+        };
+        let wait = Duration::from_millis(400);
+        let started = Instant::now();
+        let on_the_wire = AtomicBool::new(false);
+        let answer = acquire_all_watched(&silent, &two_keys(wait), &on_the_wire).await;
+        let took = started.elapsed();
+        let error = answer.expect_err("a silent backend is an error");
+        let text = error.to_string();
+        assert!(
+            text.contains("did not answer an attempt on k, k2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("the attempt before it failed: the first step failed"),
+            "{text}"
+        );
+        assert!(about(took, wait + ATTEMPT_GRACE), "answered after {took:?}");
+        assert!(
+            on_the_wire.load(Ordering::SeqCst),
+            "the caller must learn that the step may still run"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_last_step_left_unanswered_after_a_busy_answer_is_busy() {
+        let wait = Duration::from_millis(300);
+        let slow = Slow {
+            busy_at_once: Some((2, wait)),
+            ..Slow::default()
+        };
+        let started = Instant::now();
+        let on_the_wire = AtomicBool::new(false);
+        let answer = acquire_all_watched(&slow, &two_keys(wait), &on_the_wire).await;
+        assert!(matches!(answer, Ok(AcquiredAll::Busy(0))), "{answer:?}");
+        assert!(about(started.elapsed(), wait + ATTEMPT_GRACE));
+        assert!(on_the_wire.load(Ordering::SeqCst));
     }
 
     #[tokio::test]

@@ -786,6 +786,24 @@ impl Inner {
                 let slot = slot_of(&pending.slots, c.key())?;
                 (c.value() == pending.owner.as_bytes()).then_some((slot, c))
             });
+            if let Some((_, claim)) = ours
+                && claim.lease() != session.lease_id
+            {
+                // Claimed by an earlier attempt on a session that has
+                // ended: its lease takes the claim (at the latest when it
+                // expires), and with it the slot, so no grant may rest on
+                // it. Deleted now, then the slots are read again.
+                let stale = SlotClaim {
+                    key: String::from_utf8_lossy(claim.key()).into_owned(),
+                    revision: claim.create_revision(),
+                };
+                let mut kv = session.client.kv_client();
+                session
+                    .call(kv.txn(Txn::new().and_then([stale.delete_op()])))
+                    .await
+                    .map_err(|e| ("deleting a slot claim of an ended session", e))?;
+                continue;
+            }
             if let Some((slot, claim)) = ours {
                 // Claimed by an earlier attempt whose answer was lost.
                 let claim = SlotClaim {

@@ -137,7 +137,8 @@ impl Unanswered {
 /// A connection whose statement is running. Dropped before it is answered
 /// (a caller that went away, a timeout), it is not closed: a task waits for
 /// the server's answer on it (the statement runs to its end on the server
-/// anyway), then gives the connection back — so callers that hang up cost
+/// anyway), ends any transaction the call left open, then gives the
+/// connection back — so callers that hang up cost
 /// no connections — and until then the calls of the statement's `owner`, if
 /// it has one, wait (see [`Unanswered`]).
 struct Running<'a, DB: sqlx::Database> {
@@ -174,9 +175,21 @@ impl<DB: sqlx::Database> Drop for Running<'_, DB> {
             .map(|owner| self.unanswered.register(owner, self.timeout));
         let timeout = self.timeout;
         runtime.spawn(async move {
-            // A round trip reads the dropped statement's answer first.
+            // The first round trip reads the dropped statement's answer.
+            // Then a transaction of our own, rolled back: a call dropped
+            // while its `BEGIN` was on the wire leaves the server inside a
+            // transaction the driver does not count (it counts one once
+            // `BEGIN` has answered), and every later statement on this
+            // connection would run in it, uncommitted, its row locks held.
+            // A new `BEGIN` ends that one (MySQL commits it: it holds
+            // nothing, the dropped call sent nothing after its `BEGIN`;
+            // PostgreSQL keeps it and warns), the rollback ends ours.
             use sqlx::Connection as _;
-            if let Ok(Ok(())) = tokio::time::timeout(timeout, conn.conn().ping()).await {
+            let settle = async {
+                conn.conn().begin().await?.rollback().await?;
+                Ok::<(), sqlx::Error>(())
+            };
+            if let Ok(Ok(())) = tokio::time::timeout(timeout, settle).await {
                 conn.keep();
             }
             drop(answered);

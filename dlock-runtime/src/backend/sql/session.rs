@@ -176,7 +176,9 @@ pub trait SessionDb: Send + Sync + 'static {
     /// fencing counter, stores the key and its `holder` record (text) in the
     /// counter's row (or the record where the server shows it with the
     /// connection, for [`inspect`](Self::inspect) to join), and sets the
-    /// server's idle limit to `ttl`.
+    /// server's idle limit to `ttl` — on PostgreSQL already before it waits,
+    /// so that a client stalled between two slices of a wait has its
+    /// session, and whatever it holds meanwhile, ended by the server.
     fn lock<'a>(
         &'a self,
         conn: &'a mut Self::Conn,

@@ -8,7 +8,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Armed, OwedWake, WakeSource, jitter, unavailable_backoff, valid_until};
+use super::{
+    ATTEMPT_GRACE, Armed, OwedWake, WakeSource, attempt_bound, busy_at_the_end, jitter, unanswered,
+    unavailable_backoff, valid_until,
+};
 use crate::backend::{AcquireRequest, AttemptAll, Lease, LockBackend};
 use crate::error::BackendError;
 use crate::time::{give_up_at, saturating_add};
@@ -42,7 +45,9 @@ pub(crate) async fn acquire_all_watched(
     let mut busy_key = 0;
     let mut unavailable_streak = 0u32;
     let mut unanswered_before = false;
+    let mut last_unavailable: Option<String> = None;
     let mut owed = OwedWake(None);
+    let mut busy_before = false;
     loop {
         let armed = source.as_ref().map(|(_, s)| s.arm());
         let Some(step) = backend.try_acquire_all(requests) else {
@@ -53,11 +58,35 @@ pub(crate) async fn acquire_all_watched(
         };
         let sent = Instant::now();
         on_the_wire.store(true, Ordering::SeqCst);
-        let attempt = step.await;
+        // Bounded as the single key's attempt is: a silent server is an
+        // error (or, for the last look after a busy answer, `Busy`) at most
+        // `ATTEMPT_GRACE` after the deadline; `on_the_wire` stays set then,
+        // so the caller undoes what the server may still grant.
+        let attempt = match attempt_bound(first.wait, deadline) {
+            None => step.await,
+            Some(bound) => match tokio::time::timeout_at(bound.into(), step).await {
+                Ok(attempt) => attempt,
+                Err(_) if busy_at_the_end(busy_before, sent, deadline) => {
+                    return Ok(AcquiredAll::Busy(busy_key));
+                }
+                Err(_) => {
+                    let keys = requests.iter().map(|r| r.key.as_str()).collect::<Vec<_>>();
+                    return Err(unanswered(
+                        backend,
+                        &keys.join(", "),
+                        first.wait,
+                        sent,
+                        last_unavailable.as_deref(),
+                    ));
+                }
+            },
+        };
         on_the_wire.store(false, Ordering::SeqCst);
         let attempt = attempt?;
+        busy_before = matches!(attempt, AttemptAll::Busy { .. });
         if !matches!(attempt, AttemptAll::Unavailable { .. }) {
             unavailable_streak = 0;
+            last_unavailable = None;
         }
         let (retry_in, unavailable) = match attempt {
             AttemptAll::Held(mut leases) => {
@@ -91,6 +120,7 @@ pub(crate) async fn acquire_all_watched(
             AttemptAll::Unavailable { error, retry_in } => {
                 unavailable_streak += 1;
                 unanswered_before = true;
+                last_unavailable = Some(error.to_string());
                 (
                     Some(unavailable_backoff(retry_in, unavailable_streak)),
                     Some(error),
@@ -99,12 +129,20 @@ pub(crate) async fn acquire_all_watched(
         };
         let now = Instant::now();
         if now >= deadline {
-            for request in requests {
-                backend.abandon(request).await;
-            }
+            let abandon =
+                futures_util::future::join_all(requests.iter().map(|r| backend.abandon(r)));
             return match unavailable {
-                Some(error) => Err(error),
-                None => Ok(AcquiredAll::Busy(busy_key)),
+                Some(error) => {
+                    // Bounded like an attempt: the runtime's release that
+                    // follows every error frees whatever this leaves.
+                    let bound = saturating_add(now, ATTEMPT_GRACE);
+                    let _ = tokio::time::timeout_at(bound.into(), abandon).await;
+                    Err(error)
+                }
+                None => {
+                    abandon.await;
+                    Ok(AcquiredAll::Busy(busy_key))
+                }
             };
         }
         let registered = match &source {

@@ -35,9 +35,11 @@
 //! prepares all of `ON DUPLICATE KEY UPDATE` even for an insert), so one
 //! `holder = IF(F, …)` per grant cost as much server CPU as the grant time's.
 //! The `_procs` row says until when (`until_us`, the database's clock) it
-//! covers the grants and renewals of its registry: a grant or renewal that
-//! would outlast it first extends it to twice (lease + `timeout`) from now,
-//! so in steady state one upsert per registry every lease or so. Collection
+//! covers the grants and renewals of its registry: a grant that would
+//! outlast it first extends it to twice (lease + `timeout`) from now, and a
+//! renewal that would extends it in the background (the row still covers
+//! that renewal, so a slow or locked row never holds a renewal up), so in
+//! steady state one upsert per registry every lease or so. Collection
 //! deletes rows whose `until_us` passed the retention ago: a registry that
 //! holds nothing is forgotten a retention after its last grant's lease
 //! would have ended, at most twice (lease + `timeout`) later. Owners of
@@ -45,7 +47,15 @@
 //! `_procs` (`create=false` on a schema made before it) keep the record in
 //! the lease row's `holder` column, written by the upsert as above with
 //! `holder = IF(F, VALUES(holder), holder)`; `inspect` reads that column
-//! when no `_procs` row matches.
+//! when no `_procs` row matches. A grant that leaves the column alone
+//! stores its time negated (`-N` for `N` above, no added expression), so
+//! that a grant whose `_procs` row is gone (deleted by hand, or collected
+//! while its extensions failed) is shown without a record, never with the
+//! one an earlier grant left in the column (a holder of another form, or a
+//! version before `_procs`, during a rolling deploy); `inspect` reads the
+//! time back with `ABS`. Such grants carry their registry's record, and
+//! their renewals write the row again whenever it would not cover them,
+//! whether or not this process still remembers writing it.
 //!
 //! The id is the new token (the clock in µs, above 2^40) when the key was
 //! taken, or the holder's remaining time in µs + 1 (at most 2^40) when busy.
@@ -103,7 +113,7 @@
 //! `poll=50ms`, `retention=10m`, `timeout=3s`; the others (`ssl-mode`, …) go
 //! to the driver.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -175,10 +185,13 @@ impl Statements {
         // for the row constructor alone (a full scan of a big table).
         let keys = |n: usize| vec!["?"; n].join(", ");
         let pairs = |n: usize| vec!["(?, ?)"; n].join(", ");
-        // A row's record: its registry's `_procs` row, else its own column.
+        // A row's record: its registry's `_procs` row, else its own column
+        // when the grant wrote it (a grant that did not stored its time
+        // negated: the column is an earlier grant's).
+        let own = "IF(l.granted_us < 0, NULL, l.holder)";
         let held = if procs {
             format!(
-                "SELECT l.k, l.owner, COALESCE(p.holder, l.holder), l.token, l.granted_us, \
+                "SELECT l.k, l.owner, COALESCE(p.holder, {own}), l.token, ABS(l.granted_us), \
                  CAST(GREATEST(l.expires_us - {N}, 0) DIV 1000 AS SIGNED) \
                  FROM {table} l LEFT JOIN {table}_procs p \
                  ON p.id = LEFT(l.owner, {HOLDER_ID_LEN}) AND LENGTH(l.owner) = {}",
@@ -186,31 +199,34 @@ impl Statements {
             )
         } else {
             format!(
-                "SELECT l.k, l.owner, l.holder, l.token, l.granted_us, \
+                "SELECT l.k, l.owner, {own}, l.token, ABS(l.granted_us), \
                  CAST(GREATEST(l.expires_us - {N}, 0) DIV 1000 AS SIGNED) FROM {table} l"
             )
         };
         let is_held = format!("l.owner IS NOT NULL AND l.expires_us > {N}");
         // The grant's time (and the record) are assigned before `owner` (F
-        // reads it), the time kept for a retry by the owner.
+        // reads it), the time kept for a retry by the owner. A grant that
+        // leaves the row's record alone stores its time negated, so that
+        // `inspect` does not take an earlier grant's record for its own.
         let acquire = |holder: bool| {
-            let (column, value, set) = if holder {
+            let (column, value, set, granted) = if holder {
                 (
                     ", holder",
                     ", ?",
                     format!("holder = IF({free}, VALUES(holder), holder), "),
+                    N.to_owned(),
                 )
             } else {
-                ("", "", String::new())
+                ("", "", String::new(), format!("-{N}"))
             };
             s(format!(
                 "INSERT INTO {table} (k, owner, token, expires_us{column}, granted_us) \
-                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?{value}, {N}) \
+                 VALUES (?, ?, LAST_INSERT_ID({N}), {N} + ?{value}, {granted}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF({free}, LAST_INSERT_ID(GREATEST(token + 1, {N})), \
                             token + 0 * LAST_INSERT_ID(LEAST(GREATEST(expires_us - {N}, shared_us - {N}, 0), {}) + 1)), \
                  {set}\
-                 granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {N}), granted_us), \
+                 granted_us = IF({free}, IF(owner <=> VALUES(owner), granted_us, {granted}), granted_us), \
                  owner = IF({free}, VALUES(owner), owner), \
                  expires_us = IF({free}, VALUES(expires_us), expires_us)",
                 BUSY_MAX - 1
@@ -292,6 +308,23 @@ pub struct Mysql {
 #[derive(Debug, Default)]
 struct Records {
     covered: Mutex<HashMap<String, (Arc<HolderRecord>, Instant)>>,
+    /// The ids whose rows a renewal is extending in the background.
+    extending: Mutex<HashSet<String>>,
+}
+
+/// An extension of the row of `id` in flight: clears its mark when it
+/// ends, however it ends.
+struct Extending {
+    backend: MysqlBackend,
+    id: String,
+}
+
+impl Drop for Extending {
+    fn drop(&mut self) {
+        if let Some(records) = &self.backend.dialect.records {
+            records.extending().remove(&self.id);
+        }
+    }
 }
 
 impl Records {
@@ -299,20 +332,15 @@ impl Records {
         self.covered.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn extending(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.extending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Whether the row of `id` holds `holder` and covers until `until`.
     fn covers(&self, id: &str, holder: &HolderRecord, until: Instant) -> bool {
         self.map()
             .get(id)
             .is_some_and(|(h, covered)| **h == *holder && *covered >= until)
-    }
-
-    /// The record of `id` if its row does not cover until `until`; `None`
-    /// when it does, or when this process never wrote it.
-    fn stale(&self, id: &str, until: Instant) -> Option<Arc<HolderRecord>> {
-        self.map()
-            .get(id)
-            .filter(|(_, covered)| *covered < until)
-            .map(|(h, _)| h.clone())
     }
 
     fn written(&self, id: &str, holder: Arc<HolderRecord>, until: Instant) {
@@ -515,6 +543,24 @@ fn acquire_query(
     }
 }
 
+/// The holder record a grant whose record is in `<table>_procs` carries
+/// (its registry's), so that its renewals write the row again whenever it
+/// would not cover them — also after this process forgot it, its cover
+/// having ended while writes failed, or after the row was deleted.
+fn lease_record(lease: &Lease) -> Option<Arc<HolderRecord>> {
+    lease.extra.clone()?.downcast::<HolderRecord>().ok()
+}
+
+/// A grant of `request`, carrying the registry's record when the grant's
+/// row does not (`holder` is `None`: the record is in `<table>_procs`).
+fn granted(request: &AcquireRequest, token: u64, holder: &Option<String>) -> Lease {
+    let lease = Lease::new(request, Some(FencingToken::new(token)));
+    match holder {
+        None => lease.with_extra(request.holder.clone()),
+        Some(_) => lease,
+    }
+}
+
 /// How long a `_procs` row written now covers grants and renewals of
 /// `lease`: twice (lease + timeout), so that it is extended about once a
 /// lease.
@@ -550,10 +596,15 @@ impl MysqlBackend {
         Ok((sql.acquire.clone(), None))
     }
 
-    /// Extends the `_procs` rows of a renewal batch's holder ids that this
-    /// process wrote, where the renewals would outlast them. A failure is
-    /// only logged: the renewal goes on, and `inspect` may show no record.
-    async fn records_for_renewal(&self, chunk: &[(&Lease, Duration)]) {
+    /// Extends the `_procs` rows of a renewal batch's holder ids where the
+    /// renewals would outlast them, in the background: a row still covers
+    /// the renewal's lease when its extension starts (it is extended once
+    /// less than a lease and `timeout` is left), so the renewal does not
+    /// wait for it — a slow or locked row would otherwise hold up every
+    /// renewal of its registry by up to `timeout`, enough to lose a short
+    /// lease. One extension per id at a time; a failure is only logged,
+    /// and the next renewal tries again.
+    fn extend_records(&self, chunk: &[(&Lease, Duration)]) {
         let Some(records) = &self.dialect.records else {
             return;
         };
@@ -561,24 +612,35 @@ impl MysqlBackend {
         let now = Instant::now();
         let mut stale: HashMap<&str, (Arc<HolderRecord>, Duration)> = HashMap::new();
         for (lease, ttl) in chunk {
-            let Some(id) = holder_id(&lease.owner) else {
+            // Grants whose record is in `_procs` carry it (see `try_lease`).
+            let (Some(id), Some(holder)) = (holder_id(&lease.owner), lease_record(lease)) else {
                 continue;
             };
             let needed = crate::time::saturating_add(now, ttl.saturating_add(timeout));
-            if let Some(holder) = records.stale(id, needed) {
+            if !records.covers(id, &holder, needed) {
                 let cover = stale.entry(id).or_insert((holder, Duration::ZERO));
                 cover.1 = cover.1.max(record_cover(*ttl, timeout));
             }
         }
         for (id, (holder, cover)) in stale {
+            if !records.extending().insert(id.to_owned()) {
+                continue;
+            }
+            let extending = Extending {
+                backend: self.clone(),
+                id: id.to_owned(),
+            };
             let owner = chunk
                 .iter()
-                .map(|(lease, _)| lease.owner.as_str())
+                .map(|(lease, _)| lease.owner.clone())
                 .find(|owner| owner.starts_with(id))
-                .unwrap_or(id);
-            if let Err(err) = self.write_record(owner, id, holder, cover).await {
-                tracing::debug!(error = %err, "dlock: mysql: extending a holder record failed");
-            }
+                .unwrap_or_else(|| id.to_owned());
+            crate::driver::handle().spawn(async move {
+                let Extending { backend, id } = &extending;
+                if let Err(err) = backend.write_record(&owner, id, holder, cover).await {
+                    tracing::debug!(error = %err, "dlock: mysql: extending a holder record failed");
+                }
+            });
         }
     }
 
@@ -970,10 +1032,7 @@ impl Dialect for Mysql {
                     retry_in: Some(backoff.map_or(remaining, |b| b.min(remaining))),
                 })
             }
-            token => Ok(Attempt::Held(Lease::new(
-                request,
-                Some(FencingToken::new(token)),
-            ))),
+            token => Ok(Attempt::Held(granted(request, token, &holder))),
         }
     }
 
@@ -1026,7 +1085,7 @@ impl Dialect for Mysql {
                 requests
                     .iter()
                     .zip(ids)
-                    .map(|(r, token)| Lease::new(r, Some(FencingToken::new(token))))
+                    .map(|(r, token)| granted(r, token, &holder))
                     .collect(),
             )),
             Some(i) if ids[i] == 0 => Err(BackendError::permanent(
@@ -1056,7 +1115,7 @@ impl Dialect for Mysql {
     ) -> Result<Vec<Renewal>, BackendError> {
         let mut answers = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(MAX_BATCH) {
-            backend.records_for_renewal(chunk).await;
+            backend.extend_records(chunk);
             answers.extend(backend.renew_chunk(chunk).await?);
         }
         Ok(answers)

@@ -23,7 +23,13 @@
 //! unlocked (granted writers keep it harmlessly until their release), and a
 //! reader that may enter first tries the mark exclusively and is busy if a
 //! writer holds it. A cancelled or timed-out writer's connection is
-//! unlocked, so no mark outlives its wait. Readers poll (the engine's
+//! unlocked, so no mark outlives its wait; and a writer whose client stalls
+//! between two slices (frozen, or cut off with its sockets left open) has
+//! its session ended by the server a lease after its last statement, mark
+//! included: on PostgreSQL ≥ 14 a wait's first try, finding the key busy,
+//! sets the session's idle limit to the lease before the waits (see
+//! [`PgSessions::first_wait_sql`]), since a wait that runs out rolls back
+//! what its own statement set. Readers poll (the engine's
 //! back-off) rather than wait on the server: their answer also depends on
 //! the recorded mode, read under the gate.
 //!
@@ -85,6 +91,9 @@ pub struct PgSessions {
     pool: PgPool,
     /// See [`PgSessions::lock_sql`].
     lock_sql: Arc<str>,
+    /// See [`PgSessions::first_wait_sql`] (`None`: the server has no idle
+    /// limit to set, and a wait's first slice is the lock statement's).
+    first_wait_sql: Option<Arc<str>>,
     /// See [`PgSessions::held_sql`]: one key's holder, and the held keys of a range.
     inspect_sql: Arc<str>,
     list_sql: Arc<str>,
@@ -118,6 +127,11 @@ pub struct PgSession {
     pid: i32,
     /// The holder record its `application_name` carries, once set.
     record: Option<String>,
+    /// The key (its hash) this connection waits for between the slices of
+    /// a wait: it holds the key's waiting-writer mark and the server's idle
+    /// limit is set (see [`PgSessions::first_wait_sql`]). Cleared by an
+    /// unlock.
+    waits_for: Option<i64>,
 }
 
 /// The prefix of a session connection's `application_name` that carries a
@@ -174,6 +188,8 @@ impl PgSessions {
         Ok(PgSessions {
             pool,
             lock_sql: PgSessions::lock_sql(&format!("{table}_fence"), version >= 140_000),
+            first_wait_sql: (version >= 140_000)
+                .then(|| PgSessions::first_wait_sql(&format!("{table}_fence"))),
             inspect_sql: PgSessions::held_sql(&format!("{table}_fence"), "f.name = $1").into(),
             list_sql: PgSessions::held_sql(
                 &format!("{table}_fence"),
@@ -235,7 +251,8 @@ impl PgSessions {
     /// `application_name` carries it), kept in the counter's row, `$6` the
     /// key's waiting-writer mark. The wait's limit is local to the
     /// statement's transaction; the idle limit is set for the session only
-    /// when the lock is ours. A free key is taken by a try, as before; a
+    /// when the lock is ours (while it waits, by
+    /// [`first_wait_sql`](Self::first_wait_sql) before). A free key is taken by a try, as before; a
     /// writer that has to wait holds the mark (shared) from its first wait
     /// until its connection is unlocked: readers that try in the gaps
     /// between its waits find it. A key whose row records a
@@ -263,6 +280,48 @@ impl PgSessions {
                  name = excluded.name, holder = excluded.holder, granted_at = excluded.granted_at, \
                  permits = NULL, slot = NULL \
              RETURNING token"
+        )
+        .into()
+    }
+
+    /// The first try of a wait, on a server with an idle limit: `$1` the
+    /// key's hash, `$2` the idle limit (ms, as text), `$3` the stored key,
+    /// `$4` the holder record (as [`lock_sql`](Self::lock_sql)'s), `$5` the
+    /// key's waiting-writer mark. A free key is taken as by the lock
+    /// statement (the token in the answer's first column, `got` in its
+    /// second). A key whose row records a semaphore is only tried (`busy`;
+    /// the third column is the recorded mode). Otherwise the writer is to
+    /// wait: the statement takes the waiting-writer mark (shared) and sets
+    /// the session's idle limit to the lease (`marked`, or `waits` where a
+    /// reader was looking at the mark), and the waits follow in statements
+    /// of their own. The limit is set here because a wait that runs out
+    /// (55P03) rolls back whatever its own statement set: so a waiting
+    /// writer whose client stalls between two slices — frozen, or cut off
+    /// with its sockets left open — has its session ended by the server a
+    /// lease after its last statement, and its mark with it, instead of
+    /// keeping new readers out until its socket dies. Only a contended
+    /// acquisition pays this round trip; a free key is one statement, as
+    /// before.
+    fn first_wait_sql(fence: &str) -> Arc<str> {
+        format!(
+            "WITH l AS (SELECT CASE WHEN pg_try_advisory_lock($1) THEN 'got' \
+                                    WHEN EXISTS (SELECT 1 FROM {fence} s WHERE s.k = $1 AND s.permits > 1) \
+                                    THEN 'busy' \
+                                    WHEN pg_try_advisory_lock_shared($5) \
+                                    THEN CASE WHEN set_config('idle_session_timeout', $2, false) IS NOT NULL \
+                                              THEN 'marked' END \
+                                    ELSE CASE WHEN set_config('idle_session_timeout', $2, false) IS NOT NULL \
+                                              THEN 'waits' END END AS got), \
+                  i AS (INSERT INTO {fence} AS f (k, token, name, holder, granted_at) \
+                        SELECT $1, {NOW_US}, $3, $4, clock_timestamp() FROM l \
+                        WHERE CASE WHEN l.got = 'got' \
+                                   THEN set_config('idle_session_timeout', $2, false) IS NOT NULL \
+                                   ELSE false END \
+                        ON CONFLICT (k) DO UPDATE SET token = GREATEST(f.token + 1, excluded.token), \
+                            name = excluded.name, holder = excluded.holder, \
+                            granted_at = excluded.granted_at, permits = NULL, slot = NULL \
+                        RETURNING token) \
+             SELECT (SELECT token FROM i), l.got, (SELECT permits FROM {fence} WHERE k = $1) FROM l"
         )
         .into()
     }
@@ -312,6 +371,16 @@ fn recorded(permits: Option<i32>) -> HoldMode {
         None | Some(1) => HoldMode::Exclusive,
         Some(0) => HoldMode::Shared,
         Some(permits) => HoldMode::Permit { permits },
+    }
+}
+
+/// What a try of a plain lock that took nothing means, by the mode the
+/// key's row records: a mismatch with a semaphore's permits, else busy
+/// (`clean`: the connection holds nothing).
+fn busy_or_mismatch(permits: Option<i32>, clean: bool) -> Locked {
+    match recorded(permits) {
+        held @ HoldMode::Permit { .. } => Locked::Mismatch(held),
+        _ => Locked::Busy { clean },
     }
 }
 
@@ -554,6 +623,7 @@ impl SessionDb for PgSessions {
                 listener,
                 pid,
                 record: None,
+                waits_for: None,
             })
         })
     }
@@ -571,13 +641,8 @@ impl SessionDb for PgSessions {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<Locked, sqlx::Error>> {
         Box::pin(async move {
-            // One round trip, one cached statement: the wait's limit, the
-            // lock, the idle limit and the token.
-            let wait = if wait.is_zero() {
-                "0".to_owned()
-            } else {
-                millis(wait).to_string()
-            };
+            let started = std::time::Instant::now();
+            let hash = session_hash(key);
             // The holder record is the process's, not the grant's: where it
             // fits, the connection's `application_name` carries it, set once
             // per connection (and again only for another record), and the
@@ -595,12 +660,56 @@ impl SessionDb for PgSessions {
                         }
                         None => false,
                     });
+            let record = (!carried).then_some(holder);
+            let mut wait = wait;
+            if !wait.is_zero()
+                && conn.waits_for != Some(hash)
+                && let Some(sql) = &self.first_wait_sql
+            {
+                // A wait's first slice: a try that, busy, sets the idle
+                // limit and the mark before the waits (see `first_wait_sql`).
+                let (token, state, permits): (Option<i64>, Option<String>, Option<i32>) =
+                    sqlx::query_as(AssertSqlSafe(sql.clone()))
+                        .bind(hash)
+                        .bind(idle_limit(ttl))
+                        .bind(key)
+                        .bind(record)
+                        .bind(writer_mark_hash(key))
+                        .fetch_one(&mut conn.listener)
+                        .await?;
+                match (token, state.as_deref()) {
+                    (Some(token), _) => return Ok(Locked::Yes(token as u64)),
+                    (None, Some("busy")) => return Ok(busy_or_mismatch(permits, true)),
+                    (None, Some("marked" | "waits")) => conn.waits_for = Some(hash),
+                    (None, state) => {
+                        return Err(sqlx::Error::Protocol(format!(
+                            "the first try of a wait answered {state:?}"
+                        )));
+                    }
+                }
+                wait = wait.saturating_sub(started.elapsed());
+                if wait.is_zero() {
+                    return Ok(Locked::Busy { clean: false });
+                }
+            }
+            if !wait.is_zero() {
+                // The wait may take the mark (and, where the first try ran,
+                // holds it already): the connection is unlocked before reuse.
+                conn.waits_for = Some(hash);
+            }
+            // One round trip, one cached statement: the wait's limit, the
+            // lock, the idle limit and the token.
+            let wait_ms = if wait.is_zero() {
+                "0".to_owned()
+            } else {
+                millis(wait).to_string()
+            };
             let token: Option<i64> = match sqlx::query_scalar(AssertSqlSafe(self.lock_sql.clone()))
-                .bind(session_hash(key))
+                .bind(hash)
                 .bind(idle_limit(ttl))
-                .bind(wait)
+                .bind(wait_ms)
                 .bind(key)
-                .bind((!carried).then_some(holder))
+                .bind(record)
                 .bind(writer_mark_hash(key))
                 .fetch_optional(&mut conn.listener)
                 .await
@@ -614,21 +723,25 @@ impl SessionDb for PgSessions {
                 }
                 Err(e) => return Err(e),
             };
-            Ok(match token {
-                Some(token) => Locked::Yes(token as u64),
-                // Only a try answers no row: nothing is held. The key may be
-                // a semaphore's (its holders hold it shared): a mismatch.
-                None => {
-                    let permits: Option<Option<i32>> =
-                        sqlx::query_scalar(AssertSqlSafe(self.mode_sql.clone()))
-                            .bind(session_hash(key))
-                            .fetch_optional(&mut conn.listener)
-                            .await?;
-                    match recorded(permits.flatten()) {
-                        held @ HoldMode::Permit { .. } => Locked::Mismatch(held),
-                        _ => Locked::Busy { clean: true },
-                    }
+            if let Some(token) = token {
+                return Ok(Locked::Yes(token as u64));
+            }
+            // Only a try answers no row: it took nothing. The key may be a
+            // semaphore's (its holders hold it shared): a mismatch.
+            let permits: Option<Option<i32>> =
+                sqlx::query_scalar(AssertSqlSafe(self.mode_sql.clone()))
+                    .bind(hash)
+                    .fetch_optional(&mut conn.listener)
+                    .await?;
+            let clean = conn.waits_for.is_none();
+            Ok(match busy_or_mismatch(permits.flatten(), clean) {
+                // A mismatch hands back a connection that holds nothing:
+                // the mark of the slices before is let go first.
+                mismatch @ Locked::Mismatch(_) if !clean => {
+                    self.unlock(conn).await?;
+                    mismatch
                 }
+                locked => locked,
             })
         })
     }
@@ -659,6 +772,7 @@ impl SessionDb for PgSessions {
                 "SELECT pg_advisory_unlock_all()"
             };
             sqlx::query(sql).execute(&mut conn.listener).await?;
+            conn.waits_for = None;
             Ok(())
         })
     }
