@@ -28,9 +28,11 @@
 //!    redis crate on one multiplexed connection; on the SQL backends, the
 //!    statements of `sql/shared.rs` in each dialect's text, in the same
 //!    transactions (lock the key's row, insert it if missing, read the live
-//!    holders, raise `shared_until`, take the slot row, read its token; free,
-//!    recompute, notify), with sqlx on a pool of the size dlock's has
-//!    (dlock's call timeout there raised to 60 s: the pool by hand has none).
+//!    holders, raise `shared_until`, take the slot row, with the token
+//!    returned by the statement that writes it, or read after it on
+//!    MariaDB; free, recompute, notify), with sqlx on a pool of the size
+//!    dlock's has (SQLite's, as dlock's, without a ping before each use;
+//!    dlock's call timeout there raised to 60 s: the pool by hand has none).
 //!    Target: dlock ≥ 0.8× the hand-written pairs/s.
 //!    - **Concurrency 1 runs pinned**: in a child process of this program
 //!      under `taskset -c 1`, with every server thread pinned to the same

@@ -41,14 +41,16 @@ pub(crate) struct HandSql {
     lock: Stmt,
     /// (key) → [slot, permits, owner, ms left] of the live holder rows.
     holders: Stmt,
-    /// (key, slot, permits, owner, lease ms, holder, token or -1).
+    /// (key, slot, permits, owner, lease ms, holder, token or -1) → [token]
+    /// where `slot_token` is `None`.
     take: Stmt,
-    /// (key, slot) → [token].
-    slot_token: Stmt,
-    /// (key, lease ms, 1 to bump the key's token).
+    /// (key, slot) → [token]; `None` where `take` returns it.
+    slot_token: Option<Stmt>,
+    /// (key, lease ms, 1 to bump the key's token) → [token] where
+    /// `key_token` is `None`.
     share: Stmt,
-    /// (key) → [token].
-    key_token: Stmt,
+    /// (key) → [token]; `None` where `share` returns it.
+    key_token: Option<Stmt>,
     /// (key, slot or -1, owner).
     free_holder: Stmt,
     /// (key, owner).
@@ -108,25 +110,23 @@ pub(crate) fn postgres() -> HandSql {
                      token = CASE WHEN $7 >= 0 THEN $7 ELSE GREATEST(h.token + 1, excluded.token) END, \
                      expires_at = excluded.expires_at, holder = excluded.holder, \
                      granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
-                                       ELSE excluded.granted_at END",
+                                       ELSE excluded.granted_at END \
+                 RETURNING token",
                 until("$5")
             ),
             &[0, 1, 2, 3, 4, 5, 6],
         ),
-        slot_token: Stmt::new(
-            format!("SELECT token FROM {h} WHERE key = $1 AND slot = $2"),
-            &[0, 1],
-        ),
+        slot_token: None,
         share: Stmt::new(
             format!(
                 "UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
                  token = CASE WHEN $3 = 1 THEN GREATEST(token + 1, {PG_NOW_US}) ELSE token END \
-                 WHERE key = $1",
+                 WHERE key = $1 RETURNING token",
                 until("$2")
             ),
             &[0, 1, 2],
         ),
-        key_token: Stmt::new(format!("SELECT token FROM {table} WHERE key = $1"), &[0]),
+        key_token: None,
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
@@ -198,10 +198,10 @@ pub(crate) fn mariadb() -> HandSql {
             ),
             &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
         ),
-        slot_token: Stmt::new(
+        slot_token: Some(Stmt::new(
             format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
             &[0, 1],
-        ),
+        )),
         share: Stmt::new(
             format!(
                 "UPDATE {table} SET shared_us = GREATEST(shared_us, {n} + ? * 1000), \
@@ -209,10 +209,10 @@ pub(crate) fn mariadb() -> HandSql {
             ),
             &[1, 2, 0],
         ),
-        key_token: Stmt::new(
+        key_token: Some(Stmt::new(
             format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
             &[0],
-        ),
+        )),
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_us = {n} \
@@ -278,26 +278,21 @@ pub(crate) fn sqlite() -> HandSql {
                                        ELSE excluded.granted_at END, \
                      permits = excluded.permits, owner = excluded.owner, \
                      token = CASE WHEN ?7 >= 0 THEN ?7 ELSE MAX({h}.token + 1, excluded.token) END, \
-                     expires_at = excluded.expires_at, holder = excluded.holder"
+                     expires_at = excluded.expires_at, holder = excluded.holder \
+                 RETURNING token"
             ),
             &ids(7),
         ),
-        slot_token: Stmt::new(
-            format!("SELECT token FROM {h} WHERE key = ?1 AND slot = ?2"),
-            &ids(2),
-        ),
+        slot_token: None,
         share: Stmt::new(
             format!(
                 "UPDATE dlock_leases SET shared_until = MAX(shared_until, {now} + ?2), \
                  token = CASE WHEN ?3 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
-                 WHERE key = ?1"
+                 WHERE key = ?1 RETURNING token"
             ),
             &ids(3),
         ),
-        key_token: Stmt::new(
-            "SELECT token FROM dlock_leases WHERE key = ?1".into(),
-            &ids(1),
-        ),
+        key_token: None,
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = {now} \
@@ -430,38 +425,44 @@ macro_rules! shared_pair {
                 };
                 anyhow::ensure!(permits == 0 || slot < permits, "{key} has no free permit");
                 let reader = permits == 0;
-                exec(
-                    &mut tx,
-                    &sql.share,
-                    &[k.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
-                )
-                .await?;
-                let key_token = if reader {
-                    let t =
-                        rows(&mut tx, &sql.key_token, std::slice::from_ref(&k), &[false]).await?;
-                    t.first().and_then(|r| r[0].0).unwrap_or(-1)
-                } else {
-                    -1
+                let first = |t: Vec<Row>| t.first().and_then(|r| r[0].0);
+                let share_args = [k.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))];
+                let key_token = match &sql.key_token {
+                    None => first(rows(&mut tx, &sql.share, &share_args, &[false]).await?),
+                    Some(read) => {
+                        exec(&mut tx, &sql.share, &share_args).await?;
+                        if reader {
+                            first(rows(&mut tx, read, std::slice::from_ref(&k), &[false]).await?)
+                        } else {
+                            None
+                        }
+                    }
                 };
-                exec(
-                    &mut tx,
-                    &sql.take,
-                    &[
-                        k.clone(),
-                        Arg::Int(slot),
-                        Arg::Int(permits),
-                        Arg::Text(owner.to_owned()),
-                        Arg::Int(lease_ms),
-                        Arg::Text(holder.to_owned()),
-                        Arg::Int(key_token),
-                    ],
-                )
-                .await?;
+                let key_token = if reader { key_token.unwrap_or(-1) } else { -1 };
+                let take_args = [
+                    k.clone(),
+                    Arg::Int(slot),
+                    Arg::Int(permits),
+                    Arg::Text(owner.to_owned()),
+                    Arg::Int(lease_ms),
+                    Arg::Text(holder.to_owned()),
+                    Arg::Int(key_token),
+                ];
+                let slot_token = match &sql.slot_token {
+                    None => first(rows(&mut tx, &sql.take, &take_args, &[false]).await?),
+                    Some(read) => {
+                        exec(&mut tx, &sql.take, &take_args).await?;
+                        if reader {
+                            None
+                        } else {
+                            first(rows(&mut tx, read, &[k, Arg::Int(slot)], &[false]).await?)
+                        }
+                    }
+                };
                 let token = if reader {
                     key_token
                 } else {
-                    let t = rows(&mut tx, &sql.slot_token, &[k, Arg::Int(slot)], &[false]).await?;
-                    t.first().and_then(|r| r[0].0).unwrap_or(0)
+                    slot_token.unwrap_or(0)
                 };
                 tx.commit().await?;
                 Ok((if reader { -1 } else { slot }, token))

@@ -243,6 +243,8 @@ impl Contenders {
             sqlite: SqlitePoolOptions::new()
                 .max_connections(SQLITE_POOL)
                 .acquire_timeout(Duration::from_secs(5))
+                // As dlock's: no ping before each use.
+                .test_before_acquire(false)
                 .connect_with(
                     SqliteConnectOptions::new()
                         .filename(sqlite_path)

@@ -162,14 +162,19 @@ pub struct SharedSql {
     /// (key) → [slot, permits, owner, ms left] of the live holder rows, by slot.
     pub holders: Stmt,
     /// (key, slot, permits, owner, lease ms, holder, token or -1 for the
-    /// slot's hybrid token): takes the slot row.
+    /// slot's hybrid token): takes the slot row; → [token] of the slot row
+    /// where [`slot_token`](Self::slot_token) is `None` (`RETURNING`).
     pub take: Stmt,
-    /// (key, slot) → [token] of the slot row.
-    pub slot_token: Stmt,
-    /// (key, lease ms, 1 to bump the key's token): `shared_until` raised.
+    /// (key, slot) → [token] of the slot row, read after `take`; `None`
+    /// where `take` returns it.
+    pub slot_token: Option<Stmt>,
+    /// (key, lease ms, 1 to bump the key's token): `shared_until` raised;
+    /// → [token] of `T`'s row where [`key_token`](Self::key_token) is
+    /// `None` (`RETURNING`).
     pub share: Stmt,
-    /// (key) → [token] of `T`'s row.
-    pub key_token: Stmt,
+    /// (key) → [token] of `T`'s row, read after `share`; `None` where
+    /// `share` returns it.
+    pub key_token: Option<Stmt>,
     /// (key): marks the key as wanted, where releases notify.
     pub wanted: Option<Stmt>,
     /// (key, owner, ttl ms): the waiting-writer mark, unless another
@@ -404,6 +409,11 @@ fn live_rows(rows: Vec<Vec<Val>>) -> Vec<Live> {
         .collect()
 }
 
+/// The first column of the first row, if an integer.
+fn first_int(rows: Vec<Vec<Val>>) -> Option<i64> {
+    rows.first().and_then(|r| r.first()).and_then(Val::int)
+}
+
 /// The slot argument of a lease: its permit's slot, or -1 (any of the owner's).
 fn slot_arg(lease: &Lease) -> i64 {
     lease.slot.map_or(-1, i64::from)
@@ -494,44 +504,47 @@ pub(super) async fn try_shared<B: SharedStore>(
                     return Ok(busy(live.iter().map(|l| l.3).min()));
                 }
                 let reader = permits == 0;
-                B::exec(
-                    &mut tx,
-                    &sql.share,
-                    vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))],
-                )
-                .await?;
-                let key_token = if reader {
-                    let t =
-                        B::rows(&mut tx, &sql.key_token, vec![key.clone()], &[Col::Int]).await?;
-                    t.first().and_then(|r| r[0].int()).unwrap_or(-1)
-                } else {
-                    -1
+                let share_args = vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))];
+                // The key's token (a reader's), by the statement that bumps
+                // it where it returns it, else read right after it.
+                let key_token = match &sql.key_token {
+                    None => first_int(B::rows(&mut tx, &sql.share, share_args, &[Col::Int]).await?),
+                    Some(read) => {
+                        B::exec(&mut tx, &sql.share, share_args).await?;
+                        if reader {
+                            first_int(B::rows(&mut tx, read, vec![key.clone()], &[Col::Int]).await?)
+                        } else {
+                            None
+                        }
+                    }
                 };
-                B::exec(
-                    &mut tx,
-                    &sql.take,
-                    vec![
-                        key.clone(),
-                        Arg::Int(slot),
-                        Arg::Int(permits),
-                        Arg::Text(owner.clone()),
-                        Arg::Int(lease_ms),
-                        Arg::Text(holder.clone()),
-                        Arg::Int(key_token),
-                    ],
-                )
-                .await?;
+                let key_token = if reader { key_token.unwrap_or(-1) } else { -1 };
+                let take_args = vec![
+                    key.clone(),
+                    Arg::Int(slot),
+                    Arg::Int(permits),
+                    Arg::Text(owner.clone()),
+                    Arg::Int(lease_ms),
+                    Arg::Text(holder.clone()),
+                    Arg::Int(key_token),
+                ];
+                // The slot row's token (a permit's), likewise.
+                let slot_token = match &sql.slot_token {
+                    None => first_int(B::rows(&mut tx, &sql.take, take_args, &[Col::Int]).await?),
+                    Some(read) => {
+                        B::exec(&mut tx, &sql.take, take_args).await?;
+                        if reader {
+                            None
+                        } else {
+                            let args = vec![key.clone(), Arg::Int(slot)];
+                            first_int(B::rows(&mut tx, read, args, &[Col::Int]).await?)
+                        }
+                    }
+                };
                 let token = if reader {
                     key_token
                 } else {
-                    let t = B::rows(
-                        &mut tx,
-                        &sql.slot_token,
-                        vec![key.clone(), Arg::Int(slot)],
-                        &[Col::Int],
-                    )
-                    .await?;
-                    t.first().and_then(|r| r[0].int()).unwrap_or(0)
+                    slot_token.unwrap_or(0)
                 };
                 tx.commit().await?;
                 Ok(Found::Held {

@@ -47,7 +47,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use zookeeper_client::{Acls, CreateMode, Error as ZkError, Stat};
+use zookeeper_client::{Acls, CreateMode, Error as ZkError, MultiReadResult, Stat};
 
 use super::acquire::{OurNode, Pending, Turn, unavailable, unavailable_or_failed};
 use super::path;
@@ -78,6 +78,7 @@ pub(super) fn lease_info(data: &[u8]) -> Option<(u32, u32, &[u8])> {
 }
 
 /// A lease node read.
+#[derive(Clone)]
 pub(super) struct LeaseNode {
     pub(super) name: String,
     pub(super) data: Vec<u8>,
@@ -140,6 +141,63 @@ impl Inner {
             .into_iter()
             .map(|(name, data, stat)| LeaseNode { name, data, stat })
             .collect())
+    }
+
+    /// The lease nodes under `leases` now, in creation order, as
+    /// [`read_leases`](Self::read_leases) answers them, reading the data of
+    /// only those not in `known`: a lease's data and creation are fixed
+    /// once it exists (nothing writes a lease node), so the nodes of a read
+    /// a moment ago need no second read. One round trip when every lease
+    /// listed is known.
+    async fn reread_leases(
+        &self,
+        session: &Arc<Session>,
+        leases: &str,
+        known: &[LeaseNode],
+    ) -> Result<Vec<LeaseNode>, ZkError> {
+        let names = match session.call(|c| c.list_children(leases)).await {
+            Ok(names) => names,
+            Err(ZkError::NoNode) => return Ok(Vec::new()),
+            Err(err) => return Err(err),
+        };
+        let mut nodes = Vec::with_capacity(names.len());
+        let mut unknown = Vec::new();
+        for name in names {
+            if path::lease_sequence_of(&name).is_none() {
+                continue;
+            }
+            match known.iter().find(|k| k.name == name) {
+                Some(node) => nodes.push(node.clone()),
+                None => unknown.push(name),
+            }
+        }
+        if !unknown.is_empty() {
+            let mut reader = session.client.new_multi_reader();
+            for name in &unknown {
+                reader.add_get_data(&format!("{leases}/{name}"))?;
+            }
+            let sent = Instant::now();
+            let request = reader.commit();
+            let results = session.finish(sent, request).await?;
+            for (name, result) in unknown.into_iter().zip(results) {
+                match result {
+                    MultiReadResult::Data { data, stat } => {
+                        nodes.push(LeaseNode { name, data, stat })
+                    }
+                    MultiReadResult::Error {
+                        err: ZkError::NoNode,
+                    } => {}
+                    MultiReadResult::Error { err } => return Err(err),
+                    other => {
+                        return Err(ZkError::UnexpectedError(format!(
+                            "unexpected multi-read answer {other:?}"
+                        )));
+                    }
+                }
+            }
+        }
+        nodes.sort_by_key(|n| n.stat.czxid);
+        Ok(nodes)
     }
 
     /// A plain lock or a reader whose node is `node`, on a key whose node
@@ -219,10 +277,23 @@ impl Inner {
                 Ok(Step::Held(node, slot)) => {
                     let queued = pending.state().node.clone();
                     if let Some(queued) = queued {
-                        // Leaving the queue wakes the next waiter; a delete
-                        // that fails goes on in the background.
+                        // Leaving the queue wakes the next waiter. The delete
+                        // is sent now, before the grant is answered (so before
+                        // any later request of this session, which the server
+                        // runs in order), and its answer is not waited for: a
+                        // delete that fails goes on in the background.
                         let queued = format!("{}/{}", pending.container, queued.name);
-                        let _ = delete_node(session.clone(), queued).await;
+                        let sent = Instant::now();
+                        let delete = session.client.delete(&queued, None);
+                        let session = session.clone();
+                        crate::driver::handle().spawn(async move {
+                            match session.finish(sent, delete).await {
+                                Ok(()) | Err(ZkError::NoNode) => {}
+                                Err(_) => {
+                                    let _ = delete_node(session, queued).await;
+                                }
+                            }
+                        });
                         pending.forget_node();
                     }
                     return Ok(self.grant_permit(request, &pending, &session, &node, slot, started));
@@ -321,11 +392,15 @@ impl Inner {
             return Ok(Step::Full);
         }
         let slot = free_slot(&before, permits);
-        let node = self.create_lease(session, pending, permits, slot).await?;
+        let (node, created) = self.create_lease(session, pending, permits, slot).await?;
         let ours = format!("{leases}/{}", node.name);
         let sent = Instant::now();
         let locks = session.client.list_children(&pending.key_container);
-        let after = self.read_leases(session, leases).await;
+        // The leases read before, and ours as created: only leases created
+        // since are read in full.
+        let mut known = before;
+        known.push(created);
+        let after = self.reread_leases(session, leases, &known).await;
         let locks = session.finish(sent, locks).await;
         let outcome = (|| {
             let after = after?;
@@ -403,14 +478,14 @@ impl Inner {
     }
 
     /// Creates our lease (and the key's node and its `leases` child, as
-    /// containers, when missing).
+    /// containers, when missing): our node, and the lease as created.
     async fn create_lease(
         &self,
         session: &Arc<Session>,
         pending: &Pending,
         permits: u32,
         slot: u32,
-    ) -> Result<OurNode, ZkError> {
+    ) -> Result<(OurNode, LeaseNode), ZkError> {
         let leases = pending.leases.as_deref().unwrap_or_default();
         let prefix = path::lease_prefix(leases, &pending.guid);
         let data = lease_data(&pending.data, permits, slot);
@@ -431,7 +506,12 @@ impl Inner {
                     let mut st = pending.state();
                     st.lease = Some(node.clone());
                     st.lease_maybe_created = false;
-                    return Ok(node);
+                    let created = LeaseNode {
+                        name: node.name.clone(),
+                        data,
+                        stat,
+                    };
+                    return Ok((node, created));
                 }
                 Err(ZkError::NoNode) => {
                     pending.state().lease_maybe_created = false;

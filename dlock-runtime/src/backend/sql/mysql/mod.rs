@@ -884,10 +884,10 @@ impl Dialect for Mysql {
                 ),
                 &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
             ),
-            slot_token: Stmt::new(
+            slot_token: Some(Stmt::new(
                 format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
                 &[0, 1],
-            ),
+            )),
             share: Stmt::new(
                 format!(
                     "UPDATE {table} SET shared_us = GREATEST(shared_us, {N} + ? * 1000), \
@@ -895,10 +895,10 @@ impl Dialect for Mysql {
                 ),
                 &[1, 2, 0],
             ),
-            key_token: Stmt::new(
+            key_token: Some(Stmt::new(
                 format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
                 &[0],
-            ),
+            )),
             wanted: None,
             mark_writer: Stmt::new(
                 format!(

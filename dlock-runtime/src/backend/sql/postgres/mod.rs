@@ -761,25 +761,23 @@ impl Dialect for Postgres {
                          token = CASE WHEN $7 >= 0 THEN $7 ELSE GREATEST(h.token + 1, excluded.token) END, \
                          expires_at = excluded.expires_at, holder = excluded.holder, \
                          granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
-                                           ELSE excluded.granted_at END",
+                                           ELSE excluded.granted_at END \
+                     RETURNING token",
                     until("$5")
                 ),
                 &[0, 1, 2, 3, 4, 5, 6],
             ),
-            slot_token: Stmt::new(
-                format!("SELECT token FROM {h} WHERE key = $1 AND slot = $2"),
-                &[0, 1],
-            ),
+            slot_token: None,
             share: Stmt::new(
                 format!(
                     "UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
                      token = CASE WHEN $3 = 1 THEN GREATEST(token + 1, {NOW_US}) ELSE token END \
-                     WHERE key = $1",
+                     WHERE key = $1 RETURNING token",
                     until("$2")
                 ),
                 &[0, 1, 2],
             ),
-            key_token: Stmt::new(format!("SELECT token FROM {table} WHERE key = $1"), &[0]),
+            key_token: None,
             wanted: Some(Stmt::new(
                 format!("UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted"),
                 &[0],

@@ -337,6 +337,10 @@ impl SqliteBackend {
         let pool = crate::driver::run(async move {
             let pool = SqlitePoolOptions::new()
                 .max_connections(4)
+                // A connection is a thread of this process: a ping before
+                // each call (a round trip to that thread) would test nothing
+                // the call itself does not.
+                .test_before_acquire(false)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_with(options)
                 .await?;
@@ -529,6 +533,13 @@ impl LockBackend for SqliteBackend {
 
     fn offers(&self, _mode: HoldMode) -> Result<(), String> {
         Ok(())
+    }
+
+    fn needs_io_runtime(&self) -> bool {
+        // A connection is a thread of this process that answers calls from
+        // any runtime (no socket tied to the runtime that opened it): calls
+        // run where they are made, without a hop to dlock's I/O runtime.
+        false
     }
 
     fn try_acquire<'a>(
@@ -862,26 +873,21 @@ fn shared_sql() -> SharedSql {
                                        ELSE excluded.granted_at END, \
                      permits = excluded.permits, owner = excluded.owner, \
                      token = CASE WHEN ?7 >= 0 THEN ?7 ELSE MAX({h}.token + 1, excluded.token) END, \
-                     expires_at = excluded.expires_at, holder = excluded.holder"
+                     expires_at = excluded.expires_at, holder = excluded.holder \
+                 RETURNING token"
             ),
             &ids(7),
         ),
-        slot_token: Stmt::new(
-            format!("SELECT token FROM {h} WHERE key = ?1 AND slot = ?2"),
-            &ids(2),
-        ),
+        slot_token: None,
         share: Stmt::new(
             format!(
                 "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?2), \
                  token = CASE WHEN ?3 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
-                 WHERE key = ?1"
+                 WHERE key = ?1 RETURNING token"
             ),
             &ids(3),
         ),
-        key_token: Stmt::new(
-            "SELECT token FROM dlock_leases WHERE key = ?1".into(),
-            &ids(1),
-        ),
+        key_token: None,
         wanted: None,
         mark_writer: Stmt::new(
             format!(
