@@ -174,6 +174,9 @@ pub(crate) const SESSION_EXPIRY: &str = "session_expiry";
 /// The name of a revocation in histories (the checker looks for it).
 pub(crate) const REVOKE: &str = "revoke";
 
+/// How long the `revoke` fault tries to connect before the run fails.
+const REVOKE_CONNECT_FOR: Duration = Duration::from_secs(30);
+
 /// How long after a revocation answered its holder of a lease of `lease`
 /// must have been told of its loss: its next renewal (a third of the lease
 /// later at most) finds the key revoked, and a renewal that fails for
@@ -524,12 +527,28 @@ async fn revoke(cluster: &Cluster, rng: &mut StdRng, id: u32) -> anyhow::Result<
     );
     let entries_before = cluster.tracker.lock().expect("tracker").entries.clone();
     let url = cluster.admin_url().await;
-    let backend = dlock_runtime::connect(&url).await.with_context(|| {
-        format!(
-            "revoke: connect to {}",
-            dlock_runtime::admin::redact_url(&url)
-        )
-    })?;
+    // Connecting changes nothing on the server, so it is tried again while
+    // the cluster recovers from an earlier fault (an etcd member restarted
+    // just before, its cluster still electing a leader), as an operator
+    // would; the revocation itself is sent once.
+    let connect_until = tokio::time::Instant::now() + REVOKE_CONNECT_FOR;
+    let backend = loop {
+        match dlock_runtime::connect(&url).await {
+            Ok(backend) => break backend,
+            Err(e) if tokio::time::Instant::now() < connect_until => {
+                tracing::info!(error = %e, "revoke: connect failed; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "revoke: connect to {} (tried for {REVOKE_CONNECT_FOR:?})",
+                        dlock_runtime::admin::redact_url(&url)
+                    )
+                });
+            }
+        }
+    };
     let registry = dlock_runtime::Registry::builder()
         .default_backend(backend)
         .build();
