@@ -407,16 +407,41 @@ fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<(), Failure> {
 
 /// The secrets a URL carries: the user info's password and the values of
 /// query parameters whose name says password, raw and percent-decoded.
+///
+/// A secret equal to a part the redacted URL shows anyway (the user name, a
+/// host, a path segment: `postgres://dlock:dlock@db/dlock`) is not one:
+/// scrubbing it would hide nothing and turn every message's words that
+/// happen to match (`dlock`'s own name among them) into `***`.
 fn secrets_of(url: &str) -> Vec<String> {
     let mut found = Vec::new();
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let authority = &rest[..authority_end];
-    if let Some(at) = authority.rfind('@')
-        && let Some((_, password)) = authority[..at].split_once(':')
-    {
-        found.push(password.to_owned());
-    }
+    let mut shown: Vec<&str> = Vec::new();
+    let hosts = match authority.rfind('@') {
+        Some(at) => {
+            let user_info = &authority[..at];
+            match user_info.split_once(':') {
+                Some((user, password)) => {
+                    found.push(password.to_owned());
+                    shown.push(user);
+                }
+                None => shown.push(user_info),
+            }
+            &authority[at + 1..]
+        }
+        None => authority,
+    };
+    shown.extend(
+        hosts
+            .split(',')
+            .map(|h| h.rsplit_once(':').map_or(h, |(host, _)| host)),
+    );
+    let path = rest[authority_end..]
+        .split(['?', '#'])
+        .next()
+        .unwrap_or_default();
+    shown.extend(path.split('/'));
     if let Some((_, query)) = url.split_once('?') {
         for pair in query.split(['&', '#']) {
             if let Some((name, value)) = pair.split_once('=')
@@ -430,7 +455,7 @@ fn secrets_of(url: &str) -> Vec<String> {
     }
     let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
     found.extend(decoded);
-    found.retain(|s| s.len() >= 3);
+    found.retain(|s| s.len() >= 3 && !shown.iter().any(|part| percent_decode(part) == *s));
     found.sort_by_key(|s| std::cmp::Reverse(s.len()));
     found.dedup();
     found
@@ -480,6 +505,21 @@ mod tests {
         assert_eq!(
             scrub("auth failed for dlock:p@ss (k3y)", &found),
             "auth failed for dlock:*** (***)"
+        );
+    }
+
+    #[test]
+    fn a_password_the_url_shows_elsewhere_is_no_secret() {
+        assert!(secrets_of("mysql://dlock:dlock@127.0.0.1:43306/dlock").is_empty());
+        assert!(secrets_of("postgres://app:db1@db1:5432/locks").is_empty());
+        assert_eq!(
+            secrets_of("postgres://dlock:s3cret@127.0.0.1:45432/dlock"),
+            vec!["s3cret".to_owned()]
+        );
+        let found = secrets_of("mysql://dlock:dlock@127.0.0.1:43306/dlock");
+        assert_eq!(
+            scrub("dlock configuration error: no table `dlock_x`", &found),
+            "dlock configuration error: no table `dlock_x`"
         );
     }
 

@@ -542,8 +542,9 @@ async fn a_misspelt_table_or_database_is_an_error_and_never_created() {
         "DLOCK_TEST_MYSQL_URL",
         "mysql://dlock:dlock@127.0.0.1:43306/dlock",
     );
-    // Without the test servers' password (`dlock`) in it: that is scrubbed.
-    let table = format!("locks_misspelt_{}", std::process::id());
+    // With the test servers' password (`dlock`, also the user and database
+    // name the message shows) in it: the name is shown whole.
+    let table = format!("dlock_misspelt_{}", std::process::id());
     let url = format!("{mysql}?table={table}");
     for command in [&["list"][..], &["show", "k"], &["revoke", "--yes", "k"]] {
         let out = dlock(&[&["--url", url.as_str()][..], command].concat(), None).await;
