@@ -1,0 +1,133 @@
+//! SQLite's calls run on the caller's runtime: a caller's runtime shut down
+//! while its call is still on a connection's worker thread (the database's
+//! write lock held by another connection) leaves no key held for its lease.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use dlock_runtime::{Registry, SqliteBackend};
+use dlock_tests::sql_db::SqliteFaults;
+use dlock_tests::unique_key;
+
+/// The lease each abandoned attempt asks for: far longer than the bound.
+const LEASE: Duration = Duration::from_secs(60);
+
+fn url(path: &Path) -> String {
+    format!("sqlite://{}", path.display())
+}
+
+async fn registry(path: &Path) -> Registry {
+    Registry::builder()
+        .default_backend(
+            SqliteBackend::connect(&url(path))
+                .await
+                .expect("open sqlite"),
+        )
+        .build()
+}
+
+/// The owner of `key`'s row (`None`: free or no row), read directly.
+async fn owner(path: &Path, key: &str) -> Option<String> {
+    sqlx::query_scalar::<_, Option<String>>("SELECT owner FROM dlock_leases WHERE key = ?1")
+    .bind(format!("dlock:{key}"))
+    .fetch_optional(&mut SqliteFaults::connect_to(path).await)
+    .await
+    .expect("read the row")
+    .flatten()
+}
+
+/// Starts an acquisition of `key` on a `current_thread` runtime of its own,
+/// lets it reach the database (whose write lock is held, so the statement
+/// waits on the connection's worker thread), then shuts that runtime down.
+/// Answers the registry, alive until the end of the test.
+fn acquire_then_shut_the_runtime_down(path: PathBuf, key: String) -> Registry {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let registry = runtime.block_on(async {
+        let registry = registry(&path).await;
+        let attempt = {
+            let registry = registry.clone();
+            tokio::spawn(async move { registry.lock(&key).lease(LEASE).acquire().await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!attempt.is_finished(), "the write lock holds the attempt");
+        registry
+    });
+    // The attempt's future is dropped with the runtime; its statement is
+    // still on the worker thread.
+    drop(runtime);
+    registry
+}
+
+/// Several callers' acquisitions (one registry and one key each) are on
+/// the worker threads when their runtimes are shut down; the write lock is
+/// freed after the runtime's backstop release has gone out and before the
+/// attempts' busy timeout, so each attempt and its backstop race for it.
+/// Whichever lands last, no key may stay held for its 60 s lease: each is
+/// free 15 s after the runtimes were shut down.
+#[test]
+#[ignore = "open: an inline SQLite statement dropped with its caller runs on its worker thread up to the 5 s busy timeout, past the 3 s abandoned-attempt backstop, and nothing orders the releases after it"]
+fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() {
+    const CALLERS: usize = 6;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("caller-runtime.db");
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let keys: Vec<String> = (0..CALLERS)
+        .map(|i| unique_key(&format!("shut-down-mid-acquire-{i}")))
+        .collect();
+    let mut blocker = main.block_on(async {
+        // The table exists before the lock is taken.
+        let warm = registry(&path).await;
+        warm.lock(&unique_key("warm"))
+            .acquire()
+            .await
+            .expect("acquire")
+            .release()
+            .await
+            .expect("release");
+        let mut blocker = SqliteFaults::connect_to(&path).await;
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut blocker)
+            .await
+            .expect("take the write lock");
+        blocker
+    });
+    let callers: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (path, key) = (path.clone(), key.clone());
+            std::thread::spawn(move || acquire_then_shut_the_runtime_down(path, key))
+        })
+        .collect();
+    let registries: Vec<Registry> = callers
+        .into_iter()
+        .map(|c| c.join().expect("caller"))
+        .collect();
+    let shut_down = Instant::now();
+    main.block_on(async {
+        // After the backstop (3 s), before the attempts' busy timeout (5 s).
+        tokio::time::sleep_until((shut_down + Duration::from_millis(3800)).into()).await;
+        sqlx::query("ROLLBACK")
+            .execute(&mut blocker)
+            .await
+            .expect("free the write lock");
+        tokio::time::sleep_until((shut_down + Duration::from_secs(15)).into()).await;
+        let mut held = Vec::new();
+        for key in &keys {
+            if let Some(owner) = owner(&path, key).await {
+                held.push((key.clone(), owner));
+            }
+        }
+        assert!(
+            held.is_empty(),
+            "keys held 15 s after their callers' runtimes were shut down: {held:?}"
+        );
+    });
+    drop(registries);
+}
