@@ -29,11 +29,11 @@ async fn registry(path: &Path) -> Registry {
 /// The owner of `key`'s row (`None`: free or no row), read directly.
 async fn owner(path: &Path, key: &str) -> Option<String> {
     sqlx::query_scalar::<_, Option<String>>("SELECT owner FROM dlock_leases WHERE key = ?1")
-    .bind(format!("dlock:{key}"))
-    .fetch_optional(&mut SqliteFaults::connect_to(path).await)
-    .await
-    .expect("read the row")
-    .flatten()
+        .bind(format!("dlock:{key}"))
+        .fetch_optional(&mut SqliteFaults::connect_to(path).await)
+        .await
+        .expect("read the row")
+        .flatten()
 }
 
 /// Starts an acquisition of `key` on a `current_thread` runtime of its own,
