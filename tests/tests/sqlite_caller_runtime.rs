@@ -131,3 +131,89 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
     });
     drop(registries);
 }
+
+/// Callers on `current_thread` runtimes of their own are mid-acquire (their
+/// statements on the worker threads, the write lock held) when the registry
+/// is shut down; the lock is freed after the backstop releases have gone
+/// out. Shutdown promises that once it has returned with nothing
+/// unfinished, no key is held or taken through the registry any more.
+#[test]
+#[ignore = "open: shutdown waits for the backstop release, not for the inline SQLite statement still on its worker thread, which lands after it"]
+fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
+    const CALLERS: usize = 3;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("shutdown-mid-acquire.db");
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let keys: Vec<String> = (0..CALLERS)
+        .map(|i| unique_key(&format!("shutdown-mid-acquire-{i}")))
+        .collect();
+    let (shared, mut blocker) = main.block_on(async {
+        let shared = registry(&path).await;
+        shared
+            .lock(&unique_key("warm"))
+            .acquire()
+            .await
+            .expect("acquire")
+            .release()
+            .await
+            .expect("release");
+        let mut blocker = SqliteFaults::connect_to(&path).await;
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut blocker)
+            .await
+            .expect("take the write lock");
+        (shared, blocker)
+    });
+    let callers: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (registry, key) = (shared.clone(), key.clone());
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime")
+                    .block_on(async move { registry.lock(&key).lease(LEASE).acquire().await })
+                    .err()
+            })
+        })
+        .collect();
+    main.block_on(async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let shutting = Instant::now();
+        let shutdown = {
+            let shared = shared.clone();
+            tokio::spawn(async move { shared.shutdown(Duration::from_secs(30)).await })
+        };
+        // After the backstops (3 s), before the attempts' busy timeout (5 s).
+        tokio::time::sleep_until((shutting + Duration::from_millis(3800)).into()).await;
+        sqlx::query("ROLLBACK")
+            .execute(&mut blocker)
+            .await
+            .expect("free the write lock");
+        let report = shutdown.await.expect("shutdown");
+        assert_eq!(report.unfinished, 0, "shutdown finished everything");
+        for caller in callers {
+            assert!(
+                caller.join().expect("caller").is_some(),
+                "shutdown stopped it"
+            );
+        }
+        // The statements left land within moments of the lock's freeing.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut held = Vec::new();
+        for key in &keys {
+            if let Some(owner) = owner(&path, key).await {
+                held.push((key.clone(), owner));
+            }
+        }
+        assert!(
+            held.is_empty(),
+            "keys held after the registry's shutdown returned: {held:?}"
+        );
+    });
+}
