@@ -84,7 +84,7 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
     let mut blocker = main.block_on(async {
         // The table exists before the lock is taken.
         let warm = registry(&path).await;
-        warm.lock(&unique_key("warm"))
+        warm.lock(unique_key("warm"))
             .acquire()
             .await
             .expect("acquire")
@@ -154,7 +154,7 @@ fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
     let (shared, mut blocker) = main.block_on(async {
         let shared = registry(&path).await;
         shared
-            .lock(&unique_key("warm"))
+            .lock(unique_key("warm"))
             .acquire()
             .await
             .expect("acquire")
