@@ -415,6 +415,18 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Duration::ZERO
     }
 
+    /// How long a command whose caller went away may still run and take a
+    /// key: the runtime's backstop release of an abandoned acquisition goes
+    /// out after it (and [`Registry::shutdown`](crate::Registry::shutdown)
+    /// waits for that backstop when it stopped an attempt on the wire). The
+    /// default, 3 s, is longer than the network backends' command timeouts
+    /// (their abandoned commands are also settled before the owner's release,
+    /// where the backend can tell); a backend whose commands may wait longer
+    /// where it cannot follow them says so.
+    fn abandoned_command_bound(&self) -> Duration {
+        Duration::from_secs(3)
+    }
+
     /// Whether the runtime must run this backend's calls on dlock's own I/O
     /// runtime. True for clients that tie a connection to the runtime that
     /// opened it (sqlx pools), so that a registry keeps working after the

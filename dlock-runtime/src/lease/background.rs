@@ -8,14 +8,9 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::shutdown::Leases;
 use crate::backend::{Lease, LockBackend};
-
-/// How long after an abandoned acquisition the backstop release goes out:
-/// longer than the backends' default command timeout.
-const ABANDONED_BACKSTOP: Duration = Duration::from_secs(3);
 
 /// One release in flight: the registry's shutdown waits for it until this
 /// is dropped — when the release has run, or when the task that carried it
@@ -82,7 +77,7 @@ impl Releasing {
             _ => drop(crate::driver::handle().spawn(release)),
         }
         crate::driver::handle().spawn(async move {
-            tokio::time::sleep(ABANDONED_BACKSTOP).await;
+            tokio::time::sleep(backend.abandoned_command_bound()).await;
             let _ = backend.release(&lease).await;
             drop(backstop_counted);
         });
@@ -97,6 +92,8 @@ impl Drop for Releasing {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::Registry;
     use crate::backend::AcquireRequest;

@@ -72,6 +72,12 @@ use crate::token::FencingToken;
 
 mod doorbell;
 
+/// How long a statement waits for the database's write lock.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long after its busy timeout a statement whose caller went away is
+/// surely over (it ran, or gave up), generous for a loaded machine.
+const ABANDONED_MARGIN: Duration = Duration::from_secs(2);
+
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS dlock_leases (
     key        TEXT    PRIMARY KEY NOT NULL,
     owner      TEXT,
@@ -330,7 +336,7 @@ impl SqliteBackend {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(5));
+            .busy_timeout(BUSY_TIMEOUT);
         let shown = path.display().to_string();
         // The pool's connections belong to the runtime that opens them: open
         // them on dlock's own (see `driver`).
@@ -539,7 +545,16 @@ impl LockBackend for SqliteBackend {
         // A connection is a thread of this process that answers calls from
         // any runtime (no socket tied to the runtime that opened it): calls
         // run where they are made, without a hop to dlock's I/O runtime.
+        // A call dropped there goes on on that thread; the backstop release
+        // comes after it (`abandoned_command_bound`).
         false
+    }
+
+    fn abandoned_command_bound(&self) -> Duration {
+        // A statement whose caller went away goes on on its connection's
+        // thread, waiting for the database's write lock up to the busy
+        // timeout, then runs: the backstop release must come after it.
+        BUSY_TIMEOUT + ABANDONED_MARGIN
     }
 
     fn try_acquire<'a>(

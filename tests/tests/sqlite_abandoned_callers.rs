@@ -1,6 +1,9 @@
-//! SQLite's calls run on the caller's runtime: a caller's runtime shut down
-//! while its call is still on a connection's worker thread (the database's
-//! write lock held by another connection) leaves no key held for its lease.
+//! A caller's runtime shut down, or the registry shut down, while its SQLite
+//! call is still on a connection's worker thread (the database's write lock
+//! held by another connection, so the statement waits up to its busy
+//! timeout) leaves no key held for its lease: the runtime's backstop release
+//! of the abandoned attempt goes out after the longest such statement
+//! (`LockBackend::abandoned_command_bound`), and shutdown waits for it.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -63,12 +66,11 @@ fn acquire_then_shut_the_runtime_down(path: PathBuf, key: String) -> Registry {
 
 /// Several callers' acquisitions (one registry and one key each) are on
 /// the worker threads when their runtimes are shut down; the write lock is
-/// freed after the runtime's backstop release has gone out and before the
-/// attempts' busy timeout, so each attempt and its backstop race for it.
-/// Whichever lands last, no key may stay held for its 60 s lease: each is
-/// free 15 s after the runtimes were shut down.
+/// freed after the first clean-up releases have gone out and past 3 s (the
+/// other backends' backstop), before the attempts' busy timeout, so each
+/// attempt takes its key after its first release. No key may stay held for
+/// its 60 s lease: each is free 15 s after the runtimes were shut down.
 #[test]
-#[ignore = "open: an inline SQLite statement dropped with its caller runs on its worker thread up to the 5 s busy timeout, past the 3 s abandoned-attempt backstop, and nothing orders the releases after it"]
 fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() {
     const CALLERS: usize = 6;
     let dir = tempfile::tempdir().expect("tempdir");
@@ -111,7 +113,8 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
         .collect();
     let shut_down = Instant::now();
     main.block_on(async {
-        // After the backstop (3 s), before the attempts' busy timeout (5 s).
+        // After the other backends' backstop (3 s), before the attempts'
+        // busy timeout (5 s).
         tokio::time::sleep_until((shut_down + Duration::from_millis(3800)).into()).await;
         sqlx::query("ROLLBACK")
             .execute(&mut blocker)
@@ -138,7 +141,6 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
 /// out. Shutdown promises that once it has returned with nothing
 /// unfinished, no key is held or taken through the registry any more.
 #[test]
-#[ignore = "open: shutdown waits for the backstop release, not for the inline SQLite statement still on its worker thread, which lands after it"]
 fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
     const CALLERS: usize = 3;
     let dir = tempfile::tempdir().expect("tempdir");
