@@ -39,6 +39,36 @@ async fn owner(path: &Path, key: &str) -> Option<String> {
         .flatten()
 }
 
+/// The keys of `keys` someone holds, with their owners.
+async fn held(path: &Path, keys: &[String]) -> Vec<(String, String)> {
+    let mut held = Vec::new();
+    for key in keys {
+        if let Some(owner) = owner(path, key).await {
+            held.push((key.clone(), owner));
+        }
+    }
+    held
+}
+
+/// A connection holding the database's write lock (`BEGIN IMMEDIATE`),
+/// once `registry` has made the lock table.
+async fn write_locked(path: &Path, registry: &Registry) -> sqlx::SqliteConnection {
+    registry
+        .lock(unique_key("warm"))
+        .acquire()
+        .await
+        .expect("acquire")
+        .release()
+        .await
+        .expect("release");
+    let mut blocker = SqliteFaults::connect_to(path).await;
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut blocker)
+        .await
+        .expect("take the write lock");
+    blocker
+}
+
 /// Starts an acquisition of `key` on a `current_thread` runtime of its own,
 /// lets it reach the database (whose write lock is held, so the statement
 /// waits on the connection's worker thread), then shuts that runtime down.
@@ -83,23 +113,7 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
     let keys: Vec<String> = (0..CALLERS)
         .map(|i| unique_key(&format!("shut-down-mid-acquire-{i}")))
         .collect();
-    let mut blocker = main.block_on(async {
-        // The table exists before the lock is taken.
-        let warm = registry(&path).await;
-        warm.lock(unique_key("warm"))
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
-        let mut blocker = SqliteFaults::connect_to(&path).await;
-        sqlx::query("BEGIN IMMEDIATE")
-            .execute(&mut blocker)
-            .await
-            .expect("take the write lock");
-        blocker
-    });
+    let mut blocker = main.block_on(async { write_locked(&path, &registry(&path).await).await });
     let callers: Vec<_> = keys
         .iter()
         .map(|key| {
@@ -121,12 +135,7 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
             .await
             .expect("free the write lock");
         tokio::time::sleep_until((shut_down + Duration::from_secs(15)).into()).await;
-        let mut held = Vec::new();
-        for key in &keys {
-            if let Some(owner) = owner(&path, key).await {
-                held.push((key.clone(), owner));
-            }
-        }
+        let held = held(&path, &keys).await;
         assert!(
             held.is_empty(),
             "keys held 15 s after their callers' runtimes were shut down: {held:?}"
@@ -155,19 +164,7 @@ fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
         .collect();
     let (shared, mut blocker) = main.block_on(async {
         let shared = registry(&path).await;
-        shared
-            .lock(unique_key("warm"))
-            .acquire()
-            .await
-            .expect("acquire")
-            .release()
-            .await
-            .expect("release");
-        let mut blocker = SqliteFaults::connect_to(&path).await;
-        sqlx::query("BEGIN IMMEDIATE")
-            .execute(&mut blocker)
-            .await
-            .expect("take the write lock");
+        let blocker = write_locked(&path, &shared).await;
         (shared, blocker)
     });
     let callers: Vec<_> = keys
@@ -191,7 +188,8 @@ fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
             let shared = shared.clone();
             tokio::spawn(async move { shared.shutdown(Duration::from_secs(30)).await })
         };
-        // After the backstops (3 s), before the attempts' busy timeout (5 s).
+        // After the other backends' backstop (3 s), before the attempts'
+        // busy timeout (5 s).
         tokio::time::sleep_until((shutting + Duration::from_millis(3800)).into()).await;
         sqlx::query("ROLLBACK")
             .execute(&mut blocker)
@@ -207,12 +205,7 @@ fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
         }
         // The statements left land within moments of the lock's freeing.
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let mut held = Vec::new();
-        for key in &keys {
-            if let Some(owner) = owner(&path, key).await {
-                held.push((key.clone(), owner));
-            }
-        }
+        let held = held(&path, &keys).await;
         assert!(
             held.is_empty(),
             "keys held after the registry's shutdown returned: {held:?}"
