@@ -39,6 +39,21 @@ async fn owner(path: &Path, key: &str) -> Option<String> {
         .flatten()
 }
 
+/// A case's directory (its database goes there), the runtime the test
+/// itself runs on, and `callers` keys named after `name`.
+fn case(name: &str, callers: usize) -> (tempfile::TempDir, tokio::runtime::Runtime, Vec<String>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let keys = (0..callers)
+        .map(|i| unique_key(&format!("{name}-{i}")))
+        .collect();
+    (dir, main, keys)
+}
+
 /// The keys of `keys` someone holds, with their owners.
 async fn held(path: &Path, keys: &[String]) -> Vec<(String, String)> {
     let mut held = Vec::new();
@@ -102,17 +117,8 @@ fn acquire_then_shut_the_runtime_down(path: PathBuf, key: String) -> Registry {
 /// its 60 s lease: each is free 15 s after the runtimes were shut down.
 #[test]
 fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() {
-    const CALLERS: usize = 6;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("caller-runtime.db");
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let keys: Vec<String> = (0..CALLERS)
-        .map(|i| unique_key(&format!("shut-down-mid-acquire-{i}")))
-        .collect();
+    let (dir, main, keys) = case("shut-down-mid-acquire", 6);
+    let path = dir.path().join("locks.db");
     let mut blocker = main.block_on(async { write_locked(&path, &registry(&path).await).await });
     let callers: Vec<_> = keys
         .iter()
@@ -151,17 +157,8 @@ fn a_runtime_shut_down_mid_acquire_leaves_every_key_free_far_within_the_lease() 
 /// unfinished, no key is held or taken through the registry any more.
 #[test]
 fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
-    const CALLERS: usize = 3;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("shutdown-mid-acquire.db");
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let keys: Vec<String> = (0..CALLERS)
-        .map(|i| unique_key(&format!("shutdown-mid-acquire-{i}")))
-        .collect();
+    let (dir, main, keys) = case("shutdown-mid-acquire", 3);
+    let path = dir.path().join("locks.db");
     let (shared, mut blocker) = main.block_on(async {
         let shared = registry(&path).await;
         let blocker = write_locked(&path, &shared).await;
