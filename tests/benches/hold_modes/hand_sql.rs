@@ -2,7 +2,8 @@
 //! sqlx: the statements of `dlock-runtime/src/backend/sql/shared.rs`
 //! (`try_shared` and `release_shared`) in each dialect's text
 //! (`shared_sql` of `postgres/mod.rs`, `mysql/mod.rs`, `sqlite/mod.rs`),
-//! run in the same order, in the same transactions.
+//! run in the same order, in the same transactions: where a dialect says a
+//! grant or a release in one statement (`grant`, `release`), that one.
 
 /// An argument of a statement.
 #[derive(Clone, Debug)]
@@ -51,12 +52,20 @@ pub(crate) struct HandSql {
     share: Stmt,
     /// (key) → [token]; `None` where `share` returns it.
     key_token: Option<Stmt>,
+    /// `share` and `take` in one statement: (key, slot, permits, owner,
+    /// lease ms, holder, 1 for a reader) → [token].
+    grant: Option<Stmt>,
     /// (key, slot or -1, owner).
     free_holder: Stmt,
     /// (key, owner).
     reshare: Stmt,
     /// (key): PostgreSQL's `NOTIFY` of a wanted key.
     notify: Option<Stmt>,
+    /// `free_holder`, `reshare` and `notify` in one statement: (key, slot
+    /// or -1, owner).
+    release: Option<Stmt>,
+    /// `begin` alone orders every decision: a release locks no row first.
+    begin_orders: bool,
 }
 
 /// PostgreSQL's clock in µs.
@@ -127,6 +136,27 @@ pub(crate) fn postgres() -> HandSql {
             &[0, 1, 2],
         ),
         key_token: None,
+        grant: Some(Stmt::new(
+            format!(
+                "WITH s AS (UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
+                     token = CASE WHEN $7 = 1 THEN GREATEST(token + 1, {PG_NOW_US}) ELSE token END \
+                     WHERE key = $1 RETURNING token) \
+                 INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {PG_NOW_US} END, {}, $6, \
+                        clock_timestamp() FROM s \
+                 ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
+                     owner = excluded.owner, \
+                     token = CASE WHEN $7 = 1 THEN excluded.token \
+                                  ELSE GREATEST(h.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder, \
+                     granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
+                                       ELSE excluded.granted_at END \
+                 RETURNING token",
+                until("$5"),
+                until("$5")
+            ),
+            &[0, 1, 2, 3, 4, 5, 6],
+        )),
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
@@ -148,6 +178,21 @@ pub(crate) fn postgres() -> HandSql {
             format!("SELECT pg_notify('dlock', key)::text FROM {table} WHERE key = $1 AND wanted"),
             &[0],
         )),
+        release: Some(Stmt::new(
+            format!(
+                "WITH f AS (UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                     WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2)), \
+                 r AS (UPDATE {table} SET shared_until = \
+                       (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                        AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                        AND NOT (h.owner = $3 AND ($2 < 0 OR h.slot = $2))), \
+                     wwait_owner = NULLIF(wwait_owner, $3) \
+                     WHERE key = $1 RETURNING key, wanted) \
+                 SELECT pg_notify('dlock', key)::text FROM r WHERE wanted"
+            ),
+            &[0, 1, 2],
+        )),
+        begin_orders: false,
     }
 }
 
@@ -213,6 +258,7 @@ pub(crate) fn mariadb() -> HandSql {
             format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
             &[0],
         )),
+        grant: None,
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_us = {n} \
@@ -229,6 +275,8 @@ pub(crate) fn mariadb() -> HandSql {
             &[0, 1, 0],
         ),
         notify: None,
+        release: None,
+        begin_orders: false,
     }
 }
 
@@ -293,6 +341,27 @@ pub(crate) fn sqlite() -> HandSql {
             &ids(3),
         ),
         key_token: None,
+        grant: Some(Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {now} + ?5), \
+                 token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+                 WHERE key = ?1; \
+                 INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 VALUES (?1, ?2, ?3, ?4, \
+                         CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
+                              ELSE {now_us} END, \
+                         {now} + ?5, ?6, {now}) \
+                 ON CONFLICT (key, slot) DO UPDATE SET \
+                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                                       ELSE excluded.granted_at END, \
+                     permits = excluded.permits, owner = excluded.owner, \
+                     token = CASE WHEN ?7 = 1 THEN excluded.token \
+                                  ELSE MAX({h}.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder \
+                 RETURNING token"
+            ),
+            &ids(7),
+        )),
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = {now} \
@@ -310,6 +379,18 @@ pub(crate) fn sqlite() -> HandSql {
             &ids(2),
         ),
         notify: None,
+        release: Some(Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_at = {now} \
+                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
+                 UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+                   AND h.expires_at > {now}), 0), \
+                 wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
+            ),
+            &ids(3),
+        )),
+        begin_orders: true,
     }
 }
 
@@ -426,6 +507,21 @@ macro_rules! shared_pair {
                 anyhow::ensure!(permits == 0 || slot < permits, "{key} has no free permit");
                 let reader = permits == 0;
                 let first = |t: Vec<Row>| t.first().and_then(|r| r[0].0);
+                if let Some(grant) = &sql.grant {
+                    let args = [
+                        k.clone(),
+                        Arg::Int(slot),
+                        Arg::Int(permits),
+                        Arg::Text(owner.to_owned()),
+                        Arg::Int(lease_ms),
+                        Arg::Text(holder.to_owned()),
+                        Arg::Int(i64::from(reader)),
+                    ];
+                    let token = first(rows(&mut tx, grant, &args, &[false]).await?);
+                    let token = token.unwrap_or(if reader { -1 } else { 0 });
+                    tx.commit().await?;
+                    return Ok((if reader { -1 } else { slot }, token));
+                }
                 let share_args = [k.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))];
                 let key_token = match &sql.key_token {
                     None => first(rows(&mut tx, &sql.share, &share_args, &[false]).await?),
@@ -479,9 +575,16 @@ macro_rules! shared_pair {
                 let mut conn = pool.acquire().await?;
                 let mut tx = conn.begin_with(sql.begin).await?;
                 let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
-                let locked =
-                    rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
-                anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                if !sql.begin_orders {
+                    let locked =
+                        rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
+                    anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                }
+                if let Some(release) = &sql.release {
+                    exec(&mut tx, release, &[k, Arg::Int(slot), o]).await?;
+                    tx.commit().await?;
+                    return Ok(());
+                }
                 let freed = exec(
                     &mut tx,
                     &sql.free_holder,

@@ -21,7 +21,16 @@
 //! statement of the transaction reads what the previous holder of the lock
 //! committed — one statement could not see it (its snapshot predates the
 //! lock wait), so the check of `N`, of the mode and of the free slots would
-//! race.
+//! race. After the decision, the writes that need no fresh read are one
+//! statement where the dialect can say it (PostgreSQL's data-modifying
+//! `WITH`; two statements in one call to SQLite's connection thread): the
+//! grant (the key's row and the slot row, [`SharedSql::grant`]) and the
+//! release (the holder row freed, `shared_until` recomputed, the waiters
+//! notified, [`SharedSql::release`]). These round trips are what a handoff
+//! to a waiting reader, writer or permit seeker costs beyond a plain
+//! lock's one statement: a grant is begin, lock, holders, grant, commit; a
+//! release begin, lock, release, commit — on SQLite, whose `BEGIN
+//! IMMEDIATE` already orders every decision, begin, release, commit.
 //!
 //! **Semaphore.** Under the row lock: the key's live holder rows (an owner,
 //! an unexpired lease); another `permits`, or readers, or a live plain
@@ -175,6 +184,12 @@ pub struct SharedSql {
     /// (key) → [token] of `T`'s row, read after `share`; `None` where
     /// `share` returns it.
     pub key_token: Option<Stmt>,
+    /// `share` and `take` in one statement, where the dialect can say it:
+    /// (key, slot, permits, owner, lease ms, holder, 1 for a reader) →
+    /// [token] of the grant (the key's bumped token for a reader, the slot
+    /// row's for a permit). One round trip less between a wake-up and a
+    /// grant.
+    pub grant: Option<Stmt>,
     /// (key): marks the key as wanted, where releases notify.
     pub wanted: Option<Stmt>,
     /// (key, owner, ttl ms): the waiting-writer mark, unless another
@@ -192,6 +207,10 @@ pub struct SharedSql {
     /// (key): wakes the waiters of other processes, where the database
     /// pushes (only if the key is wanted).
     pub notify: Option<Stmt>,
+    /// `free_holder`, `reshare` and `notify` in one statement, where the
+    /// dialect can say it: (key, slot or -1, owner). Two round trips less
+    /// between a release call and the waiter's wake-up.
+    pub release: Option<Stmt>,
     /// (key, slot or -1, owner) → a row if the owner's holder row was revoked.
     pub was_revoked: Stmt,
     /// (key) → [key, owner, holder, token, granted, ms left, slot, permits]
@@ -319,6 +338,10 @@ pub(super) trait SharedStore: Clone + Send + Sync + 'static {
     const HOLDER_MAX: usize;
     /// The statement that begins a transaction that will write.
     const BEGIN: &'static str;
+    /// Whether [`BEGIN`](Self::BEGIN) alone orders every decision (one
+    /// writer at a time from the start), so that a release takes no row
+    /// lock first.
+    const BEGIN_ORDERS: bool;
 
     /// The statements.
     fn sql(&self) -> Arc<SharedSql>;
@@ -504,47 +527,23 @@ pub(super) async fn try_shared<B: SharedStore>(
                     return Ok(busy(live.iter().map(|l| l.3).min()));
                 }
                 let reader = permits == 0;
-                let share_args = vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))];
-                // The key's token (a reader's), by the statement that bumps
-                // it where it returns it, else read right after it.
-                let key_token = match &sql.key_token {
-                    None => first_int(B::rows(&mut tx, &sql.share, share_args, &[Col::Int]).await?),
-                    Some(read) => {
-                        B::exec(&mut tx, &sql.share, share_args).await?;
-                        if reader {
-                            first_int(B::rows(&mut tx, read, vec![key.clone()], &[Col::Int]).await?)
-                        } else {
-                            None
-                        }
-                    }
-                };
-                let key_token = if reader { key_token.unwrap_or(-1) } else { -1 };
-                let take_args = vec![
-                    key.clone(),
-                    Arg::Int(slot),
-                    Arg::Int(permits),
-                    Arg::Text(owner.clone()),
-                    Arg::Int(lease_ms),
-                    Arg::Text(holder.clone()),
-                    Arg::Int(key_token),
-                ];
-                // The slot row's token (a permit's), likewise.
-                let slot_token = match &sql.slot_token {
-                    None => first_int(B::rows(&mut tx, &sql.take, take_args, &[Col::Int]).await?),
-                    Some(read) => {
-                        B::exec(&mut tx, &sql.take, take_args).await?;
-                        if reader {
-                            None
-                        } else {
-                            let args = vec![key.clone(), Arg::Int(slot)];
-                            first_int(B::rows(&mut tx, read, args, &[Col::Int]).await?)
-                        }
-                    }
-                };
-                let token = if reader {
-                    key_token
+                let token = if let Some(grant) = &sql.grant {
+                    let args = vec![
+                        key.clone(),
+                        Arg::Int(slot),
+                        Arg::Int(permits),
+                        Arg::Text(owner.clone()),
+                        Arg::Int(lease_ms),
+                        Arg::Text(holder.clone()),
+                        Arg::Int(i64::from(reader)),
+                    ];
+                    let token = first_int(B::rows(&mut tx, grant, args, &[Col::Int]).await?);
+                    token.unwrap_or(if reader { -1 } else { 0 })
                 } else {
-                    slot_token.unwrap_or(0)
+                    split_grant::<B>(
+                        &mut tx, &sql, &key, slot, permits, &owner, lease_ms, &holder,
+                    )
+                    .await?
                 };
                 tx.commit().await?;
                 Ok(Found::Held {
@@ -571,6 +570,65 @@ pub(super) async fn try_shared<B: SharedStore>(
             asked,
         ))),
     }
+}
+
+/// `share`, then `take`, each token read from its statement or right
+/// after it: the grant's token (the key's for a reader, the slot row's for
+/// a permit).
+#[allow(clippy::too_many_arguments)]
+async fn split_grant<B: SharedStore>(
+    tx: &mut StoreConn<B>,
+    sql: &SharedSql,
+    key: &Arg,
+    slot: i64,
+    permits: i64,
+    owner: &str,
+    lease_ms: i64,
+    holder: &str,
+) -> Result<i64, sqlx::Error> {
+    let reader = permits == 0;
+    let share_args = vec![key.clone(), Arg::Int(lease_ms), Arg::Int(i64::from(reader))];
+    // The key's token (a reader's), by the statement that bumps it where
+    // it returns it, else read right after it.
+    let key_token = match &sql.key_token {
+        None => first_int(B::rows(tx, &sql.share, share_args, &[Col::Int]).await?),
+        Some(read) => {
+            B::exec(tx, &sql.share, share_args).await?;
+            if reader {
+                first_int(B::rows(tx, read, vec![key.clone()], &[Col::Int]).await?)
+            } else {
+                None
+            }
+        }
+    };
+    let key_token = if reader { key_token.unwrap_or(-1) } else { -1 };
+    let take_args = vec![
+        key.clone(),
+        Arg::Int(slot),
+        Arg::Int(permits),
+        Arg::Text(owner.to_owned()),
+        Arg::Int(lease_ms),
+        Arg::Text(holder.to_owned()),
+        Arg::Int(key_token),
+    ];
+    // The slot row's token (a permit's), likewise.
+    let slot_token = match &sql.slot_token {
+        None => first_int(B::rows(tx, &sql.take, take_args, &[Col::Int]).await?),
+        Some(read) => {
+            B::exec(tx, &sql.take, take_args).await?;
+            if reader {
+                None
+            } else {
+                let args = vec![key.clone(), Arg::Int(slot)];
+                first_int(B::rows(tx, read, args, &[Col::Int]).await?)
+            }
+        }
+    };
+    Ok(if reader {
+        key_token
+    } else {
+        slot_token.unwrap_or(0)
+    })
 }
 
 /// A plain lock (the write mode) found busy: when readers hold the key,
@@ -777,15 +835,21 @@ async fn release_shared_once<B: SharedStore>(b: &B, lease: &Lease) -> Result<(),
         let slot = Arg::Int(slot_arg(lease));
         Box::pin(async move {
             let mut tx = c.begin_with(B::BEGIN).await?;
-            let locked = B::rows(
-                &mut tx,
-                &sql.lock,
-                vec![key.clone(), owner.clone()],
-                &[Col::Int, Col::Int],
-            )
-            .await?;
-            if locked.is_empty() {
-                return Ok(());
+            if !B::BEGIN_ORDERS {
+                let locked = B::rows(
+                    &mut tx,
+                    &sql.lock,
+                    vec![key.clone(), owner.clone()],
+                    &[Col::Int, Col::Int],
+                )
+                .await?;
+                if locked.is_empty() {
+                    return Ok(());
+                }
+            }
+            if let Some(release) = &sql.release {
+                B::exec(&mut tx, release, vec![key, slot, owner]).await?;
+                return tx.commit().await;
             }
             B::exec(
                 &mut tx,

@@ -899,6 +899,7 @@ impl Dialect for Mysql {
                 format!("SELECT CAST(token AS SIGNED) FROM {table} WHERE k = ?"),
                 &[0],
             )),
+            grant: None,
             wanted: None,
             mark_writer: Stmt::new(
                 format!(
@@ -936,6 +937,7 @@ impl Dialect for Mysql {
                 &[0, 1, 0],
             ),
             notify: None,
+            release: None,
             was_revoked: Stmt::new(
                 format!(
                     "SELECT CAST(1 AS SIGNED) FROM {h} WHERE k = ? AND (? < 0 OR slot = ?) \

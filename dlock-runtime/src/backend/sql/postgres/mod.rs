@@ -778,6 +778,27 @@ impl Dialect for Postgres {
                 &[0, 1, 2],
             ),
             key_token: None,
+            grant: Some(Stmt::new(
+                format!(
+                    "WITH s AS (UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
+                         token = CASE WHEN $7 = 1 THEN GREATEST(token + 1, {NOW_US}) ELSE token END \
+                         WHERE key = $1 RETURNING token) \
+                     INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                     SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {NOW_US} END, {}, $6, \
+                            clock_timestamp() FROM s \
+                     ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
+                         owner = excluded.owner, \
+                         token = CASE WHEN $7 = 1 THEN excluded.token \
+                                      ELSE GREATEST(h.token + 1, excluded.token) END, \
+                         expires_at = excluded.expires_at, holder = excluded.holder, \
+                         granted_at = CASE WHEN h.owner = excluded.owner THEN h.granted_at \
+                                           ELSE excluded.granted_at END \
+                     RETURNING token",
+                    until("$5"),
+                    until("$5")
+                ),
+                &[0, 1, 2, 3, 4, 5, 6],
+            )),
             wanted: Some(Stmt::new(
                 format!("UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted"),
                 &[0],
@@ -830,6 +851,24 @@ impl Dialect for Postgres {
                     self.channel
                 ),
                 &[0],
+            )),
+            // The key's holder rows are read in the statement's snapshot,
+            // before its own freeing: the freed rows are left out by the
+            // freeing's own condition.
+            release: Some(Stmt::new(
+                format!(
+                    "WITH f AS (UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                         WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2)), \
+                     r AS (UPDATE {table} SET shared_until = \
+                           (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                            AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                            AND NOT (h.owner = $3 AND ($2 < 0 OR h.slot = $2))), \
+                         wwait_owner = NULLIF(wwait_owner, $3) \
+                         WHERE key = $1 RETURNING key, wanted) \
+                     SELECT pg_notify('{}', key)::text FROM r WHERE wanted",
+                    self.channel
+                ),
+                &[0, 1, 2],
             )),
             was_revoked: Stmt::new(
                 format!(

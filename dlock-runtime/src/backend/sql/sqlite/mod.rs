@@ -903,6 +903,30 @@ fn shared_sql() -> SharedSql {
             &ids(3),
         ),
         key_token: None,
+        // Two statements in one call to the connection's thread (each
+        // binds the numbered arguments it names), in the caller's
+        // transaction: the reader's token is the one the first just wrote.
+        grant: Some(Stmt::new(
+            format!(
+                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?5), \
+                 token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+                 WHERE key = ?1; \
+                 INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+                 VALUES (?1, ?2, ?3, ?4, \
+                         CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
+                              ELSE {now_us} END, \
+                         {NOW} + ?5, ?6, {NOW}) \
+                 ON CONFLICT (key, slot) DO UPDATE SET \
+                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                                       ELSE excluded.granted_at END, \
+                     permits = excluded.permits, owner = excluded.owner, \
+                     token = CASE WHEN ?7 = 1 THEN excluded.token \
+                                  ELSE MAX({h}.token + 1, excluded.token) END, \
+                     expires_at = excluded.expires_at, holder = excluded.holder \
+                 RETURNING token"
+            ),
+            &ids(7),
+        )),
         wanted: None,
         mark_writer: Stmt::new(
             format!(
@@ -941,6 +965,18 @@ fn shared_sql() -> SharedSql {
             &ids(2),
         ),
         notify: None,
+        // `free_holder` and `reshare` in one call, as `grant`.
+        release: Some(Stmt::new(
+            format!(
+                "UPDATE {h} SET owner = NULL, expires_at = {NOW} \
+                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
+                 UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+                   AND h.expires_at > {NOW}), 0), \
+                 wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
+            ),
+            &ids(3),
+        )),
         was_revoked: Stmt::new(
             format!("SELECT 1 FROM {h} WHERE key = ?1 AND (?2 < 0 OR slot = ?2) AND revoked = ?3"),
             &ids(3),
@@ -984,6 +1020,7 @@ impl SharedStore for SqliteBackend {
     // One writer at a time from the start: a deferred transaction that
     // reads and then writes could not take the write lock.
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const BEGIN_ORDERS: bool = true;
 
     fn sql(&self) -> Arc<SharedSql> {
         self.shared.clone()
