@@ -42,6 +42,9 @@ pub(crate) struct HandSql {
     lock: Stmt,
     /// (key) → [slot, permits, owner, ms left] of the live holder rows.
     holders: Stmt,
+    /// `lock` and `holders` in one: (key, owner) → [`lock`'s two, 1 where
+    /// the holder columns are current, `holders`' four], a row per holder.
+    lock_holders: Option<Stmt>,
     /// (key, slot, permits, owner, lease ms, holder, token or -1) → [token]
     /// where `slot_token` is `None`.
     take: Stmt,
@@ -109,6 +112,26 @@ pub(crate) fn postgres() -> HandSql {
             ),
             &[0],
         ),
+        lock_holders: Some(Stmt::new(
+            format!(
+                "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > clock_timestamp() \
+                             THEN {} END, \
+                        CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> $2 \
+                                  AND t.wwait_until > clock_timestamp() \
+                                  AND t.wwait_token = t.token \
+                             THEN {} END, \
+                        (CASE WHEN t.xmin = (SELECT s.xmin FROM {table} s WHERE s.key = $1) \
+                              THEN 1 ELSE 0 END)::bigint, \
+                        h.slot, h.permits, h.owner, {} \
+                 FROM {table} t LEFT JOIN {h} h ON h.key = t.key \
+                      AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                 WHERE t.key = $1 ORDER BY h.slot FOR UPDATE OF t",
+                left("t.expires_at"),
+                left("t.wwait_until"),
+                left("h.expires_at")
+            ),
+            &[0, 1],
+        )),
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
@@ -231,6 +254,7 @@ pub(crate) fn mariadb() -> HandSql {
             ),
             &[0],
         ),
+        lock_holders: None,
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
@@ -316,6 +340,20 @@ pub(crate) fn sqlite() -> HandSql {
             ),
             &ids(1),
         ),
+        lock_holders: Some(Stmt::new(
+            format!(
+                "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {now} \
+                             THEN t.expires_at - {now} END, \
+                        CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
+                                  AND t.wwait_until > {now} AND t.wwait_token = t.token \
+                             THEN t.wwait_until - {now} END, \
+                        1, h.slot, h.permits, h.owner, h.expires_at - {now} \
+                 FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
+                      AND h.owner IS NOT NULL AND h.expires_at > {now} \
+                 WHERE t.key = ?1 ORDER BY h.slot"
+            ),
+            &ids(2),
+        )),
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
@@ -474,20 +512,34 @@ macro_rules! shared_pair {
                 let mut tx = conn.begin_with(sql.begin).await?;
                 let k = Arg::Text(key.to_owned());
                 let lock_args = [k.clone(), Arg::Text(owner.to_owned())];
-                let mut state = rows(&mut tx, &sql.lock, &lock_args, &[false, false]).await?;
+                let (stmt, texts) = match &sql.lock_holders {
+                    Some(both) => (both, &[false, false, false, false, false, true, false][..]),
+                    None => (&sql.lock, &[false, false][..]),
+                };
+                let mut state = rows(&mut tx, stmt, &lock_args, texts).await?;
                 if state.is_empty() {
                     exec(&mut tx, &sql.ensure, std::slice::from_ref(&k)).await?;
-                    state = rows(&mut tx, &sql.lock, &lock_args, &[false, false]).await?;
+                    state = rows(&mut tx, stmt, &lock_args, texts).await?;
                 }
                 let (plain, mark) = state.first().map_or((None, None), |r| (r[0].0, r[1].0));
                 anyhow::ensure!(plain.is_none(), "{key} is held whole");
-                let live = rows(
-                    &mut tx,
-                    &sql.holders,
-                    std::slice::from_ref(&k),
-                    &[false, false, true, false],
-                )
-                .await?;
+                let current =
+                    sql.lock_holders.is_some() && state.first().and_then(|r| r[2].0) == Some(1);
+                let live: Vec<Row> = if current {
+                    state
+                        .into_iter()
+                        .filter(|r| r[3].0.is_some())
+                        .map(|r| r[3..].to_vec())
+                        .collect()
+                } else {
+                    rows(
+                        &mut tx,
+                        &sql.holders,
+                        std::slice::from_ref(&k),
+                        &[false, false, true, false],
+                    )
+                    .await?
+                };
                 anyhow::ensure!(
                     live.iter().all(|l| l[1].0 == Some(permits)),
                     "{key} is held in another mode"

@@ -170,6 +170,12 @@ pub struct SharedSql {
     pub lock: Stmt,
     /// (key) → [slot, permits, owner, ms left] of the live holder rows, by slot.
     pub holders: Stmt,
+    /// `lock` and `holders` in one statement, where the dialect can say
+    /// it: (key, owner) → `lock`'s two columns, then 1 where the holder
+    /// columns are the rows as the lock found them (else `holders` reads
+    /// them again), then `holders`' four columns — a row per live holder
+    /// row, or one with NULL holder columns.
+    pub lock_holders: Option<Stmt>,
     /// (key, slot, permits, owner, lease ms, holder, token or -1 for the
     /// slot's hybrid token): takes the slot row; → [token] of the slot row
     /// where [`slot_token`](Self::slot_token) is `None` (`RETURNING`).
@@ -397,6 +403,18 @@ pub(super) fn holder_text(holder: &HolderRecord, max: usize) -> String {
     text
 }
 
+/// The columns of [`SharedSql::lock_holders`]; the first two are
+/// [`SharedSql::lock`]'s.
+const LOCK_HOLDERS_COLS: [Col; 7] = [
+    Col::Int,
+    Col::Int,
+    Col::Int,
+    Col::Int,
+    Col::Int,
+    Col::Text,
+    Col::Int,
+];
+
 /// What an attempt found, decided inside its transaction.
 enum Found {
     Held { token: i64, slot: Option<u32> },
@@ -465,11 +483,16 @@ pub(super) async fn try_shared<B: SharedStore>(
             Box::pin(async move {
                 let mut tx = c.begin_with(B::BEGIN).await?;
                 let lock_args = vec![key.clone(), Arg::Text(owner.clone())];
-                let mut state =
-                    B::rows(&mut tx, &sql.lock, lock_args.clone(), &[Col::Int, Col::Int]).await?;
+                // The key's row locked, and its state: with the live holder
+                // rows where the dialect reads them in the same statement.
+                let (stmt, cols) = match &sql.lock_holders {
+                    Some(both) => (both, &LOCK_HOLDERS_COLS[..]),
+                    None => (&sql.lock, &LOCK_HOLDERS_COLS[..2]),
+                };
+                let mut state = B::rows(&mut tx, stmt, lock_args.clone(), cols).await?;
                 if state.is_empty() {
                     B::exec(&mut tx, &sql.ensure, vec![key.clone()]).await?;
-                    state = B::rows(&mut tx, &sql.lock, lock_args, &[Col::Int, Col::Int]).await?;
+                    state = B::rows(&mut tx, stmt, lock_args, cols).await?;
                 }
                 let (plain_ms, mark_ms) = state
                     .first()
@@ -485,15 +508,27 @@ pub(super) async fn try_shared<B: SharedStore>(
                     tx.commit().await?;
                     return Ok(Found::Busy(Some(ms(left))));
                 }
-                let live = live_rows(
-                    B::rows(
-                        &mut tx,
-                        &sql.holders,
-                        vec![key.clone()],
-                        &[Col::Int, Col::Int, Col::Text, Col::Int],
+                let current =
+                    sql.lock_holders.is_some() && state.first().and_then(|r| r[2].int()) == Some(1);
+                let live = if current {
+                    live_rows(
+                        state
+                            .into_iter()
+                            .filter(|r| r[3].int().is_some())
+                            .map(|r| r[3..].to_vec())
+                            .collect(),
                     )
-                    .await?,
-                );
+                } else {
+                    live_rows(
+                        B::rows(
+                            &mut tx,
+                            &sql.holders,
+                            vec![key.clone()],
+                            &[Col::Int, Col::Int, Col::Text, Col::Int],
+                        )
+                        .await?,
+                    )
+                };
                 if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
                     return Ok(Found::Mismatch(row_mode(*permits)));
                 }

@@ -884,6 +884,7 @@ impl Dialect for Mysql {
                 ),
                 &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
             ),
+            lock_holders: None,
             slot_token: Some(Stmt::new(
                 format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
                 &[0, 1],

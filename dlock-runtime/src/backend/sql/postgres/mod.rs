@@ -751,6 +751,31 @@ impl Dialect for Postgres {
                 ),
                 &[0],
             ),
+            // The holder rows are read in the statement's snapshot, which
+            // predates any wait for the key's row lock. Every change of a
+            // key's live holder rows updates the key's row in the same
+            // transaction, so they are the rows the lock found when the
+            // row's version (`xmin`) is the one of that snapshot.
+            lock_holders: Some(Stmt::new(
+                format!(
+                    "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > clock_timestamp() \
+                                 THEN {} END, \
+                            CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> $2 \
+                                      AND t.wwait_until > clock_timestamp() \
+                                      AND t.wwait_token = t.token \
+                                 THEN {} END, \
+                            (CASE WHEN t.xmin = (SELECT s.xmin FROM {table} s WHERE s.key = $1) \
+                                  THEN 1 ELSE 0 END)::bigint, \
+                            h.slot, h.permits, h.owner, {} \
+                     FROM {table} t LEFT JOIN {h} h ON h.key = t.key \
+                          AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                     WHERE t.key = $1 ORDER BY h.slot FOR UPDATE OF t",
+                    left("t.expires_at"),
+                    left("t.wwait_until"),
+                    left("h.expires_at")
+                ),
+                &[0, 1],
+            )),
             take: Stmt::new(
                 format!(
                     "INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \

@@ -878,6 +878,22 @@ fn shared_sql() -> SharedSql {
             ),
             &ids(1),
         ),
+        // No other writer between the lock and the read (`BEGIN IMMEDIATE`):
+        // the holder rows are always the current ones.
+        lock_holders: Some(Stmt::new(
+            format!(
+                "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {NOW} \
+                             THEN t.expires_at - {NOW} END, \
+                        CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
+                                  AND t.wwait_until > {NOW} AND t.wwait_token = t.token \
+                             THEN t.wwait_until - {NOW} END, \
+                        1, h.slot, h.permits, h.owner, h.expires_at - {NOW} \
+                 FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
+                      AND h.owner IS NOT NULL AND h.expires_at > {NOW} \
+                 WHERE t.key = ?1 ORDER BY h.slot"
+            ),
+            &ids(2),
+        )),
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
