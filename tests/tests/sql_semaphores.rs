@@ -541,3 +541,68 @@ async fn session_mode_offers_semaphores_and_read_locks_on_postgres_only() {
         .await;
     }
 }
+
+/// PostgreSQL reads a key's holder rows in the statement that locks the
+/// key's row, in a snapshot taken before it waits for that lock: a permit
+/// granted while an attempt waits must still count for it.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_granted_while_an_attempt_waits_for_the_key_row_counts() {
+    let db = Db::Postgres;
+    let (b, table) = own_table(db, "lockwait", "").await;
+    let key = unique_key("sem-lockwait");
+    // The key's row and its slot row exist, both free.
+    let first = held(&b, &key, "first", permits(1)).await;
+    b.release(&first).await.unwrap();
+    let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
+    let mut grant = pool.begin().await.unwrap();
+    let locked = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT key FROM {table} WHERE key = $1 FOR UPDATE"
+    )))
+    .bind(&key)
+    .fetch_all(&mut *grant)
+    .await
+    .unwrap();
+    assert_eq!(locked.len(), 1, "the key's row is stored under its name");
+    let waiting = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move { attempt(&b, &key, "second", permits(1)).await })
+    };
+    let waits = format!(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%FOR UPDATE%' AND query LIKE '%{table}%'"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while count(db, &table, &waits).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the attempt never waited for the key's row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another process's grant, as dlock writes one: the slot row and the
+    // key's row, in the transaction that holds the key's row.
+    for sql in [
+        format!(
+            "UPDATE {table}_holders SET owner = 'third', token = token + 1, \
+             expires_at = clock_timestamp() + interval '60 seconds' WHERE key = $1 AND slot = 0"
+        ),
+        format!(
+            "UPDATE {table} SET shared_until = clock_timestamp() + interval '60 seconds' \
+             WHERE key = $1"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&key)
+            .execute(&mut *grant)
+            .await
+            .unwrap();
+    }
+    grant.commit().await.unwrap();
+    let answer = waiting.await.unwrap();
+    assert!(
+        matches!(answer, Attempt::Busy { .. }),
+        "a second holder of 1 permit: {answer:?}"
+    );
+    drop_tables(db, &table).await;
+}
