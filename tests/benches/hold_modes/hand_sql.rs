@@ -67,8 +67,9 @@ pub(crate) struct HandSql {
     /// `free_holder`, `reshare` and `notify` in one statement: (key, slot
     /// or -1, owner).
     release: Option<Stmt>,
-    /// `begin` alone orders every decision: a release locks no row first.
-    begin_orders: bool,
+    /// One writer at a time: a release is `release` alone, outside a
+    /// transaction.
+    one_writer: bool,
 }
 
 /// PostgreSQL's clock in µs.
@@ -215,7 +216,7 @@ pub(crate) fn postgres() -> HandSql {
             ),
             &[0, 1, 2],
         )),
-        begin_orders: false,
+        one_writer: false,
     }
 }
 
@@ -300,7 +301,7 @@ pub(crate) fn mariadb() -> HandSql {
         ),
         notify: None,
         release: None,
-        begin_orders: false,
+        one_writer: false,
     }
 }
 
@@ -428,7 +429,7 @@ pub(crate) fn sqlite() -> HandSql {
             ),
             &ids(3),
         )),
-        begin_orders: true,
+        one_writer: true,
     }
 }
 
@@ -625,13 +626,17 @@ macro_rules! shared_pair {
                 slot: i64,
             ) -> anyhow::Result<()> {
                 let mut conn = pool.acquire().await?;
-                let mut tx = conn.begin_with(sql.begin).await?;
                 let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
-                if !sql.begin_orders {
-                    let locked =
-                        rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
-                    anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                if sql.one_writer
+                    && let Some(release) = &sql.release
+                {
+                    exec(&mut conn, release, &[k, Arg::Int(slot), o]).await?;
+                    return Ok(());
                 }
+                let mut tx = conn.begin_with(sql.begin).await?;
+                let locked =
+                    rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
+                anyhow::ensure!(!locked.is_empty(), "{key} has no row");
                 if let Some(release) = &sql.release {
                     exec(&mut tx, release, &[k, Arg::Int(slot), o]).await?;
                     tx.commit().await?;
