@@ -541,3 +541,285 @@ async fn session_mode_offers_semaphores_and_read_locks_on_postgres_only() {
         .await;
     }
 }
+
+/// Whether a plain lock by `owner` is granted at once: it is then released.
+async fn writer_gets_it(b: &Arc<dyn LockBackend>, key: &str, owner: &str) -> bool {
+    match b.try_acquire(&AcquireRequest::new(key, owner, LEASE)).await {
+        Ok(Attempt::Held(w)) => {
+            b.release(&w).await.unwrap();
+            true
+        }
+        _ => false,
+    }
+}
+
+/// A lease of `owner` on `key` in `mode` at `slot`, as the runtime would
+/// release it.
+fn lease_of(key: &str, owner: &str, mode: HoldMode, slot: Option<u32>) -> Lease {
+    let mut lease = Lease::new(&AcquireRequest::new(key, owner, LEASE), None);
+    lease.mode = mode;
+    lease.slot = slot;
+    lease
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_the_key_at_the_last_shares_release_and_not_before() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "last", "").await;
+        let key = unique_key("rw-last-share");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        b.release(&r1).await.unwrap();
+        assert!(!writer_gets_it(&b, &key, "w").await, "{db:?}: r2 reads");
+        // Releases that free nothing leave r2's share counted: another
+        // owner's, and r2's own with a slot it does not hold.
+        b.release(&lease_of(&key, "x", HoldMode::Shared, None))
+            .await
+            .unwrap();
+        b.release(&lease_of(&key, "r2", permits(2), Some(5)))
+            .await
+            .unwrap();
+        assert!(
+            !writer_gets_it(&b, &key, "w").await,
+            "{db:?}: r2 still reads"
+        );
+        assert_eq!(b.inspect(&key).await.unwrap().unwrap().holders.len(), 1);
+        b.release(&r2).await.unwrap();
+        assert!(writer_gets_it(&b, &key, "w").await, "{db:?}: the last left");
+
+        let sem = unique_key("sem-last-permit");
+        let p1 = held(&b, &sem, "p1", permits(2)).await;
+        let p2 = held(&b, &sem, "p2", permits(2)).await;
+        b.release(&lease_of(&sem, "p1", permits(2), Some(1)))
+            .await
+            .unwrap();
+        b.release(&lease_of(&sem, "p2", permits(2), Some(0)))
+            .await
+            .unwrap();
+        assert_eq!(
+            b.inspect(&sem).await.unwrap().unwrap().holders.len(),
+            2,
+            "{db:?}: a release of another slot frees nothing"
+        );
+        b.release(&p1).await.unwrap();
+        assert!(
+            is_mismatch(&b, &sem, "w", HoldMode::Exclusive).await,
+            "{db:?}: p2 holds a permit"
+        );
+        // The runtime's undo (no slot) frees the owner's permit.
+        b.release(&lease_of(&sem, "p2", permits(2), None))
+            .await
+            .unwrap();
+        assert!(
+            writer_gets_it(&b, &sem, "w").await,
+            "{db:?}: no permit left"
+        );
+        b.release(&p2).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_rise_across_readers_writers_permits_and_re_entries() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "seq", "").await;
+        let key = unique_key("rw-seq");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let again = held(&b, &key, "r1", HoldMode::Shared).await;
+        assert!(token(&again) > token(&r1), "{db:?}: a reader's re-entry");
+        let entry = b.inspect(&key).await.unwrap().unwrap();
+        assert_eq!(entry.holders.len(), 1, "{db:?}");
+        assert_eq!(entry.holders[0].token.map(|t| t.get()), Some(token(&again)));
+        b.release(&again).await.unwrap();
+        let w = held(&b, &key, "w", HoldMode::Exclusive).await;
+        assert!(token(&w) > token(&again), "{db:?}: a writer after a reader");
+        b.release(&w).await.unwrap();
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        assert!(token(&r2) > token(&w), "{db:?}: a reader after a writer");
+        b.release(&r2).await.unwrap();
+        // Permits on the key its readers left: slot 0's token rises at
+        // every grant, the same owner's re-entry included.
+        let p = held(&b, &key, "p", permits(2)).await;
+        let p_again = held(&b, &key, "p", permits(2)).await;
+        assert_eq!(p_again.slot, Some(0), "{db:?}");
+        assert!(token(&p_again) > token(&p), "{db:?}: a permit's re-entry");
+        b.release(&p_again).await.unwrap();
+        let q = held(&b, &key, "q", permits(2)).await;
+        assert_eq!(q.slot, Some(0), "{db:?}");
+        assert!(token(&q) > token(&p_again), "{db:?}: slot 0 reused");
+        b.release(&q).await.unwrap();
+        // Readers again: the key's sequence goes on from the writer's.
+        let r3 = held(&b, &key, "r3", HoldMode::Shared).await;
+        assert!(token(&r3) > token(&r2), "{db:?}: a reader after permits");
+        b.release(&r3).await.unwrap();
+        let w2 = held(&b, &key, "w2", HoldMode::Exclusive).await;
+        assert!(token(&w2) > token(&r3), "{db:?}");
+        b.release(&w2).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writers_mark_outlives_the_releases_of_other_owners() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "mark", "").await;
+        let key = unique_key("rw-mark-stands");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        let writer = AcquireRequest::new(&key, "w", LEASE).with_wait(Duration::from_secs(30));
+        assert!(matches!(
+            b.try_acquire(&writer).await.unwrap(),
+            Attempt::Busy { .. }
+        ));
+        b.release(&r1).await.unwrap();
+        b.release(&lease_of(&key, "x", HoldMode::Shared, None))
+            .await
+            .unwrap();
+        assert!(
+            is_busy(&b, &key, "r3", HoldMode::Shared).await,
+            "{db:?}: the writer's mark stands after another owner's release"
+        );
+        b.release(&r2).await.unwrap();
+        let Attempt::Held(w) = b.try_acquire(&writer).await.unwrap() else {
+            panic!("{db:?}: the writer at the last reader's release");
+        };
+        b.release(&w).await.unwrap();
+        let r3 = held(&b, &key, "r3", HoldMode::Shared).await;
+        b.release(&r3).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+/// Polls `work` until it is done or `budget` has passed, then drops it:
+/// whether it finished.
+async fn drop_after<F: std::future::Future>(work: F, budget: Duration) -> bool {
+    let started = std::time::Instant::now();
+    let mut work = std::pin::pin!(work);
+    loop {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(work.as_mut().poll(cx)));
+        if polled.await.is_ready() {
+            return true;
+        }
+        if started.elapsed() >= budget {
+            return false;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The key's state is whole: a writer is refused exactly while a share
+/// stands (a share's row without `shared_until`, or `shared_until` without
+/// a row, would answer otherwise). Frees the key.
+async fn whole(b: &Arc<dyn LockBackend>, key: &str, reader: &str, db: Db, at: Duration) {
+    // The writer's attempt waits for whatever the dropped call left in
+    // flight (a row lock, SQLite's write lock); nothing runs after it.
+    let got = writer_gets_it(b, key, "w").await;
+    let shares = b.inspect(key).await.unwrap().map_or(0, |e| e.holders.len());
+    assert_eq!(
+        got,
+        shares == 0,
+        "{db:?} dropped after {at:?}: writer granted {got}, {shares} shares"
+    );
+    if !got {
+        b.release(&lease_of(key, reader, HoldMode::Shared, None))
+            .await
+            .unwrap();
+        assert!(
+            writer_gets_it(b, key, "w").await,
+            "{db:?} dropped after {at:?}: the share released"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_or_release_of_a_share_dropped_at_any_moment_leaves_the_key_whole() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "drop", "").await;
+        let key = unique_key("rw-dropped");
+        let (mut done, mut dropped) = (0, 0);
+        for step in 0..80u64 {
+            let at = Duration::from_micros(step * 60);
+            let reader = format!("r{step}");
+            let request = AcquireRequest::new(&key, &reader, LEASE).with_mode(HoldMode::Shared);
+            let finished = drop_after(b.try_acquire(&request), at).await;
+            whole(&b, &key, &reader, db, at).await;
+            let lease = held(&b, &key, &reader, HoldMode::Shared).await;
+            let finished_release = drop_after(b.release(&lease), at).await;
+            whole(&b, &key, &reader, db, at).await;
+            for f in [finished, finished_release] {
+                if f {
+                    done += 1;
+                } else {
+                    dropped += 1;
+                }
+            }
+        }
+        assert!(
+            dropped > 0 && done > 0,
+            "{db:?}: {dropped} dropped, {done} done"
+        );
+        drop_tables(db, &table).await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_of_another_process_without_its_poll() {
+    let db = Db::Postgres;
+    // The waiters look again only every 30 s, and the shares' leases run
+    // longer: only the release's NOTIFY wakes them in time.
+    let table = format!("sem_wake_{:08x}", rand::random::<u32>());
+    let holding = backend_at(db, &db.url(&table, "&poll=30s")).await.unwrap();
+    let waiting = backend_at(db, &db.url(&table, "&poll=30s")).await.unwrap();
+    let registry = Registry::builder().default_backend(waiting).build();
+    let lease = Duration::from_secs(60);
+    let grant = |owner: &str, key: &str, mode: HoldMode| {
+        let request = AcquireRequest::new(key, owner, lease).with_mode(mode);
+        let holding = holding.clone();
+        async move {
+            match holding.try_acquire(&request).await.unwrap() {
+                Attempt::Held(l) => l,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    // A writer behind two readers, woken by the second release; a permit
+    // seeker behind two permits, woken by the first.
+    for (case, mode) in [("writer", HoldMode::Shared), ("permit", permits(2))] {
+        let name = unique_key(&format!("wake-{case}"));
+        let key = format!("{}{name}", registry.key_prefix());
+        let first = grant("h1", &key, mode).await;
+        let second = grant("h2", &key, mode).await;
+        let (registry, k) = (registry.clone(), name.clone());
+        let waiter = tokio::spawn(async move {
+            let lock = registry.lock(&k).wait(Duration::from_secs(120));
+            let lock = match mode {
+                HoldMode::Permit { permits } => lock.permits(permits),
+                _ => lock,
+            };
+            let guard = lock.acquire().await.unwrap();
+            let at = std::time::Instant::now();
+            guard.release().await.unwrap();
+            at
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiter.is_finished(), "{case}: granted beside two holders");
+        holding.release(&first).await.unwrap();
+        let mut last = Some(second);
+        if mode == HoldMode::Shared {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!waiter.is_finished(), "{case}: granted beside a reader");
+            holding.release(&last.take().unwrap()).await.unwrap();
+        }
+        let released = std::time::Instant::now();
+        let at = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .unwrap_or_else(|_| panic!("{case}: not woken by the release"))
+            .unwrap();
+        assert!(at >= released, "{case}");
+        if let Some(left) = last {
+            holding.release(&left).await.unwrap();
+        }
+    }
+    drop_tables(db, &table).await;
+}
