@@ -823,3 +823,152 @@ async fn a_release_wakes_a_waiter_of_another_process_without_its_poll() {
     }
     drop_tables(db, &table).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_and_writers_of_two_processes_never_overlap() {
+    for db in dbs() {
+        let table = format!("sem_rwmix_{:08x}", rand::random::<u32>());
+        let key = unique_key("rw-mix");
+        // (readers inside, writers inside), and the most readers seen.
+        let inside = Arc::new(std::sync::Mutex::new((0usize, 0usize)));
+        let most = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..2 {
+            let backend = backend_at(db, &db.url(&table, "")).await.unwrap();
+            let registry = Registry::builder().default_backend(backend).build();
+            for t in 0..4usize {
+                let (registry, key) = (registry.clone(), key.clone());
+                let (inside, most) = (inside.clone(), most.clone());
+                tasks.push(tokio::spawn(async move {
+                    for i in 0..5usize {
+                        let write = (t + i) % 3 == 0;
+                        let lock = registry.lock(&key).wait(Duration::from_secs(90));
+                        let lock = if write { lock } else { lock.read() };
+                        let guard = lock.acquire().await.unwrap();
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                now.1 += 1;
+                            } else {
+                                now.0 += 1;
+                            }
+                            assert!(
+                                now.1 <= 1 && (now.1 == 0 || now.0 == 0),
+                                "{db:?}: {} readers and {} writers inside",
+                                now.0,
+                                now.1
+                            );
+                            most.fetch_max(now.0, Ordering::SeqCst);
+                        }
+                        tokio::time::sleep(Duration::from_millis(15)).await;
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                now.1 -= 1;
+                            } else {
+                                now.0 -= 1;
+                            }
+                        }
+                        guard.release().await.unwrap();
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert!(most.load(Ordering::SeqCst) >= 1, "{db:?}: no reader got in");
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_raced_by_two_processes_hold_distinct_slots_with_rising_tokens() {
+    for db in dbs() {
+        let table = format!("sem_slotrace_{:08x}", rand::random::<u32>());
+        let key = unique_key("sem-slot-race");
+        // The slots held now, and each slot's last token.
+        let slots = Arc::new(std::sync::Mutex::new((
+            std::collections::BTreeSet::<u32>::new(),
+            std::collections::BTreeMap::<u32, u64>::new(),
+        )));
+        let mut tasks = Vec::new();
+        for p in 0..2 {
+            let backend = backend_at(db, &db.url(&table, "")).await.unwrap();
+            for t in 0..4 {
+                let (backend, key, slots) = (backend.clone(), key.clone(), slots.clone());
+                tasks.push(tokio::spawn(async move {
+                    let owner = format!("p{p}t{t}");
+                    let request = AcquireRequest::new(&key, &owner, LEASE).with_mode(permits(3));
+                    let mut grants = 0;
+                    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+                    while grants < 5 {
+                        assert!(std::time::Instant::now() < deadline, "{db:?}: starved");
+                        let lease = match backend.try_acquire(&request).await.unwrap() {
+                            Attempt::Held(lease) => lease,
+                            _ => {
+                                tokio::time::sleep(Duration::from_millis(5)).await;
+                                continue;
+                            }
+                        };
+                        let slot = lease.slot.unwrap();
+                        {
+                            let mut now = slots.lock().unwrap();
+                            assert!(slot < 3, "{db:?}: slot {slot}");
+                            assert!(now.0.insert(slot), "{db:?}: slot {slot} held twice");
+                            let last = now.1.insert(slot, token(&lease));
+                            assert!(
+                                last.is_none_or(|last| last < token(&lease)),
+                                "{db:?}: slot {slot}'s token {} after {last:?}",
+                                token(&lease)
+                            );
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        slots.lock().unwrap().0.remove(&slot);
+                        backend.release(&lease).await.unwrap();
+                        grants += 1;
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_holders_late_release_frees_nothing_of_its_successor() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "revoked", "").await;
+        for (case, mode) in [("reader", HoldMode::Shared), ("permit", permits(2))] {
+            let key = unique_key(&format!("revoked-{case}"));
+            let a = held(&b, &key, "a", mode).await;
+            assert_eq!(b.revoke(&key).await.unwrap().len(), 1, "{db:?} {case}");
+            // The successor takes the slot the revoked holder had.
+            let s = held(&b, &key, "s", mode).await;
+            assert_eq!(s.slot, a.slot, "{db:?} {case}");
+            b.release(&a).await.unwrap();
+            let entry = b.inspect(&key).await.unwrap();
+            let owners: Vec<String> = entry
+                .map(|e| e.holders.into_iter().map(|h| h.owner).collect())
+                .unwrap_or_default();
+            assert_eq!(owners, vec!["s".to_owned()], "{db:?} {case}");
+            if mode == HoldMode::Shared {
+                assert!(
+                    !writer_gets_it(&b, &key, "w").await,
+                    "{db:?}: a writer beside the successor"
+                );
+            } else {
+                assert!(
+                    is_mismatch(&b, &key, "w", HoldMode::Exclusive).await,
+                    "{db:?}: a plain lock beside the successor"
+                );
+            }
+            b.release(&s).await.unwrap();
+            assert!(writer_gets_it(&b, &key, "w").await, "{db:?} {case}");
+        }
+        drop_tables(db, &table).await;
+    }
+}
