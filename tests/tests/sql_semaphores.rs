@@ -972,3 +972,50 @@ async fn a_revoked_holders_late_release_frees_nothing_of_its_successor() {
         drop_tables(db, &table).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_keys_shared_until_covers_every_share_it_grants() {
+    let mut failed = Vec::new();
+    // MySQL/MariaDB name their columns otherwise (`k`, `expires_us`).
+    for db in dbs().into_iter().filter(|db| !db_is_mysql(*db)) {
+        let (b, table) = own_table(db, "covers", "").await;
+        let name = sql_name(db, &table);
+        let mut late = Vec::new();
+        for i in 0..40 {
+            let (key, mode) = if i % 2 == 0 {
+                (unique_key("covers-reader"), HoldMode::Shared)
+            } else {
+                (unique_key("covers-permit"), permits(50))
+            };
+            let lease = held(&b, &key, &format!("o{i}"), mode).await;
+            // A share's row outliving the key's `shared_until` is a share a
+            // writer does not wait for (and that its holder can renew).
+            let beyond = count(
+                db,
+                &table,
+                &format!(
+                    "SELECT COUNT(*) FROM {name}_holders h JOIN {name} l ON l.key = h.key \
+                     WHERE h.key = '{key}' AND h.owner IS NOT NULL \
+                     AND h.expires_at > l.shared_until"
+                ),
+            )
+            .await;
+            if beyond > 0 {
+                late.push(i);
+            }
+            b.release(&lease).await.unwrap();
+        }
+        if !late.is_empty() {
+            failed.push(format!("{db:?}: {late:?}"));
+        }
+        drop_tables(db, &table).await;
+    }
+    assert!(
+        failed.is_empty(),
+        "grants (of 40) whose share ends after the key's shared_until: {failed:?}"
+    );
+}
+
+fn db_is_mysql(db: Db) -> bool {
+    format!("{db:?}") == "Mysql"
+}
