@@ -140,10 +140,10 @@ pub(crate) fn postgres() -> HandSql {
             format!(
                 "WITH s AS (UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
                      token = CASE WHEN $7 = 1 THEN GREATEST(token + 1, {PG_NOW_US}) ELSE token END \
-                     WHERE key = $1 RETURNING token) \
+                     WHERE key = $1 RETURNING token, shared_until) \
                  INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
-                 SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {PG_NOW_US} END, {}, $6, \
-                        clock_timestamp() FROM s \
+                 SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {PG_NOW_US} END, \
+                        LEAST({}, s.shared_until), $6, clock_timestamp() FROM s \
                  ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
                      owner = excluded.owner, \
                      token = CASE WHEN $7 = 1 THEN excluded.token \
@@ -350,7 +350,8 @@ pub(crate) fn sqlite() -> HandSql {
                  VALUES (?1, ?2, ?3, ?4, \
                          CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
                               ELSE {now_us} END, \
-                         {now} + ?5, ?6, {now}) \
+                         MIN({now} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
+                         ?6, {now}) \
                  ON CONFLICT (key, slot) DO UPDATE SET \
                      granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
                                        ELSE excluded.granted_at END, \
