@@ -1039,3 +1039,67 @@ fn db_is_mysql(db: Db) -> bool {
         _ => false,
     }
 }
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shares_release_notifies_only_when_the_key_is_wanted() {
+    let db = Db::Postgres;
+    let table = format!("sem_notify_{:08x}", rand::random::<u32>());
+    let channel = table.clone();
+    let options = format!("&channel={channel}");
+    let holding = backend_at(db, &db.url(&table, &options)).await.unwrap();
+    let waiting = backend_at(db, &db.url(&table, &options)).await.unwrap();
+    let registry = Registry::builder().default_backend(waiting).build();
+    let mut listener = sqlx::postgres::PgListener::connect(&SqlDb::Postgres.url())
+        .await
+        .unwrap();
+    listener.listen(&channel).await.unwrap();
+    let quiet = unique_key("notify-quiet");
+    for mode in [HoldMode::Shared, permits(2), HoldMode::Shared] {
+        let lease = held(&holding, &quiet, "q", mode).await;
+        holding.release(&lease).await.unwrap();
+    }
+    let name = unique_key("notify-wanted");
+    let wanted = format!("{}{name}", registry.key_prefix());
+    let r1 = held(&holding, &wanted, "r1", HoldMode::Shared).await;
+    let r2 = held(&holding, &wanted, "r2", HoldMode::Shared).await;
+    let waiter = tokio::spawn(async move {
+        let guard = registry
+            .lock(&name)
+            .wait(Duration::from_secs(60))
+            .acquire()
+            .await
+            .unwrap();
+        guard.release().await.unwrap();
+    });
+    // The waiting writer marks the key wanted.
+    let marked = format!("SELECT COUNT(*) FROM {table} WHERE key = '{wanted}' AND wanted");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while count(db, &table, &marked).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holding.release(&r1).await.unwrap();
+    holding.release(&r2).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the writer woken")
+        .unwrap();
+    let mut heard = Vec::new();
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await {
+        heard.push(n.payload().to_owned());
+    }
+    assert!(
+        !heard.contains(&quiet),
+        "unwanted releases notified: {heard:?}"
+    );
+    let from_releases = heard.iter().filter(|k| **k == wanted).count();
+    assert!(
+        from_releases >= 2,
+        "both readers' releases of a wanted key notify: {heard:?}"
+    );
+    drop_tables(db, &table).await;
+}
