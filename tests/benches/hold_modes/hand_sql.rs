@@ -234,14 +234,15 @@ pub(crate) fn mariadb() -> HandSql {
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
-                 VALUES (?, ?, ?, ?, IF(? >= 0, ?, {n}), {n} + ? * 1000, ?, {n}) \
+                 VALUES (?, ?, ?, ?, IF(? >= 0, ?, {n}), \
+                         LEAST({n} + ? * 1000, (SELECT shared_us FROM {table} WHERE k = ?)), ?, {n}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF(? >= 0, ?, GREATEST(token + 1, {n})), \
                  granted_us = IF(owner <=> ?, granted_us, {n}), \
                  permits = VALUES(permits), owner = VALUES(owner), \
                  expires_us = VALUES(expires_us), holder = VALUES(holder)"
             ),
-            &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
+            &[0, 1, 2, 3, 6, 6, 4, 0, 5, 6, 6, 3],
         ),
         slot_token: Some(Stmt::new(
             format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
