@@ -818,19 +818,23 @@ async fn a_release_wakes_a_waiter_of_another_process_without_its_poll() {
         });
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(!waiter.is_finished(), "{case}: granted beside two holders");
-        holding.release(&first).await.unwrap();
-        let mut last = Some(second);
-        if mode == HoldMode::Shared {
+        // The release that frees the key: the second reader's, the first
+        // permit's.
+        let (freeing, last) = if mode == HoldMode::Shared {
+            holding.release(&first).await.unwrap();
             tokio::time::sleep(Duration::from_millis(500)).await;
             assert!(!waiter.is_finished(), "{case}: granted beside a reader");
-            holding.release(&last.take().unwrap()).await.unwrap();
-        }
+            (second, None)
+        } else {
+            (first, Some(second))
+        };
         let released = std::time::Instant::now();
+        holding.release(&freeing).await.unwrap();
         let at = tokio::time::timeout(Duration::from_secs(10), waiter)
             .await
             .unwrap_or_else(|_| panic!("{case}: not woken by the release"))
             .unwrap();
-        assert!(at >= released, "{case}");
+        assert!(at >= released, "{case}: granted before the release");
         if let Some(left) = last {
             holding.release(&left).await.unwrap();
         }
