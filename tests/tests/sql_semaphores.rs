@@ -1,7 +1,10 @@
 //! Semaphores and read-write locks on the lease tables of PostgreSQL and
 //! MySQL/MariaDB: slots, per-slot tokens, mismatched modes, writer
 //! preference, renewal and release by slot, admin views, concurrency across
-//! processes, old tables altered, `?create=false`, collection of holder rows.
+//! processes, old tables altered, `?create=false`, collection of holder rows;
+//! the grant and the release of a share: `shared_until` against the live
+//! shares, tokens across modes, waiting-writer marks, calls dropped at any
+//! moment, waiters of another process woken by the release.
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
 use std::sync::Arc;
@@ -603,6 +606,576 @@ async fn a_permit_granted_while_an_attempt_waits_for_the_key_row_counts() {
     assert!(
         matches!(answer, Attempt::Busy { .. }),
         "a second holder of 1 permit: {answer:?}"
+    );
+    drop_tables(db, &table).await;
+}
+
+/// Whether a plain lock by `owner` is granted at once: it is then released.
+async fn writer_gets_it(b: &Arc<dyn LockBackend>, key: &str, owner: &str) -> bool {
+    match b.try_acquire(&AcquireRequest::new(key, owner, LEASE)).await {
+        Ok(Attempt::Held(w)) => {
+            b.release(&w).await.unwrap();
+            true
+        }
+        _ => false,
+    }
+}
+
+/// A lease of `owner` on `key` in `mode` at `slot`, as the runtime would
+/// release it.
+fn lease_of(key: &str, owner: &str, mode: HoldMode, slot: Option<u32>) -> Lease {
+    let mut lease = Lease::new(&AcquireRequest::new(key, owner, LEASE), None);
+    lease.mode = mode;
+    lease.slot = slot;
+    lease
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_gets_the_key_at_the_last_shares_release_and_not_before() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "last", "").await;
+        let key = unique_key("rw-last-share");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        b.release(&r1).await.unwrap();
+        assert!(!writer_gets_it(&b, &key, "w").await, "{db:?}: r2 reads");
+        // Releases that free nothing leave r2's share counted: another
+        // owner's, and r2's own with a slot it does not hold.
+        b.release(&lease_of(&key, "x", HoldMode::Shared, None))
+            .await
+            .unwrap();
+        b.release(&lease_of(&key, "r2", permits(2), Some(5)))
+            .await
+            .unwrap();
+        assert!(
+            !writer_gets_it(&b, &key, "w").await,
+            "{db:?}: r2 still reads"
+        );
+        assert_eq!(b.inspect(&key).await.unwrap().unwrap().holders.len(), 1);
+        b.release(&r2).await.unwrap();
+        assert!(writer_gets_it(&b, &key, "w").await, "{db:?}: the last left");
+
+        let sem = unique_key("sem-last-permit");
+        let p1 = held(&b, &sem, "p1", permits(2)).await;
+        let p2 = held(&b, &sem, "p2", permits(2)).await;
+        b.release(&lease_of(&sem, "p1", permits(2), Some(1)))
+            .await
+            .unwrap();
+        b.release(&lease_of(&sem, "p2", permits(2), Some(0)))
+            .await
+            .unwrap();
+        assert_eq!(
+            b.inspect(&sem).await.unwrap().unwrap().holders.len(),
+            2,
+            "{db:?}: a release of another slot frees nothing"
+        );
+        b.release(&p1).await.unwrap();
+        assert!(
+            is_mismatch(&b, &sem, "w", HoldMode::Exclusive).await,
+            "{db:?}: p2 holds a permit"
+        );
+        // The runtime's undo (no slot) frees the owner's permit.
+        b.release(&lease_of(&sem, "p2", permits(2), None))
+            .await
+            .unwrap();
+        assert!(
+            writer_gets_it(&b, &sem, "w").await,
+            "{db:?}: no permit left"
+        );
+        b.release(&p2).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_rise_across_readers_writers_permits_and_re_entries() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "seq", "").await;
+        let key = unique_key("rw-seq");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let again = held(&b, &key, "r1", HoldMode::Shared).await;
+        assert!(token(&again) > token(&r1), "{db:?}: a reader's re-entry");
+        let entry = b.inspect(&key).await.unwrap().unwrap();
+        assert_eq!(entry.holders.len(), 1, "{db:?}");
+        assert_eq!(entry.holders[0].token.map(|t| t.get()), Some(token(&again)));
+        b.release(&again).await.unwrap();
+        let w = held(&b, &key, "w", HoldMode::Exclusive).await;
+        assert!(token(&w) > token(&again), "{db:?}: a writer after a reader");
+        b.release(&w).await.unwrap();
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        assert!(token(&r2) > token(&w), "{db:?}: a reader after a writer");
+        b.release(&r2).await.unwrap();
+        // Permits on the key its readers left: slot 0's token rises at
+        // every grant, the same owner's re-entry included.
+        let p = held(&b, &key, "p", permits(2)).await;
+        let p_again = held(&b, &key, "p", permits(2)).await;
+        assert_eq!(p_again.slot, Some(0), "{db:?}");
+        assert!(token(&p_again) > token(&p), "{db:?}: a permit's re-entry");
+        b.release(&p_again).await.unwrap();
+        let q = held(&b, &key, "q", permits(2)).await;
+        assert_eq!(q.slot, Some(0), "{db:?}");
+        assert!(token(&q) > token(&p_again), "{db:?}: slot 0 reused");
+        b.release(&q).await.unwrap();
+        // Readers again: the key's sequence goes on from the writer's.
+        let r3 = held(&b, &key, "r3", HoldMode::Shared).await;
+        assert!(token(&r3) > token(&r2), "{db:?}: a reader after permits");
+        b.release(&r3).await.unwrap();
+        let w2 = held(&b, &key, "w2", HoldMode::Exclusive).await;
+        assert!(token(&w2) > token(&r3), "{db:?}");
+        b.release(&w2).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writers_mark_outlives_the_releases_of_other_owners() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "mark", "").await;
+        let key = unique_key("rw-mark-stands");
+        let r1 = held(&b, &key, "r1", HoldMode::Shared).await;
+        let r2 = held(&b, &key, "r2", HoldMode::Shared).await;
+        let writer = AcquireRequest::new(&key, "w", LEASE).with_wait(Duration::from_secs(30));
+        assert!(matches!(
+            b.try_acquire(&writer).await.unwrap(),
+            Attempt::Busy { .. }
+        ));
+        b.release(&r1).await.unwrap();
+        b.release(&lease_of(&key, "x", HoldMode::Shared, None))
+            .await
+            .unwrap();
+        assert!(
+            is_busy(&b, &key, "r3", HoldMode::Shared).await,
+            "{db:?}: the writer's mark stands after another owner's release"
+        );
+        b.release(&r2).await.unwrap();
+        let Attempt::Held(w) = b.try_acquire(&writer).await.unwrap() else {
+            panic!("{db:?}: the writer at the last reader's release");
+        };
+        b.release(&w).await.unwrap();
+        let r3 = held(&b, &key, "r3", HoldMode::Shared).await;
+        b.release(&r3).await.unwrap();
+        drop_tables(db, &table).await;
+    }
+}
+
+/// Polls `work` until it is done or `budget` has passed, then drops it:
+/// whether it finished.
+async fn drop_after<F: std::future::Future>(work: F, budget: Duration) -> bool {
+    let started = std::time::Instant::now();
+    let mut work = std::pin::pin!(work);
+    loop {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(work.as_mut().poll(cx)));
+        if polled.await.is_ready() {
+            return true;
+        }
+        if started.elapsed() >= budget {
+            return false;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The key's state is whole: a writer is refused exactly while a share
+/// stands (a share's row without `shared_until`, or `shared_until` without
+/// a row, would answer otherwise, and for good). A dropped call may still
+/// land after a look (it runs on dlock's I/O runtime, as the runtime's undo
+/// expects): the look is taken again until it agrees, for at most 10 s.
+/// Frees the key: every share left is released.
+async fn whole(b: &Arc<dyn LockBackend>, key: &str, db: Db, at: Duration) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = writer_gets_it(b, key, "w").await;
+        let owners: Vec<String> = b
+            .inspect(key)
+            .await
+            .unwrap()
+            .map(|e| e.holders.into_iter().map(|h| h.owner).collect())
+            .unwrap_or_default();
+        if got && owners.is_empty() {
+            return;
+        }
+        if !got && !owners.is_empty() {
+            for owner in owners {
+                b.release(&lease_of(key, &owner, HoldMode::Shared, None))
+                    .await
+                    .unwrap();
+            }
+            continue;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{db:?} dropped after {at:?}: writer granted {got}, shares of {owners:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_or_release_of_a_share_dropped_at_any_moment_leaves_the_key_whole() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "drop", "").await;
+        let key = unique_key("rw-dropped");
+        let (mut done, mut dropped) = (0, 0);
+        for step in 0..80u64 {
+            let at = Duration::from_micros(step * 60);
+            let reader = format!("r{step}");
+            let request = AcquireRequest::new(&key, &reader, LEASE).with_mode(HoldMode::Shared);
+            let finished = drop_after(b.try_acquire(&request), at).await;
+            whole(&b, &key, db, at).await;
+            let lease = held(&b, &key, &reader, HoldMode::Shared).await;
+            let finished_release = drop_after(b.release(&lease), at).await;
+            whole(&b, &key, db, at).await;
+            for f in [finished, finished_release] {
+                if f {
+                    done += 1;
+                } else {
+                    dropped += 1;
+                }
+            }
+        }
+        assert!(
+            dropped > 0 && done > 0,
+            "{db:?}: {dropped} dropped, {done} done"
+        );
+        drop_tables(db, &table).await;
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_of_another_process_without_its_poll() {
+    let db = Db::Postgres;
+    // The waiters look again only every 30 s, and the shares' leases run
+    // longer: only the release's NOTIFY wakes them in time.
+    let table = format!("sem_wake_{:08x}", rand::random::<u32>());
+    let holding = backend_at(db, &db.url(&table, "&poll=30s")).await.unwrap();
+    let waiting = backend_at(db, &db.url(&table, "&poll=30s")).await.unwrap();
+    let registry = Registry::builder().default_backend(waiting).build();
+    let lease = Duration::from_secs(60);
+    let grant = |owner: &str, key: &str, mode: HoldMode| {
+        let request = AcquireRequest::new(key, owner, lease).with_mode(mode);
+        let holding = holding.clone();
+        async move {
+            match holding.try_acquire(&request).await.unwrap() {
+                Attempt::Held(l) => l,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    // A writer behind two readers, woken by the second release; a permit
+    // seeker behind two permits, woken by the first.
+    for (case, mode) in [("writer", HoldMode::Shared), ("permit", permits(2))] {
+        let name = unique_key(&format!("wake-{case}"));
+        let key = format!("{}{name}", registry.key_prefix());
+        let first = grant("h1", &key, mode).await;
+        let second = grant("h2", &key, mode).await;
+        let (registry, k) = (registry.clone(), name.clone());
+        let waiter = tokio::spawn(async move {
+            let lock = registry.lock(&k).wait(Duration::from_secs(120));
+            let lock = match mode {
+                HoldMode::Permit { permits } => lock.permits(permits),
+                _ => lock,
+            };
+            let guard = lock.acquire().await.unwrap();
+            let at = std::time::Instant::now();
+            guard.release().await.unwrap();
+            at
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!waiter.is_finished(), "{case}: granted beside two holders");
+        // The release that frees the key: the second reader's, the first
+        // permit's.
+        let (freeing, last) = if mode == HoldMode::Shared {
+            holding.release(&first).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!waiter.is_finished(), "{case}: granted beside a reader");
+            (second, None)
+        } else {
+            (first, Some(second))
+        };
+        let released = std::time::Instant::now();
+        holding.release(&freeing).await.unwrap();
+        let at = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .unwrap_or_else(|_| panic!("{case}: not woken by the release"))
+            .unwrap();
+        assert!(at >= released, "{case}: granted before the release");
+        if let Some(left) = last {
+            holding.release(&left).await.unwrap();
+        }
+    }
+    drop_tables(db, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_and_writers_of_two_processes_never_overlap() {
+    for db in dbs() {
+        let table = format!("sem_rwmix_{:08x}", rand::random::<u32>());
+        let key = unique_key("rw-mix");
+        // (readers inside, writers inside), and the most readers seen.
+        let inside = Arc::new(std::sync::Mutex::new((0usize, 0usize)));
+        let most = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..2 {
+            let backend = backend_at(db, &db.url(&table, "")).await.unwrap();
+            let registry = Registry::builder().default_backend(backend).build();
+            for t in 0..4usize {
+                let (registry, key) = (registry.clone(), key.clone());
+                let (inside, most) = (inside.clone(), most.clone());
+                tasks.push(tokio::spawn(async move {
+                    for i in 0..5usize {
+                        let write = (t + i) % 3 == 0;
+                        let lock = registry.lock(&key).wait(Duration::from_secs(90));
+                        let lock = if write { lock } else { lock.read() };
+                        let guard = lock.acquire().await.unwrap();
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                now.1 += 1;
+                            } else {
+                                now.0 += 1;
+                            }
+                            assert!(
+                                now.1 <= 1 && (now.1 == 0 || now.0 == 0),
+                                "{db:?}: {} readers and {} writers inside",
+                                now.0,
+                                now.1
+                            );
+                            most.fetch_max(now.0, Ordering::SeqCst);
+                        }
+                        tokio::time::sleep(Duration::from_millis(15)).await;
+                        {
+                            let mut now = inside.lock().unwrap();
+                            if write {
+                                now.1 -= 1;
+                            } else {
+                                now.0 -= 1;
+                            }
+                        }
+                        guard.release().await.unwrap();
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert!(most.load(Ordering::SeqCst) >= 1, "{db:?}: no reader got in");
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_raced_by_two_processes_hold_distinct_slots_with_rising_tokens() {
+    for db in dbs() {
+        let table = format!("sem_slotrace_{:08x}", rand::random::<u32>());
+        let key = unique_key("sem-slot-race");
+        // The slots held now, and each slot's last token.
+        let slots = Arc::new(std::sync::Mutex::new((
+            std::collections::BTreeSet::<u32>::new(),
+            std::collections::BTreeMap::<u32, u64>::new(),
+        )));
+        let mut tasks = Vec::new();
+        for p in 0..2 {
+            let backend = backend_at(db, &db.url(&table, "")).await.unwrap();
+            for t in 0..4 {
+                let (backend, key, slots) = (backend.clone(), key.clone(), slots.clone());
+                tasks.push(tokio::spawn(async move {
+                    let owner = format!("p{p}t{t}");
+                    let request = AcquireRequest::new(&key, &owner, LEASE).with_mode(permits(3));
+                    let mut grants = 0;
+                    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+                    while grants < 5 {
+                        assert!(std::time::Instant::now() < deadline, "{db:?}: starved");
+                        let lease = match backend.try_acquire(&request).await.unwrap() {
+                            Attempt::Held(lease) => lease,
+                            _ => {
+                                tokio::time::sleep(Duration::from_millis(5)).await;
+                                continue;
+                            }
+                        };
+                        let slot = lease.slot.unwrap();
+                        {
+                            let mut now = slots.lock().unwrap();
+                            assert!(slot < 3, "{db:?}: slot {slot}");
+                            assert!(now.0.insert(slot), "{db:?}: slot {slot} held twice");
+                            let last = now.1.insert(slot, token(&lease));
+                            assert!(
+                                last.is_none_or(|last| last < token(&lease)),
+                                "{db:?}: slot {slot}'s token {} after {last:?}",
+                                token(&lease)
+                            );
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        slots.lock().unwrap().0.remove(&slot);
+                        backend.release(&lease).await.unwrap();
+                        grants += 1;
+                    }
+                }));
+            }
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_holders_late_release_frees_nothing_of_its_successor() {
+    for db in dbs() {
+        let (b, table) = own_table(db, "revoked", "").await;
+        for (case, mode) in [("reader", HoldMode::Shared), ("permit", permits(2))] {
+            let key = unique_key(&format!("revoked-{case}"));
+            let a = held(&b, &key, "a", mode).await;
+            assert_eq!(b.revoke(&key).await.unwrap().len(), 1, "{db:?} {case}");
+            // The successor takes the slot the revoked holder had.
+            let s = held(&b, &key, "s", mode).await;
+            assert_eq!(s.slot, a.slot, "{db:?} {case}");
+            b.release(&a).await.unwrap();
+            let entry = b.inspect(&key).await.unwrap();
+            let owners: Vec<String> = entry
+                .map(|e| e.holders.into_iter().map(|h| h.owner).collect())
+                .unwrap_or_default();
+            assert_eq!(owners, vec!["s".to_owned()], "{db:?} {case}");
+            if mode == HoldMode::Shared {
+                assert!(
+                    !writer_gets_it(&b, &key, "w").await,
+                    "{db:?}: a writer beside the successor"
+                );
+            } else {
+                assert!(
+                    is_mismatch(&b, &key, "w", HoldMode::Exclusive).await,
+                    "{db:?}: a plain lock beside the successor"
+                );
+            }
+            b.release(&s).await.unwrap();
+            assert!(writer_gets_it(&b, &key, "w").await, "{db:?} {case}");
+        }
+        drop_tables(db, &table).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_keys_shared_until_covers_every_share_it_grants() {
+    let mut failed = Vec::new();
+    for db in dbs() {
+        let (b, table) = own_table(db, "covers", "").await;
+        let name = sql_name(db, &table);
+        let mut late = Vec::new();
+        for i in 0..40 {
+            let (key, mode) = if i % 2 == 0 {
+                (unique_key("covers-reader"), HoldMode::Shared)
+            } else {
+                (unique_key("covers-permit"), permits(50))
+            };
+            let lease = held(&b, &key, &format!("o{i}"), mode).await;
+            // A share's row outliving the key's `shared_until` is a share a
+            // writer does not wait for (and that its holder can renew).
+            let beyond = count(
+                db,
+                &table,
+                &if db_is_mysql(db) {
+                    format!(
+                        "SELECT COUNT(*) FROM {name}_holders h JOIN {name} l ON l.k = h.k \
+                         WHERE h.k = '{key}' AND h.owner IS NOT NULL \
+                         AND h.expires_us > l.shared_us"
+                    )
+                } else {
+                    format!(
+                        "SELECT COUNT(*) FROM {name}_holders h JOIN {name} l ON l.key = h.key \
+                         WHERE h.key = '{key}' AND h.owner IS NOT NULL \
+                         AND h.expires_at > l.shared_until"
+                    )
+                },
+            )
+            .await;
+            if beyond > 0 {
+                late.push(i);
+            }
+            b.release(&lease).await.unwrap();
+        }
+        if !late.is_empty() {
+            failed.push(format!("{db:?}: {late:?}"));
+        }
+        drop_tables(db, &table).await;
+    }
+    assert!(
+        failed.is_empty(),
+        "grants (of 40) whose share ends after the key's shared_until: {failed:?}"
+    );
+}
+
+/// Whether `db` is MySQL/MariaDB.
+fn db_is_mysql(db: Db) -> bool {
+    match db {
+        #[cfg(feature = "mysql")]
+        Db::Mysql => true,
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shares_release_notifies_only_when_the_key_is_wanted() {
+    let db = Db::Postgres;
+    let table = format!("sem_notify_{:08x}", rand::random::<u32>());
+    let channel = table.clone();
+    let options = format!("&channel={channel}");
+    let holding = backend_at(db, &db.url(&table, &options)).await.unwrap();
+    let waiting = backend_at(db, &db.url(&table, &options)).await.unwrap();
+    let registry = Registry::builder().default_backend(waiting).build();
+    let mut listener = sqlx::postgres::PgListener::connect(&SqlDb::Postgres.url())
+        .await
+        .unwrap();
+    listener.listen(&channel).await.unwrap();
+    let quiet = unique_key("notify-quiet");
+    for mode in [HoldMode::Shared, permits(2), HoldMode::Shared] {
+        let lease = held(&holding, &quiet, "q", mode).await;
+        holding.release(&lease).await.unwrap();
+    }
+    let name = unique_key("notify-wanted");
+    let wanted = format!("{}{name}", registry.key_prefix());
+    let r1 = held(&holding, &wanted, "r1", HoldMode::Shared).await;
+    let r2 = held(&holding, &wanted, "r2", HoldMode::Shared).await;
+    let waiter = tokio::spawn(async move {
+        let guard = registry
+            .lock(&name)
+            .wait(Duration::from_secs(60))
+            .acquire()
+            .await
+            .unwrap();
+        guard.release().await.unwrap();
+    });
+    // The waiting writer marks the key wanted.
+    let marked = format!("SELECT COUNT(*) FROM {table} WHERE key = '{wanted}' AND wanted");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while count(db, &table, &marked).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holding.release(&r1).await.unwrap();
+    holding.release(&r2).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the writer woken")
+        .unwrap();
+    let mut heard = Vec::new();
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await {
+        heard.push(n.payload().to_owned());
+    }
+    assert!(
+        !heard.contains(&quiet),
+        "unwanted releases notified: {heard:?}"
+    );
+    let from_releases = heard.iter().filter(|k| **k == wanted).count();
+    assert!(
+        from_releases >= 2,
+        "both readers' releases of a wanted key notify: {heard:?}"
     );
     drop_tables(db, &table).await;
 }

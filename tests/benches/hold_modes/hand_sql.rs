@@ -164,10 +164,10 @@ pub(crate) fn postgres() -> HandSql {
             format!(
                 "WITH s AS (UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
                      token = CASE WHEN $7 = 1 THEN GREATEST(token + 1, {PG_NOW_US}) ELSE token END \
-                     WHERE key = $1 RETURNING token) \
+                     WHERE key = $1 RETURNING token, shared_until) \
                  INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
-                 SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {PG_NOW_US} END, {}, $6, \
-                        clock_timestamp() FROM s \
+                 SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {PG_NOW_US} END, \
+                        LEAST({}, s.shared_until), $6, clock_timestamp() FROM s \
                  ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
                      owner = excluded.owner, \
                      token = CASE WHEN $7 = 1 THEN excluded.token \
@@ -259,14 +259,15 @@ pub(crate) fn mariadb() -> HandSql {
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
-                 VALUES (?, ?, ?, ?, IF(? >= 0, ?, {n}), {n} + ? * 1000, ?, {n}) \
+                 VALUES (?, ?, ?, ?, IF(? >= 0, ?, {n}), \
+                         LEAST({n} + ? * 1000, (SELECT shared_us FROM {table} WHERE k = ?)), ?, {n}) \
                  ON DUPLICATE KEY UPDATE \
                  token = IF(? >= 0, ?, GREATEST(token + 1, {n})), \
                  granted_us = IF(owner <=> ?, granted_us, {n}), \
                  permits = VALUES(permits), owner = VALUES(owner), \
                  expires_us = VALUES(expires_us), holder = VALUES(holder)"
             ),
-            &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
+            &[0, 1, 2, 3, 6, 6, 4, 0, 5, 6, 6, 3],
         ),
         slot_token: Some(Stmt::new(
             format!("SELECT token FROM {h} WHERE k = ? AND slot = ?"),
@@ -389,7 +390,8 @@ pub(crate) fn sqlite() -> HandSql {
                  VALUES (?1, ?2, ?3, ?4, \
                          CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
                               ELSE {now_us} END, \
-                         {now} + ?5, ?6, {now}) \
+                         MIN({now} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
+                         ?6, {now}) \
                  ON CONFLICT (key, slot) DO UPDATE SET \
                      granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
                                        ELSE excluded.granted_at END, \

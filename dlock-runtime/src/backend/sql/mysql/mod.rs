@@ -872,17 +872,20 @@ impl Dialect for Mysql {
                 &[0],
             ),
             // `granted_us` before `owner`: assignments run left to right.
+            // The share ends no later than the `shared_us` that `share`
+            // raised just before (`{N}` is read again by each statement).
             take: Stmt::new(
                 format!(
                     "INSERT INTO {h} (k, slot, permits, owner, token, expires_us, holder, granted_us) \
-                     VALUES (?, ?, ?, ?, IF(? >= 0, ?, {N}), {N} + ? * 1000, ?, {N}) \
+                     VALUES (?, ?, ?, ?, IF(? >= 0, ?, {N}), \
+                             LEAST({N} + ? * 1000, (SELECT shared_us FROM {table} WHERE k = ?)), ?, {N}) \
                      ON DUPLICATE KEY UPDATE \
                      token = IF(? >= 0, ?, GREATEST(token + 1, {N})), \
                      granted_us = IF(owner <=> ?, granted_us, {N}), \
                      permits = VALUES(permits), owner = VALUES(owner), \
                      expires_us = VALUES(expires_us), holder = VALUES(holder)"
                 ),
-                &[0, 1, 2, 3, 6, 6, 4, 5, 6, 6, 3],
+                &[0, 1, 2, 3, 6, 6, 4, 0, 5, 6, 6, 3],
             ),
             lock_holders: None,
             slot_token: Some(Stmt::new(

@@ -803,14 +803,17 @@ impl Dialect for Postgres {
                 &[0, 1, 2],
             ),
             key_token: None,
+            // The share ends no later than the `shared_until` it raised
+            // (each `clock_timestamp()` is later than the one before): a
+            // writer never finds the key free beside a live share.
             grant: Some(Stmt::new(
                 format!(
                     "WITH s AS (UPDATE {table} SET shared_until = GREATEST(shared_until, {}), \
                          token = CASE WHEN $7 = 1 THEN GREATEST(token + 1, {NOW_US}) ELSE token END \
-                         WHERE key = $1 RETURNING token) \
+                         WHERE key = $1 RETURNING token, shared_until) \
                      INSERT INTO {h} AS h (key, slot, permits, owner, token, expires_at, holder, granted_at) \
-                     SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {NOW_US} END, {}, $6, \
-                            clock_timestamp() FROM s \
+                     SELECT $1, $2, $3, $4, CASE WHEN $7 = 1 THEN s.token ELSE {NOW_US} END, \
+                            LEAST({}, s.shared_until), $6, clock_timestamp() FROM s \
                      ON CONFLICT (key, slot) DO UPDATE SET permits = excluded.permits, \
                          owner = excluded.owner, \
                          token = CASE WHEN $7 = 1 THEN excluded.token \

@@ -921,7 +921,9 @@ fn shared_sql() -> SharedSql {
         key_token: None,
         // Two statements in one call to the connection's thread (each
         // binds the numbered arguments it names), in the caller's
-        // transaction: the reader's token is the one the first just wrote.
+        // transaction: the reader's token is the one the first just wrote,
+        // and the share ends no later than the `shared_until` it raised
+        // (the clock may pass a millisecond between the two).
         grant: Some(Stmt::new(
             format!(
                 "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?5), \
@@ -931,7 +933,8 @@ fn shared_sql() -> SharedSql {
                  VALUES (?1, ?2, ?3, ?4, \
                          CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
                               ELSE {now_us} END, \
-                         {NOW} + ?5, ?6, {NOW}) \
+                         MIN({NOW} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
+                         ?6, {NOW}) \
                  ON CONFLICT (key, slot) DO UPDATE SET \
                      granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
                                        ELSE excluded.granted_at END, \
