@@ -67,9 +67,8 @@ pub(crate) struct HandSql {
     /// `free_holder`, `reshare` and `notify` in one statement: (key, slot
     /// or -1, owner).
     release: Option<Stmt>,
-    /// One writer at a time: a release is `release` alone, outside a
-    /// transaction.
-    one_writer: bool,
+    /// `begin` alone orders every decision: a release locks no row first.
+    begin_orders: bool,
 }
 
 /// PostgreSQL's clock in µs.
@@ -216,7 +215,7 @@ pub(crate) fn postgres() -> HandSql {
             ),
             &[0, 1, 2],
         )),
-        one_writer: false,
+        begin_orders: false,
     }
 }
 
@@ -302,7 +301,7 @@ pub(crate) fn mariadb() -> HandSql {
         ),
         notify: None,
         release: None,
-        one_writer: false,
+        begin_orders: false,
     }
 }
 
@@ -431,7 +430,7 @@ pub(crate) fn sqlite() -> HandSql {
             ),
             &ids(3),
         )),
-        one_writer: true,
+        begin_orders: true,
     }
 }
 
@@ -628,17 +627,13 @@ macro_rules! shared_pair {
                 slot: i64,
             ) -> anyhow::Result<()> {
                 let mut conn = pool.acquire().await?;
-                let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
-                if sql.one_writer
-                    && let Some(release) = &sql.release
-                {
-                    exec(&mut conn, release, &[k, Arg::Int(slot), o]).await?;
-                    return Ok(());
-                }
                 let mut tx = conn.begin_with(sql.begin).await?;
-                let locked =
-                    rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
-                anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
+                if !sql.begin_orders {
+                    let locked =
+                        rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;
+                    anyhow::ensure!(!locked.is_empty(), "{key} has no row");
+                }
                 if let Some(release) = &sql.release {
                     exec(&mut tx, release, &[k, Arg::Int(slot), o]).await?;
                     tx.commit().await?;

@@ -1174,7 +1174,7 @@ impl<D: Dialect> SharedStore for SqlBackend<D> {
     const GRANTED_UNIT: Duration = D::GRANTED_UNIT;
     const HOLDER_MAX: usize = D::HOLDER_MAX;
     const BEGIN: &'static str = "BEGIN";
-    const ONE_WRITER: bool = false;
+    const BEGIN_ORDERS: bool = false;
 
     fn sql(&self) -> Arc<SharedSql> {
         self.shared.clone()

@@ -28,9 +28,9 @@
 //! release (the holder row freed, `shared_until` recomputed, the waiters
 //! notified, [`SharedSql::release`]). These round trips are what a handoff
 //! to a waiting reader, writer or permit seeker costs beyond a plain
-//! lock's one statement: a grant is begin, lock and holders, grant,
-//! commit; a release begin, lock, release, commit — on SQLite, one writer
-//! at a time, the release alone ([`SharedStore::ONE_WRITER`]).
+//! lock's one statement: a grant is begin, lock, holders, grant, commit; a
+//! release begin, lock, release, commit — on SQLite, whose `BEGIN
+//! IMMEDIATE` already orders every decision, begin, release, commit.
 //!
 //! **Semaphore.** Under the row lock: the key's live holder rows (an owner,
 //! an unexpired lease); another `permits`, or readers, or a live plain
@@ -344,14 +344,10 @@ pub(super) trait SharedStore: Clone + Send + Sync + 'static {
     const HOLDER_MAX: usize;
     /// The statement that begins a transaction that will write.
     const BEGIN: &'static str;
-    /// Whether the database has one writer at a time (SQLite): a release
-    /// is then its [`SharedSql::release`] statements alone, each committed
-    /// as it runs — the holder row freed, then `shared_until` recomputed
-    /// from the rows the second statement finds, so it counts whatever was
-    /// granted or freed between them. The recompute may lag the freeing
-    /// (a writer waits a moment more, or, were the second statement never
-    /// run, until the freed lease would have ended), never lead it.
-    const ONE_WRITER: bool;
+    /// Whether [`BEGIN`](Self::BEGIN) alone orders every decision (one
+    /// writer at a time from the start), so that a release takes no row
+    /// lock first.
+    const BEGIN_ORDERS: bool;
 
     /// The statements.
     fn sql(&self) -> Arc<SharedSql>;
@@ -873,23 +869,18 @@ async fn release_shared_once<B: SharedStore>(b: &B, lease: &Lease) -> Result<(),
         let owner = Arg::Text(lease.owner.clone());
         let slot = Arg::Int(slot_arg(lease));
         Box::pin(async move {
-            if B::ONE_WRITER
-                && let Some(release) = &sql.release
-            {
-                return B::exec(c, release, vec![key, slot, owner])
-                    .await
-                    .map(|_| ());
-            }
             let mut tx = c.begin_with(B::BEGIN).await?;
-            let locked = B::rows(
-                &mut tx,
-                &sql.lock,
-                vec![key.clone(), owner.clone()],
-                &[Col::Int, Col::Int],
-            )
-            .await?;
-            if locked.is_empty() {
-                return Ok(());
+            if !B::BEGIN_ORDERS {
+                let locked = B::rows(
+                    &mut tx,
+                    &sql.lock,
+                    vec![key.clone(), owner.clone()],
+                    &[Col::Int, Col::Int],
+                )
+                .await?;
+                if locked.is_empty() {
+                    return Ok(());
+                }
             }
             if let Some(release) = &sql.release {
                 B::exec(&mut tx, release, vec![key, slot, owner]).await?;

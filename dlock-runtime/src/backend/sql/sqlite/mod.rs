@@ -984,8 +984,7 @@ fn shared_sql() -> SharedSql {
             &ids(2),
         ),
         notify: None,
-        // `free_holder` then `reshare`, in one call as `grant`, each
-        // committed as it runs (see `SharedStore::ONE_WRITER`).
+        // `free_holder` and `reshare` in one call, as `grant`.
         release: Some(Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = {NOW} \
@@ -1040,7 +1039,7 @@ impl SharedStore for SqliteBackend {
     // One writer at a time from the start: a deferred transaction that
     // reads and then writes could not take the write lock.
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const ONE_WRITER: bool = true;
+    const BEGIN_ORDERS: bool = true;
 
     fn sql(&self) -> Arc<SharedSql> {
         self.shared.clone()
