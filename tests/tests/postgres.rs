@@ -187,7 +187,7 @@ async fn without_listen_waiters_poll_with_back_off() {
     let started = Instant::now();
     let t = target().await;
     let backend = t
-        .other_process(&format!("&timeout=1s&listen_url={listen_url}"))
+        .other_process(&format!("&timeout=2s&listen_url={listen_url}"))
         .await
         .postgres()
         .clone();
