@@ -28,7 +28,9 @@
 //! release (the holder row freed, `shared_until` recomputed, the waiters
 //! notified, [`SharedSql::release`]). These round trips are what a handoff
 //! to a waiting reader, writer or permit seeker costs beyond a plain
-//! lock's one statement: a grant is begin, lock, holders, grant, commit; a
+//! lock's one statement: a grant is begin, the lock with the live holder
+//! rows ([`SharedSql::lock_holders`]; PostgreSQL reads them again only when
+//! the key's row changed while it waited for the lock), grant, commit; a
 //! release begin, lock, release, commit — on SQLite, whose `BEGIN
 //! IMMEDIATE` already orders every decision, begin, release, commit.
 //!
