@@ -1,8 +1,10 @@
 //! Eight processes connecting at once to a database without dlock's table:
 //! every one of them creates (or finds) the table and takes the lock — the
 //! `CREATE TABLE IF NOT EXISTS` race (PostgreSQL can fail it with a unique
-//! violation on its catalog) costs none of them an error.
-#![cfg(any(feature = "postgres", feature = "mysql"))]
+//! violation on its catalog), and on SQLite the opening of a new file
+//! (answered SQLITE_BUSY at once while another process switches it to
+//! WAL), cost none of them an error.
+#![cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
 use std::process::{Command, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -115,5 +117,20 @@ async fn eight_processes_create_the_mysql_table_at_once() {
                 .await
                 .expect("drop the race's table");
         }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_processes_create_the_sqlite_file_at_once() {
+    for _ in 0..3 {
+        let dir = std::env::temp_dir().join(format!("dlock-race-{:016x}", rand::random::<u64>()));
+        let file = dir.join("locks.db");
+        let tokens = race(
+            &format!("sqlite://{}", file.display()),
+            &unique_key("sq-race"),
+        );
+        check_tokens(tokens);
+        std::fs::remove_dir_all(&dir).expect("remove the race's directory");
     }
 }

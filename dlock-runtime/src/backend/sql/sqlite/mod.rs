@@ -272,16 +272,23 @@ impl fmt::Debug for SqliteBackend {
     }
 }
 
+/// SQLITE_BUSY (5) or SQLITE_LOCKED (6), with their extended codes (low
+/// byte): another connection holds the file a moment longer.
+fn is_busy(err: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = err else {
+        return false;
+    };
+    let code = db
+        .code()
+        .and_then(|c| c.parse::<i64>().ok())
+        .map(|c| c & 0xff);
+    matches!(code, Some(5 | 6))
+}
+
 fn sql_error(err: sqlx::Error) -> BackendError {
     match &err {
-        sqlx::Error::Database(db) => {
-            // SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes
-            // (low byte): another process holds the write lock a moment longer.
-            let code = db
-                .code()
-                .and_then(|c| c.parse::<i64>().ok())
-                .map(|c| c & 0xff);
-            if matches!(code, Some(5 | 6)) {
+        sqlx::Error::Database(_) => {
+            if is_busy(&err) {
                 BackendError::transient(err)
             } else {
                 BackendError::permanent(err)
@@ -341,19 +348,19 @@ impl SqliteBackend {
         // The pool's connections belong to the runtime that opens them: open
         // them on dlock's own (see `driver`).
         let pool = crate::driver::run(async move {
-            let pool = SqlitePoolOptions::new()
-                .max_connections(4)
-                // A connection is a thread of this process: a ping before
-                // each call (a round trip to that thread) would test nothing
-                // the call itself does not.
-                .test_before_acquire(false)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(options)
-                .await?;
-            sqlx::query(CREATE_TABLE).execute(&pool).await?;
-            sqlx::query(CREATE_HOLDERS).execute(&pool).await?;
-            add_holder_columns(&pool).await?;
-            Ok::<_, sqlx::Error>(pool)
+            // Opening is answered SQLITE_BUSY at once, whatever the busy
+            // timeout, while another process opens the file too (a new
+            // file switched to WAL, a WAL recovery): tried again for as
+            // long as a statement would wait.
+            let deadline = tokio::time::Instant::now() + BUSY_TIMEOUT;
+            loop {
+                match open_pool(options.clone()).await {
+                    Err(err) if is_busy(&err) && tokio::time::Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    opened => return opened,
+                }
+            }
         })
         .await
         .map_err(|e| LockError::Backend {
@@ -424,6 +431,23 @@ impl SqliteBackend {
 
 /// Adds the holder-record columns to a table created without them. Another
 /// process may add them meanwhile: a duplicate column counts as added.
+/// The pool on `options`, with dlock's tables in its file.
+async fn open_pool(options: SqliteConnectOptions) -> Result<SqlitePool, sqlx::Error> {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        // A connection is a thread of this process: a ping before each call
+        // (a round trip to that thread) would test nothing the call itself
+        // does not.
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await?;
+    sqlx::query(CREATE_TABLE).execute(&pool).await?;
+    sqlx::query(CREATE_HOLDERS).execute(&pool).await?;
+    add_holder_columns(&pool).await?;
+    Ok(pool)
+}
+
 async fn add_holder_columns(pool: &SqlitePool) -> Result<(), sqlx::Error> {
     let present: Vec<String> =
         sqlx::query_scalar("SELECT name FROM pragma_table_info('dlock_leases')")
