@@ -565,15 +565,15 @@ pub(super) async fn try_shared<B: SharedStore>(
                 }
                 let reader = permits == 0;
                 let token = if let Some(grant) = &sql.grant {
-                    let args = vec![
-                        key.clone(),
-                        Arg::Int(slot),
-                        Arg::Int(permits),
-                        Arg::Text(owner.clone()),
-                        Arg::Int(lease_ms),
-                        Arg::Text(holder.clone()),
-                        Arg::Int(i64::from(reader)),
-                    ];
+                    let args = slot_args(
+                        &key,
+                        slot,
+                        permits,
+                        &owner,
+                        lease_ms,
+                        &holder,
+                        i64::from(reader),
+                    );
                     let token = first_int(B::rows(&mut tx, grant, args, &[Col::Int]).await?);
                     token.unwrap_or(if reader { -1 } else { 0 })
                 } else {
@@ -609,6 +609,28 @@ pub(super) async fn try_shared<B: SharedStore>(
     }
 }
 
+/// The arguments of `take` and `grant`: (key, slot, permits, owner, lease
+/// ms, holder, `last`: `take`'s token or -1, `grant`'s 1 for a reader).
+fn slot_args(
+    key: &Arg,
+    slot: i64,
+    permits: i64,
+    owner: &str,
+    lease_ms: i64,
+    holder: &str,
+    last: i64,
+) -> Vec<Arg> {
+    vec![
+        key.clone(),
+        Arg::Int(slot),
+        Arg::Int(permits),
+        Arg::Text(owner.to_owned()),
+        Arg::Int(lease_ms),
+        Arg::Text(holder.to_owned()),
+        Arg::Int(last),
+    ]
+}
+
 /// `share`, then `take`, each token read from its statement or right
 /// after it: the grant's token (the key's for a reader, the slot row's for
 /// a permit).
@@ -639,15 +661,7 @@ async fn split_grant<B: SharedStore>(
         }
     };
     let key_token = if reader { key_token.unwrap_or(-1) } else { -1 };
-    let take_args = vec![
-        key.clone(),
-        Arg::Int(slot),
-        Arg::Int(permits),
-        Arg::Text(owner.to_owned()),
-        Arg::Int(lease_ms),
-        Arg::Text(holder.to_owned()),
-        Arg::Int(key_token),
-    ];
+    let take_args = slot_args(key, slot, permits, owner, lease_ms, holder, key_token);
     // The slot row's token (a permit's), likewise.
     let slot_token = match &sql.slot_token {
         None => first_int(B::rows(tx, &sql.take, take_args, &[Col::Int]).await?),
