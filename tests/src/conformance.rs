@@ -809,25 +809,28 @@ async fn wait_forever_and_the_minimum_lease(h: &Harness) {
         .expect("MIN_LEASE");
     // The watchdog keeps a 100 ms lease only while this process runs: a probe
     // beside it measures how late the runtime ran it (other cases of this
-    // binary, other load). A stall of a quarter of the lease may cost the
-    // lease, and then the loss must have been signalled.
-    let probe = tokio::spawn(async move {
-        let mut worst = Duration::ZERO;
-        let until = Instant::now() + SECOND;
-        while Instant::now() < until {
-            let before = Instant::now();
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            worst = worst.max(before.elapsed().saturating_sub(Duration::from_millis(5)));
+    // binary, other load), until the lease is released. A stall of a quarter
+    // of the lease may cost the lease, and then the loss must have been
+    // signalled.
+    let done = Arc::new(AtomicBool::new(false));
+    let probe = tokio::spawn({
+        let done = done.clone();
+        async move {
+            let mut worst = Duration::ZERO;
+            while !done.load(Ordering::SeqCst) {
+                let before = Instant::now();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                worst = worst.max(before.elapsed().saturating_sub(Duration::from_millis(5)));
+            }
+            worst
         }
-        worst
     });
     // And a probe of the server: how long its answers took meanwhile (a
     // server starved of CPU answers renewals late too).
     let server_probe = async {
         let probe_key = h.stored(&unique_key("min-lease-probe"));
         let mut worst = Duration::ZERO;
-        let until = Instant::now() + SECOND;
-        while Instant::now() < until {
+        while !done.load(Ordering::SeqCst) {
             let before = Instant::now();
             h.faults.is_held(&probe_key).await;
             worst = worst.max(before.elapsed());
@@ -835,19 +838,29 @@ async fn wait_forever_and_the_minimum_lease(h: &Harness) {
         }
         worst
     };
-    let (worst_stall, worst_answer) =
-        tokio::join!(async { probe.await.expect("probe") }, server_probe);
-    if guard.is_lost() {
+    let kept = async {
+        tokio::time::sleep(SECOND).await;
+        let held = h.faults.is_held(&h.stored(&key)).await;
+        let lost = guard.is_lost();
+        let released = guard.release().await;
+        done.store(true, Ordering::SeqCst);
+        (held, lost, released)
+    };
+    let (worst_stall, worst_answer, (held, lost, released)) =
+        tokio::join!(async { probe.await.expect("probe") }, server_probe, kept);
+    if lost || released.is_err() {
         assert!(
             worst_stall >= MIN_LEASE / 4 || worst_answer >= MIN_LEASE / 10,
             "a MIN_LEASE lease was lost although this process ran at most {worst_stall:?} late \
              and the server answered within {worst_answer:?}"
         );
-        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        assert!(
+            matches!(released, Err(LockError::Lost { .. })),
+            "a lost lease's release: {released:?}"
+        );
         return;
     }
-    assert!(h.faults.is_held(&h.stored(&key)).await);
-    guard.release().await.expect("release");
+    assert!(held, "a kept MIN_LEASE lease is not held on the server");
 }
 
 /// A waiter whose caller gives up (a timeout around `acquire`) stops waiting:

@@ -610,6 +610,66 @@ async fn a_permit_granted_while_an_attempt_waits_for_the_key_row_counts() {
     drop_tables(db, &table).await;
 }
 
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_granted_while_a_release_waits_for_the_key_row_keeps_writers_out() {
+    let db = Db::Postgres;
+    let (b, table) = own_table(db, "relwait", "").await;
+    let key = unique_key("rw-relwait");
+    let first = held(&b, &key, "first", HoldMode::Shared).await;
+    let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
+    let mut grant = pool.begin().await.unwrap();
+    let locked = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT key FROM {table} WHERE key = $1 FOR UPDATE"
+    )))
+    .bind(&key)
+    .fetch_all(&mut *grant)
+    .await
+    .unwrap();
+    assert_eq!(locked.len(), 1, "the key's row is stored under its name");
+    let releasing = {
+        let b = b.clone();
+        tokio::spawn(async move { b.release(&first).await })
+    };
+    let waits = format!(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%FOR UPDATE%' AND query LIKE '%{table}%'"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while count(db, &table, &waits).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the release never waited for the key's row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another process's reader, granted as dlock grants one: its holder row
+    // and the key's row, in the transaction that holds the key's row.
+    for sql in [
+        format!(
+            "INSERT INTO {table}_holders (key, slot, permits, owner, token, expires_at) \
+             VALUES ($1, 1, 0, 'second', 1, clock_timestamp() + interval '60 seconds')"
+        ),
+        format!(
+            "UPDATE {table} SET shared_until = clock_timestamp() + interval '60 seconds' \
+             WHERE key = $1"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&key)
+            .execute(&mut *grant)
+            .await
+            .unwrap();
+    }
+    grant.commit().await.unwrap();
+    releasing.await.unwrap().unwrap();
+    assert!(
+        !writer_gets_it(&b, &key, "writer").await,
+        "a writer beside the reader granted while the release waited"
+    );
+    drop_tables(db, &table).await;
+}
+
 /// Whether a plain lock by `owner` is granted at once: it is then released.
 async fn writer_gets_it(b: &Arc<dyn LockBackend>, key: &str, owner: &str) -> bool {
     match b.try_acquire(&AcquireRequest::new(key, owner, LEASE)).await {

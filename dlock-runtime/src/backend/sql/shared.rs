@@ -219,6 +219,13 @@ pub struct SharedSql {
     /// dialect can say it: (key, slot or -1, owner). Two round trips less
     /// between a release call and the waiter's wake-up.
     pub release: Option<Stmt>,
+    /// The release in one statement of its own, outside a transaction,
+    /// where the dialect can tell that the key's row (so its holder rows)
+    /// did not change while the statement waited for the row's lock:
+    /// (key, slot or -1, owner) → [1 released, -1 no key row, 0 the row
+    /// changed and nothing was written]. On 0 the release is made in a
+    /// transaction. Three round trips less in the common case.
+    pub release_now: Option<Stmt>,
     /// (key, slot or -1, owner) → a row if the owner's holder row was revoked.
     pub was_revoked: Stmt,
     /// (key) → [key, owner, holder, token, granted, ms left, slot, permits]
@@ -885,6 +892,18 @@ async fn release_shared_once<B: SharedStore>(b: &B, lease: &Lease) -> Result<(),
         let owner = Arg::Text(lease.owner.clone());
         let slot = Arg::Int(slot_arg(lease));
         Box::pin(async move {
+            if let Some(now) = &sql.release_now {
+                let done = B::rows(
+                    c,
+                    now,
+                    vec![key.clone(), slot.clone(), owner.clone()],
+                    &[Col::Int],
+                )
+                .await?;
+                if first_int(done) != Some(0) {
+                    return Ok(());
+                }
+            }
             let mut tx = c.begin_with(B::BEGIN).await?;
             if !B::BEGIN_ORDERS {
                 let locked = B::rows(

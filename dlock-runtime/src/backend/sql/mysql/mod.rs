@@ -942,6 +942,7 @@ impl Dialect for Mysql {
             ),
             notify: None,
             release: None,
+            release_now: None,
             was_revoked: Stmt::new(
                 format!(
                     "SELECT CAST(1 AS SIGNED) FROM {h} WHERE k = ? AND (? < 0 OR slot = ?) \

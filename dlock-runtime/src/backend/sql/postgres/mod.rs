@@ -898,6 +898,35 @@ impl Dialect for Postgres {
                 ),
                 &[0, 1, 2],
             )),
+            // The release of `release` in one autocommitted statement. `t`
+            // locks the key's row before any holder row is touched (both
+            // writes wait on `t`'s one-time filter), the order every
+            // transaction of the key keeps. The holder rows are read in the
+            // statement's snapshot, which is current exactly when the
+            // locked row's version is the snapshot's (see `lock_holders`);
+            // otherwise nothing is written and 0 sends the release to its
+            // transaction.
+            release_now: Some(Stmt::new(
+                format!(
+                    "WITH t AS (SELECT t.key, \
+                         t.xmin = (SELECT s.xmin FROM {table} s WHERE s.key = $1) AS fresh \
+                         FROM {table} t WHERE t.key = $1 FOR UPDATE), \
+                     f AS (UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                         WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2) \
+                         AND (SELECT fresh FROM t)), \
+                     r AS (UPDATE {table} SET shared_until = \
+                           (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                            AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                            AND NOT (h.owner = $3 AND ($2 < 0 OR h.slot = $2))), \
+                         wwait_owner = NULLIF(wwait_owner, $3) \
+                         WHERE key = $1 AND (SELECT fresh FROM t) RETURNING key, wanted) \
+                     SELECT (CASE WHEN (SELECT fresh FROM t) THEN 1 \
+                                  WHEN EXISTS (SELECT 1 FROM t) THEN 0 ELSE -1 END)::bigint, \
+                            (SELECT count(pg_notify('{}', key)) FROM r WHERE wanted)",
+                    self.channel
+                ),
+                &[0, 1, 2],
+            )),
             was_revoked: Stmt::new(
                 format!(
                     "SELECT 1::bigint FROM {h} WHERE key = $1 AND ($2 < 0 OR slot = $2) \

@@ -1020,6 +1020,7 @@ fn shared_sql() -> SharedSql {
             ),
             &ids(3),
         )),
+        release_now: None,
         was_revoked: Stmt::new(
             format!("SELECT 1 FROM {h} WHERE key = ?1 AND (?2 < 0 OR slot = ?2) AND revoked = ?3"),
             &ids(3),
