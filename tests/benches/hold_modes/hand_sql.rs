@@ -67,6 +67,10 @@ pub(crate) struct HandSql {
     /// `free_holder`, `reshare` and `notify` in one statement: (key, slot
     /// or -1, owner).
     release: Option<Stmt>,
+    /// The release in one autocommitted statement when the key's row did
+    /// not change while it waited for the row's lock: (key, slot or -1,
+    /// owner) → [1 released, -1 no row, 0 changed: release in a transaction].
+    release_now: Option<Stmt>,
     /// `begin` alone orders every decision: a release locks no row first.
     begin_orders: bool,
 }
@@ -215,6 +219,26 @@ pub(crate) fn postgres() -> HandSql {
             ),
             &[0, 1, 2],
         )),
+        release_now: Some(Stmt::new(
+            format!(
+                "WITH t AS (SELECT t.key, \
+                     t.xmin = (SELECT s.xmin FROM {table} s WHERE s.key = $1) AS fresh \
+                     FROM {table} t WHERE t.key = $1 FOR UPDATE), \
+                 f AS (UPDATE {h} SET owner = NULL, expires_at = clock_timestamp() \
+                     WHERE key = $1 AND owner = $3 AND ($2 < 0 OR slot = $2) \
+                     AND (SELECT fresh FROM t)), \
+                 r AS (UPDATE {table} SET shared_until = \
+                       (SELECT max(h.expires_at) FROM {h} h WHERE h.key = $1 \
+                        AND h.owner IS NOT NULL AND h.expires_at > clock_timestamp() \
+                        AND NOT (h.owner = $3 AND ($2 < 0 OR h.slot = $2))), \
+                     wwait_owner = NULLIF(wwait_owner, $3) \
+                     WHERE key = $1 AND (SELECT fresh FROM t) RETURNING key, wanted) \
+                 SELECT (CASE WHEN (SELECT fresh FROM t) THEN 1 \
+                              WHEN EXISTS (SELECT 1 FROM t) THEN 0 ELSE -1 END)::bigint, \
+                        (SELECT count(pg_notify('dlock', key)) FROM r WHERE wanted)"
+            ),
+            &[0, 1, 2],
+        )),
         begin_orders: false,
     }
 }
@@ -301,6 +325,7 @@ pub(crate) fn mariadb() -> HandSql {
         ),
         notify: None,
         release: None,
+        release_now: None,
         begin_orders: false,
     }
 }
@@ -430,6 +455,7 @@ pub(crate) fn sqlite() -> HandSql {
             ),
             &ids(3),
         )),
+        release_now: None,
         begin_orders: true,
     }
 }
@@ -627,8 +653,25 @@ macro_rules! shared_pair {
                 slot: i64,
             ) -> anyhow::Result<()> {
                 let mut conn = pool.acquire().await?;
-                let mut tx = conn.begin_with(sql.begin).await?;
                 let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
+                if let Some(now) = &sql.release_now {
+                    let done = rows(
+                        &mut conn,
+                        now,
+                        &[k.clone(), Arg::Int(slot), o.clone()],
+                        &[false],
+                    )
+                    .await?;
+                    let state = done
+                        .first()
+                        .and_then(|row| row.first())
+                        .and_then(|(n, _)| *n);
+                    anyhow::ensure!(state != Some(-1), "{key} has no row");
+                    if state != Some(0) {
+                        return Ok(());
+                    }
+                }
+                let mut tx = conn.begin_with(sql.begin).await?;
                 if !sql.begin_orders {
                     let locked =
                         rows(&mut tx, &sql.lock, &[k.clone(), o.clone()], &[false, false]).await?;

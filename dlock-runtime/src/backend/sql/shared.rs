@@ -32,7 +32,11 @@
 //! rows ([`SharedSql::lock_holders`]; PostgreSQL reads them again only when
 //! the key's row changed while it waited for the lock), grant, commit; a
 //! release begin, lock, release, commit — on SQLite, whose `BEGIN
-//! IMMEDIATE` already orders every decision, begin, release, commit.
+//! IMMEDIATE` already orders every decision, begin, release, commit; on
+//! PostgreSQL one statement ([`SharedSql::release_now`]: the key's row
+//! locked first, the holder rows read in the statement's snapshot and
+//! written only when the row did not change during the lock wait, the
+//! transaction otherwise).
 //!
 //! **Semaphore.** Under the row lock: the key's live holder rows (an owner,
 //! an unexpired lease); another `permits`, or readers, or a live plain
