@@ -209,3 +209,65 @@ fn a_shutdown_with_callers_mid_acquire_on_other_runtimes_leaves_no_key_held() {
         );
     });
 }
+
+/// Callers that leave while their attempts wait for the database's write
+/// lock (a timeout around `acquire`; one registry and one key each): each
+/// attempt goes on on its worker thread and takes its key once the lock is
+/// free. The clean-up release of each abandoned attempt goes out after it
+/// (sent at once, it would race the attempt for the write lock, and one
+/// in eight or so would come first and free nothing), so every key is free
+/// again within moments, long before the runtime's backstop (the busy
+/// timeout and a margin, 7 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_taking_keys_after_their_callers_left_are_released_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("locks.db");
+    let mut registries = Vec::new();
+    for _ in 0..6 {
+        registries.push(registry(&path).await);
+    }
+    let keys: Vec<String> = (0..6)
+        .map(|i| unique_key(&format!("left-mid-acquire-{i}")))
+        .collect();
+    let mut blocker = write_locked(&path, &registries[0]).await;
+    let attempts = registries.iter().zip(&keys).map(|(registry, key)| {
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            registry.lock(key).lease(LEASE).acquire(),
+        )
+    });
+    for left in futures_util::future::join_all(attempts).await {
+        assert!(left.is_err(), "the write lock holds the attempt: {left:?}");
+    }
+    // The clean-up releases are out by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("free the write lock");
+    let freed = Instant::now();
+    // Each attempt takes its key as soon as the lock is free (its row is
+    // made then: nothing else writes it); its release follows it.
+    for key in &keys {
+        loop {
+            let row: Option<Option<String>> =
+                sqlx::query_scalar("SELECT owner FROM dlock_leases WHERE key = ?1")
+                    .bind(format!("dlock:{key}"))
+                    .fetch_optional(&mut blocker)
+                    .await
+                    .expect("read the row");
+            if row == Some(None) {
+                break;
+            }
+            assert!(
+                freed.elapsed() < Duration::from_secs(4),
+                "{key} is not free 4 s after the write lock was (row: {row:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert!(
+        held(&path, &keys).await.is_empty(),
+        "keys taken again after their releases"
+    );
+}

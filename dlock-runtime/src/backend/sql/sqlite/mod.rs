@@ -52,6 +52,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use sqlx::Connection as _;
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -486,7 +488,70 @@ fn held_row((key, owner, holder, token, granted_at, expires_in_ms): HeldRow) -> 
     }
 }
 
+/// A connection running a statement of `owner`'s. Dropped before the
+/// statement answered (a caller that went away), the statement goes on on
+/// the connection's worker thread and may still take a key: a task on
+/// dlock's I/O runtime waits behind it on the same connection (the worker
+/// runs its commands in order, a dropped transaction's rollback first),
+/// and until then the owner's later statements — the clean-up release of
+/// the abandoned attempt first — wait (see `ordered`). So that release
+/// frees what the late statement took, within a round trip of it.
+struct Following<'a> {
+    conn: Option<PoolConnection<sqlx::Sqlite>>,
+    owner: &'a str,
+    unanswered: &'a Arc<Unanswered>,
+}
+
+impl Following<'_> {
+    fn conn(&mut self) -> &mut sqlx::SqliteConnection {
+        self.conn.as_mut().expect("present until answered")
+    }
+
+    /// The statement answered.
+    fn answered(mut self) {
+        self.conn = None;
+    }
+}
+
+impl Drop for Following<'_> {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let done = self.unanswered.register(self.owner, None);
+        crate::driver::handle().spawn(async move {
+            // Bounded like the runtime's backstop: the late statement
+            // waits for the write lock up to the busy timeout, then runs.
+            let behind = tokio::time::timeout(BUSY_TIMEOUT + ABANDONED_MARGIN, conn.ping()).await;
+            if !matches!(behind, Ok(Ok(()))) {
+                conn.close_on_drop();
+            }
+            drop(conn);
+            drop(done);
+        });
+    }
+}
+
 impl SqliteBackend {
+    /// Runs `statement` of `owner`'s on a connection, after the owner's
+    /// statements still running, and followed if its caller leaves before
+    /// the answer ([`Following`]).
+    async fn owned<T, F>(&self, owner: &str, statement: F) -> Result<T, BackendError>
+    where
+        F: for<'c> FnOnce(&'c mut sqlx::SqliteConnection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    {
+        self.unanswered.wait_for(owner).await;
+        let conn = self.pool.acquire().await.map_err(sql_error)?;
+        let mut running = Following {
+            conn: Some(conn),
+            owner,
+            unanswered: &self.unanswered,
+        };
+        let answer = statement(running.conn()).await;
+        running.answered();
+        answer.map_err(sql_error)
+    }
+
     /// How long the holder of the busy `key` has left (the waiter's next
     /// look); a lost doorbell listener is started again first.
     async fn remaining(&self, key: &str) -> Result<Duration, BackendError> {
@@ -501,14 +566,20 @@ impl SqliteBackend {
 
     /// One attempt at a plain lock.
     async fn try_plain(&self, request: &AcquireRequest) -> Result<Attempt, BackendError> {
-        let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
-            .bind(&request.key)
-            .bind(&request.owner)
-            .bind(millis(request.lease))
-            .bind(request.holder.encode())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(sql_error)?;
+        let (key, owner) = (request.key.clone(), request.owner.clone());
+        let (ms, holder) = (millis(request.lease), request.holder.encode());
+        let token: Option<i64> = self
+            .owned(&request.owner, |c| {
+                Box::pin(
+                    sqlx::query_scalar(ACQUIRE)
+                        .bind(key)
+                        .bind(owner)
+                        .bind(ms)
+                        .bind(holder)
+                        .fetch_optional(c),
+                )
+            })
+            .await?;
         if let Some(token) = token {
             return Ok(Attempt::Held(Lease::new(
                 request,
@@ -619,14 +690,20 @@ impl LockBackend for SqliteBackend {
         let first = requests.first()?;
         Some(Box::pin(async move {
             let keys = json_array(requests.iter().map(|r| r.key.as_str()));
-            let taken: Vec<(String, i64)> = sqlx::query_as(ACQUIRE_ALL)
-                .bind(&keys)
-                .bind(&first.owner)
-                .bind(millis(first.lease))
-                .bind(first.holder.encode())
-                .fetch_all(&self.pool)
-                .await
-                .map_err(sql_error)?;
+            let (all, owner) = (keys.clone(), first.owner.clone());
+            let (ms, holder) = (millis(first.lease), first.holder.encode());
+            let taken: Vec<(String, i64)> = self
+                .owned(&first.owner, |c| {
+                    Box::pin(
+                        sqlx::query_as(ACQUIRE_ALL)
+                            .bind(all)
+                            .bind(owner)
+                            .bind(ms)
+                            .bind(holder)
+                            .fetch_all(c),
+                    )
+                })
+                .await?;
             let token_of = |key: &str| {
                 taken
                     .iter()
@@ -735,12 +812,16 @@ impl LockBackend for SqliteBackend {
         Box::pin(async move {
             let freed = match lease.mode {
                 HoldMode::Exclusive => {
-                    let done = sqlx::query(RELEASE)
-                        .bind(&lease.key)
-                        .bind(&lease.owner)
-                        .execute(&self.pool)
-                        .await
-                        .map_err(sql_error)?;
+                    let done = self
+                        .owned(&lease.owner, |c| {
+                            Box::pin(
+                                sqlx::query(RELEASE)
+                                    .bind(lease.key.clone())
+                                    .bind(lease.owner.clone())
+                                    .execute(c),
+                            )
+                        })
+                        .await?;
                     shared::unmark_writer(self, &lease.key, &lease.owner).await?;
                     done.rows_affected() > 0
                 }
@@ -1096,11 +1177,13 @@ impl SharedStore for SqliteBackend {
         // After the owner's work still running on dlock's I/O runtime (a
         // mark): a statement whose caller left still runs on its
         // connection's worker thread, and this one may take another.
-        if let Some(owner) = owner {
-            self.unanswered.wait_for(owner).await;
+        match owner {
+            Some(owner) => self.owned(owner, statement).await,
+            None => {
+                let mut conn = self.pool.acquire().await.map_err(sql_error)?;
+                statement(&mut conn).await.map_err(sql_error)
+            }
         }
-        let mut conn = self.pool.acquire().await.map_err(sql_error)?;
-        statement(&mut conn).await.map_err(sql_error)
     }
 
     rows_and_exec!(String, sqlx::SqliteConnection);
