@@ -278,7 +278,6 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// What a run measures, from the words of its command line.
-#[derive(Debug)]
 struct Selection {
     /// Section 1.
     pairs: bool,
@@ -418,8 +417,9 @@ async fn bench(plan: Plan, quick: bool, selection: &Selection) -> anyhow::Result
     if let Some(own) = &own {
         writeln!(
             out,
-            "Servers of the benchmark's own: Redis on 127.0.0.1:{REDIS_PORT}, PostgreSQL on \
+            "Servers of the benchmark's own: Redis on 127.0.0.1:{}, PostgreSQL on \
              127.0.0.1:{}, MariaDB on 127.0.0.1:{}; SQLite at {}.\n",
+            own.redis.port(),
             own.pg.port(),
             own.my.port(),
             own.sqlite.display()
