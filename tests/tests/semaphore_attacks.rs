@@ -722,6 +722,145 @@ mod zookeeper {
         );
     }
 
+    /// ZooKeeper's opcodes counted below.
+    const GET_DATA: i32 = 4;
+    const GET_CHILDREN: i32 = 8;
+    const PING: i32 = 11;
+    const GET_CHILDREN2: i32 = 12;
+    const CREATE2: i32 = 15;
+    const REMOVE_WATCHES: i32 = 18;
+    const MULTI_READ: i32 = 22;
+
+    /// The requests `proxy` forwarded so far, by opcode, pings left out.
+    fn sent(proxy: &ZkProxy) -> Vec<u64> {
+        (0..128)
+            .map(|op| if op == PING { 0 } else { proxy.requests(op) })
+            .collect()
+    }
+
+    /// Waits up to 10 s for `proxy` to have forwarded `n` requests of
+    /// `opcode` more than `before`: `what` once it is past.
+    async fn forwarded(proxy: &ZkProxy, before: &[u64], opcode: i32, n: u64, what: &str) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.requests(opcode) - before[opcode as usize] < n {
+            assert!(Instant::now() < until, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Two held permits and a waiter for a third through a proxy of its
+    /// own, waiting on its watches (one per lease): the holders' registry,
+    /// the holders, the waiter's backend and task, and the proxy.
+    async fn a_waiter_behind_two_permits(
+        key: &str,
+    ) -> (
+        Registry,
+        [dlock_runtime::LockGuard; 2],
+        ZooKeeperBackend,
+        tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
+        ZkProxy,
+    ) {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, key, "first").await;
+        let second = one_of_two(&holding, key, "second").await;
+        let waiting = registry(&waiting_zk);
+        let key = key.to_owned();
+        let waiter = tokio::spawn(async move {
+            waiting
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(30))
+                .acquire()
+                .await
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while waiting_zk.stats().watches_set < 2 {
+            assert!(
+                Instant::now() < until,
+                "the waiter set no watch on each lease: {:?}",
+                waiting_zk.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (holding, [first, second], waiting_zk, waiter, proxy)
+    }
+
+    /// The first waiter for a full semaphore, woken by a holder's release,
+    /// takes the freed lease's slot in one round trip: it sends its
+    /// lease's create and the two listings that check it (and the delete of
+    /// its queue node), and reads neither the queue nor any lease's data;
+    /// its watch on the lease still held is removed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_permit_waiter_takes_the_freed_slot_with_one_create_and_two_listings() {
+        let key = unique_key("zk-sem-seeker");
+        let (_holding, [first, second], waiting_zk, waiter, proxy) =
+            a_waiter_behind_two_permits(&key).await;
+        let before = sent(&proxy);
+        let freed = second.permit();
+        second.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter was not let in")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(guard.permit(), freed, "the freed lease's slot");
+        forwarded(&proxy, &before, REMOVE_WATCHES, 1, "the watch kept").await;
+        let after = sent(&proxy);
+        let more = |op: i32| after[op as usize] - before[op as usize];
+        let every: u64 = after.iter().sum::<u64>() - before.iter().sum::<u64>();
+        let by_op: Vec<(usize, u64)> = (0..128)
+            .filter(|op| after[*op] > before[*op])
+            .map(|op| (op, after[op] - before[op]))
+            .collect();
+        assert_eq!(more(CREATE2), 1, "creates: {by_op:?}");
+        assert_eq!(
+            more(GET_CHILDREN) + more(GET_CHILDREN2),
+            2,
+            "listings: {by_op:?}"
+        );
+        assert_eq!(more(GET_DATA) + more(MULTI_READ), 0, "reads: {by_op:?}");
+        assert_eq!(every, 5, "requests by opcode: {by_op:?}");
+        assert_eq!(waiting_zk.stats().watch_events, 1);
+        guard.release().await.expect("release");
+        first.release().await.expect("release");
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A first permit waiter that gives up removes its watch on each lease,
+    /// and leaves no node.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_permit_waiter_dropped_removes_its_watches_on_the_leases() {
+        let key = unique_key("zk-sem-seeker-dropped");
+        let (_holding, [first, second], waiting_zk, waiter, proxy) =
+            a_waiter_behind_two_permits(&key).await;
+        let before = sent(&proxy);
+        waiter.abort();
+        assert!(waiter.await.is_err_and(|e| e.is_cancelled()));
+        forwarded(
+            &proxy,
+            &before,
+            REMOVE_WATCHES,
+            2,
+            "watches left on the leases",
+        )
+        .await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !children(&admin, &format!("{container}/locks"))
+            .await
+            .is_empty()
+        {
+            assert!(Instant::now() < until, "the waiter's queue node is left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(leases(&waiting_zk, &key).await.len(), 2);
+        first.release().await.expect("release");
+        second.release().await.expect("release");
+    }
+
     /// Three tasks of one session sharing two permits, each holding a few
     /// times: every one gets its turns within seconds (each release wakes
     /// the session's waiters).
