@@ -723,6 +723,7 @@ mod zookeeper {
     }
 
     /// ZooKeeper's opcodes counted below.
+    const DELETE: i32 = 2;
     const GET_DATA: i32 = 4;
     const GET_CHILDREN: i32 = 8;
     const PING: i32 = 11;
@@ -807,6 +808,8 @@ mod zookeeper {
             .expect("the freed permit");
         assert_eq!(guard.permit(), freed, "the freed lease's slot");
         forwarded(&proxy, &before, REMOVE_WATCHES, 1, "the watch kept").await;
+        // Sent with the grant, not waited for.
+        forwarded(&proxy, &before, DELETE, 1, "the queue node kept").await;
         let after = sent(&proxy);
         let more = |op: i32| after[op as usize] - before[op as usize];
         let every: u64 = after.iter().sum::<u64>() - before.iter().sum::<u64>();
@@ -823,6 +826,181 @@ mod zookeeper {
         assert_eq!(more(GET_DATA) + more(MULTI_READ), 0, "reads: {by_op:?}");
         assert_eq!(every, 5, "requests by opcode: {by_op:?}");
         assert_eq!(waiting_zk.stats().watch_events, 1);
+        guard.release().await.expect("release");
+        first.release().await.expect("release");
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A lease released while the first waiter's watch on it is on its way
+    /// (held back by the waiter's proxy): the watch answers that the lease
+    /// is gone and is not set, and the waiter looks again and takes the
+    /// freed permit at once, not at the re-check its long session timeout
+    /// would bring.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lease_released_before_the_first_waiters_watch_on_it_is_set_leaves_no_waiter_behind()
+    {
+        let key = unique_key("zk-sem-seeker-late-watch");
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "?session_timeout=60s").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let slot_line = format!("dlock-permit 2 {}", second.permit().expect("a slot"));
+        let mut released = None;
+        for lease in leases(&waiting_zk, &key).await {
+            let (data, _) = admin
+                .get_data(&format!("{container}/leases/{lease}"))
+                .await
+                .expect("a lease's data");
+            if data.ends_with(slot_line.as_bytes()) {
+                released = Some(lease);
+            }
+        }
+        let released = released.expect("the second holder's lease");
+        // A getData that sets a watch: the path, then `true`.
+        let mut needle = released.into_bytes();
+        needle.push(1);
+        proxy.hold_next(&[&needle], Duration::from_secs(5));
+        let waiting = registry(&waiting_zk);
+        let waiter = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(50))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the waiter never watched the lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        second.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter was left on the watches it could set")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(
+            waiting_zk.stats().watch_events,
+            0,
+            "the released lease's watch was set"
+        );
+        guard.release().await.expect("release");
+        first.release().await.expect("release");
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+        assert!(
+            children(&admin, &format!("{container}/locks"))
+                .await
+                .is_empty()
+        );
+    }
+
+    /// Two creates racing for one freed slot: an attempt that found the
+    /// slot free before anyone queued (its create held back by its proxy)
+    /// and the first waiter, woken by the slot's release (its create held
+    /// back longer). The earlier create holds the slot; the woken waiter,
+    /// seeing it, gives its lease up, waits again on the leases and takes
+    /// the slot at the next release, with a larger token.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_waits_for_the_next_release()
+     {
+        let key = unique_key("zk-sem-seeker-race");
+        let holding = registry(&backend().await);
+        let (racing_proxy, waiting_proxy) = (
+            ZkProxy::start(port(&url())).await,
+            ZkProxy::start(port(&url())).await,
+        );
+        let racing_zk = through(&racing_proxy, "?session_timeout=60s").await;
+        let waiting_zk = through(&waiting_proxy, "?session_timeout=60s").await;
+        let first = one_of_two(&holding, &key, "first").await;
+        assert_eq!(first.permit(), Some(0));
+        // A lease create on slot 1, in its data.
+        let on_slot_1: &[u8] = b"dlock-permit 2 1";
+        racing_proxy.hold_next(&[on_slot_1], Duration::from_secs(10));
+        let racing = registry(&racing_zk);
+        let racer = tokio::spawn({
+            let key = key.clone();
+            async move {
+                racing
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(50))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while racing_proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the racer never created its lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = one_of_two(&holding, &key, "second").await;
+        assert_eq!(second.permit(), Some(1));
+        let waiting = registry(&waiting_zk);
+        let waiter = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(50))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while waiting_zk.stats().watches_set < 2 {
+            assert!(Instant::now() < until, "the waiter watched no lease");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        waiting_proxy.hold_next(&[on_slot_1], Duration::from_secs(15));
+        second.release().await.expect("release");
+        let raced = tokio::time::timeout(Duration::from_secs(30), racer)
+            .await
+            .expect("the racer was not let in")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(raced.permit(), Some(1));
+        assert!(
+            waiting_proxy.held_on().is_some(),
+            "the woken waiter sent no create on the freed slot"
+        );
+        // The waiter's create lands, loses to the racer's, and the waiter
+        // watches the two leases held.
+        let until = Instant::now() + Duration::from_secs(30);
+        while waiting_zk.stats().watches_set < 4 {
+            assert!(
+                Instant::now() < until,
+                "the waiter did not wait again: {:?}",
+                waiting_zk.stats()
+            );
+            assert!(!waiter.is_finished(), "the waiter ended beside two holders");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!waiter.is_finished(), "the waiter ended beside two holders");
+        leases_come_to(
+            &waiting_zk,
+            &key,
+            2,
+            Duration::from_secs(10),
+            "a third lease",
+        )
+        .await;
+        let raced_token = raced.fencing_token();
+        raced.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("the waiter was not let in at the racer's release")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(guard.permit(), Some(1));
+        assert!(guard.fencing_token() > raced_token);
         guard.release().await.expect("release");
         first.release().await.expect("release");
         assert!(leases(&waiting_zk, &key).await.is_empty());
