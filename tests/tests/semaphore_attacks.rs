@@ -901,16 +901,24 @@ mod zookeeper {
         );
     }
 
-    /// Two creates racing for one freed slot: an attempt that found the
-    /// slot free before anyone queued (its create held back by its proxy)
-    /// and the first waiter, woken by the slot's release (its create held
-    /// back longer). The earlier create holds the slot; the woken waiter,
-    /// seeing it, gives its lease up, waits again on the leases and takes
-    /// the slot at the next release, with a larger token.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_waits_for_the_next_release()
-     {
-        let key = unique_key("zk-sem-seeker-race");
+    /// A slot-1 holder's release raced for: the holders of `permits`
+    /// permits, slot 0 first; an attempt that found slot 1 free before
+    /// anyone queued (its lease's create held back 10 s by its proxy, while
+    /// another holder takes slot 1 meanwhile); and the first waiter, woken by
+    /// that holder's release (its create on the freed slot held back 15 s).
+    /// The racer's earlier create holds slot 1. Returns the holders left
+    /// (slot 0 first), the racer's permit, the waiter's backend and task,
+    /// and the racer's and the waiter's proxies.
+    async fn a_freed_slot_raced_for(
+        key: &str,
+        permits: u32,
+    ) -> (
+        Vec<dlock_runtime::LockGuard>,
+        dlock_runtime::LockGuard,
+        ZooKeeperBackend,
+        tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
+        [ZkProxy; 2],
+    ) {
         let holding = registry(&backend().await);
         let (racing_proxy, waiting_proxy) = (
             ZkProxy::start(port(&url())).await,
@@ -918,49 +926,39 @@ mod zookeeper {
         );
         let racing_zk = through(&racing_proxy, "?session_timeout=60s").await;
         let waiting_zk = through(&waiting_proxy, "?session_timeout=60s").await;
-        let first = one_of_two(&holding, &key, "first").await;
-        assert_eq!(first.permit(), Some(0));
-        // A lease create on slot 1, in its data.
-        let on_slot_1: &[u8] = b"dlock-permit 2 1";
-        racing_proxy.hold_next(&[on_slot_1], Duration::from_secs(10));
-        let racing = registry(&racing_zk);
-        let racer = tokio::spawn({
-            let key = key.clone();
+        let take = |locks: Registry| {
+            let key = key.to_owned();
             async move {
-                racing
+                locks
                     .lock(&key)
-                    .permits(2)
+                    .permits(permits)
                     .wait(Duration::from_secs(50))
                     .acquire()
                     .await
             }
-        });
+        };
+        let mut holders = vec![take(holding.clone()).await.expect("slot 0")];
+        // A lease create on slot 1, in its data.
+        let on_slot_1 = format!("dlock-permit {permits} 1");
+        racing_proxy.hold_next(&[on_slot_1.as_bytes()], Duration::from_secs(10));
+        let racer = tokio::spawn(take(registry(&racing_zk)));
         let until = Instant::now() + Duration::from_secs(10);
         while racing_proxy.held_on().is_none() {
             assert!(Instant::now() < until, "the racer never created its lease");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let second = one_of_two(&holding, &key, "second").await;
-        assert_eq!(second.permit(), Some(1));
-        let waiting = registry(&waiting_zk);
-        let waiter = tokio::spawn({
-            let key = key.clone();
-            async move {
-                waiting
-                    .lock(&key)
-                    .permits(2)
-                    .wait(Duration::from_secs(50))
-                    .acquire()
-                    .await
-            }
-        });
+        for _ in 1..permits {
+            holders.push(take(holding.clone()).await.expect("a free slot"));
+        }
+        assert_eq!(holders[1].permit(), Some(1));
+        let waiter = tokio::spawn(take(registry(&waiting_zk)));
         let until = Instant::now() + Duration::from_secs(10);
-        while waiting_zk.stats().watches_set < 2 {
+        while waiting_zk.stats().watches_set < u64::from(permits) {
             assert!(Instant::now() < until, "the waiter watched no lease");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        waiting_proxy.hold_next(&[on_slot_1], Duration::from_secs(15));
-        second.release().await.expect("release");
+        waiting_proxy.hold_next(&[on_slot_1.as_bytes()], Duration::from_secs(15));
+        holders.remove(1).release().await.expect("release");
         let raced = tokio::time::timeout(Duration::from_secs(30), racer)
             .await
             .expect("the racer was not let in")
@@ -971,8 +969,26 @@ mod zookeeper {
             waiting_proxy.held_on().is_some(),
             "the woken waiter sent no create on the freed slot"
         );
-        // The waiter's create lands, loses to the racer's, and the waiter
-        // watches the two leases held.
+        (
+            holders,
+            raced,
+            waiting_zk,
+            waiter,
+            [racing_proxy, waiting_proxy],
+        )
+    }
+
+    /// A woken first waiter whose create on the freed slot lands after a
+    /// racer's, every permit then taken: it gives its lease up, waits again
+    /// on the leases, and takes the slot at the next release, with a larger
+    /// token.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_waits_for_the_next_release()
+     {
+        let key = unique_key("zk-sem-seeker-race-full");
+        let (holders, raced, waiting_zk, waiter, _proxies) = a_freed_slot_raced_for(&key, 2).await;
+        // The waiter's create lands, finds three leases, and the waiter
+        // watches the two others.
         let until = Instant::now() + Duration::from_secs(30);
         while waiting_zk.stats().watches_set < 4 {
             assert!(
@@ -1002,7 +1018,37 @@ mod zookeeper {
         assert_eq!(guard.permit(), Some(1));
         assert!(guard.fencing_token() > raced_token);
         guard.release().await.expect("release");
-        first.release().await.expect("release");
+        for holder in holders {
+            holder.release().await.expect("release");
+        }
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A woken first waiter whose create on the freed slot lands after a
+    /// racer's on that slot, another slot freed meanwhile (the leases then
+    /// within the permits): it gives its lease up and takes the other slot,
+    /// never the racer's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_takes_another_free_slot()
+     {
+        let key = unique_key("zk-sem-seeker-race-other");
+        let (mut holders, raced, waiting_zk, waiter, _proxies) =
+            a_freed_slot_raced_for(&key, 3).await;
+        let third = holders.pop().expect("the slot 2 holder");
+        assert_eq!(third.permit(), Some(2));
+        // Before the waiter's create lands.
+        third.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter was not let in")
+            .expect("task")
+            .expect("the free permit");
+        assert_eq!(guard.permit(), Some(2), "the racer's slot taken twice");
+        assert!(!raced.is_lost());
+        leases_come_to(&waiting_zk, &key, 3, Duration::from_secs(10), "leases").await;
+        for g in [guard, raced].into_iter().chain(holders) {
+            g.release().await.expect("release");
+        }
         assert!(leases(&waiting_zk, &key).await.is_empty());
     }
 
