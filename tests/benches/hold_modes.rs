@@ -246,7 +246,7 @@ fn main() -> anyhow::Result<()> {
         println!(
             "dlock's semaphores and read-write locks against the same scripts and transactions \
              by hand, and their handoffs against the plain lock's, as ratios.\n\
-             usage: cargo bench -p dlock-tests --all-features --bench hold_modes [-- --quick]\n\
+             usage: cargo bench -p dlock-tests --all-features --bench hold_modes [-- [--quick] [WORD...]]\n\
              Starts Redis on 127.0.0.1:{REDIS_PORT}, PostgreSQL 15 on 127.0.0.1:{PG_PORT} and \
              MariaDB on 127.0.0.1:{MARIADB_PORT} (fresh, under target/bench-hold-modes/; \
              taskset for the pinned section); ZooKeeper from DLOCK_TEST_ZK_URL. \
@@ -289,6 +289,12 @@ impl Selection {
     /// `args` without the program's name; flags (`--quick`, and `--bench`,
     /// which `cargo bench` passes) are not words.
     fn parse(args: &[String]) -> anyhow::Result<Selection> {
+        if let Some(flag) = args
+            .iter()
+            .find(|a| a.starts_with('-') && *a != "--quick" && *a != "--bench")
+        {
+            anyhow::bail!("unknown flag {flag:?} (--quick, --help)");
+        }
         let words: Vec<String> = args
             .iter()
             .filter(|a| !a.starts_with('-'))
@@ -310,6 +316,10 @@ impl Selection {
             );
         }
         let section = |name: &str| sections.is_empty() || sections.iter().any(|s| *s == name);
+        anyhow::ensure!(
+            backends.is_empty() || section("handoff"),
+            "{backends:?} select handoff backends, but the handoff section is not selected"
+        );
         let handoff = if section("handoff") {
             HANDOFF_BACKENDS
                 .iter()
