@@ -831,6 +831,30 @@ mod zookeeper {
         assert!(leases(&waiting_zk, &key).await.is_empty());
     }
 
+    /// The bytes of a getData request that sets a watch on `held`'s lease
+    /// (of two permits on `key`): the lease's path, then `true`.
+    async fn watch_request_on(
+        zk: &ZooKeeperBackend,
+        key: &str,
+        held: &dlock_runtime::LockGuard,
+    ) -> Vec<u8> {
+        let admin = admin(&url()).await;
+        let container = zk.container_path(&format!("dlock:{key}"));
+        let slot_line = format!("dlock-permit 2 {}", held.permit().expect("a slot"));
+        for lease in leases(zk, key).await {
+            let (data, _) = admin
+                .get_data(&format!("{container}/leases/{lease}"))
+                .await
+                .expect("a lease's data");
+            if data.ends_with(slot_line.as_bytes()) {
+                let mut needle = lease.into_bytes();
+                needle.push(1);
+                return needle;
+            }
+        }
+        panic!("no lease carries {slot_line:?}");
+    }
+
     /// A lease released while the first waiter's watch on it is on its way
     /// (held back by the waiter's proxy): the watch answers that the lease
     /// is gone and is not set, and the waiter looks again and takes the
@@ -847,21 +871,7 @@ mod zookeeper {
         let second = one_of_two(&holding, &key, "second").await;
         let admin = admin(&url()).await;
         let container = waiting_zk.container_path(&format!("dlock:{key}"));
-        let slot_line = format!("dlock-permit 2 {}", second.permit().expect("a slot"));
-        let mut released = None;
-        for lease in leases(&waiting_zk, &key).await {
-            let (data, _) = admin
-                .get_data(&format!("{container}/leases/{lease}"))
-                .await
-                .expect("a lease's data");
-            if data.ends_with(slot_line.as_bytes()) {
-                released = Some(lease);
-            }
-        }
-        let released = released.expect("the second holder's lease");
-        // A getData that sets a watch: the path, then `true`.
-        let mut needle = released.into_bytes();
-        needle.push(1);
+        let needle = watch_request_on(&waiting_zk, &key, &second).await;
         proxy.hold_next(&[&needle], Duration::from_secs(5));
         let waiting = registry(&waiting_zk);
         let waiter = tokio::spawn({
@@ -1050,6 +1060,63 @@ mod zookeeper {
             g.release().await.expect("release");
         }
         assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A first permit waiter dropped while its watches on the leases are on
+    /// their way (held back by its proxy): every watch the server sets once
+    /// they arrive is removed, and no node is left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_permit_waiter_dropped_while_setting_its_watches_removes_them() {
+        let key = unique_key("zk-sem-seeker-dropped-early");
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "?session_timeout=60s").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
+        let needle = watch_request_on(&waiting_zk, &key, &second).await;
+        proxy.hold_next(&[&needle], Duration::from_secs(3));
+        let waiting = registry(&waiting_zk);
+        let waiter = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the waiter never watched the lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let before = sent(&proxy);
+        waiter.abort();
+        assert!(waiter.await.is_err_and(|e| e.is_cancelled()));
+        forwarded(
+            &proxy,
+            &before,
+            REMOVE_WATCHES,
+            2,
+            "watches left on the leases",
+        )
+        .await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !children(&admin, &format!("{container}/locks"))
+            .await
+            .is_empty()
+        {
+            assert!(Instant::now() < until, "the waiter's queue node is left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(leases(&waiting_zk, &key).await.len(), 2);
+        assert_eq!(waiting_zk.stats().watch_events, 0);
+        first.release().await.expect("release");
+        second.release().await.expect("release");
     }
 
     /// A first permit waiter that gives up removes its watch on each lease,
