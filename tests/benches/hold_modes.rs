@@ -6,6 +6,7 @@
 //! set -a; . target/servers/urls.env; set +a   # ZooKeeper's URL, for the handoffs
 //! cargo bench -p dlock-tests --all-features --bench hold_modes
 //! cargo bench -p dlock-tests --all-features --bench hold_modes -- --quick
+//! cargo bench -p dlock-tests --all-features --bench hold_modes -- handoff zookeeper
 //! ```
 //!
 //! Needs `redis-server`, PostgreSQL 15 and MariaDB installed
@@ -64,6 +65,15 @@
 //! the start and the end. Targets are printed, never asserted: a contender
 //! that fails aborts the run instead. `--quick` (or `DLOCK_BENCH_QUICK=1`)
 //! runs every section briefly, to check that it works.
+//!
+//! **Selecting.** Words after `--` select what runs: `pairs` and `handoff`
+//! name the sections (both when neither is given); any other word selects
+//! the handoff backends whose name contains it, case-insensitively
+//! (`zookeeper`, `redis`, `postgresql`, …; every backend when none is
+//! given), and a word that names none is an error. The benchmark's own
+//! servers start only when a selected part uses them: `-- handoff
+//! zookeeper` needs none of them (nor `redis-server`), only
+//! `DLOCK_TEST_ZK_URL`.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -113,8 +123,11 @@ const TARGET_HANDOFF_VS_PLAIN: f64 = 1.5;
 /// A backend of the handoff section.
 struct HandoffBackend {
     name: &'static str,
-    /// Its URL, or why it is skipped.
-    url: fn(&Servers) -> Result<String, String>,
+    /// Its URL (from the benchmark's own servers, when running), or why
+    /// it is skipped.
+    url: fn(Option<&Servers>) -> Result<String, String>,
+    /// Whether it uses the benchmark's own servers.
+    own_server: bool,
 }
 
 /// The test servers' URL in `var`, or why there is none.
@@ -122,30 +135,41 @@ fn test_url(var: &str) -> Result<String, String> {
     std::env::var(var).map_err(|_| format!("{var} is not set (source target/servers/urls.env)"))
 }
 
+/// Why a backend on the benchmark's own servers is skipped without them.
+fn own(servers: Option<&Servers>) -> Result<&Servers, String> {
+    servers.ok_or_else(|| "the benchmark's own servers are not running".to_owned())
+}
+
 /// The backends whose handoffs are measured.
 const HANDOFF_BACKENDS: &[HandoffBackend] = &[
     HandoffBackend {
         name: "memory",
+        own_server: false,
         url: |_| Ok("memory://".to_owned()),
     },
     HandoffBackend {
         name: "Redis",
-        url: |s| Ok(s.redis.clone()),
+        own_server: true,
+        url: |s| Ok(own(s)?.redis.clone()),
     },
     HandoffBackend {
         name: "SQLite",
-        url: |s| Ok(s.sqlite.clone()),
+        own_server: true,
+        url: |s| Ok(own(s)?.sqlite.clone()),
     },
     HandoffBackend {
         name: "PostgreSQL lease",
-        url: |s| Ok(s.postgres.clone()),
+        own_server: true,
+        url: |s| Ok(own(s)?.postgres.clone()),
     },
     HandoffBackend {
         name: "MariaDB lease",
-        url: |s| Ok(s.mariadb.clone()),
+        own_server: true,
+        url: |s| Ok(own(s)?.mariadb.clone()),
     },
     HandoffBackend {
         name: "ZooKeeper",
+        own_server: false,
         url: |_| test_url("DLOCK_TEST_ZK_URL"),
     },
 ];
@@ -222,11 +246,13 @@ fn main() -> anyhow::Result<()> {
         println!(
             "dlock's semaphores and read-write locks against the same scripts and transactions \
              by hand, and their handoffs against the plain lock's, as ratios.\n\
-             usage: cargo bench -p dlock-tests --all-features --bench hold_modes [-- --quick]\n\
+             usage: cargo bench -p dlock-tests --all-features --bench hold_modes [-- [--quick] [WORD...]]\n\
              Starts Redis on 127.0.0.1:{REDIS_PORT}, PostgreSQL 15 on 127.0.0.1:{PG_PORT} and \
              MariaDB on 127.0.0.1:{MARIADB_PORT} (fresh, under target/bench-hold-modes/; \
              taskset for the pinned section); ZooKeeper from DLOCK_TEST_ZK_URL. \
-             --quick (or DLOCK_BENCH_QUICK=1): every section briefly, to check that it works."
+             --quick (or DLOCK_BENCH_QUICK=1): every section briefly, to check that it works. \
+             Words select: `pairs`, `handoff` (the sections; both by default), and any other \
+             word the handoff backends whose name contains it (e.g. `-- handoff zookeeper`)."
         );
         return Ok(());
     }
@@ -247,7 +273,122 @@ fn main() -> anyhow::Result<()> {
     let quick = args.iter().any(|a| a == "--quick")
         || std::env::var("DLOCK_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let plan = if quick { Plan::quick() } else { Plan::full() };
-    runtime.block_on(bench(plan, quick))
+    let selection = Selection::parse(&args[1..])?;
+    runtime.block_on(bench(plan, quick, &selection))
+}
+
+/// What a run measures, from the words of its command line.
+struct Selection {
+    /// Section 1.
+    pairs: bool,
+    /// Section 2, on these backends of [`HANDOFF_BACKENDS`].
+    handoff: Vec<&'static HandoffBackend>,
+}
+
+impl Selection {
+    /// `args` without the program's name; flags (`--quick`, and `--bench`,
+    /// which `cargo bench` passes) are not words.
+    fn parse(args: &[String]) -> anyhow::Result<Selection> {
+        if let Some(flag) = args
+            .iter()
+            .find(|a| a.starts_with('-') && *a != "--quick" && *a != "--bench")
+        {
+            anyhow::bail!("unknown flag {flag:?} (--quick, --help)");
+        }
+        let words: Vec<String> = args
+            .iter()
+            .filter(|a| !a.starts_with('-'))
+            .map(|a| a.to_lowercase())
+            .collect();
+        let (sections, backends): (Vec<&String>, Vec<&String>) =
+            words.iter().partition(|w| *w == "pairs" || *w == "handoff");
+        for word in &backends {
+            anyhow::ensure!(
+                HANDOFF_BACKENDS
+                    .iter()
+                    .any(|b| b.name.to_lowercase().contains(word.as_str())),
+                "{word:?} names no section (pairs, handoff) and no handoff backend ({})",
+                HANDOFF_BACKENDS
+                    .iter()
+                    .map(|b| b.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        let section = |name: &str| sections.is_empty() || sections.iter().any(|s| *s == name);
+        anyhow::ensure!(
+            backends.is_empty() || section("handoff"),
+            "{backends:?} select handoff backends, but the handoff section is not selected"
+        );
+        let handoff = if section("handoff") {
+            HANDOFF_BACKENDS
+                .iter()
+                .filter(|b| {
+                    let name = b.name.to_lowercase();
+                    backends.is_empty() || backends.iter().any(|w| name.contains(w.as_str()))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Selection {
+            pairs: section("pairs"),
+            handoff,
+        })
+    }
+
+    /// Whether a selected part uses the benchmark's own servers.
+    fn needs_own_servers(&self) -> bool {
+        self.pairs || self.handoff.iter().any(|b| b.own_server)
+    }
+}
+
+/// The benchmark's own servers, running; stopped when dropped.
+struct OwnServers {
+    servers: Servers,
+    redis: OwnRedis,
+    pg: OwnServer,
+    my: OwnServer,
+    sqlite: PathBuf,
+}
+
+impl OwnServers {
+    async fn start() -> anyhow::Result<OwnServers> {
+        anyhow::ensure!(
+            on_path("redis-server"),
+            "redis-server is not on PATH: scripts/servers.sh up installs it"
+        );
+        // A server left on the port would answer in place of ours.
+        std::net::TcpListener::bind(("127.0.0.1", REDIS_PORT)).map_err(|e| {
+            anyhow::anyhow!("port {REDIS_PORT} is taken ({e}): is another benchmark running?")
+        })?;
+        let root = servers_root()?;
+        let redis = OwnRedis::start(REDIS_PORT, &[]).await;
+        let pg = OwnServer::postgres(PG_PORT, &root).await?;
+        let my = OwnServer::mariadb(MARIADB_PORT, &root).await?;
+        let sqlite = root.join("hold-modes.db");
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", sqlite.display()));
+        }
+        let servers = Servers {
+            redis: redis.url(),
+            postgres: pg.url(),
+            mariadb: my.url(),
+            sqlite: format!("sqlite://{}", sqlite.display()),
+            redis_pid: redis
+                .pid()
+                .ok_or_else(|| anyhow::anyhow!("the Redis server is not running"))?,
+            postgres_pid: pg.pid()?,
+            mariadb_pid: my.pid()?,
+        };
+        Ok(OwnServers {
+            servers,
+            redis,
+            pg,
+            my,
+            sqlite,
+        })
+    }
 }
 
 /// `target/bench-hold-modes/`, absolute, without `..`.
@@ -267,34 +408,12 @@ fn load() -> String {
         .to_owned()
 }
 
-async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
+async fn bench(plan: Plan, quick: bool, selection: &Selection) -> anyhow::Result<()> {
     let load_at_start = load();
-    anyhow::ensure!(
-        on_path("redis-server"),
-        "redis-server is not on PATH: scripts/servers.sh up installs it"
-    );
-    // A server left on the port would answer in place of ours.
-    std::net::TcpListener::bind(("127.0.0.1", REDIS_PORT)).map_err(|e| {
-        anyhow::anyhow!("port {REDIS_PORT} is taken ({e}): is another benchmark running?")
-    })?;
-    let root = servers_root()?;
-    let redis = OwnRedis::start(REDIS_PORT, &[]).await;
-    let pg = OwnServer::postgres(PG_PORT, &root).await?;
-    let my = OwnServer::mariadb(MARIADB_PORT, &root).await?;
-    let sqlite = root.join("hold-modes.db");
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", sqlite.display()));
-    }
-    let servers = Servers {
-        redis: redis.url(),
-        postgres: pg.url(),
-        mariadb: my.url(),
-        sqlite: format!("sqlite://{}", sqlite.display()),
-        redis_pid: redis
-            .pid()
-            .ok_or_else(|| anyhow::anyhow!("the Redis server is not running"))?,
-        postgres_pid: pg.pid()?,
-        mariadb_pid: my.pid()?,
+    let own = if selection.needs_own_servers() {
+        Some(OwnServers::start().await?)
+    } else {
+        None
     };
     // The global registry is not used; install one so that nothing falls
     // back to it by accident.
@@ -305,14 +424,17 @@ async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
     )?;
     let run: u64 = rand::random();
     let mut out = String::new();
-    writeln!(
-        out,
-        "Servers of the benchmark's own: Redis on 127.0.0.1:{REDIS_PORT}, PostgreSQL on \
-         127.0.0.1:{}, MariaDB on 127.0.0.1:{}; SQLite at {}.\n",
-        pg.port(),
-        my.port(),
-        sqlite.display()
-    )?;
+    if let Some(own) = &own {
+        writeln!(
+            out,
+            "Servers of the benchmark's own: Redis on 127.0.0.1:{}, PostgreSQL on \
+             127.0.0.1:{}, MariaDB on 127.0.0.1:{}; SQLite at {}.\n",
+            own.redis.port(),
+            own.pg.port(),
+            own.my.port(),
+            own.sqlite.display()
+        )?;
+    }
     if quick {
         writeln!(
             out,
@@ -321,29 +443,45 @@ async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
         )?;
     }
 
+    let mut targets = Vec::new();
     // 1. Pairs: concurrency 1 pinned (in a child, before this process opens
     // any connection), then the high concurrency unpinned (here).
-    let (c1, pinned) = concurrency_1(&servers, run, plan.c1)?;
-    let c = Contenders::connect(&servers, run).await?;
-    let high = pairs::rounds(&c, HIGH_CONCURRENCY, plan.high).await?;
-    let c1_label = if pinned {
-        format!("c=1, pinned to CPU {PINNED_CPU} (client and servers)")
-    } else {
-        "c=1 (unpinned, not gated)".to_owned()
-    };
-    let high_label = format!("c={HIGH_CONCURRENCY}, unpinned (both CPUs)");
-    let load_after_pairs = load();
-    let mut targets = Vec::new();
-    pairs_table(
-        &mut out,
-        &[(c1_label, pinned, c1), (high_label, true, high)],
-        plan,
-        &mut targets,
-    )?;
-    writeln!(out, "\nLoad average after section 1: {load_after_pairs}.")?;
+    if selection.pairs {
+        let servers = &own
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("section 1 runs without its servers"))?
+            .servers;
+        let (c1, pinned) = concurrency_1(servers, run, plan.c1)?;
+        let c = Contenders::connect(servers, run).await?;
+        let high = pairs::rounds(&c, HIGH_CONCURRENCY, plan.high).await?;
+        let c1_label = if pinned {
+            format!("c=1, pinned to CPU {PINNED_CPU} (client and servers)")
+        } else {
+            "c=1 (unpinned, not gated)".to_owned()
+        };
+        let high_label = format!("c={HIGH_CONCURRENCY}, unpinned (both CPUs)");
+        let load_after_pairs = load();
+        pairs_table(
+            &mut out,
+            &[(c1_label, pinned, c1), (high_label, true, high)],
+            plan,
+            &mut targets,
+        )?;
+        writeln!(out, "\nLoad average after section 1: {load_after_pairs}.")?;
+    }
 
     // 2. Handoffs.
-    handoff_section(&mut out, &servers, run, plan, &mut targets).await?;
+    if !selection.handoff.is_empty() {
+        handoff_section(
+            &mut out,
+            &selection.handoff,
+            own.as_ref().map(|o| &o.servers),
+            run,
+            plan,
+            &mut targets,
+        )
+        .await?;
+    }
 
     writeln!(out, "\n## Targets\n")?;
     for (ok, line) in &targets {
@@ -357,7 +495,7 @@ async fn bench(plan: Plan, quick: bool) -> anyhow::Result<()> {
         load()
     )?;
     print!("{out}");
-    drop((redis, pg, my));
+    drop(own);
     Ok(())
 }
 
@@ -489,7 +627,10 @@ struct Connected {
     refused: Vec<(Handover, String)>,
 }
 
-async fn connect_handoff(b: &HandoffBackend, servers: &Servers) -> Result<Connected, String> {
+async fn connect_handoff(
+    b: &HandoffBackend,
+    servers: Option<&Servers>,
+) -> Result<Connected, String> {
     let url = (b.url)(servers)?;
     let connect = async || {
         dlock_runtime::connect(&url)
@@ -525,17 +666,18 @@ async fn connect_handoff(b: &HandoffBackend, servers: &Servers) -> Result<Connec
     })
 }
 
-/// Section 2: the handoffs of every backend of [`HANDOFF_BACKENDS`].
+/// Section 2: the handoffs of `backends` (of [`HANDOFF_BACKENDS`]).
 async fn handoff_section(
     out: &mut String,
-    servers: &Servers,
+    backends: &[&'static HandoffBackend],
+    servers: Option<&Servers>,
     run: u64,
     plan: Plan,
     targets: &mut Vec<(bool, String)>,
 ) -> anyhow::Result<()> {
     let mut connected = Vec::new();
     let mut skipped = Vec::new();
-    for b in HANDOFF_BACKENDS {
+    for b in backends {
         match connect_handoff(b, servers).await {
             Ok(c) => connected.push(c),
             Err(why) => skipped.push((b.name, why)),

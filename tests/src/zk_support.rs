@@ -295,6 +295,18 @@ impl ZkProxy {
         self.requests.deletes_cut.load(Ordering::SeqCst)
     }
 
+    /// Holds back, for `hold`, the next chunk a client sends that contains
+    /// every one of `needles` ([`FaultProxy::hold_next`]).
+    pub fn hold_next(&self, needles: &[&[u8]], hold: Duration) {
+        self.proxy.hold_next(needles, hold);
+    }
+
+    /// The connection on which the last [`Self::hold_next`] held a chunk
+    /// back, if it did ([`FaultProxy::held_on`]).
+    pub fn held_on(&self) -> Option<usize> {
+        self.proxy.held_on()
+    }
+
     /// How many requests with this opcode were forwarded to the server
     /// (ZooKeeper's `OpCode`: 1 create, 2 delete, 4 getData, 8 and 12
     /// getChildren, 22 multiRead, …).

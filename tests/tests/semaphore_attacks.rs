@@ -722,6 +722,436 @@ mod zookeeper {
         );
     }
 
+    /// ZooKeeper's opcodes counted below.
+    const DELETE: i32 = 2;
+    const GET_DATA: i32 = 4;
+    const GET_CHILDREN: i32 = 8;
+    const PING: i32 = 11;
+    const GET_CHILDREN2: i32 = 12;
+    const CREATE2: i32 = 15;
+    const REMOVE_WATCHES: i32 = 18;
+    const MULTI_READ: i32 = 22;
+
+    /// The requests `proxy` forwarded so far, by opcode, pings left out.
+    fn sent(proxy: &ZkProxy) -> Vec<u64> {
+        (0..128)
+            .map(|op| if op == PING { 0 } else { proxy.requests(op) })
+            .collect()
+    }
+
+    /// Waits up to 10 s for `proxy` to have forwarded `n` requests of
+    /// `opcode` more than `before`: `what` once it is past.
+    async fn forwarded(proxy: &ZkProxy, before: &[u64], opcode: i32, n: u64, what: &str) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.requests(opcode) - before[opcode as usize] < n {
+            assert!(Instant::now() < until, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Two held permits and a waiter for a third through a proxy of its
+    /// own, waiting on its watches (one per lease): the holders' registry,
+    /// the holders, the waiter's backend and task, and the proxy.
+    async fn a_waiter_behind_two_permits(
+        key: &str,
+    ) -> (
+        Registry,
+        [dlock_runtime::LockGuard; 2],
+        ZooKeeperBackend,
+        tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
+        ZkProxy,
+    ) {
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, key, "first").await;
+        let second = one_of_two(&holding, key, "second").await;
+        let waiting = registry(&waiting_zk);
+        let key = key.to_owned();
+        let waiter = tokio::spawn(async move {
+            waiting
+                .lock(&key)
+                .permits(2)
+                .wait(Duration::from_secs(30))
+                .acquire()
+                .await
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while waiting_zk.stats().watches_set < 2 {
+            assert!(
+                Instant::now() < until,
+                "the waiter set no watch on each lease: {:?}",
+                waiting_zk.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (holding, [first, second], waiting_zk, waiter, proxy)
+    }
+
+    /// The first waiter for a full semaphore, woken by a holder's release,
+    /// takes the freed lease's slot in one round trip: it sends its
+    /// lease's create and the two listings that check it (and the delete of
+    /// its queue node), and reads neither the queue nor any lease's data;
+    /// its watch on the lease still held is removed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_permit_waiter_takes_the_freed_slot_with_one_create_and_two_listings() {
+        let key = unique_key("zk-sem-seeker");
+        let (_holding, [first, second], waiting_zk, waiter, proxy) =
+            a_waiter_behind_two_permits(&key).await;
+        let before = sent(&proxy);
+        let freed = second.permit();
+        second.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter was not let in")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(guard.permit(), freed, "the freed lease's slot");
+        forwarded(&proxy, &before, REMOVE_WATCHES, 1, "the watch kept").await;
+        // Sent with the grant, not waited for.
+        forwarded(&proxy, &before, DELETE, 1, "the queue node kept").await;
+        let after = sent(&proxy);
+        let more = |op: i32| after[op as usize] - before[op as usize];
+        let every: u64 = after.iter().sum::<u64>() - before.iter().sum::<u64>();
+        let by_op: Vec<(usize, u64)> = (0..128)
+            .filter(|op| after[*op] > before[*op])
+            .map(|op| (op, after[op] - before[op]))
+            .collect();
+        assert_eq!(more(CREATE2), 1, "creates: {by_op:?}");
+        assert_eq!(
+            more(GET_CHILDREN) + more(GET_CHILDREN2),
+            2,
+            "listings: {by_op:?}"
+        );
+        assert_eq!(more(GET_DATA) + more(MULTI_READ), 0, "reads: {by_op:?}");
+        assert_eq!(every, 5, "requests by opcode: {by_op:?}");
+        assert_eq!(waiting_zk.stats().watch_events, 1);
+        guard.release().await.expect("release");
+        first.release().await.expect("release");
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// The bytes of a getData request that sets a watch on `held`'s lease
+    /// (of two permits on `key`): the lease's path, then `true`.
+    async fn watch_request_on(
+        zk: &ZooKeeperBackend,
+        key: &str,
+        held: &dlock_runtime::LockGuard,
+    ) -> Vec<u8> {
+        let admin = admin(&url()).await;
+        let container = zk.container_path(&format!("dlock:{key}"));
+        let slot_line = format!("dlock-permit 2 {}", held.permit().expect("a slot"));
+        for lease in leases(zk, key).await {
+            let (data, _) = admin
+                .get_data(&format!("{container}/leases/{lease}"))
+                .await
+                .expect("a lease's data");
+            if data.ends_with(slot_line.as_bytes()) {
+                let mut needle = lease.into_bytes();
+                needle.push(1);
+                return needle;
+            }
+        }
+        panic!("no lease carries {slot_line:?}");
+    }
+
+    /// A lease released while the first waiter's watch on it is on its way
+    /// (held back by the waiter's proxy): the watch answers that the lease
+    /// is gone and is not set, and the waiter looks again and takes the
+    /// freed permit at once, not at the re-check its long session timeout
+    /// would bring.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lease_released_before_the_first_waiters_watch_on_it_is_set_leaves_no_waiter_behind()
+    {
+        let key = unique_key("zk-sem-seeker-late-watch");
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "?session_timeout=60s").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let needle = watch_request_on(&waiting_zk, &key, &second).await;
+        proxy.hold_next(&[&needle], Duration::from_secs(5));
+        let waiting = registry(&waiting_zk);
+        let waiter = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(50))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the waiter never watched the lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        second.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter was left on the watches it could set")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(
+            waiting_zk.stats().watch_events,
+            0,
+            "the released lease's watch was set"
+        );
+        guard.release().await.expect("release");
+        first.release().await.expect("release");
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+        assert!(
+            children(&admin, &format!("{container}/locks"))
+                .await
+                .is_empty()
+        );
+    }
+
+    /// A slot-1 holder's release raced for: the holders of `permits`
+    /// permits, slot 0 first; an attempt that found slot 1 free before
+    /// anyone queued (its lease's create held back 10 s by its proxy, while
+    /// another holder takes slot 1 meanwhile); and the first waiter, woken by
+    /// that holder's release (its create on the freed slot held back 15 s).
+    /// The racer's earlier create holds slot 1. Returns the holders left
+    /// (slot 0 first), the racer's permit, the waiter's backend and task,
+    /// and the racer's and the waiter's proxies.
+    async fn a_freed_slot_raced_for(
+        key: &str,
+        permits: u32,
+    ) -> (
+        Vec<dlock_runtime::LockGuard>,
+        dlock_runtime::LockGuard,
+        ZooKeeperBackend,
+        tokio::task::JoinHandle<Result<dlock_runtime::LockGuard, LockError>>,
+        [ZkProxy; 2],
+    ) {
+        let holding = registry(&backend().await);
+        let (racing_proxy, waiting_proxy) = (
+            ZkProxy::start(port(&url())).await,
+            ZkProxy::start(port(&url())).await,
+        );
+        let racing_zk = through(&racing_proxy, "?session_timeout=60s").await;
+        let waiting_zk = through(&waiting_proxy, "?session_timeout=60s").await;
+        let take = |locks: Registry| {
+            let key = key.to_owned();
+            async move {
+                locks
+                    .lock(&key)
+                    .permits(permits)
+                    .wait(Duration::from_secs(50))
+                    .acquire()
+                    .await
+            }
+        };
+        let mut holders = vec![take(holding.clone()).await.expect("slot 0")];
+        // A lease create on slot 1, in its data.
+        let on_slot_1 = format!("dlock-permit {permits} 1");
+        racing_proxy.hold_next(&[on_slot_1.as_bytes()], Duration::from_secs(10));
+        let racer = tokio::spawn(take(registry(&racing_zk)));
+        let until = Instant::now() + Duration::from_secs(10);
+        while racing_proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the racer never created its lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for _ in 1..permits {
+            holders.push(take(holding.clone()).await.expect("a free slot"));
+        }
+        assert_eq!(holders[1].permit(), Some(1));
+        let waiter = tokio::spawn(take(registry(&waiting_zk)));
+        let until = Instant::now() + Duration::from_secs(10);
+        while waiting_zk.stats().watches_set < u64::from(permits) {
+            assert!(Instant::now() < until, "the waiter watched no lease");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        waiting_proxy.hold_next(&[on_slot_1.as_bytes()], Duration::from_secs(15));
+        holders.remove(1).release().await.expect("release");
+        let raced = tokio::time::timeout(Duration::from_secs(30), racer)
+            .await
+            .expect("the racer was not let in")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(raced.permit(), Some(1));
+        assert!(
+            waiting_proxy.held_on().is_some(),
+            "the woken waiter sent no create on the freed slot"
+        );
+        (
+            holders,
+            raced,
+            waiting_zk,
+            waiter,
+            [racing_proxy, waiting_proxy],
+        )
+    }
+
+    /// A woken first waiter whose create on the freed slot lands after a
+    /// racer's, every permit then taken: it gives its lease up, waits again
+    /// on the leases, and takes the slot at the next release, with a larger
+    /// token.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_waits_for_the_next_release()
+     {
+        let key = unique_key("zk-sem-seeker-race-full");
+        let (holders, raced, waiting_zk, waiter, _proxies) = a_freed_slot_raced_for(&key, 2).await;
+        // The waiter's create lands, finds three leases, and the waiter
+        // watches the two others.
+        let until = Instant::now() + Duration::from_secs(30);
+        while waiting_zk.stats().watches_set < 4 {
+            assert!(
+                Instant::now() < until,
+                "the waiter did not wait again: {:?}",
+                waiting_zk.stats()
+            );
+            assert!(!waiter.is_finished(), "the waiter ended beside two holders");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!waiter.is_finished(), "the waiter ended beside two holders");
+        leases_come_to(
+            &waiting_zk,
+            &key,
+            2,
+            Duration::from_secs(10),
+            "a third lease",
+        )
+        .await;
+        let raced_token = raced.fencing_token();
+        raced.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("the waiter was not let in at the racer's release")
+            .expect("task")
+            .expect("the freed permit");
+        assert_eq!(guard.permit(), Some(1));
+        assert!(guard.fencing_token() > raced_token);
+        guard.release().await.expect("release");
+        for holder in holders {
+            holder.release().await.expect("release");
+        }
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A woken first waiter whose create on the freed slot lands after a
+    /// racer's on that slot, another slot freed meanwhile (the leases then
+    /// within the permits): it gives its lease up and takes the other slot,
+    /// never the racer's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_woken_first_waiter_losing_the_freed_slot_to_an_earlier_create_takes_another_free_slot()
+     {
+        let key = unique_key("zk-sem-seeker-race-other");
+        let (mut holders, raced, waiting_zk, waiter, _proxies) =
+            a_freed_slot_raced_for(&key, 3).await;
+        let third = holders.pop().expect("the slot 2 holder");
+        assert_eq!(third.permit(), Some(2));
+        // Before the waiter's create lands.
+        third.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(30), waiter)
+            .await
+            .expect("the waiter was not let in")
+            .expect("task")
+            .expect("the free permit");
+        assert_eq!(guard.permit(), Some(2), "the racer's slot taken twice");
+        assert!(!raced.is_lost());
+        leases_come_to(&waiting_zk, &key, 3, Duration::from_secs(10), "leases").await;
+        for g in [guard, raced].into_iter().chain(holders) {
+            g.release().await.expect("release");
+        }
+        assert!(leases(&waiting_zk, &key).await.is_empty());
+    }
+
+    /// A first permit waiter dropped while its watches on the leases are on
+    /// their way (held back by its proxy): every watch the server sets once
+    /// they arrive is removed, and no node is left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_permit_waiter_dropped_while_setting_its_watches_removes_them() {
+        let key = unique_key("zk-sem-seeker-dropped-early");
+        let proxy = ZkProxy::start(port(&url())).await;
+        let waiting_zk = through(&proxy, "?session_timeout=60s").await;
+        let holding = registry(&backend().await);
+        let first = one_of_two(&holding, &key, "first").await;
+        let second = one_of_two(&holding, &key, "second").await;
+        let needle = watch_request_on(&waiting_zk, &key, &second).await;
+        proxy.hold_next(&[&needle], Duration::from_secs(3));
+        let waiting = registry(&waiting_zk);
+        let waiter = tokio::spawn({
+            let key = key.clone();
+            async move {
+                waiting
+                    .lock(&key)
+                    .permits(2)
+                    .wait(Duration::from_secs(30))
+                    .acquire()
+                    .await
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(10);
+        while proxy.held_on().is_none() {
+            assert!(Instant::now() < until, "the waiter never watched the lease");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let before = sent(&proxy);
+        waiter.abort();
+        assert!(waiter.await.is_err_and(|e| e.is_cancelled()));
+        forwarded(
+            &proxy,
+            &before,
+            REMOVE_WATCHES,
+            2,
+            "watches left on the leases",
+        )
+        .await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !children(&admin, &format!("{container}/locks"))
+            .await
+            .is_empty()
+        {
+            assert!(Instant::now() < until, "the waiter's queue node is left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(leases(&waiting_zk, &key).await.len(), 2);
+        assert_eq!(waiting_zk.stats().watch_events, 0);
+        first.release().await.expect("release");
+        second.release().await.expect("release");
+    }
+
+    /// A first permit waiter that gives up removes its watch on each lease,
+    /// and leaves no node.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_permit_waiter_dropped_removes_its_watches_on_the_leases() {
+        let key = unique_key("zk-sem-seeker-dropped");
+        let (_holding, [first, second], waiting_zk, waiter, proxy) =
+            a_waiter_behind_two_permits(&key).await;
+        let before = sent(&proxy);
+        waiter.abort();
+        assert!(waiter.await.is_err_and(|e| e.is_cancelled()));
+        forwarded(
+            &proxy,
+            &before,
+            REMOVE_WATCHES,
+            2,
+            "watches left on the leases",
+        )
+        .await;
+        let admin = admin(&url()).await;
+        let container = waiting_zk.container_path(&format!("dlock:{key}"));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !children(&admin, &format!("{container}/locks"))
+            .await
+            .is_empty()
+        {
+            assert!(Instant::now() < until, "the waiter's queue node is left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(leases(&waiting_zk, &key).await.len(), 2);
+        first.release().await.expect("release");
+        second.release().await.expect("release");
+    }
+
     /// Three tasks of one session sharing two permits, each holding a few
     /// times: every one gets its turns within seconds (each release wakes
     /// the session's waiters).

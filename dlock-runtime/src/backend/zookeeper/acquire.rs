@@ -12,7 +12,7 @@ use zookeeper_client::{Acls, CreateMode, Error as ZkError, EventType};
 use super::connect::mkdir;
 use super::path::{self, Position};
 use super::release::{delete_by_guid, delete_node};
-use super::semaphore::Refusal;
+use super::semaphore::{LeaseNode, Refusal};
 use super::session::{Session, delete_until_gone};
 use super::{Inner, MAX_STEPS, RETRY, backend_error, lock};
 use crate::backend::{AcquireRequest, Attempt, HoldMode, Lease};
@@ -43,6 +43,15 @@ struct Watch {
     /// When the queue was last read: the watch is trusted for a session
     /// timeout after that, then the queue is read again.
     checked_at: Instant,
+    /// A first permit waiter's watches on the key's leases: the leases as
+    /// read when the watches were set, and the one whose deletion fired.
+    leases: Option<LeaseWatch>,
+}
+
+/// The leases a first permit waiter watches (a data watch on each).
+struct LeaseWatch {
+    known: Vec<LeaseNode>,
+    freed: Arc<Mutex<Option<String>>>,
 }
 
 impl Drop for Watch {
@@ -117,6 +126,26 @@ impl Pending {
                 ..PendingState::default()
             };
         }
+    }
+
+    /// The leases our watches saw, the one whose deletion woke us among
+    /// them, when we wait first in the queue on `session` and that woke us:
+    /// we are still first (nodes queue behind ours), and the freed lease
+    /// names its slot. The watches are removed.
+    pub(super) fn take_freed(&self, session: &Arc<Session>) -> Option<(Vec<LeaseNode>, String)> {
+        let mut st = self.state();
+        if !st.session.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) || st.node.is_none() {
+            return None;
+        }
+        let watch = st.watch.as_ref()?;
+        let leases = watch.leases.as_ref()?;
+        if !watch.fired.load(Ordering::Acquire) {
+            return None;
+        }
+        let freed = lock(&leases.freed).take()?;
+        let known = std::mem::take(&mut st.watch.as_mut()?.leases.as_mut()?.known);
+        st.watch = None;
+        Some((known, freed))
     }
 
     /// Busy without a round trip: our predecessor's watch has not fired, so
@@ -454,21 +483,47 @@ impl Inner {
         Err(ZkError::NoNode)
     }
 
-    /// Keeps the watch a waiting permit sets on the key's leases (any change
-    /// to them wakes it).
-    pub(super) fn keep_watch(
+    /// Keeps the watches a first permit waiter set on each of the key's
+    /// leases `known` (`watchers`, by lease name, under `path`): the first
+    /// event on any wakes it, and a deletion names the lease freed. One task
+    /// per lease; all end, removing their watches, when the watch is
+    /// dropped (at the next look at the queue, the grant or the abandonment).
+    pub(super) fn keep_lease_watches(
         &self,
         pending: &Pending,
         path: String,
-        watcher: zookeeper_client::OneshotWatcher,
+        known: Vec<LeaseNode>,
+        watchers: Vec<(String, zookeeper_client::OneshotWatcher)>,
     ) {
-        self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
-        let (fired, stop) = self.spawn_watch(pending, watcher, None);
+        let fired = Arc::new(AtomicBool::new(false));
+        let freed = Arc::new(Mutex::new(None));
+        let stop = CancellationToken::new();
+        for (name, watcher) in watchers {
+            self.counters.watches_set.fetch_add(1, Ordering::Relaxed);
+            let (fired, freed, stop) = (fired.clone(), freed.clone(), stop.clone());
+            let (notify, counters) = (pending.notify.clone(), self.counters.clone());
+            crate::driver::handle().spawn(async move {
+                tokio::select! {
+                    event = watcher.changed() => {
+                        if event.event_type == EventType::NodeDeleted {
+                            lock(&freed).get_or_insert(name);
+                        }
+                        fired.store(true, Ordering::Release);
+                        counters.watch_events.fetch_add(1, Ordering::Relaxed);
+                        tracing::trace!(path = %event.path, event = %event.event_type, "dlock zookeeper: a lease changed");
+                        notify.notify_waiters();
+                    }
+                    // Dropping the watcher removes the watch.
+                    () = stop.cancelled() => {}
+                }
+            });
+        }
         pending.state().watch = Some(Watch {
             path,
             fired,
             stop,
             checked_at: Instant::now(),
+            leases: Some(LeaseWatch { known, freed }),
         });
     }
 
@@ -554,6 +609,7 @@ impl Inner {
             fired,
             stop,
             checked_at: Instant::now(),
+            leases: None,
         });
         Ok(true)
     }

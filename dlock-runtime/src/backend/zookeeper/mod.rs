@@ -286,7 +286,8 @@ pub struct ZooKeeperStats {
     pub nodes_created: u64,
     /// Lock nodes whose create reply was lost, found again by their GUID.
     pub creates_recovered: u64,
-    /// Watches set on a predecessor by a waiter.
+    /// Watches set by waiters: on a predecessor, or by a semaphore's first
+    /// waiter on each lease.
     pub watches_set: u64,
     /// Watch events received by waiters (one per wake-up).
     pub watch_events: u64,

@@ -4,7 +4,9 @@
 //! permits and the slot.
 //!
 //! **Grant rule.** An attempt reads the leases, picks the lowest slot no
-//! dlock lease carries, creates its lease, and reads the leases again: it
+//! dlock lease carries, creates its lease, and reads the leases again (the
+//! listing sent with the create, in its round trip; only leases not read
+//! before are read in full): it
 //! holds a permit if there are at most `permits` leases and no lease
 //! created before it (lower `czxid`) carries its slot. Otherwise it deletes
 //! its lease before answering (busy, or trying another slot at once). This
@@ -18,9 +20,15 @@
 //! as a mutex contender (`_c_{guid}-lock-{sequence}`, the names Curator's
 //! `InterProcessMutex` gives, in the plain lock's queue code). The first in
 //! that queue reads the leases, takes a permit if one is free, and leaves
-//! the queue (which wakes the next one); else it watches the leases'
-//! children (as Curator's mutex holder does) — the only waiter that does.
-//! Every other waiter watches only the node ahead of it. So a release wakes
+//! the queue (which wakes the next one); else it sets a data watch on each
+//! lease it read (Curator's mutex holder watches the leases' children) —
+//! the only waiter that watches leases. A lease's deletion names the lease,
+//! hence its slot: the woken waiter, still first (nodes queue behind it),
+//! creates its lease on that slot at once, without reading the queue or the
+//! leases first, and the listing sent with the create is its only read
+//! (the grant rule holds as ever: the slot read is checked after the
+//! create). Its watches on the other leases are removed then. Every other
+//! waiter watches only the node ahead of it. So a release wakes
 //! one waiter, which creates one lease, and waiters are served first come
 //! first served, a slow connection included. An attempt with nobody queued
 //! takes a free permit without queueing (one read more than before, none
@@ -143,19 +151,20 @@ impl Inner {
             .collect())
     }
 
-    /// The lease nodes under `leases` now, in creation order, as
-    /// [`read_leases`](Self::read_leases) answers them, reading the data of
-    /// only those not in `known`: a lease's data and creation are fixed
-    /// once it exists (nothing writes a lease node), so the nodes of a read
-    /// a moment ago need no second read. One round trip when every lease
-    /// listed is known.
-    async fn reread_leases(
+    /// The lease nodes under `leases` whose names were `listed`, in
+    /// creation order, as [`read_leases`](Self::read_leases) answers them,
+    /// reading the data of only those not in `known`: a lease's data and
+    /// creation are fixed once it exists (nothing writes a lease node), so
+    /// the nodes of a read a moment ago need no second read. No round trip
+    /// when every lease listed is known.
+    async fn leases_listed(
         &self,
         session: &Arc<Session>,
         leases: &str,
+        listed: Result<Vec<String>, ZkError>,
         known: &[LeaseNode],
     ) -> Result<Vec<LeaseNode>, ZkError> {
-        let names = match session.call(|c| c.list_children(leases)).await {
+        let names = match listed {
             Ok(names) => names,
             Err(ZkError::NoNode) => return Ok(Vec::new()),
             Err(err) => return Err(err),
@@ -242,12 +251,17 @@ impl Inner {
         };
         pending.on_session(&session);
         let leases = pending.leases.clone().unwrap_or_default();
+        // Woken first in the queue by a lease's deletion: no need to read the
+        // queue (nodes queue behind ours) nor the leases (the freed one names
+        // its slot) before our lease is created.
+        let mut woken = pending.take_freed(&session);
         for _ in 0..MAX_STEPS {
+            let freed = woken.take();
             let queued = {
                 let st = pending.state();
                 st.node.is_some() || st.maybe_created
             };
-            if !queued {
+            if freed.is_none() && !queued {
                 // Nobody queued: take a free permit at once.
                 let waiting = match session.call(|c| c.list_children(&pending.container)).await {
                     Ok(names) => names.iter().any(|n| path::sequence_of(n).is_some()),
@@ -255,13 +269,16 @@ impl Inner {
                     Err(err) => return unavailable("reading the semaphore's queue", err),
                 };
                 if !waiting {
-                    match self.permit_step(&session, &pending, request, permits).await {
+                    match self
+                        .permit_step(&session, &pending, request, permits, None)
+                        .await
+                    {
                         Ok(Step::Held(node, slot)) => {
                             return Ok(self
                                 .grant_permit(request, &pending, &session, &node, slot, started));
                         }
                         Ok(Step::Again) => continue,
-                        Ok(Step::Full) => {}
+                        Ok(Step::Full(_)) => {}
                         Err(refusal) => return self.refused(request, refusal).await,
                     }
                 }
@@ -269,11 +286,16 @@ impl Inner {
                     return Ok(Attempt::Busy { retry_in: None });
                 }
             }
-            if let Turn::Answer(answer) = self.take_turn(&session, &pending, request).await {
+            if freed.is_none()
+                && let Turn::Answer(answer) = self.take_turn(&session, &pending, request).await
+            {
                 return answer;
             }
             // First in the queue: ours is the next permit.
-            match self.permit_step(&session, &pending, request, permits).await {
+            match self
+                .permit_step(&session, &pending, request, permits, freed)
+                .await
+            {
                 Ok(Step::Held(node, slot)) => {
                     let queued = pending.state().node.clone();
                     if let Some(queued) = queued {
@@ -299,26 +321,40 @@ impl Inner {
                     return Ok(self.grant_permit(request, &pending, &session, &node, slot, started));
                 }
                 Ok(Step::Again) => {}
-                Ok(Step::Full) => {
-                    // Only the first waiter watches the leases.
+                Ok(Step::Full(seen)) => {
+                    // Only the first waiter watches the leases: each one (a
+                    // data watch, as the queue's), so that a deletion names
+                    // the slot it frees. Every watch set on a lease that
+                    // exists: the leases were full then, and a permit frees
+                    // only when one of them goes.
+                    let paths: Vec<String> = seen
+                        .iter()
+                        .map(|l| format!("{leases}/{}", l.name))
+                        .collect();
                     let sent = Instant::now();
-                    let watched = session.client.list_and_watch_children(&leases);
-                    match session.finish(sent, watched).await {
-                        Ok((names, watcher)) => {
-                            let held = names
-                                .iter()
-                                .filter(|n| path::lease_sequence_of(n).is_some())
-                                .count();
-                            if held >= permits as usize {
-                                self.keep_watch(&pending, leases.clone(), watcher);
-                                return Ok(Attempt::Busy {
-                                    retry_in: Some(session.timeout),
-                                });
+                    let requests: Vec<_> = paths
+                        .iter()
+                        .map(|p| session.client.get_and_watch_data(p))
+                        .collect();
+                    let mut watchers = Vec::with_capacity(seen.len());
+                    let mut gone = false;
+                    for (lease, request) in seen.iter().zip(requests) {
+                        match session.finish(sent, request).await {
+                            Ok((_, _, watcher)) => watchers.push((lease.name.clone(), watcher)),
+                            Err(ZkError::NoNode) => gone = true,
+                            Err(err) => {
+                                return unavailable("watching the semaphore's leases", err);
                             }
                         }
-                        Err(ZkError::NoNode) => {}
-                        Err(err) => return unavailable("watching the semaphore's leases", err),
                     }
+                    if !gone && !watchers.is_empty() {
+                        self.keep_lease_watches(&pending, leases.clone(), seen, watchers);
+                        return Ok(Attempt::Busy {
+                            retry_in: Some(session.timeout),
+                        });
+                    }
+                    // A lease went meanwhile (the watches set are removed
+                    // with their watchers): look again.
                 }
                 Err(refusal) => return self.refused(request, refusal).await,
             }
@@ -362,13 +398,16 @@ impl Inner {
         }
     }
 
-    /// Reads, creates our lease, reads again; deletes it unless it holds.
+    /// Reads the leases (or, woken by the deletion of `freed`'s named
+    /// lease, takes the others it had read), creates our lease, reads again;
+    /// deletes it unless it holds.
     async fn permit_step(
         &self,
         session: &Arc<Session>,
         pending: &Pending,
         request: &AcquireRequest,
         permits: u32,
+        freed: Option<(Vec<LeaseNode>, String)>,
     ) -> Result<Step, Refusal> {
         self.clear_leftover(session, pending).await?;
         let asked = HoldMode::Permit { permits };
@@ -380,7 +419,18 @@ impl Inner {
             )))
         };
         let leases = pending.leases.as_deref().unwrap_or_default();
-        let before = self.read_leases(session, leases).await?;
+        let (before, freed_slot) = match freed {
+            Some((known, freed)) => {
+                let slot = known
+                    .iter()
+                    .find(|l| l.name == freed)
+                    .and_then(LeaseNode::info)
+                    .map(|(_, slot)| slot);
+                let rest: Vec<LeaseNode> = known.into_iter().filter(|l| l.name != freed).collect();
+                (rest, slot)
+            }
+            None => (self.read_leases(session, leases).await?, None),
+        };
         if let Some((other, _)) = before
             .iter()
             .filter_map(LeaseNode::info)
@@ -389,19 +439,27 @@ impl Inner {
             return Err(mismatch(HoldMode::Permit { permits: other }));
         }
         if before.len() >= permits as usize {
-            return Ok(Step::Full);
+            return Ok(Step::Full(before));
         }
-        let slot = free_slot(&before, permits);
-        let (node, created) = self.create_lease(session, pending, permits, slot).await?;
+        // The freed lease's slot, unless another lease read carries it.
+        let slot = freed_slot
+            .filter(|slot| {
+                *slot < permits
+                    && !before
+                        .iter()
+                        .any(|l| l.info().is_some_and(|(_, s)| s == *slot))
+            })
+            .unwrap_or_else(|| free_slot(&before, permits));
+        let (node, created, listed) = self.create_lease(session, pending, permits, slot).await?;
         let ours = format!("{leases}/{}", node.name);
-        let sent = Instant::now();
-        let locks = session.client.list_children(&pending.key_container);
         // The leases read before, and ours as created: only leases created
         // since are read in full.
         let mut known = before;
         known.push(created);
-        let after = self.reread_leases(session, leases, &known).await;
-        let locks = session.finish(sent, locks).await;
+        let after = self
+            .leases_listed(session, leases, listed.leases, &known)
+            .await;
+        let locks = listed.locks;
         let outcome = (|| {
             let after = after?;
             let locks = match locks {
@@ -439,7 +497,13 @@ impl Inner {
                 return Ok(Step::Again);
             }
             if after.len() > permits as usize {
-                return Ok(Step::Full);
+                return Ok(Step::Full(
+                    after
+                        .iter()
+                        .filter(|l| l.name != node.name)
+                        .cloned()
+                        .collect(),
+                ));
             }
             Ok(Step::Held(node.clone(), slot))
         })();
@@ -478,14 +542,16 @@ impl Inner {
     }
 
     /// Creates our lease (and the key's node and its `leases` child, as
-    /// containers, when missing): our node, and the lease as created.
+    /// containers, when missing): our node, the lease as created, and the
+    /// listings sent with the create, which the server reads after it (one
+    /// session's requests are served in order), in the same round trip.
     async fn create_lease(
         &self,
         session: &Arc<Session>,
         pending: &Pending,
         permits: u32,
         slot: u32,
-    ) -> Result<(OurNode, LeaseNode), ZkError> {
+    ) -> Result<(OurNode, LeaseNode, Listed), ZkError> {
         let leases = pending.leases.as_deref().unwrap_or_default();
         let prefix = path::lease_prefix(leases, &pending.guid);
         let data = lease_data(&pending.data, permits, slot);
@@ -494,6 +560,8 @@ impl Inner {
             pending.state().lease_maybe_created = true;
             let sent = Instant::now();
             let create = session.client.create(&prefix, &data, &options);
+            let listed_leases = session.client.list_children(leases);
+            let listed_locks = session.client.list_children(&pending.key_container);
             match session.finish(sent, create).await {
                 Ok((stat, sequence)) => {
                     let node = OurNode {
@@ -503,15 +571,21 @@ impl Inner {
                     self.counters
                         .nodes_created
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let mut st = pending.state();
-                    st.lease = Some(node.clone());
-                    st.lease_maybe_created = false;
+                    {
+                        let mut st = pending.state();
+                        st.lease = Some(node.clone());
+                        st.lease_maybe_created = false;
+                    }
                     let created = LeaseNode {
                         name: node.name.clone(),
                         data,
                         stat,
                     };
-                    return Ok((node, created));
+                    let listed = Listed {
+                        leases: session.finish(sent, listed_leases).await,
+                        locks: session.finish(sent, listed_locks).await,
+                    };
+                    return Ok((node, created, listed));
                 }
                 Err(ZkError::NoNode) => {
                     pending.state().lease_maybe_created = false;
@@ -528,12 +602,20 @@ impl Inner {
     }
 }
 
+/// The listings sent with our lease's create: the leases' names and the
+/// key's children.
+struct Listed {
+    leases: Result<Vec<String>, ZkError>,
+    locks: Result<Vec<String>, ZkError>,
+}
+
 /// What one step of a permit attempt found.
 enum Step {
     /// Our lease holds this slot.
     Held(OurNode, u32),
-    /// Every permit is taken (our lease, if created, is deleted).
-    Full,
+    /// Every permit is taken (our lease, if created, is deleted): by the
+    /// other leases read.
+    Full(Vec<LeaseNode>),
     /// Our slot was taken first, or our lease vanished: try again now.
     Again,
 }
