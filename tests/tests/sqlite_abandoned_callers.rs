@@ -437,3 +437,69 @@ async fn callers_of_one_registry_leaving_more_attempts_than_connections_leave_ke
         left_attempts_are_freed_within(kind, &registries, &path, late).await;
     }
 }
+
+/// The registry (one pool) is shut down while its callers' attempts, on
+/// the test's own runtime, wait for the database's write lock; the lock is
+/// freed a moment later. The late grants are freed within moments of it,
+/// not at the backstop, and shutdown, which waits for the backstop of the
+/// attempts it stopped, returns with nothing unfinished and no key held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_stopping_attempts_on_the_wire_frees_their_late_grants_at_once() {
+    const BOUND: Duration = Duration::from_secs(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("locks.db");
+    let shared = registry(&path).await;
+    let keys: Vec<String> = (0..3)
+        .map(|i| unique_key(&format!("shutdown-follow-{i}")))
+        .collect();
+    let mut blocker = write_locked(&path, &shared).await;
+    let attempts: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (registry, key) = (shared.clone(), key.clone());
+            tokio::spawn(async move { registry.lock(&key).lease(LEASE).acquire().await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let shutdown = {
+        let shared = shared.clone();
+        tokio::spawn(async move { shared.shutdown(Duration::from_secs(30)).await })
+    };
+    for attempt in attempts {
+        let stopped = tokio::time::timeout(Duration::from_secs(10), attempt)
+            .await
+            .expect("shutdown stops the attempt")
+            .expect("attempt task");
+        assert!(stopped.is_err(), "shutdown stopped it: {stopped:?}");
+    }
+    sqlx::query("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("free the write lock");
+    let freed = Instant::now();
+    loop {
+        let mut taken = 0;
+        let mut held = Vec::new();
+        for key in &keys {
+            let (row, owner, _) = holders_of(&mut blocker, key).await;
+            taken += usize::from(row);
+            if let Some(owner) = owner {
+                held.push((key.clone(), owner));
+            }
+        }
+        if taken == keys.len() && held.is_empty() {
+            break;
+        }
+        assert!(
+            freed.elapsed() < BOUND,
+            "{BOUND:?} after the write lock was freed: {taken} keys taken late, held: {held:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let report = shutdown.await.expect("shutdown");
+    assert_eq!(report.unfinished, 0, "shutdown finished everything");
+    assert!(
+        held(&path, &keys).await.is_empty(),
+        "keys held after the registry's shutdown returned"
+    );
+}
