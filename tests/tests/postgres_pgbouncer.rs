@@ -339,3 +339,100 @@ async fn pgbouncer_session_pooling_and_direct_connects_are_accepted() {
         .unwrap_or_else(|e| servers_missing(&direct, e));
     assert!(direct.is_listening(), "LISTEN on a direct connection");
 }
+
+/// Readers and permits held through the session pooler (lease mode) hand
+/// off to a writer and a permit seeker of another backend that wait: not
+/// before the last share's release, within moments of it — also when the
+/// pooler's server connections of the holders were terminated while they
+/// held (their releases then go out on new ones).
+async fn session_pooling_hands_shares_off(terminate: bool) {
+    const PROMPT: Duration = Duration::from_secs(5);
+    let (app_a, app_b) = (unique_app("shares_a"), unique_app("shares_b"));
+    let a = session_pooled(Mode::Lease, &app_a).await;
+    let b = session_pooled(Mode::Lease, &app_b).await;
+    let rw = unique_key(&format!("pgb-shares-rw-{terminate}"));
+    let sem = unique_key(&format!("pgb-shares-sem-{terminate}"));
+    let mut readers = Vec::new();
+    for _ in 0..2 {
+        readers.push(a.lock(&rw).read().acquire().await.expect("reader"));
+    }
+    let mut permits = Vec::new();
+    for _ in 0..2 {
+        permits.push(a.lock(&sem).permits(2).acquire().await.expect("permit"));
+    }
+    let writer = {
+        let (b, rw) = (b.clone(), rw.clone());
+        tokio::spawn(async move { b.lock(&rw).wait(Duration::from_secs(60)).acquire().await })
+    };
+    let seeker = {
+        let (b, sem) = (b.clone(), sem.clone());
+        tokio::spawn(async move {
+            b.lock(&sem)
+                .permits(2)
+                .wait(Duration::from_secs(60))
+                .acquire()
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !writer.is_finished() && !seeker.is_finished(),
+        "the shares hold the writer and the seeker back"
+    );
+    if terminate {
+        let ended = terminate_server_connections(&app_a).await;
+        assert!(ended >= 1, "the holders' server connections were found");
+    }
+    readers
+        .pop()
+        .expect("two")
+        .release()
+        .await
+        .expect("release a reader");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!writer.is_finished(), "a writer beside a live reader");
+    let released = Instant::now();
+    readers
+        .pop()
+        .expect("two")
+        .release()
+        .await
+        .expect("release the last reader");
+    permits
+        .pop()
+        .expect("two")
+        .release()
+        .await
+        .expect("release a permit");
+    let written = tokio::time::timeout(PROMPT, writer)
+        .await
+        .unwrap_or_else(|_| panic!("the writer waits {PROMPT:?} after the last reader left"))
+        .expect("writer task")
+        .expect("writer");
+    let permitted = tokio::time::timeout(PROMPT.saturating_sub(released.elapsed()), seeker)
+        .await
+        .unwrap_or_else(|_| panic!("the seeker waits {PROMPT:?} after a permit was freed"))
+        .expect("seeker task")
+        .expect("seeker");
+    written.release().await.expect("release the writer");
+    permitted
+        .release()
+        .await
+        .expect("release the seeker's permit");
+    permits
+        .pop()
+        .expect("two")
+        .release()
+        .await
+        .expect("release the other permit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_session_pooling_hands_readers_and_permits_off_in_lease_mode() {
+    session_pooling_hands_shares_off(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_session_pooling_hands_shares_off_after_terminated_server_connections() {
+    session_pooling_hands_shares_off(true).await;
+}

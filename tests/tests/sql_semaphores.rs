@@ -1239,3 +1239,153 @@ async fn a_shares_release_notifies_only_when_the_key_is_wanted() {
     );
     drop_tables(db, &table).await;
 }
+
+/// Releases (one autocommitted statement when the key's row did not
+/// change while they waited for it) raced for seconds by grants of other
+/// readers and permits, renewals, admin revokes and plain locks of the same
+/// keys, from two processes: every release, renewal and revoke answers
+/// (none lost to a deadlock), no committed state has a live share beyond
+/// its key's `shared_until`, and a plain lock never holds the readers' key
+/// beside a live share.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_raced_by_grants_renewals_revokes_and_plain_locks_keep_every_share_covered() {
+    const RUN: Duration = Duration::from_secs(6);
+    let db = Db::Postgres;
+    let (b1, table) = own_table(db, "relrace", "").await;
+    let b2 = backend_at(db, &db.url(&table, "")).await.unwrap();
+    let readers = unique_key("relrace-readers");
+    let sem = unique_key("relrace-permits");
+    let pool = sqlx::PgPool::connect(&SqlDb::Postgres.url()).await.unwrap();
+    let stop = tokio::time::Instant::now() + RUN;
+    let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let released = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..6usize {
+        let b = if t % 2 == 0 { b1.clone() } else { b2.clone() };
+        let (key, mode) = if t < 4 {
+            (readers.clone(), HoldMode::Shared)
+        } else {
+            (sem.clone(), permits(2))
+        };
+        let (errors, released) = (errors.clone(), released.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while tokio::time::Instant::now() < stop {
+                i += 1;
+                let owner = format!("r{t}-{i}");
+                let request =
+                    AcquireRequest::new(&key, &owner, Duration::from_secs(2)).with_mode(mode);
+                let lease = match b.try_acquire(&request).await {
+                    Ok(Attempt::Held(lease)) => lease,
+                    Ok(_) => {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    Err(e) => {
+                        errors.lock().unwrap().push(format!("{owner} acquire: {e}"));
+                        continue;
+                    }
+                };
+                for ttl in [Duration::from_secs(3), Duration::from_millis(800)] {
+                    if let Err(e) = b.renew(&lease, ttl).await {
+                        errors.lock().unwrap().push(format!("{owner} renew: {e}"));
+                    }
+                }
+                match b.release(&lease).await {
+                    Ok(()) => {
+                        released.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Err(e) => errors.lock().unwrap().push(format!("{owner} release: {e}")),
+                }
+            }
+        }));
+    }
+    // An admin revoking the readers now and then.
+    {
+        let (b, key, errors) = (b1.clone(), readers.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            while tokio::time::Instant::now() < stop {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                if let Err(e) = b.revoke(&key).await {
+                    errors.lock().unwrap().push(format!("revoke: {e}"));
+                }
+            }
+        }));
+    }
+    // A plain lock of the readers' key, checked against the live shares.
+    let beside = format!(
+        "SELECT COUNT(*) FROM {table}_holders WHERE key = $1 AND owner IS NOT NULL \
+         AND expires_at > clock_timestamp()"
+    );
+    {
+        let (b, key, errors, pool) = (b2.clone(), readers.clone(), errors.clone(), pool.clone());
+        let beside = beside.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while tokio::time::Instant::now() < stop {
+                i += 1;
+                let owner = format!("w{i}");
+                match b
+                    .try_acquire(&AcquireRequest::new(&key, &owner, LEASE))
+                    .await
+                {
+                    Ok(Attempt::Held(lease)) => {
+                        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(beside.clone()))
+                            .bind(&key)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap();
+                        if live > 0 {
+                            errors
+                                .lock()
+                                .unwrap()
+                                .push(format!("{owner} holds the key beside {live} shares"));
+                        }
+                        if let Err(e) = b.release(&lease).await {
+                            errors.lock().unwrap().push(format!("{owner} release: {e}"));
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => errors.lock().unwrap().push(format!("{owner} acquire: {e}")),
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    // Every committed state: no live share beyond its key's `shared_until`.
+    let uncovered = format!(
+        "SELECT COUNT(*) FROM {table}_holders h JOIN {table} l ON l.key = h.key \
+         WHERE h.key IN ($1, $2) AND h.owner IS NOT NULL \
+         AND h.expires_at > clock_timestamp() \
+         AND (l.shared_until IS NULL OR h.expires_at > l.shared_until)"
+    );
+    let mut looks = 0;
+    while tokio::time::Instant::now() < stop {
+        looks += 1;
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(uncovered.clone()))
+            .bind(&readers)
+            .bind(&sem)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if n > 0 {
+            errors
+                .lock()
+                .unwrap()
+                .push(format!("{n} live shares beyond shared_until"));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let errors = errors.lock().unwrap().clone();
+    let released = released.load(Ordering::SeqCst);
+    drop_tables(db, &table).await;
+    assert!(errors.is_empty(), "{} failures: {errors:?}", errors.len());
+    assert!(
+        released >= 20,
+        "only {released} releases raced ({looks} looks)"
+    );
+}

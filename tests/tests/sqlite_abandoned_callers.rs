@@ -271,3 +271,235 @@ async fn attempts_taking_keys_after_their_callers_left_are_released_at_once() {
         "keys taken again after their releases"
     );
 }
+
+/// How an abandoned attempt asks for its key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    /// A plain lock (the writer of a read-write lock).
+    Plain,
+    /// A reader's share.
+    Reader,
+    /// A permit of a semaphore of three.
+    Permit,
+    /// A plain lock of two keys at once (the key and `<key>-b`).
+    TwoKeys,
+}
+
+impl Kind {
+    /// The keys an attempt on `key` asks for.
+    fn keys(self, key: &str) -> Vec<String> {
+        match self {
+            Kind::TwoKeys => vec![key.to_owned(), format!("{key}-b")],
+            _ => vec![key.to_owned()],
+        }
+    }
+
+    /// How many keys `callers` attempts whose callers left while they
+    /// waited on connections take once the write lock is free: a
+    /// statement runs then all the same, a transaction whose `BEGIN
+    /// IMMEDIATE` was not answered is rolled back at once.
+    fn taken_late(self, callers: usize) -> usize {
+        match self {
+            Kind::Plain => callers,
+            Kind::TwoKeys => 2 * callers,
+            Kind::Reader | Kind::Permit => 0,
+        }
+    }
+
+    async fn acquire(self, registry: &Registry, key: &str) -> Result<(), dlock_runtime::LockError> {
+        let lock = match self {
+            Kind::Plain => registry.lock(key),
+            Kind::Reader => registry.lock(key).read(),
+            Kind::Permit => registry.lock(key).permits(3),
+            Kind::TwoKeys => registry.lock_all(self.keys(key)),
+        };
+        lock.lease(LEASE).acquire().await.map(drop)
+    }
+}
+
+/// What holds `key` (a plain owner, the owners of live holder rows), and
+/// whether its lease-table row exists, read on `conn`.
+async fn holders_of(
+    conn: &mut sqlx::SqliteConnection,
+    key: &str,
+) -> (bool, Option<String>, Vec<String>) {
+    let row: Option<Option<String>> =
+        sqlx::query_scalar("SELECT owner FROM dlock_leases WHERE key = ?1")
+            .bind(format!("dlock:{key}"))
+            .fetch_optional(&mut *conn)
+            .await
+            .expect("read the row");
+    let shares: Vec<String> = sqlx::query_scalar(
+        "SELECT owner FROM dlock_leases_holders WHERE key = ?1 AND owner IS NOT NULL",
+    )
+    .bind(format!("dlock:{key}"))
+    .fetch_all(&mut *conn)
+    .await
+    .expect("read the holder rows");
+    (row.is_some(), row.flatten(), shares)
+}
+
+/// Callers of `kind` (one per registry of `registries`, each on a key of
+/// its own) leave while their attempts wait for the database's write lock;
+/// once it is free, every key is free again within `bound` — far before the
+/// runtime's backstop (7 s after they left) — and stays free. At least
+/// `late` of the keys are seen to have been taken first (their rows exist:
+/// nothing else writes them).
+async fn left_attempts_are_freed_within(
+    kind: Kind,
+    registries: &[Registry],
+    path: &Path,
+    late: usize,
+) {
+    const BOUND: Duration = Duration::from_secs(3);
+    let keys: Vec<String> = (0..registries.len())
+        .map(|i| unique_key(&format!("left-{kind:?}-{i}")))
+        .collect();
+    let mut blocker = write_locked(path, &registries[0]).await;
+    let attempts = registries.iter().zip(&keys).map(|(registry, key)| {
+        tokio::time::timeout(Duration::from_millis(500), kind.acquire(registry, key))
+    });
+    for left in futures_util::future::join_all(attempts).await {
+        assert!(
+            left.is_err(),
+            "{kind:?}: the write lock holds the attempt: {left:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("free the write lock");
+    let freed = Instant::now();
+    let all: Vec<String> = keys.iter().flat_map(|k| kind.keys(k)).collect();
+    // Done when every key is free and the late statements have run (their
+    // keys' rows are there: nothing else writes them).
+    loop {
+        let mut state = Vec::new();
+        for key in &all {
+            state.push((key, holders_of(&mut blocker, key).await));
+        }
+        let taken = state.iter().filter(|(_, (row, _, _))| *row).count();
+        let held: Vec<_> = state
+            .iter()
+            .filter(|(_, (_, owner, shares))| owner.is_some() || !shares.is_empty())
+            .collect();
+        if held.is_empty() && taken >= late {
+            break;
+        }
+        assert!(
+            freed.elapsed() < BOUND,
+            "{kind:?}: {BOUND:?} after the write lock was freed, {taken} of the {late} \
+             late keys taken, and these held: {held:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Nothing is taken after its release either.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for key in &all {
+        let (_, owner, shares) = holders_of(&mut blocker, key).await;
+        assert!(
+            owner.is_none() && shares.is_empty(),
+            "{kind:?}: {key} taken again after its release: {owner:?} {shares:?}"
+        );
+    }
+}
+
+/// Each kind of attempt, one registry (so one pool) per caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_attempt_whose_caller_left_leaves_its_keys_free_at_once() {
+    for kind in [Kind::Plain, Kind::Reader, Kind::Permit, Kind::TwoKeys] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("locks.db");
+        let mut registries = Vec::new();
+        for _ in 0..3 {
+            registries.push(registry(&path).await);
+        }
+        let late = kind.taken_late(registries.len());
+        left_attempts_are_freed_within(kind, &registries, &path, late).await;
+    }
+}
+
+/// Six callers of one registry, whose pool has four connections: four
+/// attempts wait on the connections' worker threads and two for a
+/// connection; the followers of the four hold their connections until the
+/// late statements ran, and the six clean-up releases still go out within
+/// moments of the write lock's freeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_of_one_registry_leaving_more_attempts_than_connections_leave_keys_free_at_once() {
+    for kind in [Kind::Plain, Kind::TwoKeys] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("locks.db");
+        let shared = registry(&path).await;
+        let registries = vec![shared; 6];
+        // The four on the connections' threads.
+        let late = kind.taken_late(4);
+        left_attempts_are_freed_within(kind, &registries, &path, late).await;
+    }
+}
+
+/// The registry (one pool) is shut down while its callers' attempts, on
+/// the test's own runtime, wait for the database's write lock; the lock is
+/// freed a moment later. The late grants are freed within moments of it,
+/// not at the backstop, and shutdown, which waits for the backstop of the
+/// attempts it stopped, returns with nothing unfinished and no key held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_stopping_attempts_on_the_wire_frees_their_late_grants_at_once() {
+    const BOUND: Duration = Duration::from_secs(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("locks.db");
+    let shared = registry(&path).await;
+    let keys: Vec<String> = (0..3)
+        .map(|i| unique_key(&format!("shutdown-follow-{i}")))
+        .collect();
+    let mut blocker = write_locked(&path, &shared).await;
+    let attempts: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (registry, key) = (shared.clone(), key.clone());
+            tokio::spawn(async move { registry.lock(&key).lease(LEASE).acquire().await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let shutdown = {
+        let shared = shared.clone();
+        tokio::spawn(async move { shared.shutdown(Duration::from_secs(30)).await })
+    };
+    for attempt in attempts {
+        let stopped = tokio::time::timeout(Duration::from_secs(10), attempt)
+            .await
+            .expect("shutdown stops the attempt")
+            .expect("attempt task");
+        assert!(stopped.is_err(), "shutdown stopped it: {stopped:?}");
+    }
+    sqlx::query("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("free the write lock");
+    let freed = Instant::now();
+    loop {
+        let mut taken = 0;
+        let mut held = Vec::new();
+        for key in &keys {
+            let (row, owner, _) = holders_of(&mut blocker, key).await;
+            taken += usize::from(row);
+            if let Some(owner) = owner {
+                held.push((key.clone(), owner));
+            }
+        }
+        if taken == keys.len() && held.is_empty() {
+            break;
+        }
+        assert!(
+            freed.elapsed() < BOUND,
+            "{BOUND:?} after the write lock was freed: {taken} keys taken late, held: {held:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let report = shutdown.await.expect("shutdown");
+    assert_eq!(report.unfinished, 0, "shutdown finished everything");
+    assert!(
+        held(&path, &keys).await.is_empty(),
+        "keys held after the registry's shutdown returned"
+    );
+}
