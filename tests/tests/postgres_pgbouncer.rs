@@ -162,7 +162,7 @@ async fn check_handoff(holder: &Registry, waiter: &Registry, key: &str) {
     let (got, guard) = waiting.await.expect("waiter task");
     let handoff = got.saturating_duration_since(released);
     assert!(
-        handoff < Duration::from_secs(1),
+        handoff < Duration::from_secs(5),
         "the waiter got the released key after {handoff:?}"
     );
     guard.release().await.expect("waiter releases");
