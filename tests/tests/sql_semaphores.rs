@@ -571,18 +571,7 @@ async fn a_permit_granted_while_an_attempt_waits_for_the_key_row_counts() {
         let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move { attempt(&b, &key, "second", permits(1)).await })
     };
-    let waits = format!(
-        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-         AND query LIKE '%FOR UPDATE%' AND query LIKE '%{table}%'"
-    );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while count(db, &table, &waits).await == 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the attempt never waited for the key's row"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    waits_for_the_key_row(db, &table, "the attempt").await;
     // Another process's grant, as dlock writes one: the slot row and the
     // key's row, in the transaction that holds the key's row.
     for sql in [
@@ -610,6 +599,24 @@ async fn a_permit_granted_while_an_attempt_waits_for_the_key_row_counts() {
     drop_tables(db, &table).await;
 }
 
+/// Returns once a statement on `table` waits for a row lock (`what`, in the
+/// failure message, is the statement expected to).
+#[cfg(feature = "postgres")]
+async fn waits_for_the_key_row(db: Db, table: &str, what: &str) {
+    let waits = format!(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%FOR UPDATE%' AND query LIKE '%{table}%'"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while count(db, table, &waits).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} never waited for the key's row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_granted_while_a_release_waits_for_the_key_row_keeps_writers_out() {
@@ -631,18 +638,7 @@ async fn a_share_granted_while_a_release_waits_for_the_key_row_keeps_writers_out
         let b = b.clone();
         tokio::spawn(async move { b.release(&first).await })
     };
-    let waits = format!(
-        "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-         AND query LIKE '%FOR UPDATE%' AND query LIKE '%{table}%'"
-    );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while count(db, &table, &waits).await == 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the release never waited for the key's row"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    waits_for_the_key_row(db, &table, "the release").await;
     // Another process's reader, granted as dlock grants one: its holder row
     // and the key's row, in the transaction that holds the key's row.
     for sql in [
