@@ -136,3 +136,78 @@ async fn abandoned_acquisition_stops() {
         .await
         .expect("release");
 }
+
+/// Another connection's `BEGIN IMMEDIATE` (5 s busy timeout): the database's
+/// write lock is free, no transaction of dlock's stays open.
+async fn writable(path: &Path, after: &str) {
+    let mut conn = admin(path).await;
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("after {after}, the write lock is still taken: {e}"));
+    sqlx::query("ROLLBACK")
+        .execute(&mut conn)
+        .await
+        .expect("rollback");
+}
+
+/// A reader's grant and a permit's release fail inside their transactions
+/// (a trigger refuses the holder row's write): the attempt and the release
+/// answer errors, and nothing of theirs stays open — another connection
+/// writes, the registry's every connection takes new transactions, and the
+/// release goes through once the trigger is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_failing_inside_their_transactions_leave_the_database_writable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db(&dir, "failing.db");
+    let locks = registry(&url(&path)).await;
+    let (grant_key, release_key) = (unique_key("refused-grant"), unique_key("refused-release"));
+    // The tables exist once a key was taken.
+    let permit = locks
+        .lock(&release_key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let mut conn = admin(&path).await;
+    for trigger in [
+        format!(
+            "CREATE TRIGGER refuse_grant BEFORE INSERT ON dlock_leases_holders \
+             WHEN NEW.key = 'dlock:{grant_key}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        ),
+        format!(
+            "CREATE TRIGGER refuse_release BEFORE UPDATE ON dlock_leases_holders \
+             WHEN OLD.key = 'dlock:{release_key}' AND NEW.owner IS NULL \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(trigger))
+            .execute(&mut conn)
+            .await
+            .expect("trigger");
+    }
+    drop(conn);
+    let refused = locks.lock(&grant_key).read().acquire().await;
+    assert!(refused.is_err(), "the grant was refused: {refused:?}");
+    writable(&path, "a refused grant").await;
+    let refused = permit.release().await;
+    assert!(refused.is_err(), "the release was refused: {refused:?}");
+    writable(&path, "a refused release").await;
+    // More transactions at once than the pool has connections: each of
+    // them begins.
+    let readers = (0..6).map(|i| {
+        let key = format!("{grant_key}:other:{i}");
+        let locks = locks.clone();
+        async move { locks.lock(&key).read().acquire().await }
+    });
+    for reader in futures_util::future::join_all(readers).await {
+        reader.expect("reader").release().await.expect("release");
+    }
+    sqlx::query("DROP TRIGGER refuse_release")
+        .execute(&mut admin(&path).await)
+        .await
+        .expect("drop trigger");
+    let again = locks.lock(&release_key).permits(2).acquire().await;
+    again.expect("permit").release().await.expect("release");
+    writable(&path, "the releases").await;
+}

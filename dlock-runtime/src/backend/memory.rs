@@ -311,11 +311,15 @@ impl MemoryBackend {
         self.inner.renewals_after_release.load(Ordering::SeqCst)
     }
 
-    /// Drops expired entries, now and then (every 1,024 new keys): expired
-    /// leases of holders that never released must not pile up.
+    /// Drops expired entries, now and then: expired leases of holders that
+    /// never released must not pile up. A pass visits every key, so it runs
+    /// once the new keys since the last one number half the keys kept (at
+    /// least 1,024): each new key pays for a bounded share of a pass however
+    /// many keys are held, and the keys kept stay within a constant factor
+    /// of the live ones plus 1,024.
     fn collect_expired(keys: &mut Keys, now: Instant) {
         keys.inserts += 1;
-        if keys.inserts >= 1024 || keys.held.len() > 2 * keys.inserts.max(1024) {
+        if keys.inserts >= (keys.held.len() / 2).max(1024) {
             keys.inserts = 0;
             keys.held.retain(|_, e| {
                 e.prune(now);

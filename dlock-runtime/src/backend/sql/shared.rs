@@ -31,12 +31,15 @@
 //! lock's one statement: a grant is begin, the lock with the live holder
 //! rows ([`SharedSql::lock_holders`]; PostgreSQL reads them again only when
 //! the key's row changed while it waited for the lock), grant, commit; a
-//! release begin, lock, release, commit — on SQLite, whose `BEGIN
-//! IMMEDIATE` already orders every decision, begin, release, commit; on
-//! PostgreSQL one statement ([`SharedSql::release_now`]: the key's row
-//! locked first, the holder rows read in the statement's snapshot and
-//! written only when the row did not change during the lock wait, the
-//! transaction otherwise).
+//! release begin, lock, release, commit. On PostgreSQL a release is one
+//! statement ([`SharedSql::release_now`]: the key's row locked first, the
+//! holder rows read in the statement's snapshot and written only when the
+//! row did not change during the lock wait, the transaction otherwise).
+//! On SQLite, whose `BEGIN IMMEDIATE` already orders every decision and
+//! whose connection thread runs several statements in one call, the
+//! transaction's ends travel with the statements beside them
+//! ([`SharedSql::open`]): a grant is two calls (begin with the lock and
+//! the read; grant with commit), a release one.
 //!
 //! **Semaphore.** Under the row lock: the key's live holder rows (an owner,
 //! an unexpired lease); another `permits`, or readers, or a live plain
@@ -202,6 +205,20 @@ pub struct SharedSql {
     /// row's for a permit). One round trip less between a wake-up and a
     /// grant.
     pub grant: Option<Stmt>,
+    /// Where the dialect runs several statements in one call, the
+    /// transaction's first statement folded into the next ones: (key,
+    /// owner) → `BEGIN`, `ensure` and `lock_holders` (whose holder columns
+    /// must then always be current) in one call. The transaction is then
+    /// ended in the call that decides it: [`grant_commit`](Self::grant_commit),
+    /// or `COMMIT` / `ROLLBACK`. The database's driver knows nothing of this
+    /// transaction, so a backend whose dialect has it rolls it back itself,
+    /// on the same connection before anyone else uses it, when an owner's
+    /// [`call`](SharedStore::call) answers an error or is dropped. Two round
+    /// trips less between a wake-up and a grant.
+    pub open: Option<Stmt>,
+    /// `grant` and then `COMMIT` in one call, where [`open`](Self::open) is:
+    /// `grant`'s arguments and answer.
+    pub grant_commit: Option<Stmt>,
     /// (key): marks the key as wanted, where releases notify.
     pub wanted: Option<Stmt>,
     /// (key, owner, ttl ms): the waiting-writer mark, unless another
@@ -223,12 +240,14 @@ pub struct SharedSql {
     /// dialect can say it: (key, slot or -1, owner). Two round trips less
     /// between a release call and the waiter's wake-up.
     pub release: Option<Stmt>,
-    /// The release in one statement of its own, outside a transaction,
-    /// where the dialect can tell that the key's row (so its holder rows)
-    /// did not change while the statement waited for the row's lock:
-    /// (key, slot or -1, owner) → [1 released, -1 no key row, 0 the row
-    /// changed and nothing was written]. On 0 the release is made in a
-    /// transaction. Three round trips less in the common case.
+    /// The release in one call: one statement of its own, outside a
+    /// transaction, where the dialect can tell that the key's row (so its
+    /// holder rows) did not change while the statement waited for the row's
+    /// lock; or, where the dialect runs several statements in one call, the
+    /// whole transaction (ended as [`open`](Self::open) says). (key, slot or
+    /// -1, owner) → [1 released, -1 no key row, 0 the row changed and
+    /// nothing was written], or no row: released. On 0 the release is made
+    /// in a transaction. Two or three round trips less.
     pub release_now: Option<Stmt>,
     /// (key, slot or -1, owner) → a row if the owner's holder row was revoked.
     pub was_revoked: Stmt,
@@ -478,6 +497,101 @@ fn mark_ttl<B: SharedStore>(b: &B) -> Duration {
     (b.poll() * 3).max(MARK_TTL_MIN)
 }
 
+/// What the key's state decides for an attempt.
+enum Decision {
+    /// Busy, with the ms left of what holds the key back, if known.
+    Busy(Option<i64>),
+    Mismatch(HoldMode),
+    /// The slot (a reader's or a permit's) and the permits (0: a reader).
+    Grant {
+        slot: i64,
+        permits: i64,
+    },
+}
+
+/// The decision of an attempt at `asked` by `owner` (see the module docs):
+/// `plain_ms` and `mark_ms` as [`SharedSql::lock`] reads them, `live` the
+/// key's live holder rows, read only when no live plain holder decides.
+async fn decide<F>(
+    asked: HoldMode,
+    owner: &str,
+    (plain_ms, mark_ms): (Option<i64>, Option<i64>),
+    live: F,
+) -> Result<Decision, sqlx::Error>
+where
+    F: Future<Output = Result<Vec<Live>, sqlx::Error>>,
+{
+    if let Some(left) = plain_ms {
+        return Ok(if asked == HoldMode::Shared {
+            Decision::Busy(Some(left))
+        } else {
+            Decision::Mismatch(HoldMode::Exclusive)
+        });
+    }
+    let live = live.await?;
+    if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
+        return Ok(Decision::Mismatch(row_mode(*permits)));
+    }
+    if asked == HoldMode::Shared
+        && let Some(left) = mark_ms
+        && !live.iter().any(|l| l.2 == owner)
+    {
+        return Ok(Decision::Busy(Some(left)));
+    }
+    let slot = match live.iter().find(|l| l.2 == owner) {
+        Some(own) => own.0,
+        None => {
+            let taken: BTreeSet<i64> = live.iter().map(|l| l.0).collect();
+            (0..).find(|s| !taken.contains(s)).unwrap_or(0)
+        }
+    };
+    let permits = match asked {
+        HoldMode::Permit { permits } => i64::from(permits),
+        _ => 0,
+    };
+    if permits > 0 && slot >= permits {
+        return Ok(Decision::Busy(live.iter().map(|l| l.3).min()));
+    }
+    Ok(Decision::Grant { slot, permits })
+}
+
+/// The first two columns of [`SharedSql::lock`] (or `lock_holders`).
+fn lock_state(state: &[Vec<Val>]) -> (Option<i64>, Option<i64>) {
+    state
+        .first()
+        .map(|r| (r[0].int(), r[1].int()))
+        .unwrap_or((None, None))
+}
+
+/// The live holder rows in [`SharedSql::lock_holders`]'s answer.
+fn state_live(state: Vec<Vec<Val>>) -> Vec<Live> {
+    live_rows(
+        state
+            .into_iter()
+            .filter(|r| r[3].int().is_some())
+            .map(|r| r[3..].to_vec())
+            .collect(),
+    )
+}
+
+/// The token a grant's statement answered: the key's for a reader (-1 if
+/// none came back), the slot row's for a permit.
+fn grant_token(rows: Vec<Vec<Val>>, reader: bool) -> i64 {
+    first_int(rows).unwrap_or(if reader { -1 } else { 0 })
+}
+
+/// What a decision found, once its transaction ended.
+fn found(decision: Decision, token: i64) -> Found {
+    match decision {
+        Decision::Busy(left) => Found::Busy(left.map(ms)),
+        Decision::Mismatch(held) => Found::Mismatch(held),
+        Decision::Grant { slot, permits } => Found::Held {
+            token,
+            slot: (permits > 0).then_some(slot as u32),
+        },
+    }
+}
+
 /// One attempt at a reader's share or a permit (see the module docs).
 pub(super) async fn try_shared<B: SharedStore>(
     b: &B,
@@ -494,8 +608,44 @@ pub(super) async fn try_shared<B: SharedStore>(
             let owner = request.owner.clone();
             let holder = holder.clone();
             Box::pin(async move {
-                let mut tx = c.begin_with(B::BEGIN).await?;
                 let lock_args = vec![key.clone(), Arg::Text(owner.clone())];
+                let grant_args = |slot, permits| {
+                    let reader = i64::from(permits == 0);
+                    slot_args(&key, slot, permits, &owner, lease_ms, &holder, reader)
+                };
+                if let (Some(open), Some(grant_commit)) = (&sql.open, &sql.grant_commit) {
+                    // The transaction's ends travel with the statements
+                    // beside them (see `SharedSql::open`).
+                    let state = B::rows(c, open, lock_args, &LOCK_HOLDERS_COLS).await?;
+                    if state.is_empty() {
+                        // `ensure` made the row: nothing to decide on.
+                        B::exec(c, &end_stmt("ROLLBACK"), Vec::new()).await?;
+                        return Err(sqlx::Error::RowNotFound);
+                    }
+                    let plain_and_mark = lock_state(&state);
+                    let live = async { Ok(state_live(state)) };
+                    let decision = decide(asked, &owner, plain_and_mark, live).await?;
+                    let token = match decision {
+                        Decision::Mismatch(_) => {
+                            B::exec(c, &end_stmt("ROLLBACK"), Vec::new()).await?;
+                            0
+                        }
+                        Decision::Busy(_) => {
+                            if let Some(w) = &sql.wanted {
+                                B::exec(c, w, vec![key.clone()]).await?;
+                            }
+                            B::exec(c, &end_stmt("COMMIT"), Vec::new()).await?;
+                            0
+                        }
+                        Decision::Grant { slot, permits } => {
+                            let args = grant_args(slot, permits);
+                            let rows = B::rows(c, grant_commit, args, &[Col::Int]).await?;
+                            grant_token(rows, permits == 0)
+                        }
+                    };
+                    return Ok(found(decision, token));
+                }
+                let mut tx = c.begin_with(B::BEGIN).await?;
                 // The key's row locked, and its state: with the live holder
                 // rows where the dialect reads them in the same statement.
                 let (stmt, cols) = match &sql.lock_holders {
@@ -507,97 +657,46 @@ pub(super) async fn try_shared<B: SharedStore>(
                     B::exec(&mut tx, &sql.ensure, vec![key.clone()]).await?;
                     state = B::rows(&mut tx, stmt, lock_args, cols).await?;
                 }
-                let (plain_ms, mark_ms) = state
-                    .first()
-                    .map(|r| (r[0].int(), r[1].int()))
-                    .unwrap_or((None, None));
-                if let Some(left) = plain_ms {
-                    if asked != HoldMode::Shared {
-                        return Ok(Found::Mismatch(HoldMode::Exclusive));
-                    }
-                    if let Some(w) = &sql.wanted {
-                        B::exec(&mut tx, w, vec![key.clone()]).await?;
-                    }
-                    tx.commit().await?;
-                    return Ok(Found::Busy(Some(ms(left))));
-                }
                 let current =
                     sql.lock_holders.is_some() && state.first().and_then(|r| r[2].int()) == Some(1);
-                let live = if current {
-                    live_rows(
-                        state
-                            .into_iter()
-                            .filter(|r| r[3].int().is_some())
-                            .map(|r| r[3..].to_vec())
-                            .collect(),
-                    )
-                } else {
-                    live_rows(
-                        B::rows(
-                            &mut tx,
-                            &sql.holders,
-                            vec![key.clone()],
-                            &[Col::Int, Col::Int, Col::Text, Col::Int],
-                        )
-                        .await?,
-                    )
-                };
-                if let Some((_, permits, _, _)) = live.iter().find(|l| row_mode(l.1) != asked) {
-                    return Ok(Found::Mismatch(row_mode(*permits)));
-                }
-                let busy = |left: Option<i64>| Found::Busy(left.map(ms));
-                if asked == HoldMode::Shared
-                    && let Some(left) = mark_ms
-                    && !live.iter().any(|l| l.2 == owner)
-                {
-                    if let Some(w) = &sql.wanted {
-                        B::exec(&mut tx, w, vec![key.clone()]).await?;
+                let plain_and_mark = lock_state(&state);
+                let live = async {
+                    if current {
+                        return Ok(state_live(state));
                     }
-                    tx.commit().await?;
-                    return Ok(busy(Some(left)));
-                }
-                let slot = match live.iter().find(|l| l.2 == owner) {
-                    Some(own) => own.0,
-                    None => {
-                        let taken: BTreeSet<i64> = live.iter().map(|l| l.0).collect();
-                        (0..).find(|s| !taken.contains(s)).unwrap_or(0)
-                    }
+                    let cols = &[Col::Int, Col::Int, Col::Text, Col::Int];
+                    Ok(live_rows(
+                        B::rows(&mut tx, &sql.holders, vec![key.clone()], cols).await?,
+                    ))
                 };
-                let permits = match asked {
-                    HoldMode::Permit { permits } => i64::from(permits),
-                    _ => 0,
-                };
-                if permits > 0 && slot >= permits {
-                    if let Some(w) = &sql.wanted {
-                        B::exec(&mut tx, w, vec![key.clone()]).await?;
+                let decision = decide(asked, &owner, plain_and_mark, live).await?;
+                let token = match decision {
+                    // Nothing written: rolled back as the transaction drops.
+                    Decision::Mismatch(_) => return Ok(found(decision, 0)),
+                    Decision::Busy(_) => {
+                        if let Some(w) = &sql.wanted {
+                            B::exec(&mut tx, w, vec![key.clone()]).await?;
+                        }
+                        0
                     }
-                    tx.commit().await?;
-                    return Ok(busy(live.iter().map(|l| l.3).min()));
-                }
-                let reader = permits == 0;
-                let token = if let Some(grant) = &sql.grant {
-                    let args = slot_args(
-                        &key,
-                        slot,
-                        permits,
-                        &owner,
-                        lease_ms,
-                        &holder,
-                        i64::from(reader),
-                    );
-                    let token = first_int(B::rows(&mut tx, grant, args, &[Col::Int]).await?);
-                    token.unwrap_or(if reader { -1 } else { 0 })
-                } else {
-                    split_grant::<B>(
-                        &mut tx, &sql, &key, slot, permits, &owner, lease_ms, &holder,
-                    )
-                    .await?
+                    Decision::Grant { slot, permits } => match &sql.grant {
+                        Some(grant) => {
+                            let args = grant_args(slot, permits);
+                            grant_token(
+                                B::rows(&mut tx, grant, args, &[Col::Int]).await?,
+                                permits == 0,
+                            )
+                        }
+                        None => {
+                            split_grant::<B>(
+                                &mut tx, &sql, &key, slot, permits, &owner, lease_ms, &holder,
+                            )
+                            .await?
+                        }
+                    },
                 };
                 tx.commit().await?;
-                Ok(Found::Held {
-                    token,
-                    slot: (!reader).then_some(slot as u32),
-                })
+                Ok(found(decision, token))
             })
         })
         .await?;
@@ -618,6 +717,12 @@ pub(super) async fn try_shared<B: SharedStore>(
             asked,
         ))),
     }
+}
+
+/// A statement without arguments that ends a transaction begun by
+/// [`SharedSql::open`].
+fn end_stmt(sql: &str) -> Stmt {
+    Stmt::new(sql.to_owned(), &[])
 }
 
 /// The arguments of `take` and `grant`: (key, slot, permits, owner, lease

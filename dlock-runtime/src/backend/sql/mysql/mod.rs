@@ -904,6 +904,8 @@ impl Dialect for Mysql {
                 &[0],
             )),
             grant: None,
+            open: None,
+            grant_commit: None,
             wanted: None,
             mark_writer: Stmt::new(
                 format!(

@@ -827,6 +827,8 @@ impl Dialect for Postgres {
                 ),
                 &[0, 1, 2, 3, 4, 5, 6],
             )),
+            open: None,
+            grant_commit: None,
             wanted: Some(Stmt::new(
                 format!("UPDATE {table} SET wanted = true WHERE key = $1 AND NOT wanted"),
                 &[0],

@@ -52,7 +52,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::Connection as _;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -495,7 +494,9 @@ fn held_row((key, owner, holder, token, granted_at, expires_in_ms): HeldRow) -> 
 /// runs its commands in order, a dropped transaction's rollback first),
 /// and until then the owner's later statements — the clean-up release of
 /// the abandoned attempt first — wait (see `ordered`). So that release
-/// frees what the late statement took, within a round trip of it.
+/// frees what the late statement took, within a round trip of it. The
+/// task's statement is a `ROLLBACK`, which also ends a transaction the
+/// statement left open (see `SharedSql::open`).
 struct Following<'a> {
     conn: Option<PoolConnection<sqlx::Sqlite>>,
     owner: &'a str,
@@ -522,13 +523,28 @@ impl Drop for Following<'_> {
         crate::driver::handle().spawn(async move {
             // Bounded like the runtime's backstop: the late statement
             // waits for the write lock up to the busy timeout, then runs.
-            let behind = tokio::time::timeout(BUSY_TIMEOUT + ABANDONED_MARGIN, conn.ping()).await;
-            if !matches!(behind, Ok(Ok(()))) {
+            let behind =
+                tokio::time::timeout(BUSY_TIMEOUT + ABANDONED_MARGIN, roll_back_open(&mut conn))
+                    .await;
+            if !matches!(behind, Ok(true)) {
                 conn.close_on_drop();
             }
             drop(conn);
             drop(done);
         });
+    }
+}
+
+/// Ends the transaction a failed or abandoned statement may have left open
+/// on `conn` (a folded `BEGIN`, see `SharedSql::open`: the driver knows
+/// nothing of it): `ROLLBACK`, which SQLite refuses with "no transaction is
+/// active" when there is none. Whether the connection is fit to be used
+/// again.
+async fn roll_back_open(conn: &mut sqlx::SqliteConnection) -> bool {
+    match sqlx::query("ROLLBACK").execute(conn).await {
+        Ok(_) => true,
+        Err(sqlx::Error::Database(db)) => db.message().contains("no transaction is active"),
+        Err(_) => false,
     }
 }
 
@@ -548,6 +564,11 @@ impl SqliteBackend {
             unanswered: &self.unanswered,
         };
         let answer = statement(running.conn()).await;
+        if answer.is_err() && !roll_back_open(running.conn()).await {
+            if let Some(conn) = running.conn.as_mut() {
+                conn.close_on_drop();
+            }
+        }
         running.answered();
         answer.map_err(sql_error)
     }
@@ -957,14 +978,57 @@ fn shared_sql() -> SharedSql {
     );
     let now_us = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
     let ids = |n: usize| (0..n).collect::<Vec<_>>();
+    let ensure = format!(
+        "INSERT INTO dlock_leases (key, owner, token, expires_at) \
+         VALUES (?1, NULL, 0, {NOW}) ON CONFLICT (key) DO NOTHING"
+    );
+    // No other writer between the lock and the read (`BEGIN IMMEDIATE`):
+    // the holder rows are always the current ones.
+    let lock_holders = format!(
+        "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {NOW} \
+                     THEN t.expires_at - {NOW} END, \
+                CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
+                          AND t.wwait_until > {NOW} AND t.wwait_token = t.token \
+                     THEN t.wwait_until - {NOW} END, \
+                1, h.slot, h.permits, h.owner, h.expires_at - {NOW} \
+         FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
+              AND h.owner IS NOT NULL AND h.expires_at > {NOW} \
+         WHERE t.key = ?1 ORDER BY h.slot"
+    );
+    // Two statements in one call to the connection's thread (each binds
+    // the numbered arguments it names), in the caller's transaction: the
+    // reader's token is the one the first just wrote, and the share ends no
+    // later than the `shared_until` it raised (the clock may pass a
+    // millisecond between the two).
+    let grant = format!(
+        "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?5), \
+         token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+         WHERE key = ?1; \
+         INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+         VALUES (?1, ?2, ?3, ?4, \
+                 CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
+                      ELSE {now_us} END, \
+                 MIN({NOW} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
+                 ?6, {NOW}) \
+         ON CONFLICT (key, slot) DO UPDATE SET \
+             granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                               ELSE excluded.granted_at END, \
+             permits = excluded.permits, owner = excluded.owner, \
+             token = CASE WHEN ?7 = 1 THEN excluded.token \
+                          ELSE MAX({h}.token + 1, excluded.token) END, \
+             expires_at = excluded.expires_at, holder = excluded.holder \
+         RETURNING token"
+    );
+    let release = format!(
+        "UPDATE {h} SET owner = NULL, expires_at = {NOW} \
+         WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
+         UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+           FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+           AND h.expires_at > {NOW}), 0), \
+         wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
+    );
     SharedSql {
-        ensure: Stmt::new(
-            format!(
-                "INSERT INTO dlock_leases (key, owner, token, expires_at) \
-                 VALUES (?1, NULL, 0, {NOW}) ON CONFLICT (key) DO NOTHING"
-            ),
-            &ids(1),
-        ),
+        ensure: Stmt::new(ensure.clone(), &ids(1)),
         lock: Stmt::new(
             format!(
                 "SELECT CASE WHEN owner IS NOT NULL AND expires_at > {NOW} \
@@ -983,22 +1047,7 @@ fn shared_sql() -> SharedSql {
             ),
             &ids(1),
         ),
-        // No other writer between the lock and the read (`BEGIN IMMEDIATE`):
-        // the holder rows are always the current ones.
-        lock_holders: Some(Stmt::new(
-            format!(
-                "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {NOW} \
-                             THEN t.expires_at - {NOW} END, \
-                        CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
-                                  AND t.wwait_until > {NOW} AND t.wwait_token = t.token \
-                             THEN t.wwait_until - {NOW} END, \
-                        1, h.slot, h.permits, h.owner, h.expires_at - {NOW} \
-                 FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
-                      AND h.owner IS NOT NULL AND h.expires_at > {NOW} \
-                 WHERE t.key = ?1 ORDER BY h.slot"
-            ),
-            &ids(2),
-        )),
+        lock_holders: Some(Stmt::new(lock_holders.clone(), &ids(2))),
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
@@ -1024,33 +1073,15 @@ fn shared_sql() -> SharedSql {
             &ids(3),
         ),
         key_token: None,
-        // Two statements in one call to the connection's thread (each
-        // binds the numbered arguments it names), in the caller's
-        // transaction: the reader's token is the one the first just wrote,
-        // and the share ends no later than the `shared_until` it raised
-        // (the clock may pass a millisecond between the two).
-        grant: Some(Stmt::new(
-            format!(
-                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {NOW} + ?5), \
-                 token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
-                 WHERE key = ?1; \
-                 INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
-                 VALUES (?1, ?2, ?3, ?4, \
-                         CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
-                              ELSE {now_us} END, \
-                         MIN({NOW} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
-                         ?6, {NOW}) \
-                 ON CONFLICT (key, slot) DO UPDATE SET \
-                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
-                                       ELSE excluded.granted_at END, \
-                     permits = excluded.permits, owner = excluded.owner, \
-                     token = CASE WHEN ?7 = 1 THEN excluded.token \
-                                  ELSE MAX({h}.token + 1, excluded.token) END, \
-                     expires_at = excluded.expires_at, holder = excluded.holder \
-                 RETURNING token"
-            ),
-            &ids(7),
+        grant: Some(Stmt::new(grant.clone(), &ids(7))),
+        // The transaction's ends folded into the statements beside them,
+        // rolled back by `owned` (or its `Following`) when a call fails or
+        // its caller leaves.
+        open: Some(Stmt::new(
+            format!("BEGIN IMMEDIATE; {ensure}; {lock_holders}"),
+            &ids(2),
         )),
+        grant_commit: Some(Stmt::new(format!("{grant}; COMMIT"), &ids(7))),
         wanted: None,
         mark_writer: Stmt::new(
             format!(
@@ -1090,18 +1121,11 @@ fn shared_sql() -> SharedSql {
         ),
         notify: None,
         // `free_holder` and `reshare` in one call, as `grant`.
-        release: Some(Stmt::new(
-            format!(
-                "UPDATE {h} SET owner = NULL, expires_at = {NOW} \
-                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
-                 UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
-                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
-                   AND h.expires_at > {NOW}), 0), \
-                 wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
-            ),
+        release: Some(Stmt::new(release.clone(), &ids(3))),
+        release_now: Some(Stmt::new(
+            format!("BEGIN IMMEDIATE; {release}; COMMIT"),
             &ids(3),
         )),
-        release_now: None,
         was_revoked: Stmt::new(
             format!("SELECT 1 FROM {h} WHERE key = ?1 AND (?2 < 0 OR slot = ?2) AND revoked = ?3"),
             &ids(3),
