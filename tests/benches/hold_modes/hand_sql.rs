@@ -73,6 +73,10 @@ pub(crate) struct HandSql {
     release_now: Option<Stmt>,
     /// `begin` alone orders every decision: a release locks no row first.
     begin_orders: bool,
+    /// SQLite's transaction ends folded into the statements beside them:
+    /// `begin`, `ensure` and `lock_holders` in one call (key, owner); the
+    /// grant with `COMMIT`; `release_now` the whole release.
+    folded: Option<(Stmt, Stmt)>,
 }
 
 /// PostgreSQL's clock in µs.
@@ -240,6 +244,7 @@ pub(crate) fn postgres() -> HandSql {
             &[0, 1, 2],
         )),
         begin_orders: false,
+        folded: None,
     }
 }
 
@@ -327,6 +332,7 @@ pub(crate) fn mariadb() -> HandSql {
         release: None,
         release_now: None,
         begin_orders: false,
+        folded: None,
     }
 }
 
@@ -339,15 +345,51 @@ pub(crate) fn sqlite() -> HandSql {
     let live = format!("owner IS NOT NULL AND expires_at > {now}");
     let now_us = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
     let ids = |n: usize| (0..n).collect::<Vec<_>>();
+    let ensure = format!(
+        "INSERT INTO dlock_leases (key, owner, token, expires_at) \
+             VALUES (?1, NULL, 0, {now}) ON CONFLICT (key) DO NOTHING"
+    );
+    let lock_holders = format!(
+        "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {now} \
+                         THEN t.expires_at - {now} END, \
+                    CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
+                              AND t.wwait_until > {now} AND t.wwait_token = t.token \
+                         THEN t.wwait_until - {now} END, \
+                    1, h.slot, h.permits, h.owner, h.expires_at - {now} \
+             FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
+                  AND h.owner IS NOT NULL AND h.expires_at > {now} \
+             WHERE t.key = ?1 ORDER BY h.slot"
+    );
+    let grant = format!(
+        "UPDATE dlock_leases SET shared_until = MAX(shared_until, {now} + ?5), \
+             token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
+             WHERE key = ?1; \
+             INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
+             VALUES (?1, ?2, ?3, ?4, \
+                     CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
+                          ELSE {now_us} END, \
+                     MIN({now} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
+                     ?6, {now}) \
+             ON CONFLICT (key, slot) DO UPDATE SET \
+                 granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
+                                   ELSE excluded.granted_at END, \
+                 permits = excluded.permits, owner = excluded.owner, \
+                 token = CASE WHEN ?7 = 1 THEN excluded.token \
+                              ELSE MAX({h}.token + 1, excluded.token) END, \
+                 expires_at = excluded.expires_at, holder = excluded.holder \
+             RETURNING token"
+    );
+    let release = format!(
+        "UPDATE {h} SET owner = NULL, expires_at = {now} \
+             WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
+             UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
+               FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
+               AND h.expires_at > {now}), 0), \
+             wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
+    );
     HandSql {
         begin: "BEGIN IMMEDIATE",
-        ensure: Stmt::new(
-            format!(
-                "INSERT INTO dlock_leases (key, owner, token, expires_at) \
-                 VALUES (?1, NULL, 0, {now}) ON CONFLICT (key) DO NOTHING"
-            ),
-            &ids(1),
-        ),
+        ensure: Stmt::new(ensure.clone(), &ids(1)),
         lock: Stmt::new(
             format!(
                 "SELECT CASE WHEN owner IS NOT NULL AND expires_at > {now} \
@@ -366,20 +408,7 @@ pub(crate) fn sqlite() -> HandSql {
             ),
             &ids(1),
         ),
-        lock_holders: Some(Stmt::new(
-            format!(
-                "SELECT CASE WHEN t.owner IS NOT NULL AND t.expires_at > {now} \
-                             THEN t.expires_at - {now} END, \
-                        CASE WHEN t.wwait_owner IS NOT NULL AND t.wwait_owner <> ?2 \
-                                  AND t.wwait_until > {now} AND t.wwait_token = t.token \
-                             THEN t.wwait_until - {now} END, \
-                        1, h.slot, h.permits, h.owner, h.expires_at - {now} \
-                 FROM dlock_leases t LEFT JOIN {h} h ON h.key = t.key \
-                      AND h.owner IS NOT NULL AND h.expires_at > {now} \
-                 WHERE t.key = ?1 ORDER BY h.slot"
-            ),
-            &ids(2),
-        )),
+        lock_holders: Some(Stmt::new(lock_holders.clone(), &ids(2))),
         take: Stmt::new(
             format!(
                 "INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
@@ -405,28 +434,7 @@ pub(crate) fn sqlite() -> HandSql {
             &ids(3),
         ),
         key_token: None,
-        grant: Some(Stmt::new(
-            format!(
-                "UPDATE dlock_leases SET shared_until = MAX(shared_until, {now} + ?5), \
-                 token = CASE WHEN ?7 = 1 THEN MAX(token + 1, {now_us}) ELSE token END \
-                 WHERE key = ?1; \
-                 INSERT INTO {h} (key, slot, permits, owner, token, expires_at, holder, granted_at) \
-                 VALUES (?1, ?2, ?3, ?4, \
-                         CASE WHEN ?7 = 1 THEN (SELECT token FROM dlock_leases WHERE key = ?1) \
-                              ELSE {now_us} END, \
-                         MIN({now} + ?5, (SELECT shared_until FROM dlock_leases WHERE key = ?1)), \
-                         ?6, {now}) \
-                 ON CONFLICT (key, slot) DO UPDATE SET \
-                     granted_at = CASE WHEN {h}.owner IS excluded.owner THEN {h}.granted_at \
-                                       ELSE excluded.granted_at END, \
-                     permits = excluded.permits, owner = excluded.owner, \
-                     token = CASE WHEN ?7 = 1 THEN excluded.token \
-                                  ELSE MAX({h}.token + 1, excluded.token) END, \
-                     expires_at = excluded.expires_at, holder = excluded.holder \
-                 RETURNING token"
-            ),
-            &ids(7),
-        )),
+        grant: Some(Stmt::new(grant.clone(), &ids(7))),
         free_holder: Stmt::new(
             format!(
                 "UPDATE {h} SET owner = NULL, expires_at = {now} \
@@ -444,19 +452,19 @@ pub(crate) fn sqlite() -> HandSql {
             &ids(2),
         ),
         notify: None,
-        release: Some(Stmt::new(
-            format!(
-                "UPDATE {h} SET owner = NULL, expires_at = {now} \
-                 WHERE key = ?1 AND owner = ?3 AND (?2 < 0 OR slot = ?2); \
-                 UPDATE dlock_leases SET shared_until = COALESCE((SELECT MAX(h.expires_at) \
-                   FROM {h} h WHERE h.key = ?1 AND h.owner IS NOT NULL \
-                   AND h.expires_at > {now}), 0), \
-                 wwait_owner = NULLIF(wwait_owner, ?3) WHERE key = ?1"
-            ),
+        release: Some(Stmt::new(release.clone(), &ids(3))),
+        release_now: Some(Stmt::new(
+            format!("BEGIN IMMEDIATE; {release}; COMMIT"),
             &ids(3),
         )),
-        release_now: None,
         begin_orders: true,
+        folded: Some((
+            Stmt::new(
+                format!("BEGIN IMMEDIATE; {ensure}; {lock_holders}"),
+                &ids(2),
+            ),
+            Stmt::new(format!("{grant}; COMMIT"), &ids(7)),
+        )),
     }
 }
 
@@ -525,49 +533,16 @@ macro_rules! shared_pair {
                 Ok(query.execute(conn).await?.rows_affected())
             }
 
-            /// Takes a permit of `permits` (0: a reader's share) of `key` for
-            /// `owner`; answers its slot (-1 for a reader) and token.
-            pub(crate) async fn acquire(
-                pool: &sqlx::Pool<$db>,
-                sql: &HandSql,
+            /// The slot `owner` takes of `key` (its own, else the lowest
+            /// free), where the state lets it take one.
+            fn choose(
                 key: &str,
                 owner: &str,
-                holder: &str,
-                lease_ms: i64,
                 permits: i64,
-            ) -> anyhow::Result<(i64, i64)> {
-                let mut conn = pool.acquire().await?;
-                let mut tx = conn.begin_with(sql.begin).await?;
-                let k = Arg::Text(key.to_owned());
-                let lock_args = [k.clone(), Arg::Text(owner.to_owned())];
-                let (stmt, texts) = match &sql.lock_holders {
-                    Some(both) => (both, &[false, false, false, false, false, true, false][..]),
-                    None => (&sql.lock, &[false, false][..]),
-                };
-                let mut state = rows(&mut tx, stmt, &lock_args, texts).await?;
-                if state.is_empty() {
-                    exec(&mut tx, &sql.ensure, std::slice::from_ref(&k)).await?;
-                    state = rows(&mut tx, stmt, &lock_args, texts).await?;
-                }
-                let (plain, mark) = state.first().map_or((None, None), |r| (r[0].0, r[1].0));
+                (plain, mark): (Option<i64>, Option<i64>),
+                live: &[Row],
+            ) -> anyhow::Result<i64> {
                 anyhow::ensure!(plain.is_none(), "{key} is held whole");
-                let current =
-                    sql.lock_holders.is_some() && state.first().and_then(|r| r[2].0) == Some(1);
-                let live: Vec<Row> = if current {
-                    state
-                        .into_iter()
-                        .filter(|r| r[3].0.is_some())
-                        .map(|r| r[3..].to_vec())
-                        .collect()
-                } else {
-                    rows(
-                        &mut tx,
-                        &sql.holders,
-                        std::slice::from_ref(&k),
-                        &[false, false, true, false],
-                    )
-                    .await?
-                };
                 anyhow::ensure!(
                     live.iter().all(|l| l[1].0 == Some(permits)),
                     "{key} is held in another mode"
@@ -585,10 +560,42 @@ macro_rules! shared_pair {
                     }
                 };
                 anyhow::ensure!(permits == 0 || slot < permits, "{key} has no free permit");
+                Ok(slot)
+            }
+
+            /// The columns of `lock_holders`.
+            const LOCK_HOLDERS: [bool; 7] = [false, false, false, false, false, true, false];
+
+            /// The live holder rows in `lock_holders`' answer.
+            fn live_of(state: Vec<Row>) -> Vec<Row> {
+                state
+                    .into_iter()
+                    .filter(|r| r[3].0.is_some())
+                    .map(|r| r[3..].to_vec())
+                    .collect()
+            }
+
+            fn first(rows: Vec<Row>) -> Option<i64> {
+                rows.first().and_then(|r| r[0].0)
+            }
+
+            /// Takes a permit of `permits` (0: a reader's share) of `key` for
+            /// `owner`; answers its slot (-1 for a reader) and token.
+            pub(crate) async fn acquire(
+                pool: &sqlx::Pool<$db>,
+                sql: &HandSql,
+                key: &str,
+                owner: &str,
+                holder: &str,
+                lease_ms: i64,
+                permits: i64,
+            ) -> anyhow::Result<(i64, i64)> {
+                let mut conn = pool.acquire().await?;
+                let k = Arg::Text(key.to_owned());
+                let lock_args = [k.clone(), Arg::Text(owner.to_owned())];
                 let reader = permits == 0;
-                let first = |t: Vec<Row>| t.first().and_then(|r| r[0].0);
-                if let Some(grant) = &sql.grant {
-                    let args = [
+                let grant_args = |slot| {
+                    [
                         k.clone(),
                         Arg::Int(slot),
                         Arg::Int(permits),
@@ -596,8 +603,55 @@ macro_rules! shared_pair {
                         Arg::Int(lease_ms),
                         Arg::Text(holder.to_owned()),
                         Arg::Int(i64::from(reader)),
-                    ];
-                    let token = first(rows(&mut tx, grant, &args, &[false]).await?);
+                    ]
+                };
+                if let Some((open, grant_commit)) = &sql.folded {
+                    let folded = async {
+                        let state = rows(&mut conn, open, &lock_args, &LOCK_HOLDERS).await?;
+                        let plain_and_mark =
+                            state.first().map_or((None, None), |r| (r[0].0, r[1].0));
+                        let slot = choose(key, owner, permits, plain_and_mark, &live_of(state))?;
+                        let args = grant_args(slot);
+                        let token = first(rows(&mut conn, grant_commit, &args, &[false]).await?);
+                        let token = token.unwrap_or(if reader { -1 } else { 0 });
+                        Ok((if reader { -1 } else { slot }, token))
+                    }
+                    .await;
+                    if folded.is_err() {
+                        // The transaction the driver knows nothing of.
+                        let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                    }
+                    return folded;
+                }
+                let mut tx = conn.begin_with(sql.begin).await?;
+                let (stmt, texts) = match &sql.lock_holders {
+                    Some(both) => (both, &LOCK_HOLDERS[..]),
+                    None => (&sql.lock, &LOCK_HOLDERS[..2]),
+                };
+                let mut state = rows(&mut tx, stmt, &lock_args, texts).await?;
+                if state.is_empty() {
+                    exec(&mut tx, &sql.ensure, std::slice::from_ref(&k)).await?;
+                    state = rows(&mut tx, stmt, &lock_args, texts).await?;
+                }
+                let plain_and_mark = state.first().map_or((None, None), |r| (r[0].0, r[1].0));
+                let current =
+                    sql.lock_holders.is_some() && state.first().and_then(|r| r[2].0) == Some(1);
+                let live: Vec<Row> = if plain_and_mark.0.is_some() {
+                    Vec::new()
+                } else if current {
+                    live_of(state)
+                } else {
+                    rows(
+                        &mut tx,
+                        &sql.holders,
+                        std::slice::from_ref(&k),
+                        &[false, false, true, false],
+                    )
+                    .await?
+                };
+                let slot = choose(key, owner, permits, plain_and_mark, &live)?;
+                if let Some(grant) = &sql.grant {
+                    let token = first(rows(&mut tx, grant, &grant_args(slot), &[false]).await?);
                     let token = token.unwrap_or(if reader { -1 } else { 0 });
                     tx.commit().await?;
                     return Ok((if reader { -1 } else { slot }, token));
@@ -655,13 +709,16 @@ macro_rules! shared_pair {
                 let mut conn = pool.acquire().await?;
                 let (k, o) = (Arg::Text(key.to_owned()), Arg::Text(owner.to_owned()));
                 if let Some(now) = &sql.release_now {
-                    let done = rows(
-                        &mut conn,
-                        now,
-                        &[k.clone(), Arg::Int(slot), o.clone()],
-                        &[false],
-                    )
-                    .await?;
+                    let args = [k.clone(), Arg::Int(slot), o.clone()];
+                    let done = match rows(&mut conn, now, &args, &[false]).await {
+                        Ok(done) => done,
+                        Err(err) => {
+                            if sql.folded.is_some() {
+                                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                            }
+                            return Err(err.into());
+                        }
+                    };
                     let state = done
                         .first()
                         .and_then(|row| row.first())
