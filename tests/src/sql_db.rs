@@ -514,6 +514,21 @@ impl SqliteFaults {
             .await
             .expect("a connection to the database file")
     }
+
+    /// Panics unless a connection of its own takes the database's write
+    /// lock (`BEGIN IMMEDIATE`, within its 5 s busy timeout): no transaction
+    /// stays open elsewhere. `after` names what came before, for the message.
+    pub async fn assert_writable(path: &std::path::Path, after: &str) {
+        let mut conn = Self::connect_to(path).await;
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("after {after}, the write lock is still taken: {e}"));
+        sqlx::query("ROLLBACK")
+            .execute(&mut conn)
+            .await
+            .expect("rollback");
+    }
 }
 
 #[cfg(feature = "sqlite")]

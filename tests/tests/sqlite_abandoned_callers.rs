@@ -403,16 +403,8 @@ async fn left_attempts_are_freed_within(
             "{kind:?}: {key} taken again after its release: {owner:?} {shares:?}"
         );
     }
-    // No transaction of theirs stays open: another connection writes
-    // (within its 5 s busy timeout).
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap_or_else(|e| panic!("{kind:?}: the write lock is still taken: {e}"));
-    sqlx::query("ROLLBACK")
-        .execute(&mut blocker)
-        .await
-        .expect("rollback");
+    // No transaction of theirs stays open.
+    SqliteFaults::assert_writable(path, &format!("{kind:?} callers left")).await;
 }
 
 /// Each kind of attempt, one registry (so one pool) per caller.

@@ -137,20 +137,6 @@ async fn abandoned_acquisition_stops() {
         .expect("release");
 }
 
-/// Another connection's `BEGIN IMMEDIATE` (5 s busy timeout): the database's
-/// write lock is free, no transaction of dlock's stays open.
-async fn writable(path: &Path, after: &str) {
-    let mut conn = admin(path).await;
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut conn)
-        .await
-        .unwrap_or_else(|e| panic!("after {after}, the write lock is still taken: {e}"));
-    sqlx::query("ROLLBACK")
-        .execute(&mut conn)
-        .await
-        .expect("rollback");
-}
-
 /// A reader's grant and a permit's release fail inside their transactions
 /// (a trigger refuses the holder row's write): the attempt and the release
 /// answer errors, and nothing of theirs stays open — another connection
@@ -189,10 +175,10 @@ async fn statements_failing_inside_their_transactions_leave_the_database_writabl
     drop(conn);
     let refused = locks.lock(&grant_key).read().acquire().await;
     assert!(refused.is_err(), "the grant was refused: {refused:?}");
-    writable(&path, "a refused grant").await;
+    SqliteFaults::assert_writable(&path, "a refused grant").await;
     let refused = permit.release().await;
     assert!(refused.is_err(), "the release was refused: {refused:?}");
-    writable(&path, "a refused release").await;
+    SqliteFaults::assert_writable(&path, "a refused release").await;
     // More transactions at once than the pool has connections: each of
     // them begins.
     let readers = (0..6).map(|i| {
@@ -209,5 +195,5 @@ async fn statements_failing_inside_their_transactions_leave_the_database_writabl
         .expect("drop trigger");
     let again = locks.lock(&release_key).permits(2).acquire().await;
     again.expect("permit").release().await.expect("release");
-    writable(&path, "the releases").await;
+    SqliteFaults::assert_writable(&path, "the releases").await;
 }
