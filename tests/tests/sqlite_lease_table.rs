@@ -211,3 +211,80 @@ async fn statements_failing_inside_their_transactions_leave_the_database_writabl
     again.expect("permit").release().await.expect("release");
     writable(&path, "the releases").await;
 }
+
+/// A reader's grant and a permit's release fail at their `COMMIT` (a
+/// trigger leaves a deferred foreign key dangling, which SQLite checks at
+/// the commit and refuses, the transaction left open): the attempt and the
+/// release answer errors, the refused grant holds nothing, and nothing of
+/// theirs stays open — another connection writes, the registry's every
+/// connection takes new transactions, the release goes through once the
+/// trigger is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_and_releases_refused_at_their_commit_leave_the_database_writable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db(&dir, "refused-commit.db");
+    let locks = registry(&url(&path)).await;
+    let (grant_key, release_key) = (unique_key("commit-grant"), unique_key("commit-release"));
+    // The tables exist once a key was taken.
+    let permit = locks
+        .lock(&release_key)
+        .permits(2)
+        .acquire()
+        .await
+        .expect("permit");
+    let mut conn = admin(&path).await;
+    for sql in [
+        "CREATE TABLE parents (id INTEGER PRIMARY KEY)".to_owned(),
+        "CREATE TABLE children (parent INTEGER REFERENCES parents (id) \
+         DEFERRABLE INITIALLY DEFERRED)"
+            .to_owned(),
+        format!(
+            "CREATE TRIGGER dangle_grant AFTER INSERT ON dlock_leases_holders \
+             WHEN NEW.key = 'dlock:{grant_key}' BEGIN INSERT INTO children VALUES (42); END"
+        ),
+        format!(
+            "CREATE TRIGGER dangle_release AFTER UPDATE ON dlock_leases_holders \
+             WHEN OLD.key = 'dlock:{release_key}' AND NEW.owner IS NULL \
+             BEGIN INSERT INTO children VALUES (42); END"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut conn)
+            .await
+            .expect("schema");
+    }
+    drop(conn);
+    let refused = locks.lock(&grant_key).read().acquire().await;
+    assert!(refused.is_err(), "the grant was refused: {refused:?}");
+    writable(&path, "a grant refused at its commit").await;
+    let live: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM dlock_leases_holders WHERE key = ?1 AND owner IS NOT NULL",
+    )
+    .bind(format!("dlock:{grant_key}"))
+    .fetch_one(&mut admin(&path).await)
+    .await
+    .expect("count");
+    assert_eq!(live, 0, "the refused grant holds nothing");
+    let refused = permit.release().await;
+    assert!(refused.is_err(), "the release was refused: {refused:?}");
+    writable(&path, "a release refused at its commit").await;
+    let readers = (0..6).map(|i| {
+        let key = format!("{grant_key}:other:{i}");
+        let locks = locks.clone();
+        async move { locks.lock(&key).read().acquire().await }
+    });
+    for reader in futures_util::future::join_all(readers).await {
+        reader.expect("reader").release().await.expect("release");
+    }
+    for trigger in ["dangle_grant", "dangle_release"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TRIGGER {trigger}")))
+            .execute(&mut admin(&path).await)
+            .await
+            .expect("drop trigger");
+    }
+    let reader = locks.lock(&grant_key).read().acquire().await;
+    reader.expect("reader").release().await.expect("release");
+    let again = locks.lock(&release_key).permits(2).acquire().await;
+    again.expect("permit").release().await.expect("release");
+    writable(&path, "the releases").await;
+}
