@@ -288,3 +288,152 @@ async fn grants_and_releases_refused_at_their_commit_leave_the_database_writable
     again.expect("permit").release().await.expect("release");
     writable(&path, "the releases").await;
 }
+
+/// Makes `slow`, a table whose join with itself takes at least 400 ms to
+/// count on this machine: a trigger that counts it holds its statement
+/// that long. Answers how long the count took.
+async fn slow_table(conn: &mut SqliteConnection) -> Duration {
+    sqlx::query("CREATE TABLE slow (x INTEGER)")
+        .execute(&mut *conn)
+        .await
+        .expect("slow table");
+    let mut rows = 0;
+    let mut step = 256;
+    loop {
+        sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1) \
+             INSERT INTO slow SELECT i FROM n",
+        )
+        .bind(step)
+        .execute(&mut *conn)
+        .await
+        .expect("fill");
+        rows += step;
+        let started = Instant::now();
+        sqlx::query("SELECT count(*) FROM slow a, slow b")
+            .execute(&mut *conn)
+            .await
+            .expect("count");
+        let took = started.elapsed();
+        if took >= Duration::from_millis(400) {
+            return took;
+        }
+        assert!(rows < 1_000_000, "{rows} rows count in {took:?}");
+        step = rows;
+    }
+}
+
+/// `key`'s live holder rows, read on a connection of its own.
+async fn live_shares(path: &Path, key: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM dlock_leases_holders WHERE key = ?1 AND owner IS NOT NULL \
+         AND expires_at > CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    )
+    .bind(format!("dlock:{key}"))
+    .fetch_one(&mut admin(path).await)
+    .await
+    .expect("count")
+}
+
+/// Callers leave while a statement of their share's grant or release runs
+/// (a trigger holds it): while the key's row is made, while the holder
+/// row is written before the commit, while the release writes. Another
+/// registry's caller waiting for the write lock meanwhile gets its share
+/// once the statement is done; the grants are undone and the release is
+/// made within moments (far before the 60 s lease), and no transaction
+/// stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_whose_callers_leave_mid_statement_are_undone_or_released_at_once() {
+    const LEASE: Duration = Duration::from_secs(60);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db(&dir, "mid-statement.db");
+    let (locks, others) = (registry(&url(&path)).await, registry(&url(&path)).await);
+    let open_key = unique_key("slow-open");
+    let grant_key = unique_key("slow-grant");
+    let release_key = unique_key("slow-release");
+    let permit = locks
+        .lock(&release_key)
+        .permits(2)
+        .lease(LEASE)
+        .acquire()
+        .await
+        .expect("permit");
+    let mut conn = admin(&path).await;
+    let slow = slow_table(&mut conn).await;
+    for trigger in [
+        format!(
+            "CREATE TRIGGER slow_open BEFORE INSERT ON dlock_leases \
+             WHEN NEW.key = 'dlock:{open_key}' \
+             BEGIN SELECT count(*) FROM slow a, slow b; END"
+        ),
+        format!(
+            "CREATE TRIGGER slow_grant AFTER INSERT ON dlock_leases_holders \
+             WHEN NEW.key = 'dlock:{grant_key}' \
+             BEGIN SELECT count(*) FROM slow a, slow b; END"
+        ),
+        format!(
+            "CREATE TRIGGER slow_release AFTER UPDATE ON dlock_leases_holders \
+             WHEN NEW.key = 'dlock:{release_key}' AND NEW.owner IS NULL \
+             BEGIN SELECT count(*) FROM slow a, slow b; END"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(trigger))
+            .execute(&mut conn)
+            .await
+            .expect("trigger");
+    }
+    drop(conn);
+    let bound = slow * 4 + Duration::from_secs(3);
+    for (key, permits) in [(&open_key, None), (&grant_key, Some(2))] {
+        let what = if permits.is_some() {
+            "permit"
+        } else {
+            "reader"
+        };
+        let lock = match permits {
+            Some(n) => locks.lock(key).permits(n),
+            None => locks.lock(key).read(),
+        };
+        let left = tokio::time::timeout(slow / 2, lock.lease(LEASE).acquire()).await;
+        assert!(left.is_err(), "{what}: the statement holds the attempt");
+        let left_at = Instant::now();
+        let other = others
+            .lock(unique_key("meanwhile"))
+            .read()
+            .wait(Duration::from_secs(30))
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{what}: another registry's reader: {e}"));
+        assert!(
+            left_at.elapsed() < bound,
+            "{what}: another registry's reader waited {:?}",
+            left_at.elapsed()
+        );
+        other.release().await.expect("release");
+        let writer = others
+            .lock(key)
+            .wait(bound)
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{what}: a writer after the left grant: {e}"));
+        assert!(
+            left_at.elapsed() < bound * 2,
+            "{what}: the writer waited {:?} after the caller left",
+            left_at.elapsed()
+        );
+        writer.release().await.expect("release");
+        writable(&path, &format!("a {what}'s grant left mid-statement")).await;
+    }
+    let left = tokio::time::timeout(slow / 2, permit.release()).await;
+    assert!(left.is_err(), "the statement holds the release");
+    let left_at = Instant::now();
+    while live_shares(&path, &release_key).await > 0 {
+        assert!(
+            left_at.elapsed() < bound * 2,
+            "the permit still stands {:?} after its release was left",
+            left_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writable(&path, "a release left mid-statement").await;
+}
