@@ -437,3 +437,146 @@ async fn shares_whose_callers_leave_mid_statement_are_undone_or_released_at_once
     }
     writable(&path, "a release left mid-statement").await;
 }
+
+/// Slows every grant of a share of `keys` (a trigger on the holder row's
+/// insert): the calibrated time the trigger takes.
+async fn slow_grants(path: &Path, keys: &[&String]) -> Duration {
+    let mut conn = admin(path).await;
+    let slow = slow_table(&mut conn).await;
+    let names: Vec<String> = keys.iter().map(|k| format!("'dlock:{k}'")).collect();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER slow_grants AFTER INSERT ON dlock_leases_holders \
+         WHEN NEW.key IN ({}) BEGIN SELECT count(*) FROM slow a, slow b; END",
+        names.join(", ")
+    )))
+    .execute(&mut conn)
+    .await
+    .expect("trigger");
+    slow
+}
+
+/// Until no share of `keys` stands, for `bound` at most.
+async fn shares_end_within(path: &Path, keys: &[&String], bound: Duration, after: &str) {
+    let started = Instant::now();
+    for key in keys {
+        while live_shares(path, key).await > 0 {
+            assert!(
+                started.elapsed() < bound,
+                "{key}: a share stands {bound:?} after {after}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A reader's and a permit's callers, each on a `current_thread` runtime
+/// of its own, are mid-grant (the holder row's statement held by a
+/// trigger) when their runtimes are shut down: neither share stands once
+/// the statements are done, far within the 60 s lease, and no transaction
+/// stays open; another registry takes both keys.
+#[test]
+fn shares_mid_grant_when_their_runtimes_shut_down_are_undone() {
+    const LEASE: Duration = Duration::from_secs(60);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db(&dir, "runtime-mid-grant.db");
+    let (reader_key, permit_key) = (unique_key("rt-mid-reader"), unique_key("rt-mid-permit"));
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (others, slow) = main.block_on(async {
+        let others = registry(&url(&path)).await;
+        dlock_tests::acquire_and_release(&others, &unique_key("warm")).await;
+        let slow = slow_grants(&path, &[&reader_key, &permit_key]).await;
+        (others, slow)
+    });
+    let callers: Vec<_> = [(reader_key.clone(), false), (permit_key.clone(), true)]
+        .into_iter()
+        .map(|(key, permit)| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let registry = runtime.block_on(async {
+                    let registry = registry(&url(&path)).await;
+                    let lock = if permit {
+                        registry.lock(&key).permits(2)
+                    } else {
+                        registry.lock(&key).read()
+                    };
+                    let attempt = tokio::spawn(lock.lease(LEASE).acquire());
+                    tokio::time::sleep(slow / 2).await;
+                    assert!(!attempt.is_finished(), "{key}: the trigger holds the grant");
+                    registry
+                });
+                drop(runtime);
+                registry
+            })
+        })
+        .collect();
+    let registries: Vec<Registry> = callers
+        .into_iter()
+        .map(|c| c.join().expect("caller"))
+        .collect();
+    main.block_on(async {
+        let keys = [&reader_key, &permit_key];
+        shares_end_within(&path, &keys, slow * 4 + Duration::from_secs(3), "shutdown").await;
+        writable(&path, "runtimes shut down mid-grant").await;
+        let writer = others
+            .lock(&reader_key)
+            .wait(Duration::from_secs(10))
+            .acquire()
+            .await
+            .expect("a writer after the reader's grant was undone");
+        writer.release().await.expect("release");
+        let both = [
+            others.lock(&permit_key).permits(2),
+            others.lock(&permit_key).permits(2),
+        ]
+        .map(|lock| lock.wait(Duration::from_secs(10)).acquire());
+        for permit in futures_util::future::join_all(both).await {
+            permit
+                .expect("both permits")
+                .release()
+                .await
+                .expect("release");
+        }
+    });
+    drop(registries);
+}
+
+/// The registry is shut down while its callers' grants of a reader and a
+/// permit are mid-statement (a trigger holds the holder row's insert):
+/// shutdown returns with nothing unfinished, no share stands, no
+/// transaction stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_with_shares_mid_grant_leaves_nothing_held_or_open() {
+    const LEASE: Duration = Duration::from_secs(60);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db(&dir, "shutdown-mid-grant.db");
+    let (reader_key, permit_key) = (unique_key("sd-mid-reader"), unique_key("sd-mid-permit"));
+    let shared = registry(&url(&path)).await;
+    dlock_tests::acquire_and_release(&shared, &unique_key("warm")).await;
+    let slow = slow_grants(&path, &[&reader_key, &permit_key]).await;
+    let attempts = [
+        tokio::spawn(shared.lock(&reader_key).read().lease(LEASE).acquire()),
+        tokio::spawn(shared.lock(&permit_key).permits(2).lease(LEASE).acquire()),
+    ];
+    tokio::time::sleep(slow / 2).await;
+    assert!(
+        attempts.iter().all(|a| !a.is_finished()),
+        "the trigger holds the grants"
+    );
+    let report = shared.shutdown(Duration::from_secs(30)).await;
+    assert_eq!(report.unfinished, 0, "shutdown finished everything");
+    for attempt in attempts {
+        let stopped = attempt.await.expect("attempt task");
+        assert!(stopped.is_err(), "shutdown stopped it: {stopped:?}");
+    }
+    let keys = [&reader_key, &permit_key];
+    shares_end_within(&path, &keys, Duration::from_secs(1), "shutdown returned").await;
+    writable(&path, "a shutdown mid-grant").await;
+}
