@@ -151,3 +151,71 @@ async fn state_is_bounded() {
         backend.entries()
     );
 }
+
+/// Three thousand keys of live holders (plain, readers, permits) and three
+/// thousand of crashed ones: once the crashed leases ended, twenty thousand
+/// fresh keys locked and released run several collection passes over them
+/// all. The crashed keys go; every live holder keeps its key (its renewal
+/// answers renewed); the store never keeps more than twice the keys it
+/// ever held at once, plus 1,024.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collection_passes_drop_only_ended_holders_and_keep_the_store_bounded() {
+    use dlock_runtime::HoldMode;
+    use dlock_runtime::backend::Renewal;
+    let backend = MemoryBackend::new();
+    let prefix = unique_key("mem-passes");
+    let modes = [
+        HoldMode::Exclusive,
+        HoldMode::Shared,
+        HoldMode::Permit { permits: 2 },
+    ];
+    let mut live = Vec::new();
+    for i in 0..6000 {
+        let (name, owner, lease) = if i % 2 == 0 {
+            ("live", "live", Duration::from_secs(600))
+        } else {
+            ("crashed", "crashed", Duration::from_secs(1))
+        };
+        let request = AcquireRequest::new(stored(&format!("{prefix}:{name}:{i}")), owner, lease)
+            .with_mode(modes[i % 3]);
+        let Attempt::Held(lease) = backend.try_acquire(&request).await.expect("attempt") else {
+            panic!("a fresh key is free");
+        };
+        if i % 2 == 0 {
+            live.push(lease);
+        }
+    }
+    let peak = backend.entries();
+    backend.advance(Duration::from_secs(2));
+    for i in 0..20_000 {
+        let request = AcquireRequest::new(
+            stored(&format!("{prefix}:fresh:{i}")),
+            "fresh",
+            Duration::from_secs(600),
+        );
+        let Attempt::Held(lease) = backend.try_acquire(&request).await.expect("attempt") else {
+            panic!("a fresh key is free");
+        };
+        backend.release(&lease).await.expect("release");
+        let kept = backend.entries();
+        assert!(
+            kept <= 2 * peak + 1024,
+            "{kept} entries kept after {i} fresh keys, {peak} held at most"
+        );
+    }
+    let crashed = backend.entries_under(&stored(&format!("{prefix}:crashed")));
+    assert_eq!(crashed, 0, "crashed holders' keys left");
+    let batch: Vec<_> = live.iter().map(|l| (l, Duration::from_secs(600))).collect();
+    let renewed = backend.renew_all(&batch).await;
+    let lost: Vec<_> = renewed
+        .iter()
+        .zip(&live)
+        .filter(|(r, _)| !matches!(r, Ok(Renewal::Renewed)))
+        .map(|(r, l)| (l.key.clone(), format!("{r:?}")))
+        .collect();
+    assert!(lost.is_empty(), "live holders collected: {lost:?}");
+    assert_eq!(
+        backend.entries_under(&stored(&format!("{prefix}:live"))),
+        live.len()
+    );
+}

@@ -505,3 +505,221 @@ async fn a_shutdown_stopping_attempts_on_the_wire_frees_their_late_grants_at_onc
         "keys held after the registry's shutdown returned"
     );
 }
+
+/// Polls `work` until it is done or `budget` has passed, then drops it:
+/// whether it finished.
+async fn drop_after<F: std::future::Future>(work: F, budget: Duration) -> Option<F::Output> {
+    let started = Instant::now();
+    let mut work = std::pin::pin!(work);
+    loop {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(work.as_mut().poll(cx)));
+        if let std::task::Poll::Ready(out) = polled.await {
+            return Some(out);
+        }
+        if started.elapsed() >= budget {
+            return None;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// What the churn's callers saw hold the keys at once, and the tokens of
+/// the holds already released, by (key, slot).
+#[derive(Default)]
+struct Seen {
+    permits: usize,
+    plain_on_permits: usize,
+    readers: usize,
+    writers: usize,
+    released: std::collections::HashMap<(u8, Option<u32>), u64>,
+    wrong: Vec<String>,
+    /// Callers that left, holds taken, mismatches.
+    left: usize,
+    taken: usize,
+    mismatched: usize,
+}
+
+/// Callers of two registries (two pools) on one database file take
+/// permits of a semaphore of three, a plain lock on that key (a mismatch
+/// while permits stand), and readers and writers of a read-write lock,
+/// each dropped at a random moment of its acquisition half the time (so at
+/// every point of a share's folded grant and release). Never more than
+/// three permits, a plain holder beside permits or a reader beside a writer
+/// is seen; a token is above every token of a hold released before its
+/// acquisition began, per (key, slot); once the callers are done both keys
+/// are free within moments, no transaction stays open (another connection
+/// writes), and every connection of both pools still takes transactions of
+/// its own (renewals of shares).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_of_two_registries_dropped_at_random_moments_keep_exclusion_and_leave_the_database_whole()
+ {
+    use dlock_runtime::backend::{AcquireRequest, Attempt, HoldMode, LockBackend, Renewal};
+    use std::sync::{Arc, Mutex};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("locks.db");
+    let backends: Vec<Arc<dyn LockBackend>> = vec![
+        Arc::new(SqliteBackend::connect(&url(&path)).await.expect("open")),
+        Arc::new(SqliteBackend::connect(&url(&path)).await.expect("open")),
+    ];
+    let registries: Vec<Registry> = backends
+        .iter()
+        .map(|b| Registry::builder().default_backend(b.clone()).build())
+        .collect();
+    let (sem, rw) = (unique_key("churn-sem"), unique_key("churn-rw"));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut tasks = Vec::new();
+    for (r, registry) in registries.iter().enumerate() {
+        for t in 0..4 {
+            let (registry, sem, rw, seen) =
+                (registry.clone(), sem.clone(), rw.clone(), seen.clone());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..150 {
+                    let what = rand::random::<u8>() % 7;
+                    let (key, lock) = match what {
+                        0..=2 => (0u8, registry.lock(&sem).permits(3)),
+                        3 => (0, registry.lock(&sem)),
+                        4 | 5 => (1, registry.lock(&rw).read()),
+                        _ => (1, registry.lock(&rw)),
+                    };
+                    let floor = seen.lock().unwrap().released.clone();
+                    let acquire = lock.lease(LEASE).wait(Duration::from_secs(20)).acquire();
+                    let got = if rand::random::<bool>() {
+                        let budget = Duration::from_micros(rand::random::<u64>() % 4000);
+                        match drop_after(acquire, budget).await {
+                            Some(got) => got,
+                            None => {
+                                seen.lock().unwrap().left += 1;
+                                continue;
+                            }
+                        }
+                    } else {
+                        acquire.await
+                    };
+                    let guard = match got {
+                        Ok(guard) => guard,
+                        // A plain lock where permits stand, or permits where
+                        // a plain lock stands.
+                        Err(dlock_runtime::LockError::Config { .. }) if key == 0 => {
+                            seen.lock().unwrap().mismatched += 1;
+                            continue;
+                        }
+                        Err(e) => panic!("registry {r} task {t} step {i} ({what}): {e}"),
+                    };
+                    let token = guard.fencing_token().expect("fences").get();
+                    let slot = guard.permit();
+                    {
+                        let mut s = seen.lock().unwrap();
+                        s.taken += 1;
+                        let below = floor.get(&(key, slot)).copied().unwrap_or(0);
+                        if token <= below {
+                            s.wrong.push(format!(
+                                "({what}) token {token} at ({key}, {slot:?}) after {below}"
+                            ));
+                        }
+                        match what {
+                            0..=2 => s.permits += 1,
+                            3 => s.plain_on_permits += 1,
+                            4 | 5 => s.readers += 1,
+                            _ => s.writers += 1,
+                        }
+                        let state = (s.permits, s.plain_on_permits, s.readers, s.writers);
+                        if s.permits > 3
+                            || (s.plain_on_permits > 0 && (s.permits > 0 || s.plain_on_permits > 1))
+                            || (s.writers > 0 && (s.readers > 0 || s.writers > 1))
+                        {
+                            s.wrong.push(format!("({what}) held at once: {state:?}"));
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_micros(rand::random::<u64>() % 3000)).await;
+                    {
+                        let mut s = seen.lock().unwrap();
+                        match what {
+                            0..=2 => s.permits -= 1,
+                            3 => s.plain_on_permits -= 1,
+                            4 | 5 => s.readers -= 1,
+                            _ => s.writers -= 1,
+                        }
+                    }
+                    assert!(!guard.is_lost(), "({what}) lost while held");
+                    guard.release().await.expect("release");
+                    let mut s = seen.lock().unwrap();
+                    let top = s.released.entry((key, slot)).or_default();
+                    *top = (*top).max(token);
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("caller");
+    }
+    let (wrong, left, taken, mismatched) = {
+        let mut s = seen.lock().unwrap();
+        (std::mem::take(&mut s.wrong), s.left, s.taken, s.mismatched)
+    };
+    assert!(wrong.is_empty(), "exclusion or tokens broken: {wrong:?}");
+    eprintln!("{left} left, {taken} taken, {mismatched} mismatched");
+    assert!(
+        left > 0 && taken > 0 && mismatched > 0,
+        "{left} left, {taken} taken, {mismatched} mismatched"
+    );
+    // Every key free within moments of the last caller.
+    let done = Instant::now();
+    let mut conn = SqliteFaults::connect_to(&path).await;
+    loop {
+        let mut held = Vec::new();
+        for key in [&sem, &rw] {
+            let (_, owner, shares) = holders_of(&mut conn, key).await;
+            if owner.is_some() || !shares.is_empty() {
+                held.push((key.clone(), owner, shares));
+            }
+        }
+        if held.is_empty() {
+            break;
+        }
+        assert!(
+            done.elapsed() < Duration::from_secs(3),
+            "3 s after the callers were done, still held: {held:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("the write lock is still taken: {e}"));
+    sqlx::query("ROLLBACK")
+        .execute(&mut conn)
+        .await
+        .expect("rollback");
+    // More renewals at once than a pool has connections: each begins its
+    // transaction.
+    for (b, backend) in backends.iter().enumerate() {
+        let mut leases = Vec::new();
+        for i in 0..8 {
+            let request = AcquireRequest::new(
+                unique_key(&format!("churn-after-{b}-{i}")),
+                format!("after-{b}-{i}"),
+                LEASE,
+            )
+            .with_mode(HoldMode::Shared);
+            match backend.try_acquire(&request).await.expect("attempt") {
+                Attempt::Held(lease) => leases.push(lease),
+                other => panic!("a reader of a fresh key: {other:?}"),
+            }
+        }
+        let renewals = leases.iter().map(|lease| async move {
+            let batch = [(lease, LEASE)];
+            backend.renew_all(&batch).await
+        });
+        for renewed in futures_util::future::join_all(renewals).await {
+            assert!(
+                matches!(renewed.as_slice(), [Ok(Renewal::Renewed)]),
+                "registry {b}: a renewal after the churn: {renewed:?}"
+            );
+        }
+        for lease in &leases {
+            backend.release(lease).await.expect("release");
+        }
+    }
+    drop(registries);
+}

@@ -315,8 +315,10 @@ impl MemoryBackend {
     /// never released must not pile up. A pass visits every key, so it runs
     /// once the new keys since the last one number half the keys kept (at
     /// least 1,024): each new key pays for a bounded share of a pass however
-    /// many keys are held, and the keys kept stay within a constant factor
-    /// of the live ones plus 1,024.
+    /// many keys are held, and the keys kept stay within twice the keys
+    /// live at the last pass (so twice the most ever held at once) plus
+    /// 1,024. Keys whose holders ended without a release (expired) go only
+    /// at the next pass: after as many new keys as half the keys kept.
     fn collect_expired(keys: &mut Keys, now: Instant) {
         keys.inserts += 1;
         if keys.inserts >= (keys.held.len() / 2).max(1024) {

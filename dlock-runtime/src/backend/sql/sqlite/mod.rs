@@ -564,10 +564,11 @@ impl SqliteBackend {
             unanswered: &self.unanswered,
         };
         let answer = statement(running.conn()).await;
-        if answer.is_err() && !roll_back_open(running.conn()).await {
-            if let Some(conn) = running.conn.as_mut() {
-                conn.close_on_drop();
-            }
+        if answer.is_err()
+            && !roll_back_open(running.conn()).await
+            && let Some(conn) = running.conn.as_mut()
+        {
+            conn.close_on_drop();
         }
         running.answered();
         answer.map_err(sql_error)
