@@ -683,14 +683,7 @@ async fn shares_of_two_registries_dropped_at_random_moments_keep_exclusion_and_l
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut conn)
-        .await
-        .unwrap_or_else(|e| panic!("the write lock is still taken: {e}"));
-    sqlx::query("ROLLBACK")
-        .execute(&mut conn)
-        .await
-        .expect("rollback");
+    SqliteFaults::assert_writable(&path, "the callers were done").await;
     // More renewals at once than a pool has connections: each begins its
     // transaction.
     for (b, backend) in backends.iter().enumerate() {

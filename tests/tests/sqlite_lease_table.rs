@@ -137,17 +137,22 @@ async fn abandoned_acquisition_stops() {
         .expect("release");
 }
 
-/// A reader's grant and a permit's release fail inside their transactions
-/// (a trigger refuses the holder row's write): the attempt and the release
-/// answer errors, and nothing of theirs stays open — another connection
-/// writes, the registry's every connection takes new transactions, and the
-/// release goes through once the trigger is gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn statements_failing_inside_their_transactions_leave_the_database_writable() {
+/// A reader's grant and a permit's release are refused by the statements
+/// `refusal` (grant key, release key) installs, which `triggers` names: the
+/// attempt and the release answer errors, the refused grant holds nothing,
+/// and nothing of theirs stays open — another connection writes, the
+/// registry's every connection takes new transactions, and both go through
+/// once the triggers are gone.
+async fn refused_shares_leave_the_database_writable(
+    name: &str,
+    refusal: impl Fn(&str, &str) -> Vec<String>,
+    triggers: [&str; 2],
+) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = db(&dir, "failing.db");
+    let path = db(&dir, &format!("{name}.db"));
     let locks = registry(&url(&path)).await;
-    let (grant_key, release_key) = (unique_key("refused-grant"), unique_key("refused-release"));
+    let grant_key = unique_key(&format!("{name}-grant"));
+    let release_key = unique_key(&format!("{name}-release"));
     // The tables exist once a key was taken.
     let permit = locks
         .lock(&release_key)
@@ -156,29 +161,35 @@ async fn statements_failing_inside_their_transactions_leave_the_database_writabl
         .await
         .expect("permit");
     let mut conn = admin(&path).await;
-    for trigger in [
-        format!(
-            "CREATE TRIGGER refuse_grant BEFORE INSERT ON dlock_leases_holders \
-             WHEN NEW.key = 'dlock:{grant_key}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
-        ),
-        format!(
-            "CREATE TRIGGER refuse_release BEFORE UPDATE ON dlock_leases_holders \
-             WHEN OLD.key = 'dlock:{release_key}' AND NEW.owner IS NULL \
-             BEGIN SELECT RAISE(ABORT, 'refused'); END"
-        ),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(trigger))
+    for sql in refusal(
+        &format!("dlock:{grant_key}"),
+        &format!("dlock:{release_key}"),
+    ) {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
             .execute(&mut conn)
             .await
-            .expect("trigger");
+            .expect("schema");
     }
-    drop(conn);
     let refused = locks.lock(&grant_key).read().acquire().await;
-    assert!(refused.is_err(), "the grant was refused: {refused:?}");
-    SqliteFaults::assert_writable(&path, "a refused grant").await;
+    assert!(
+        refused.is_err(),
+        "{name}: the grant was refused: {refused:?}"
+    );
+    SqliteFaults::assert_writable(&path, &format!("{name}: a refused grant")).await;
+    let live: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM dlock_leases_holders WHERE key = ?1 AND owner IS NOT NULL",
+    )
+    .bind(format!("dlock:{grant_key}"))
+    .fetch_one(&mut conn)
+    .await
+    .expect("count");
+    assert_eq!(live, 0, "{name}: the refused grant holds nothing");
     let refused = permit.release().await;
-    assert!(refused.is_err(), "the release was refused: {refused:?}");
-    SqliteFaults::assert_writable(&path, "a refused release").await;
+    assert!(
+        refused.is_err(),
+        "{name}: the release was refused: {refused:?}"
+    );
+    SqliteFaults::assert_writable(&path, &format!("{name}: a refused release")).await;
     // More transactions at once than the pool has connections: each of
     // them begins.
     let readers = (0..6).map(|i| {
@@ -189,82 +200,9 @@ async fn statements_failing_inside_their_transactions_leave_the_database_writabl
     for reader in futures_util::future::join_all(readers).await {
         reader.expect("reader").release().await.expect("release");
     }
-    sqlx::query("DROP TRIGGER refuse_release")
-        .execute(&mut admin(&path).await)
-        .await
-        .expect("drop trigger");
-    let again = locks.lock(&release_key).permits(2).acquire().await;
-    again.expect("permit").release().await.expect("release");
-    SqliteFaults::assert_writable(&path, "the releases").await;
-}
-
-/// A reader's grant and a permit's release fail at their `COMMIT` (a
-/// trigger leaves a deferred foreign key dangling, which SQLite checks at
-/// the commit and refuses, the transaction left open): the attempt and the
-/// release answer errors, the refused grant holds nothing, and nothing of
-/// theirs stays open — another connection writes, the registry's every
-/// connection takes new transactions, the release goes through once the
-/// trigger is gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grants_and_releases_refused_at_their_commit_leave_the_database_writable() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = db(&dir, "refused-commit.db");
-    let locks = registry(&url(&path)).await;
-    let (grant_key, release_key) = (unique_key("commit-grant"), unique_key("commit-release"));
-    // The tables exist once a key was taken.
-    let permit = locks
-        .lock(&release_key)
-        .permits(2)
-        .acquire()
-        .await
-        .expect("permit");
-    let mut conn = admin(&path).await;
-    for sql in [
-        "CREATE TABLE parents (id INTEGER PRIMARY KEY)".to_owned(),
-        "CREATE TABLE children (parent INTEGER REFERENCES parents (id) \
-         DEFERRABLE INITIALLY DEFERRED)"
-            .to_owned(),
-        format!(
-            "CREATE TRIGGER dangle_grant AFTER INSERT ON dlock_leases_holders \
-             WHEN NEW.key = 'dlock:{grant_key}' BEGIN INSERT INTO children VALUES (42); END"
-        ),
-        format!(
-            "CREATE TRIGGER dangle_release AFTER UPDATE ON dlock_leases_holders \
-             WHEN OLD.key = 'dlock:{release_key}' AND NEW.owner IS NULL \
-             BEGIN INSERT INTO children VALUES (42); END"
-        ),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&mut conn)
-            .await
-            .expect("schema");
-    }
-    drop(conn);
-    let refused = locks.lock(&grant_key).read().acquire().await;
-    assert!(refused.is_err(), "the grant was refused: {refused:?}");
-    writable(&path, "a grant refused at its commit").await;
-    let live: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM dlock_leases_holders WHERE key = ?1 AND owner IS NOT NULL",
-    )
-    .bind(format!("dlock:{grant_key}"))
-    .fetch_one(&mut admin(&path).await)
-    .await
-    .expect("count");
-    assert_eq!(live, 0, "the refused grant holds nothing");
-    let refused = permit.release().await;
-    assert!(refused.is_err(), "the release was refused: {refused:?}");
-    writable(&path, "a release refused at its commit").await;
-    let readers = (0..6).map(|i| {
-        let key = format!("{grant_key}:other:{i}");
-        let locks = locks.clone();
-        async move { locks.lock(&key).read().acquire().await }
-    });
-    for reader in futures_util::future::join_all(readers).await {
-        reader.expect("reader").release().await.expect("release");
-    }
-    for trigger in ["dangle_grant", "dangle_release"] {
+    for trigger in triggers {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP TRIGGER {trigger}")))
-            .execute(&mut admin(&path).await)
+            .execute(&mut conn)
             .await
             .expect("drop trigger");
     }
@@ -272,7 +210,60 @@ async fn grants_and_releases_refused_at_their_commit_leave_the_database_writable
     reader.expect("reader").release().await.expect("release");
     let again = locks.lock(&release_key).permits(2).acquire().await;
     again.expect("permit").release().await.expect("release");
-    writable(&path, "the releases").await;
+    SqliteFaults::assert_writable(&path, &format!("{name}: the releases")).await;
+}
+
+/// The holder row's write refused inside the transaction (a trigger
+/// raises `ABORT`: the statement is undone, the transaction stays open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_failing_inside_their_transactions_leave_the_database_writable() {
+    refused_shares_leave_the_database_writable(
+        "refused-statement",
+        |grant, release| {
+            vec![
+                format!(
+                    "CREATE TRIGGER refuse_grant BEFORE INSERT ON dlock_leases_holders \
+                     WHEN NEW.key = '{grant}' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                ),
+                format!(
+                    "CREATE TRIGGER refuse_release BEFORE UPDATE ON dlock_leases_holders \
+                     WHEN OLD.key = '{release}' AND NEW.owner IS NULL \
+                     BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                ),
+            ]
+        },
+        ["refuse_grant", "refuse_release"],
+    )
+    .await;
+}
+
+/// The transaction refused at its `COMMIT` (a trigger leaves a deferred
+/// foreign key dangling, which SQLite checks at the commit and refuses, the
+/// transaction left open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_and_releases_refused_at_their_commit_leave_the_database_writable() {
+    refused_shares_leave_the_database_writable(
+        "refused-commit",
+        |grant, release| {
+            vec![
+                "CREATE TABLE parents (id INTEGER PRIMARY KEY)".to_owned(),
+                "CREATE TABLE children (parent INTEGER REFERENCES parents (id) \
+                 DEFERRABLE INITIALLY DEFERRED)"
+                    .to_owned(),
+                format!(
+                    "CREATE TRIGGER dangle_grant AFTER INSERT ON dlock_leases_holders \
+                     WHEN NEW.key = '{grant}' BEGIN INSERT INTO children VALUES (42); END"
+                ),
+                format!(
+                    "CREATE TRIGGER dangle_release AFTER UPDATE ON dlock_leases_holders \
+                     WHEN OLD.key = '{release}' AND NEW.owner IS NULL \
+                     BEGIN INSERT INTO children VALUES (42); END"
+                ),
+            ]
+        },
+        ["dangle_grant", "dangle_release"],
+    )
+    .await;
 }
 
 /// Makes `slow`, a table whose join with itself takes at least 400 ms to
@@ -408,7 +399,7 @@ async fn shares_whose_callers_leave_mid_statement_are_undone_or_released_at_once
             left_at.elapsed()
         );
         writer.release().await.expect("release");
-        writable(&path, &format!("a {what}'s grant left mid-statement")).await;
+        SqliteFaults::assert_writable(&path, &format!("a {what}'s grant left mid-statement")).await;
     }
     let left = tokio::time::timeout(slow / 2, permit.release()).await;
     assert!(left.is_err(), "the statement holds the release");
@@ -421,7 +412,7 @@ async fn shares_whose_callers_leave_mid_statement_are_undone_or_released_at_once
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    writable(&path, "a release left mid-statement").await;
+    SqliteFaults::assert_writable(&path, "a release left mid-statement").await;
 }
 
 /// Slows every grant of a share of `keys` (a trigger on the holder row's
@@ -510,7 +501,7 @@ fn shares_mid_grant_when_their_runtimes_shut_down_are_undone() {
     main.block_on(async {
         let keys = [&reader_key, &permit_key];
         shares_end_within(&path, &keys, slow * 4 + Duration::from_secs(3), "shutdown").await;
-        writable(&path, "runtimes shut down mid-grant").await;
+        SqliteFaults::assert_writable(&path, "runtimes shut down mid-grant").await;
         let writer = others
             .lock(&reader_key)
             .wait(Duration::from_secs(10))
@@ -564,5 +555,5 @@ async fn a_shutdown_with_shares_mid_grant_leaves_nothing_held_or_open() {
     }
     let keys = [&reader_key, &permit_key];
     shares_end_within(&path, &keys, Duration::from_secs(1), "shutdown returned").await;
-    writable(&path, "a shutdown mid-grant").await;
+    SqliteFaults::assert_writable(&path, "a shutdown mid-grant").await;
 }
