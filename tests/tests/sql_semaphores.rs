@@ -421,7 +421,7 @@ async fn four_processes_of_six_tasks_never_exceed_the_permits() {
 async fn an_old_lease_table_gains_the_new_columns_at_connect() {
     for db in dbs().into_iter().filter(|db| db.names_tables()) {
         let table = format!("sem_old_{:08x}", rand::random::<u32>());
-        let old = match db {
+        let old: String = match db {
             #[cfg(feature = "postgres")]
             Db::Postgres => format!(
                 "CREATE TABLE {table} (key text COLLATE \"C\" PRIMARY KEY, owner text, \
