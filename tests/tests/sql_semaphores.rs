@@ -417,11 +417,13 @@ async fn four_processes_of_six_tasks_never_exceed_the_permits() {
     }
 }
 
+// Only the server databases name their lease tables.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_lease_table_gains_the_new_columns_at_connect() {
     for db in dbs().into_iter().filter(|db| db.names_tables()) {
         let table = format!("sem_old_{:08x}", rand::random::<u32>());
-        let old: String = match db {
+        let old = match db {
             #[cfg(feature = "postgres")]
             Db::Postgres => format!(
                 "CREATE TABLE {table} (key text COLLATE \"C\" PRIMARY KEY, owner text, \
